@@ -1,0 +1,1 @@
+"""Benchmarks of the Agent IM services, run as `python -m bench.<name>`."""

@@ -1,0 +1,91 @@
+"""A container health probe: `python -m services.common.healthcheck HOST:PORT`.
+
+Calls the standard `grpc.health.v1.Health/Check` and exits 0 only when the
+answer is SERVING, so that Docker (or any supervisor) can tell a server that
+is up and ready from one that is starting, draining or cut off from its
+database. It prints one line saying what it saw, for `docker inspect`.
+
+Exit codes: 0 serving, 1 anything else (not serving, unknown service,
+unreachable, timed out), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+EXIT_SERVING = 0
+EXIT_UNHEALTHY = 1
+
+
+async def check(target: str, *, service: str = "", deadline_seconds: float = 3.0) -> str:
+    """Asks a server for its health.
+
+    Args:
+        target: host:port of the server.
+        service: the service to ask about; empty for the server as a whole.
+        deadline_seconds: deadline of the call.
+
+    Returns:
+        The name of the status (``SERVING``, ``NOT_SERVING``, ...).
+
+    Raises:
+        grpc.aio.AioRpcError: the call failed (unreachable, deadline
+            exceeded, unknown service...).
+    """
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=deadline_seconds)
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return name
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+def _positive(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return number
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the probe; returns the process exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.common.healthcheck",
+        description="Exit 0 if a gRPC server reports SERVING on grpc.health.v1.Health/Check.",
+    )
+    parser.add_argument("address", type=_address, help="HOST:PORT of the server")
+    parser.add_argument(
+        "--service", default="", help="service to check, e.g. agentim.im.v1.IMService (default: the server)"
+    )
+    parser.add_argument("--timeout", type=_positive, default=3.0, help="deadline in seconds (default: 3)")
+    options = parser.parse_args(argv)
+    subject = options.service or "server"
+    try:
+        status = asyncio.run(
+            check(options.address, service=options.service, deadline_seconds=options.timeout)
+        )
+    except grpc.aio.AioRpcError as error:
+        reason = ": ".join(part for part in (error.code().name, error.details()) if part)
+        print(f"{subject} at {options.address}: {reason}", file=sys.stderr)
+        return EXIT_UNHEALTHY
+    print(f"{subject} at {options.address}: {status}")
+    return EXIT_SERVING if status == "SERVING" else EXIT_UNHEALTHY
+
+
+if __name__ == "__main__":
+    sys.exit(main())

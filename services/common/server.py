@@ -1,0 +1,192 @@
+"""One way to build, run and stop a gRPC server, for every service.
+
+A `GrpcServer` adds standard health checking (reflecting real readiness),
+optional server reflection, the error-mapping interceptor, request size
+limits and refusal of a port that is already taken. With `stop_on_signals`,
+`serve_until` serves until SIGTERM or SIGINT, then reports NOT_SERVING, drains in-flight
+calls for a grace period, cancels what is left and runs the owners'
+clean-up callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection as grpc_reflection
+
+from services.common.interceptors import ErrorMappingInterceptor
+
+logger = logging.getLogger(__name__)
+
+ReadinessProbe = Callable[[], Awaitable[bool]]
+Registrar = Callable[[grpc.aio.Server], None]
+Cleanup = Callable[[], Awaitable[None]]
+
+_PROBE_TIMEOUT_S = 2.0
+
+
+class ReadinessHealthServicer(HealthServicer):
+    """The library's health servicer, refreshing its status from a probe on Check.
+
+    Checking readiness on demand (instead of on a timer) keeps an idle server
+    idle; Watch subscribers see every change a Check discovers.
+    """
+
+    def __init__(self, service_names: Sequence[str], probe: ReadinessProbe) -> None:
+        super().__init__()
+        self._service_names = ["", *service_names]
+        self._probe = probe
+        self._shutting_down = False
+
+    async def refresh(self) -> bool:
+        if self._shutting_down:
+            return False
+        try:
+            ready = await asyncio.wait_for(self._probe(), _PROBE_TIMEOUT_S)
+        except Exception:
+            logger.warning("readiness probe failed", exc_info=True)
+            ready = False
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self._service_names:
+            await self.set(name, status)
+        return ready
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def enter_graceful_shutdown(self) -> None:
+        self._shutting_down = True
+        await super().enter_graceful_shutdown()
+
+
+class GrpcServer:
+    """A gRPC server with health, reflection, limits and graceful shutdown.
+
+    Args:
+        address: host:port to listen on; port 0 picks a free port.
+        registrars: callables that add the service's servicers to the server.
+        service_names: full names of the services, for health and reflection.
+        readiness: probe telling whether the service can do its work
+            (for example, its database answers).
+        reflection: whether to serve server reflection.
+        max_message_bytes: limit of a request (and a response) in bytes.
+        grace_seconds: how long shutdown lets in-flight calls finish.
+        closers: awaited when shutdown begins, before draining: they end
+            long-lived streams so that draining need not wait for them.
+        cleanups: awaited after the server stopped, in order (close pools...).
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        registrars: Sequence[Registrar],
+        service_names: Sequence[str],
+        readiness: ReadinessProbe,
+        reflection: bool = True,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        grace_seconds: float = 5.0,
+        closers: Sequence[Cleanup] = (),
+        cleanups: Sequence[Cleanup] = (),
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self._address = address
+        self._grace = grace_seconds
+        self._closers = list(closers)
+        self._cleanups = list(cleanups)
+        self._stopped = False
+        self._server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor(), *interceptors],
+            options=[
+                # Without this a second server silently shares the port.
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        for register in registrars:
+            register(self._server)
+        self.health = ReadinessHealthServicer(service_names, readiness)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        if reflection:
+            names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+            grpc_reflection.enable_server_reflection([*names, grpc_reflection.SERVICE_NAME], self._server)
+        self.port = 0
+
+    async def start(self) -> int:
+        """Binds and starts serving; returns the port.
+
+        Raises:
+            OSError: the address cannot be bound (for example, it is taken).
+        """
+        try:
+            self.port = self._server.add_insecure_port(self._address)
+        except RuntimeError as error:
+            raise OSError(f"cannot listen on {self._address}: {error}") from error
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self._address}: the port is taken or the address is invalid")
+        await self._server.start()
+        await self.health.refresh()
+        return self.port
+
+    async def stop(self) -> None:
+        """Reports NOT_SERVING, drains calls for the grace period, then cleans up. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await _run_all(self._closers)
+        await self._server.stop(self._grace)
+        await _run_all(self._cleanups)
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
+        """Serves until `stop` is set (or the server ends), then stops gracefully."""
+        serving = asyncio.create_task(self._server.wait_for_termination())
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            logger.info("shutting down")
+            await self.stop()
+        finally:
+            for task in (serving, stopping):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGTERM or SIGINT while the block runs.
+
+    Install it before starting to serve, so that a signal arriving right
+    after start-up still leads to a graceful stop.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        yield stop
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+async def _run_all(callbacks: Sequence[Cleanup]) -> None:
+    for callback in callbacks:
+        try:
+            await callback()
+        except Exception:
+            logger.exception("shutdown step failed")

@@ -1,0 +1,152 @@
+"""SQL plumbing every service's storage needs, on SQLite and PostgreSQL alike.
+
+Only what is independent of a context's tables lives here: the UTC datetime
+column type, the async driver URL, the SQLite connection settings, the
+engine holder and the migration runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, Dialect, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+
+class UtcDateTime(sa.TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        assert isinstance(value, datetime)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def async_url(url: str) -> str:
+    """Adds the async driver to a plain `postgresql://` or `sqlite://` URL."""
+    parsed = make_url(url)
+    driver = {
+        "postgresql": "postgresql+asyncpg",
+        "postgres": "postgresql+asyncpg",
+        "sqlite": "sqlite+aiosqlite",
+    }
+    if parsed.drivername in driver:
+        parsed = parsed.set(drivername=driver[parsed.drivername])
+    return parsed.render_as_string(hide_password=False)
+
+
+def configure_sqlite(engine: AsyncEngine, *, write_option: str) -> None:
+    """WAL, durable-enough syncs, a busy timeout and foreign keys on every connection.
+
+    Args:
+        engine: an aiosqlite engine.
+        write_option: the execution option that marks a connection as a writer;
+            its transactions start with BEGIN IMMEDIATE.
+    """
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take BEGIN into our own hands (see on_begin); pysqlite's is too late.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode is durable across a crash of any process.
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=10000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def on_begin(conn: Connection) -> None:
+        # A write transaction takes the write lock up front, so it never fails
+        # half-way with SQLITE_BUSY when another process writes. Reads run
+        # without BEGIN (each query sees committed data), as on PostgreSQL.
+        if conn.get_execution_options().get(write_option):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class SqlDatabase:
+    """A service's engine on SQLite or PostgreSQL, with the settings both need.
+
+    Each service keeps its tables in its own PostgreSQL schema; on SQLite,
+    which has no schemas, the schema is translated away and the tables live
+    in the file itself. SQLite allows one writer at a time, so this process's
+    writers queue on `write_lock` instead of spinning on busy_timeout.
+
+    Args:
+        url: SQLAlchemy URL; `postgresql://` and `sqlite://` get async drivers.
+        schema: the service's schema on PostgreSQL.
+        write_option: the execution option that marks a writer's connection.
+        pool_size: connections kept open (PostgreSQL).
+    """
+
+    def __init__(self, url: str, *, schema: str, write_option: str, pool_size: int = 16) -> None:
+        self.url = async_url(url)
+        self.schema = schema
+        self.write_option = write_option
+        parsed = make_url(self.url)
+        self.is_sqlite = parsed.get_backend_name() == "sqlite"
+        self.sqlite_path = (parsed.database or "") if self.is_sqlite else ""
+        options: dict[str, Any] = {}
+        if self.is_sqlite:
+            options["execution_options"] = {"schema_translate_map": {schema: None}}
+        else:
+            options.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=False)
+        self.engine: AsyncEngine = create_async_engine(self.url, **options)
+        self.write_lock = asyncio.Lock()
+        if self.is_sqlite:
+            configure_sqlite(self.engine, write_option=write_option)
+
+    async def ping(self) -> bool:
+        async with self.engine.connect() as conn:
+            await conn.execute(sa.text("SELECT 1"))
+        return True
+
+    async def aclose(self) -> None:
+        """Closes the pooled connections. Idempotent."""
+        await self.engine.dispose()
+
+
+async def upgrade_schema(database: SqlDatabase, migrations: Path, revision: str = "head") -> None:
+    """Runs a service's Alembic migrations (its `env.py` takes the connection
+    from `config.attributes["connection"]`), creating its schema first on PostgreSQL."""
+
+    def upgrade(connection: Connection) -> None:
+        command.upgrade(_alembic_config(migrations, connection), revision)
+
+    async with database.engine.begin() as conn:
+        if not database.is_sqlite:
+            await conn.execute(sa.text(f"CREATE SCHEMA IF NOT EXISTS {database.schema}"))
+        await conn.run_sync(upgrade)
+
+
+async def downgrade_schema(database: SqlDatabase, migrations: Path, revision: str) -> None:
+    def downgrade(connection: Connection) -> None:
+        command.downgrade(_alembic_config(migrations, connection), revision)
+
+    async with database.engine.begin() as conn:
+        await conn.run_sync(downgrade)
+
+
+def _alembic_config(migrations: Path, connection: Connection) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(migrations))
+    config.attributes["connection"] = connection
+    return config

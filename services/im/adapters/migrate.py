@@ -1,0 +1,19 @@
+"""Applies the IM's Alembic migrations to a database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common.sql import downgrade_schema, upgrade_schema
+from services.im.adapters.sql import Database
+
+MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+
+async def upgrade(database: Database, revision: str = "head") -> None:
+    """Brings the schema to `revision` (the newest by default)."""
+    await upgrade_schema(database, MIGRATIONS, revision)
+
+
+async def downgrade(database: Database, revision: str) -> None:
+    await downgrade_schema(database, MIGRATIONS, revision)

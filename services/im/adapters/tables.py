@@ -1,0 +1,111 @@
+"""The IM's tables (SQLAlchemy Core). On PostgreSQL they live in the `im`
+schema; on SQLite the schema is translated away (see `sql.create_engine`).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from services.common.sql import UtcDateTime
+
+SCHEMA = "im"
+NIL_UUID = "00000000-0000-0000-0000-000000000000"
+
+metadata = sa.MetaData(schema=SCHEMA)
+
+
+workspaces = sa.Table(
+    "workspaces",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+)
+
+# One row per workspace: the last event sequence number handed out. Taking it
+# with UPDATE ... RETURNING at the end of a transaction makes sequence order
+# equal commit order, so a reader that has seen N has seen everything before N.
+event_counters = sa.Table(
+    "event_counters",
+    metadata,
+    sa.Column("workspace_id", sa.Uuid, primary_key=True),
+    sa.Column("last_sequence", sa.BigInteger, nullable=False),
+)
+
+members = sa.Table(
+    "members",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("display_name", sa.Text, nullable=False),
+    sa.Column("avatar", sa.Text, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Index("ix_members_workspace", "workspace_id", "id"),
+)
+
+groups = sa.Table(
+    "groups",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("creator_id", sa.Uuid, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("direct_key", sa.String(80), nullable=True),
+    sa.UniqueConstraint("workspace_id", "direct_key", name="uq_groups_direct_key"),
+)
+
+memberships = sa.Table(
+    "memberships",
+    metadata,
+    sa.Column("group_id", sa.Uuid, primary_key=True),
+    sa.Column("member_id", sa.Uuid, primary_key=True),
+    sa.Column("last_read_message_id", sa.Uuid, nullable=False),
+    sa.Column("joined_at", UtcDateTime, nullable=False),
+    sa.Index("ix_memberships_member", "member_id", "group_id"),
+)
+
+messages = sa.Table(
+    "messages",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    sa.Column("group_id", sa.Uuid, nullable=False),
+    sa.Column("sender_id", sa.Uuid, nullable=False),
+    sa.Column("content_type", sa.String(16), nullable=False),
+    sa.Column("content", sa.Text, nullable=False),
+    sa.Column("mentions", sa.JSON, nullable=False),
+    sa.Column("reply_to", sa.Uuid, nullable=True),
+    sa.Column("metadata", sa.JSON, nullable=False),
+    sa.Column("sent_at", UtcDateTime, nullable=False),
+    sa.Column("edited_at", UtcDateTime, nullable=True),
+    sa.Column("request_id", sa.String(128), nullable=True),
+    sa.Column("request_hash", sa.String(64), nullable=True),
+    # History, unread and last-message queries all walk one group's ids in order.
+    sa.Index("ix_messages_group_id", "group_id", "id"),
+    sa.UniqueConstraint("sender_id", "request_id", name="uq_messages_sender_request"),
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    sa.Column("workspace_id", sa.Uuid, primary_key=True),
+    sa.Column("sequence", sa.BigInteger, primary_key=True),
+    sa.Column("group_id", sa.Uuid, nullable=True),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("recorded_at", UtcDateTime, nullable=False),
+)
+
+# request_ids of creates other than messages (whose ids live on the message).
+requests = sa.Table(
+    "requests",
+    metadata,
+    sa.Column("scope", sa.Uuid, primary_key=True),
+    sa.Column("request_id", sa.String(128), primary_key=True),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("resource_id", sa.Uuid, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+)

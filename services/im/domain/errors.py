@@ -1,0 +1,49 @@
+"""The IM's errors; each maps to one gRPC status (see services.common.errors)."""
+
+from __future__ import annotations
+
+from services.common import errors
+
+
+class IMError(errors.ServiceError):
+    """Base of the IM's expected failures."""
+
+
+class InvalidRequest(IMError, errors.InvalidArgument):
+    pass
+
+
+class NotFound(IMError, errors.NotFound):
+    pass
+
+
+class NotAMember(IMError, errors.PermissionDenied):
+    pass
+
+
+class NotAllowed(IMError, errors.PermissionDenied):
+    pass
+
+
+class Unauthenticated(IMError, errors.Unauthenticated):
+    pass
+
+
+class RequestIdReused(IMError, errors.AlreadyExists):
+    pass
+
+
+class WrongState(IMError, errors.FailedPrecondition):
+    pass
+
+
+class LimitExceeded(IMError, errors.ResourceExhausted):
+    pass
+
+
+class Conflict(IMError, errors.Conflict):
+    pass
+
+
+class ShuttingDown(IMError, errors.Unavailable):
+    pass

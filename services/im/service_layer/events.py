@@ -1,0 +1,392 @@
+"""Live event delivery: the database is the truth, signals only wake readers.
+
+Per process there is one `EventHub`. For each workspace somebody watches it
+keeps one tail that, when signalled, reads the new events from the database
+once and hands them to every local subscription. A subscription that starts
+from an older cursor (or falls too far behind) reads the missed range from
+the database itself, then continues from the tail, with no gap and no
+duplicate: sequence numbers are gap-free and in commit order, so "everything
+up to N" is a well-defined, final set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass
+
+from services.common.identity import Principal
+from services.im.domain import rules
+from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, ShuttingDown, Unauthenticated
+from services.im.domain.model import (
+    GroupChanged,
+    MessageCreated,
+    MessageEdited,
+    ReadUpdated,
+    RecordedEvent,
+)
+from services.im.service_layer.ports import EventSignal, UnitOfWorkFactory
+
+logger = logging.getLogger(__name__)
+
+_CLOSED = object()
+_OVERFLOWED = object()
+
+
+class EventHub:
+    """Fans committed events out to this process's subscribers.
+
+    Args:
+        uow: transactions to read events with.
+        signal: the wake-up channel; the hub connects itself to it.
+        batch_size: events read per query.
+        max_backlog: events a subscriber may have waiting before it is
+            switched to reading from the database (so a slow reader costs
+            memory only up to this bound and still loses nothing).
+    """
+
+    def __init__(
+        self,
+        *,
+        uow: UnitOfWorkFactory,
+        signal: EventSignal,
+        batch_size: int = 500,
+        max_backlog: int = 10_000,
+    ) -> None:
+        self._uow = uow
+        self.batch_size = batch_size
+        self._max_backlog = max_backlog
+        self._tails: dict[uuid.UUID, _Tail] = {}
+        self._tail_lock = asyncio.Lock()
+        self._closed = False
+        signal.connect(self.on_signal)
+
+    def on_signal(self, workspace_id: uuid.UUID | None, sequence: int) -> None:
+        """A workspace (or, for None, possibly every workspace) has new events."""
+        if workspace_id is None:
+            for each in self._tails.values():
+                each.wake.set()
+            return
+        tail = self._tails.get(workspace_id)
+        if tail is not None and sequence > tail.last_sequence:
+            tail.wake.set()
+
+    async def read(self, workspace_id: uuid.UUID, *, after: int, up_to: int | None) -> list[RecordedEvent]:
+        async with self._uow(write=False) as tx:
+            return await tx.read_events(workspace_id, after=after, up_to=up_to, limit=self.batch_size)
+
+    async def last_sequence(self, workspace_id: uuid.UUID) -> int:
+        async with self._uow(write=False) as tx:
+            return await tx.last_event_sequence(workspace_id)
+
+    async def subscribe(self, workspace_id: uuid.UUID, *, after: int | None) -> Subscription:
+        """Subscribes to a workspace's events after sequence `after` (None: from now)."""
+        async with self._tail_lock:
+            tail = self._tails.get(workspace_id)
+            if tail is None:
+                last = await self.last_sequence(workspace_id)
+                if self._closed:
+                    raise ShuttingDown("the IM service is shutting down; reconnect to another replica")
+                tail = _Tail(self, workspace_id, last)
+                self._tails[workspace_id] = tail
+        start = tail.last_sequence if after is None else after
+        subscription = Subscription(self, tail, delivered=start, catch_up=start < tail.last_sequence)
+        tail.subscribers.add(subscription)
+        # The tail may lag behind the database (a signal in flight); let it look.
+        tail.wake.set()
+        return subscription
+
+    def _unsubscribe(self, subscription: Subscription) -> None:
+        tail = subscription.tail
+        tail.subscribers.discard(subscription)
+        if not tail.subscribers and self._tails.get(tail.workspace_id) is tail:
+            del self._tails[tail.workspace_id]
+            tail.stop()
+
+    async def aclose(self) -> None:
+        """Ends every subscription and stops every tail. Idempotent."""
+        self._closed = True
+        tails = list(self._tails.values())
+        self._tails.clear()
+        for tail in tails:
+            for subscription in list(tail.subscribers):
+                subscription.close()
+            tail.stop()
+        for tail in tails:
+            await tail.wait_stopped()
+
+
+class _Tail:
+    """Reads one workspace's new events once per wake-up, for all subscribers."""
+
+    def __init__(self, hub: EventHub, workspace_id: uuid.UUID, last_sequence: int) -> None:
+        self.hub = hub
+        self.workspace_id = workspace_id
+        self.last_sequence = last_sequence
+        self.subscribers: set[Subscription] = set()
+        self.wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name=f"im-event-tail-{workspace_id}")
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            try:
+                while True:
+                    batch = await self.hub.read(self.workspace_id, after=self.last_sequence, up_to=None)
+                    if not batch:
+                        break
+                    self.last_sequence = batch[-1].sequence
+                    for subscription in list(self.subscribers):
+                        subscription.push(batch)
+                    if len(batch) < self.hub.batch_size:
+                        break  # a short batch is the end: no need to ask again
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                failures += 1
+                delay = min(30.0, 0.1 * 2**failures)
+                logger.warning(
+                    "reading events of workspace %s failed; again in %.1fs",
+                    self.workspace_id,
+                    delay,
+                    exc_info=True,
+                )
+                await asyncio.sleep(delay)
+                self.wake.set()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    async def wait_stopped(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class Subscription:
+    """One subscriber's ordered view of a workspace's events."""
+
+    def __init__(self, hub: EventHub, tail: _Tail, *, delivered: int, catch_up: bool) -> None:
+        self.hub = hub
+        self.tail = tail
+        self.delivered = delivered
+        self._catch_up = catch_up
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._backlog = 0
+        self._closed = False
+        self._subscribed = True
+
+    def push(self, batch: list[RecordedEvent]) -> None:
+        if self._catch_up:
+            return  # it will read this range from the database
+        self._backlog += len(batch)
+        if self._backlog > self.hub._max_backlog:
+            self._drop_backlog()
+            self._catch_up = True
+            self._queue.put_nowait(_OVERFLOWED)
+            return
+        self._queue.put_nowait(batch)
+
+    def _drop_backlog(self) -> None:
+        # Empty the queue in place: the reader may be waiting on this very queue.
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._backlog = 0
+        if self._closed:
+            self._queue.put_nowait(_CLOSED)
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put_nowait(_CLOSED)
+
+    def unsubscribe(self) -> None:
+        """Stops receiving events. Idempotent."""
+        if self._subscribed:
+            self._subscribed = False
+            self.hub._unsubscribe(self)
+
+    async def events(self) -> AsyncGenerator[RecordedEvent, None]:
+        """Yields events in sequence order until the hub closes; unsubscribes at the end."""
+        try:
+            while True:
+                if self._catch_up:
+                    # From here on the tail queues what comes after `target`.
+                    target = self.tail.last_sequence
+                    self._catch_up = False
+                    self._drop_backlog()
+                    while self.delivered < target:
+                        batch = await self.hub.read(
+                            self.tail.workspace_id, after=self.delivered, up_to=target
+                        )
+                        if not batch:
+                            break
+                        for recorded in batch:
+                            self.delivered = recorded.sequence
+                            yield recorded
+                item = await self._queue.get()
+                if item is _CLOSED:
+                    return
+                if item is _OVERFLOWED:
+                    continue
+                assert isinstance(item, list)
+                self._backlog -= len(item)
+                for recorded in item:
+                    if recorded.sequence <= self.delivered:
+                        continue
+                    self.delivered = recorded.sequence
+                    yield recorded
+        finally:
+            self.unsubscribe()
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """An event for a watcher, with the watched members it concerns."""
+
+    recorded: RecordedEvent
+    member_ids: tuple[uuid.UUID, ...]
+
+
+class MemberFilter:
+    """Decides which watched members an event concerns, tracking their groups."""
+
+    def __init__(self, groups_by_member: dict[uuid.UUID, set[uuid.UUID]]) -> None:
+        self._groups = groups_by_member
+
+    def concerned(self, recorded: RecordedEvent) -> tuple[uuid.UUID, ...]:
+        event = recorded.event
+        match event:
+            case ReadUpdated(read_state=state):
+                return (state.member_id,) if state.member_id in self._groups else ()
+            case GroupChanged(group=group):
+                found = []
+                for member_id, groups in self._groups.items():
+                    if member_id in group.member_ids:
+                        groups.add(group.id)
+                        found.append(member_id)
+                    elif group.id in groups or member_id in event.removed_member_ids:
+                        # It concerns the member one last time: it has left.
+                        groups.discard(group.id)
+                        found.append(member_id)
+                return tuple(found)
+            case MessageCreated(message=m) | MessageEdited(message=m):
+                return tuple(member for member, groups in self._groups.items() if m.group_id in groups)
+        return ()
+
+
+class EventFeed:
+    """The WatchEvents use case: who may watch what, and the filtered stream."""
+
+    def __init__(self, *, uow: UnitOfWorkFactory, hub: EventHub) -> None:
+        self._uow = uow
+        self._hub = hub
+
+    async def watch(
+        self,
+        principal: Principal | None,
+        *,
+        member_ids: Iterable[str],
+        workspace_id: str,
+        after_cursor: str,
+    ) -> Watch:
+        """Checks the request and subscribes; the caller must `aclose()` the result."""
+        watched = rules.parse_ids(member_ids, "member_ids")
+        wanted_workspace = rules.parse_optional_id(workspace_id, "workspace_id")
+        after = parse_cursor(after_cursor)
+        is_service = principal is not None and principal.is_service
+        from_now = after is None
+        async with self._uow(write=False) as tx:
+            if principal is None:
+                raise Unauthenticated("this call needs the acting member in the x-member-id metadata")
+            if wanted_workspace is not None:
+                if not is_service:
+                    raise NotAllowed("only a trusted service may watch a whole workspace")
+                if watched:
+                    raise InvalidRequest("set member_ids or workspace_id, not both")
+                if await tx.get_workspace(wanted_workspace) is None:
+                    raise NotFound(f"workspace {wanted_workspace} not found")
+                workspace = wanted_workspace
+                member_filter: MemberFilter | None = None
+            else:
+                if not watched:
+                    if principal.member_id is None:
+                        raise InvalidRequest("name member_ids or workspace_id to watch")
+                    watched = (principal.member_id,)
+                if not is_service and watched != (principal.member_id,):
+                    raise NotAllowed("a member may only watch its own events")
+                found = await tx.get_members(list(watched))
+                missing = [m for m in watched if m not in found]
+                if missing and not is_service:
+                    raise Unauthenticated(f"member {missing[0]} does not exist")
+                if missing:
+                    raise NotFound(f"member {missing[0]} not found")
+                workspaces = {m.workspace_id for m in found.values()}
+                if len(workspaces) != 1:
+                    raise InvalidRequest("watched members must belong to one workspace")
+                workspace = workspaces.pop()
+                if after is None:
+                    # "From now" is a fixed sequence number taken before the
+                    # memberships are read: a group created between the two
+                    # reads is then replayed, not lost.
+                    after = await tx.last_event_sequence(workspace)
+                groups = {m: {ms.group_id for ms in await tx.memberships_of(m)} for m in watched}
+                # Start from the memberships as of the cursor by undoing the
+                # changes made since. Undoing is right even for changes the read
+                # above did not see yet (each statement may see a newer snapshot):
+                # only the earliest change after the cursor decides a group.
+                for recorded in reversed(await tx.group_changes(workspace, after=after)):
+                    change = recorded.event
+                    assert isinstance(change, GroupChanged)
+                    for member_id, member_groups in groups.items():
+                        if member_id in change.added_member_ids:
+                            member_groups.discard(change.group.id)
+                        if member_id in change.removed_member_ids:
+                            member_groups.add(change.group.id)
+                member_filter = MemberFilter(groups)
+            if after is not None and not from_now and after > await tx.last_event_sequence(workspace):
+                raise InvalidRequest(f"after_cursor {after_cursor!r} is ahead of this workspace's events")
+        subscription = await self._hub.subscribe(workspace, after=after)
+        return Watch(subscription, member_filter)
+
+
+class Watch:
+    """A running watch: iterate for deliveries; `aclose()` ends it (idempotent).
+
+    Closing unsubscribes even if iteration never started, so a caller that
+    goes away early leaves nothing behind.
+    """
+
+    def __init__(self, subscription: Subscription, member_filter: MemberFilter | None) -> None:
+        self._subscription = subscription
+        self._filter = member_filter
+        self._events = subscription.events()
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        while True:
+            recorded = await self._events.__anext__()
+            if self._filter is None:
+                return Delivery(recorded, ())
+            concerned = self._filter.concerned(recorded)
+            if concerned:
+                return Delivery(recorded, concerned)
+
+    async def aclose(self) -> None:
+        await self._events.aclose()
+        self._subscription.unsubscribe()
+
+
+def parse_cursor(cursor: str) -> int | None:
+    if not cursor:
+        return None
+    # isdigit() alone admits characters int() refuses, such as "²".
+    if not (cursor.isascii() and cursor.isdigit()) or len(cursor) > 19:
+        raise InvalidRequest(f"after_cursor is malformed: {cursor[:40]!r}")
+    return int(cursor)

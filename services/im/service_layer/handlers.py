@@ -1,0 +1,790 @@
+"""The IM's use cases: each checks the caller's rights, changes state in one
+transaction together with the event describing the change, then signals it.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any, Generic, TypeVar
+
+from uuid_utils.compat import uuid7
+
+from services.common.identity import Principal
+from services.im.domain import rules
+from services.im.domain.errors import (
+    Conflict,
+    InvalidRequest,
+    NotAllowed,
+    NotAMember,
+    NotFound,
+    RequestIdReused,
+    Unauthenticated,
+    WrongState,
+)
+from services.im.domain.model import (
+    Chat,
+    ContentType,
+    Event,
+    Group,
+    GroupChanged,
+    GroupKind,
+    Member,
+    MemberKind,
+    Message,
+    MessageEdited,
+    ReadState,
+    ReadUpdated,
+    Workspace,
+)
+from services.im.service_layer.ports import (
+    DuplicateRequest,
+    EventSignal,
+    MessageLog,
+    Transaction,
+    UnitOfWorkFactory,
+)
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], datetime]
+
+# Members whose identity (id, workspace) each process remembers.
+IDENTITY_CACHE_SIZE = 100_000
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+T = TypeVar("T")
+
+
+class Page(Generic[T]):
+    """One page of results and the token for the next one."""
+
+    __slots__ = ("items", "next_token")
+
+    def __init__(self, items: list[T], next_token: str) -> None:
+        self.items = items
+        self.next_token = next_token
+
+
+class IMService:
+    """The IM's handlers. Every replica can serve every call: the only state
+    kept between calls is a cache of immutable member identities.
+
+    Args:
+        uow: makes a new transaction.
+        messages: appends messages (the hot path).
+        signal: tells event hubs (in this process or, with Redis, every
+            replica) that events were committed.
+        limits: the configured limits.
+        clock: current time, replaceable in tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        uow: UnitOfWorkFactory,
+        messages: MessageLog,
+        signal: EventSignal,
+        limits: rules.Limits | None = None,
+        clock: Clock = utc_now,
+    ) -> None:
+        self._uow = uow
+        self._messages = messages
+        self._signal = signal
+        self._identities: dict[uuid.UUID, Member] = {}
+        self.limits = limits or rules.Limits()
+        self._clock = clock
+
+    # -- identity -----------------------------------------------------------
+
+    async def _acting_member(self, tx: Transaction, principal: Principal | None) -> Member:
+        """The member the caller acts as; a service must name one too.
+
+        Only the member's id and workspace are to be used: they never change
+        (members are never deleted or moved), which is what makes the cache
+        safe on every replica. Its name may be stale.
+        """
+        if principal is None or principal.member_id is None:
+            raise Unauthenticated("this call needs the acting member in the x-member-id metadata")
+        member = self._identities.get(principal.member_id)
+        if member is None:
+            member = await tx.get_member(principal.member_id)
+            if member is None:
+                raise Unauthenticated(f"member {principal.member_id} does not exist")
+            if len(self._identities) >= IDENTITY_CACHE_SIZE:
+                self._identities.pop(next(iter(self._identities)))
+            self._identities[member.id] = member
+        return member
+
+    async def _caller(self, principal: Principal | None) -> Member:
+        """`_acting_member` outside a transaction: usually answered from the cache."""
+        if principal is not None and principal.member_id is not None:
+            cached = self._identities.get(principal.member_id)
+            if cached is not None:
+                return cached
+        async with self._uow(write=False) as tx:
+            return await self._acting_member(tx, principal)
+
+    async def _caller_workspace(
+        self, tx: Transaction, principal: Principal | None, requested: str
+    ) -> uuid.UUID:
+        """The workspace a call is about: the caller's own, or for a service, the one named."""
+        wanted = rules.parse_optional_id(requested, "workspace_id")
+        if principal is not None and principal.is_service and principal.member_id is None:
+            if wanted is None:
+                raise InvalidRequest("workspace_id is required for a service call without a member")
+            if await tx.get_workspace(wanted) is None:
+                raise NotFound(f"workspace {wanted} not found")
+            return wanted
+        member = await self._acting_member(tx, principal)
+        if wanted is not None and wanted != member.workspace_id:
+            raise NotFound(f"workspace {wanted} not found")
+        return member.workspace_id
+
+    async def _visible_group(self, tx: Transaction, member: Member, group_id: uuid.UUID) -> Group:
+        group = await tx.get_group(group_id)
+        if group is None or group.workspace_id != member.workspace_id:
+            raise NotFound(f"group {group_id} not found")
+        if member.id not in group.member_ids:
+            raise NotAMember(f"member {member.id} is not in group {group_id}")
+        return group
+
+    async def _workspace_members(
+        self, tx: Transaction, workspace_id: uuid.UUID, member_ids: tuple[uuid.UUID, ...]
+    ) -> None:
+        found = await tx.get_members(list(member_ids))
+        for member_id in member_ids:
+            member = found.get(member_id)
+            if member is None or member.workspace_id != workspace_id:
+                raise NotFound(f"member {member_id} not found")
+
+    async def _commit(self, tx: Transaction, workspace_id: uuid.UUID, events: list[Event]) -> None:
+        """Records the events, commits, then wakes the event hubs."""
+        now = self._clock()
+        sequence = 0
+        for event in events:
+            sequence = await tx.append_event(workspace_id, event, now)
+        await tx.commit()
+        if events:
+            await self._signal_committed(workspace_id, sequence)
+
+    async def _signal_committed(self, workspace_id: uuid.UUID, sequence: int) -> None:
+        try:
+            await self._signal.publish(workspace_id, sequence)
+        except Exception:
+            # The events are committed; subscribers catch up on the next signal.
+            logger.warning("could not signal new events of workspace %s", workspace_id, exc_info=True)
+
+    async def _replay(
+        self, tx: Transaction, scope: uuid.UUID, request_id: str | None, fingerprint: str
+    ) -> uuid.UUID | None:
+        """The resource made by an earlier call with this request_id, if any."""
+        if request_id is None:
+            return None
+        found = await tx.find_request(scope, request_id)
+        if found is None:
+            return None
+        used_fingerprint, resource_id = found
+        if used_fingerprint != fingerprint:
+            raise RequestIdReused(f"request_id {request_id!r} was already used for a different request")
+        return resource_id
+
+    # -- workspaces ---------------------------------------------------------
+
+    async def create_workspace(
+        self,
+        *,
+        name: str,
+        creator_display_name: str,
+        creator_kind: MemberKind | None,
+        creator_avatar: str,
+        request_id: str,
+    ) -> tuple[Workspace, Member]:
+        name = rules.check_name(name, "name", required=True)
+        display_name = rules.check_name(creator_display_name, "creator_display_name", required=True)
+        avatar = rules.check_avatar(creator_avatar)
+        kind = creator_kind or MemberKind.HUMAN
+        rid = rules.check_request_id(request_id)
+        fingerprint = rules.request_fingerprint(
+            op="create_workspace", name=name, creator=display_name, kind=kind.value, avatar=avatar
+        )
+        # With no caller yet, the request_id alone scopes the retry.
+        scope = rules.NIL_SCOPE
+        for attempt in range(2):
+            async with self._uow() as tx:
+                existing = await self._replay(tx, scope, rid, fingerprint)
+                if existing is not None:
+                    return await self._workspace_of_creator(tx, existing)
+                now = self._clock()
+                workspace = Workspace(id=uuid7(), name=name, created_at=now)
+                creator = Member(
+                    id=uuid7(),
+                    workspace_id=workspace.id,
+                    kind=kind,
+                    display_name=display_name,
+                    avatar=avatar,
+                    created_at=now,
+                )
+                await tx.add_workspace(workspace)
+                await tx.add_member(creator)
+                if rid is not None:
+                    try:
+                        await tx.remember_request(scope, rid, fingerprint, creator.id)
+                    except DuplicateRequest:
+                        if attempt == 0:
+                            continue
+                        raise
+                await tx.commit()
+                return workspace, creator
+        raise AssertionError("unreachable")
+
+    async def _workspace_of_creator(self, tx: Transaction, creator_id: uuid.UUID) -> tuple[Workspace, Member]:
+        creator = await tx.get_member(creator_id)
+        workspace = await tx.get_workspace(creator.workspace_id) if creator is not None else None
+        if creator is None or workspace is None:
+            raise NotFound(f"the workspace of member {creator_id} was not found")
+        return workspace, creator
+
+    async def get_workspace(self, principal: Principal | None, workspace_id: str) -> Workspace:
+        async with self._uow(write=False) as tx:
+            wanted = rules.parse_id(workspace_id, "workspace_id")
+            resolved = await self._caller_workspace(tx, principal, workspace_id)
+            workspace = await tx.get_workspace(resolved)
+            if workspace is None or resolved != wanted:
+                raise NotFound(f"workspace {wanted} not found")
+            return workspace
+
+    async def list_workspaces(
+        self, principal: Principal | None, *, page_size: int, page_token: str
+    ) -> Page[Workspace]:
+        limit = rules.page_size(page_size, self.limits)
+        after = self._token_id(page_token)
+        async with self._uow(write=False) as tx:
+            ids: list[uuid.UUID] | None = None
+            if principal is None or principal.member_id is not None or not principal.is_service:
+                ids = [(await self._acting_member(tx, principal)).workspace_id]
+            items = await tx.list_workspaces(ids=ids, after=after, limit=limit + 1)
+        return self._page(items, limit, lambda w: w.id)
+
+    # -- members ------------------------------------------------------------
+
+    async def create_member(
+        self,
+        principal: Principal | None,
+        *,
+        workspace_id: str,
+        kind: MemberKind | None,
+        display_name: str,
+        avatar: str,
+        request_id: str,
+    ) -> Member:
+        if kind is None:
+            raise InvalidRequest("kind is required (HUMAN or AGENT)")
+        display_name = rules.check_name(display_name, "display_name", required=True)
+        avatar = rules.check_avatar(avatar)
+        rid = rules.check_request_id(request_id)
+        for attempt in range(2):
+            async with self._uow() as tx:
+                resolved = await self._caller_workspace(tx, principal, workspace_id)
+                scope = self._request_scope(principal, resolved)
+                fingerprint = rules.request_fingerprint(
+                    op="create_member", ws=str(resolved), kind=kind.value, name=display_name, avatar=avatar
+                )
+                existing = await self._replay(tx, scope, rid, fingerprint)
+                if existing is not None:
+                    member = await tx.get_member(existing)
+                    if member is None:
+                        raise NotFound(f"member {existing} not found")
+                    return member
+                member = Member(
+                    id=uuid7(),
+                    workspace_id=resolved,
+                    kind=kind,
+                    display_name=display_name,
+                    avatar=avatar,
+                    created_at=self._clock(),
+                )
+                await tx.add_member(member)
+                if rid is not None:
+                    try:
+                        await tx.remember_request(scope, rid, fingerprint, member.id)
+                    except DuplicateRequest:
+                        if attempt == 0:
+                            continue
+                        raise
+                await tx.commit()
+                return member
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _request_scope(principal: Principal | None, workspace_id: uuid.UUID) -> uuid.UUID:
+        if principal is not None and principal.member_id is not None:
+            return principal.member_id
+        return workspace_id
+
+    async def get_member(self, principal: Principal | None, member_id: str) -> Member:
+        wanted = rules.parse_id(member_id, "member_id")
+        async with self._uow(write=False) as tx:
+            member = await tx.get_member(wanted)
+            if member is None:
+                raise NotFound(f"member {wanted} not found")
+            await self._caller_workspace(tx, principal, str(member.workspace_id))
+            return member
+
+    async def list_members(
+        self, principal: Principal | None, *, workspace_id: str, page_size: int, page_token: str
+    ) -> Page[Member]:
+        limit = rules.page_size(page_size, self.limits)
+        after = self._token_id(page_token)
+        async with self._uow(write=False) as tx:
+            resolved = await self._caller_workspace(tx, principal, workspace_id)
+            items = await tx.list_members(resolved, after=after, limit=limit + 1)
+        return self._page(items, limit, lambda m: m.id)
+
+    async def update_member(
+        self,
+        principal: Principal | None,
+        *,
+        member_id: str,
+        display_name: str,
+        avatar: str,
+        fields: list[str],
+    ) -> Member:
+        wanted = rules.parse_id(member_id, "member.id")
+        unknown = set(fields) - {"display_name", "avatar"}
+        if unknown:
+            raise InvalidRequest(f"update_mask names fields that cannot be updated: {sorted(unknown)}")
+        if not fields:
+            raise InvalidRequest("update_mask is empty: name display_name and/or avatar")
+        async with self._uow() as tx:
+            member = await tx.get_member(wanted)
+            if member is None:
+                raise NotFound(f"member {wanted} not found")
+            await self._caller_workspace(tx, principal, str(member.workspace_id))
+            is_self = principal is not None and principal.member_id == member.id
+            if not is_self and not (principal is not None and principal.is_service):
+                raise NotAllowed("a member may only update itself")
+            if "display_name" in fields:
+                member = replace(
+                    member, display_name=rules.check_name(display_name, "display_name", required=True)
+                )
+            if "avatar" in fields:
+                member = replace(member, avatar=rules.check_avatar(avatar))
+            await tx.update_member(member)
+            await tx.commit()
+            return member
+
+    # -- groups -------------------------------------------------------------
+
+    async def create_group(
+        self, principal: Principal | None, *, name: str, member_ids: list[str], request_id: str
+    ) -> Group:
+        name = rules.check_name(name, "name", required=True)
+        others = rules.parse_ids(member_ids, "member_ids")
+        rid = rules.check_request_id(request_id)
+        for attempt in range(2):
+            async with self._uow() as tx:
+                caller = await self._acting_member(tx, principal)
+                # Sorted as storage returns them: members who joined together, by id.
+                everyone = tuple(sorted({caller.id, *others}))
+                rules.check_group_size(len(everyone), self.limits)
+                fingerprint = rules.request_fingerprint(
+                    op="create_group", name=name, members=sorted(str(m) for m in everyone)
+                )
+                existing = await self._replay(tx, caller.id, rid, fingerprint)
+                if existing is not None:
+                    return await self._visible_group(tx, caller, existing)
+                await self._workspace_members(tx, caller.workspace_id, everyone)
+                group = Group(
+                    id=uuid7(),
+                    workspace_id=caller.workspace_id,
+                    name=name,
+                    kind=GroupKind.GROUP,
+                    creator_id=caller.id,
+                    created_at=self._clock(),
+                    member_ids=everyone,
+                )
+                await tx.add_group(group)
+                if rid is not None:
+                    try:
+                        await tx.remember_request(caller.id, rid, fingerprint, group.id)
+                    except DuplicateRequest:
+                        if attempt == 0:
+                            continue
+                        raise
+                await self._commit(
+                    tx, group.workspace_id, [GroupChanged(group=group, added_member_ids=everyone)]
+                )
+                return group
+        raise AssertionError("unreachable")
+
+    async def get_or_create_direct_group(
+        self, principal: Principal | None, *, peer_member_id: str
+    ) -> tuple[Group, bool]:
+        peer_id = rules.parse_id(peer_member_id, "peer_member_id")
+        for attempt in range(2):
+            async with self._uow() as tx:
+                caller = await self._acting_member(tx, principal)
+                if peer_id == caller.id:
+                    raise InvalidRequest("a direct chat needs another member")
+                await self._workspace_members(tx, caller.workspace_id, (peer_id,))
+                key = rules.direct_key(caller.id, peer_id)
+                existing = await tx.find_direct_group(caller.workspace_id, key)
+                if existing is not None:
+                    return existing, False
+                group = Group(
+                    id=uuid7(),
+                    workspace_id=caller.workspace_id,
+                    name="",
+                    kind=GroupKind.DIRECT,
+                    creator_id=caller.id,
+                    created_at=self._clock(),
+                    member_ids=(caller.id, peer_id),
+                    direct_key=key,
+                )
+                try:
+                    await tx.add_group(group)
+                except DuplicateRequest:
+                    # The other side created it at the same moment: take theirs.
+                    if attempt == 0:
+                        continue
+                    raise
+                await self._commit(
+                    tx, group.workspace_id, [GroupChanged(group=group, added_member_ids=group.member_ids)]
+                )
+                return group, True
+        raise AssertionError("unreachable")
+
+    async def get_group(self, principal: Principal | None, group_id: str) -> Group:
+        wanted = rules.parse_id(group_id, "group_id")
+        async with self._uow(write=False) as tx:
+            caller = await self._acting_member(tx, principal)
+            return await self._visible_group(tx, caller, wanted)
+
+    async def list_groups(
+        self, principal: Principal | None, *, member_id: str, page_size: int, page_token: str
+    ) -> Page[Group]:
+        limit = rules.page_size(page_size, self.limits)
+        after = self._token_id(page_token)
+        whose = rules.parse_optional_id(member_id, "member_id")
+        async with self._uow(write=False) as tx:
+            if principal is not None and principal.is_service and principal.member_id is None:
+                if whose is None:
+                    raise InvalidRequest("member_id is required for a service call without a member")
+                target = whose
+            else:
+                caller = await self._acting_member(tx, principal)
+                is_service = principal is not None and principal.is_service
+                if whose is not None and whose != caller.id and not is_service:
+                    raise NotAllowed("a member may only list its own groups")
+                target = whose or caller.id
+            items = await tx.list_groups_of(target, after=after, limit=limit + 1)
+        return self._page(items, limit, lambda g: g.id)
+
+    async def rename_group(
+        self, principal: Principal | None, *, group_id: str, name: str, fields: list[str]
+    ) -> Group:
+        wanted = rules.parse_id(group_id, "group.id")
+        if fields != ["name"]:
+            raise InvalidRequest("update_mask must be exactly [name]")
+        name = rules.check_name(name, "name", required=True)
+        async with self._uow() as tx:
+            caller = await self._acting_member(tx, principal)
+            group = await self._visible_group(tx, caller, wanted)
+            if group.kind is GroupKind.DIRECT:
+                raise WrongState("a direct chat has no name to change")
+            await tx.rename_group(group.id, name)
+            group = replace(group, name=name)
+            await self._commit(tx, group.workspace_id, [GroupChanged(group=group)])
+            return group
+
+    async def add_group_members(
+        self, principal: Principal | None, *, group_id: str, member_ids: list[str]
+    ) -> Group:
+        wanted = rules.parse_id(group_id, "group_id")
+        adding = rules.parse_ids(member_ids, "member_ids")
+        if not adding:
+            raise InvalidRequest("member_ids is empty")
+        async with self._uow() as tx:
+            caller = await self._acting_member(tx, principal)
+            group = await self._visible_group(tx, caller, wanted)
+            if group.kind is GroupKind.DIRECT:
+                raise WrongState("a direct chat always has exactly its two members; create a group instead")
+            new = tuple(sorted(m for m in adding if m not in group.member_ids))
+            if not new:
+                return group
+            rules.check_group_size(len(group.member_ids) + len(new), self.limits)
+            await self._workspace_members(tx, group.workspace_id, new)
+            await tx.add_memberships(group.id, list(new), self._clock())
+            group = replace(group, member_ids=group.member_ids + new)
+            await self._commit(tx, group.workspace_id, [GroupChanged(group=group, added_member_ids=new)])
+            return group
+
+    async def remove_group_members(
+        self, principal: Principal | None, *, group_id: str, member_ids: list[str]
+    ) -> Group:
+        wanted = rules.parse_id(group_id, "group_id")
+        removing = rules.parse_ids(member_ids, "member_ids")
+        if not removing:
+            raise InvalidRequest("member_ids is empty")
+        async with self._uow() as tx:
+            caller = await self._acting_member(tx, principal)
+            group = await self._visible_group(tx, caller, wanted)
+            if group.kind is GroupKind.DIRECT:
+                raise WrongState("members cannot be removed from a direct chat")
+            others = [m for m in removing if m != caller.id]
+            if others and caller.id != group.creator_id:
+                raise NotAllowed("only the group's creator may remove other members; anyone may leave")
+            gone = tuple(m for m in removing if m in group.member_ids)
+            if not gone:
+                return group
+            await tx.remove_memberships(group.id, list(gone))
+            group = replace(group, member_ids=tuple(m for m in group.member_ids if m not in gone))
+            await self._commit(tx, group.workspace_id, [GroupChanged(group=group, removed_member_ids=gone)])
+            return group
+
+    # -- messages -----------------------------------------------------------
+
+    async def send_message(
+        self,
+        principal: Principal | None,
+        *,
+        group_id: str,
+        content_type: ContentType | None,
+        content: str,
+        mentions: list[str],
+        reply_to_message_id: str,
+        metadata: dict[str, Any],
+        request_id: str,
+    ) -> Message:
+        target = rules.parse_id(group_id, "group_id")
+        kind = content_type or ContentType.TEXT
+        mentioned = rules.parse_ids(mentions, "mentions")
+        reply_to = rules.parse_optional_id(reply_to_message_id, "reply_to_message_id")
+        rid = rules.check_request_id(request_id)
+        rules.check_message(content=content, mentions=mentioned, metadata=metadata, limits=self.limits)
+        # Only a request_id needs the payload's fingerprint (to tell a retry from a reuse).
+        fingerprint = (
+            rules.message_fingerprint(
+                group_id=target,
+                content_type=kind,
+                content=content,
+                mentions=mentioned,
+                reply_to=reply_to,
+                metadata=metadata,
+            )
+            if rid is not None
+            else ""
+        )
+        # The hot path is one atomic append that stores the message only if
+        # the request is valid; only when it stores nothing do we look closer
+        # to say why.
+        caller = await self._caller(principal)
+        message = Message(
+            id=uuid7(),
+            workspace_id=caller.workspace_id,
+            group_id=target,
+            sender_id=caller.id,
+            content_type=kind,
+            content=content,
+            mentions=mentioned,
+            reply_to=reply_to,
+            metadata=metadata,
+            sent_at=self._clock(),
+            request_id=rid,
+            request_hash=fingerprint if rid is not None else None,
+        )
+        sequence = await self._messages.append(message, self._clock())
+        if sequence is not None:
+            await self._signal_committed(message.workspace_id, sequence)
+            return message
+        access = await self._messages.access(target, [caller.id, *mentioned], reply_to)
+        if access is None or access.workspace_id != caller.workspace_id:
+            raise NotFound(f"group {target} not found")
+        if caller.id not in access.members:
+            raise NotAMember(f"member {caller.id} is not in group {target}")
+        outsiders = [m for m in mentioned if m not in access.members]
+        if outsiders:
+            raise InvalidRequest(f"mentioned members are not in the group: {[str(m) for m in outsiders]}")
+        if reply_to is not None and access.reply_to_group != target:
+            raise InvalidRequest(f"reply_to_message_id {reply_to} is not a message of this group")
+        # A valid request that stored nothing: its request_id was used before.
+        async with self._uow(write=False) as tx:
+            earlier = await tx.find_message_by_request(caller.id, rid) if rid is not None else None
+        if earlier is not None:
+            return self._retried(earlier, fingerprint, rid or "")
+        raise Conflict(f"group {target} changed while the message was sent; send it again")
+
+    @staticmethod
+    def _retried(earlier: Message, fingerprint: str, request_id: str) -> Message:
+        if earlier.request_hash != fingerprint:
+            raise RequestIdReused(f"request_id {request_id!r} was already used for a different message")
+        return earlier
+
+    async def edit_message(self, principal: Principal | None, *, message_id: str, content: str) -> Message:
+        wanted = rules.parse_id(message_id, "message_id")
+        if not content.strip():
+            raise InvalidRequest("content is empty")
+        rules.check_content(content, self.limits)
+        async with self._uow() as tx:
+            caller = await self._acting_member(tx, principal)
+            message = await self._visible_message(tx, caller, wanted)
+            if message.sender_id != caller.id:
+                raise NotAllowed("only the sender may edit a message")
+            edited = replace(message, content=content, edited_at=self._clock())
+            await tx.edit_message(edited.id, content, edited.edited_at or self._clock())
+            await self._commit(tx, edited.workspace_id, [MessageEdited(message=edited)])
+            return edited
+
+    async def _visible_message(self, tx: Transaction, member: Member, message_id: uuid.UUID) -> Message:
+        message = await tx.get_message(message_id)
+        if message is None or message.workspace_id != member.workspace_id:
+            raise NotFound(f"message {message_id} not found")
+        await self._visible_group(tx, member, message.group_id)
+        return message
+
+    async def get_message(self, principal: Principal | None, message_id: str) -> Message:
+        wanted = rules.parse_id(message_id, "message_id")
+        async with self._uow(write=False) as tx:
+            caller = await self._acting_member(tx, principal)
+            return await self._visible_message(tx, caller, wanted)
+
+    async def list_messages(
+        self,
+        principal: Principal | None,
+        *,
+        group_id: str,
+        page_size: int,
+        page_token: str,
+        before_message_id: str,
+        after_message_id: str,
+    ) -> Page[Message]:
+        target = rules.parse_id(group_id, "group_id")
+        limit = rules.page_size(page_size, self.limits)
+        before = rules.parse_optional_id(before_message_id, "before_message_id")
+        after = rules.parse_optional_id(after_message_id, "after_message_id")
+        if page_token:
+            token = rules.decode_page_token(page_token, {"group", "direction", "cursor"})
+            if token["group"] != str(target):
+                raise InvalidRequest("page_token belongs to another group")
+            cursor = rules.parse_id(token["cursor"], "page_token")
+            if token["direction"] not in ("before", "after"):
+                raise InvalidRequest("page_token is malformed")
+            before, after = (cursor, None) if token["direction"] == "before" else (None, cursor)
+        if before is not None and after is not None:
+            raise InvalidRequest("set before_message_id or after_message_id, not both")
+        async with self._uow(write=False) as tx:
+            caller = await self._acting_member(tx, principal)
+            await self._visible_group(tx, caller, target)
+            items = await tx.list_messages(target, before=before, after=after, limit=limit + 1)
+        forward = after is not None
+        more = len(items) > limit
+        if more:
+            items = items[:limit] if forward else items[1:]
+        next_token = ""
+        if more and items:
+            edge = items[-1] if forward else items[0]
+            next_token = rules.encode_page_token(
+                {"group": str(target), "direction": "after" if forward else "before", "cursor": str(edge.id)}
+            )
+        return Page(items, next_token)
+
+    # -- read state ---------------------------------------------------------
+
+    async def mark_read(
+        self, principal: Principal | None, *, group_id: str, up_to_message_id: str
+    ) -> ReadState:
+        target = rules.parse_id(group_id, "group_id")
+        up_to = rules.parse_id(up_to_message_id, "up_to_message_id")
+        async with self._uow() as tx:
+            caller = await self._acting_member(tx, principal)
+            group = await self._visible_group(tx, caller, target)
+            message = await tx.get_message(up_to)
+            if message is None or message.group_id != group.id:
+                raise InvalidRequest(f"up_to_message_id {up_to} is not a message of this group")
+            moved = await tx.advance_read(group.id, caller.id, up_to)
+            membership = await tx.get_membership(group.id, caller.id)
+            assert membership is not None
+            unread = (await tx.unread_counts(caller.id, [group.id])).get(group.id, 0)
+            state = ReadState(
+                group_id=group.id,
+                member_id=caller.id,
+                last_read_message_id=membership.last_read_message_id,
+                unread_count=unread,
+            )
+            if moved:
+                await self._commit(tx, group.workspace_id, [ReadUpdated(read_state=state)])
+            return state
+
+    async def get_all_unread(
+        self, principal: Principal | None, *, page_size: int
+    ) -> tuple[list[Message], int]:
+        limit = rules.page_size(
+            page_size or self.limits.max_unread_page_size,
+            self.limits,
+            maximum=self.limits.max_unread_page_size,
+        )
+        async with self._uow(write=False) as tx:
+            caller = await self._acting_member(tx, principal)
+            messages, total = await tx.unread_messages(caller.id, limit=limit)
+        return messages, total - len(messages)
+
+    async def list_chats(self, principal: Principal | None, *, page_size: int, page_token: str) -> Page[Chat]:
+        limit = rules.page_size(page_size, self.limits)
+        start: tuple[str, str] | None = None
+        if page_token:
+            token = rules.decode_page_token(page_token, {"activity", "group"})
+            start = (token["activity"], token["group"])
+        async with self._uow(write=False) as tx:
+            caller = await self._acting_member(tx, principal)
+            groups = await tx.list_groups_of(caller.id, after=None, limit=None)
+            last = await tx.last_messages([g.id for g in groups])
+
+            def activity(group: Group) -> datetime:
+                message = last.get(group.id)
+                return message.sent_at if message is not None else group.created_at
+
+            def key(group: Group) -> tuple[str, str]:
+                return (activity(group).isoformat(), str(group.id))
+
+            ordered = sorted(groups, key=key, reverse=True)
+            if start is not None:
+                ordered = [g for g in ordered if key(g) < start]
+            page = ordered[:limit]
+            counts = await tx.unread_counts(caller.id, [g.id for g in page])
+        chats = [
+            Chat(
+                group=g,
+                last_message=last.get(g.id),
+                unread_count=counts.get(g.id, 0),
+                last_activity_at=activity(g),
+            )
+            for g in page
+        ]
+        next_token = ""
+        if len(ordered) > limit and page:
+            activity_text, group_text = key(page[-1])
+            next_token = rules.encode_page_token({"activity": activity_text, "group": group_text})
+        return Page(chats, next_token)
+
+    # -- helpers ------------------------------------------------------------
+
+    @staticmethod
+    def _token_id(page_token: str) -> uuid.UUID | None:
+        if not page_token:
+            return None
+        return rules.parse_id(rules.decode_page_token(page_token, {"after"})["after"], "page_token")
+
+    @staticmethod
+    def _page(items: list[T], limit: int, key: Callable[[T], uuid.UUID]) -> Page[T]:
+        if len(items) <= limit:
+            return Page(items, "")
+        items = items[:limit]
+        return Page(items, rules.encode_page_token({"after": str(key(items[-1]))}))

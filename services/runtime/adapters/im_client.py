@@ -1,0 +1,426 @@
+"""The IM port over the IM service's gRPC API.
+
+The runtime is a trusted service: every call carries the service token, and
+calls made for an agent also name the agent in `x-member-id`. Refusals come
+back as `IMError` carrying the IM's status code and its readable message;
+an IM that cannot be reached within the deadline is `IMUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import UTC
+from typing import Any
+
+import grpc
+from google.protobuf import field_mask_pb2
+
+from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common.identity import caller_metadata
+from services.runtime.service_layer.im_port import (
+    IMError,
+    IMEvent,
+    IMGroup,
+    IMMember,
+    IMMessage,
+    IMPort,
+    IMUnavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+# What the IM accepts from a trusted service when it has no token configured.
+EMBEDDED_SERVICE_TOKEN = "embedded"
+
+_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A watch stream that fails with one of these is reopened from its last
+# cursor: the IM went away or was overloaded, or it (or a proxy) cancelled
+# the stream. A cancellation of our own never arrives here as a status.
+_WATCH_RETRYABLE = _UNREACHABLE | {
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+# Lists of members and groups are read whole, in pages as large as the IM
+# allows (it clamps the size); the page count bounds a runaway paging loop.
+_LIST_PAGE_SIZE = 1000
+_MAX_PAGES = 1000
+
+
+class GrpcIM(IMPort):
+    """`IMPort` over a gRPC channel to the IM service.
+
+    Args:
+        address: host:port of the IM service.
+        service_token: the token the IM expects in `x-agentim-service`;
+            None sends "embedded", which an IM without a token accepts.
+        deadline_seconds: deadline of every unary call.
+        reconnect_initial_seconds: first wait before a watch stream is
+            reopened (and the channel's first reconnect backoff).
+        reconnect_max_seconds: longest wait between reopen attempts; the
+            wait doubles (with jitter) after each failed attempt.
+        max_message_bytes: largest message sent or received.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        service_token: str | None = None,
+        deadline_seconds: float = 10.0,
+        reconnect_initial_seconds: float = 0.2,
+        reconnect_max_seconds: float = 10.0,
+        max_message_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        if deadline_seconds <= 0:
+            raise ValueError("deadline_seconds must be positive")
+        if not 0 < reconnect_initial_seconds <= reconnect_max_seconds:
+            raise ValueError("need 0 < reconnect_initial_seconds <= reconnect_max_seconds")
+        self._address = address
+        self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
+        self._deadline = deadline_seconds
+        self._initial_backoff = reconnect_initial_seconds
+        self._max_backoff = reconnect_max_seconds
+        # Built by hand rather than with `open_channel`, which takes no options:
+        # the channel's own reconnect backoff (by default up to two minutes)
+        # must follow ours, or a watch would stay blind long after the IM is back.
+        # Every unary call passes its deadline itself.
+        self._channel = grpc.aio.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.initial_reconnect_backoff_ms", max(1, int(reconnect_initial_seconds * 1000))),
+                ("grpc.max_reconnect_backoff_ms", max(1, int(reconnect_max_seconds * 1000))),
+            ],
+        )
+        self._stub = im_pb2_grpc.IMServiceStub(self._channel)
+        self._closed = False
+
+    async def __aenter__(self) -> GrpcIM:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes the channel; running watches end. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._channel.close()
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _metadata(self, as_member: uuid.UUID | None = None) -> tuple[tuple[str, str], ...]:
+        return caller_metadata(member_id=as_member, service_token=self._token)
+
+    async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID | None = None) -> Any:
+        if self._closed:
+            raise IMUnavailable(f"the IM client for {self._address} is closed")
+        try:
+            return await rpc(request, metadata=self._metadata(as_member), timeout=self._deadline)
+        except grpc.aio.AioRpcError as error:
+            raise self._error(error) from None
+
+    def _error(self, error: grpc.aio.AioRpcError) -> IMError:
+        code = error.code()
+        details = error.details() or code.name
+        if code in _UNREACHABLE:
+            unreachable = IMUnavailable(f"the IM at {self._address} is unavailable ({code.name}): {details}")
+            unreachable.code = code
+            return unreachable
+        return _refused(code, details)
+
+    # -- members ------------------------------------------------------------
+
+    async def create_agent_member(
+        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+    ) -> IMMember:
+        response = await self._call(
+            self._stub.CreateMember,
+            im_pb2.CreateMemberRequest(
+                kind=im_pb2.MEMBER_KIND_AGENT,
+                display_name=display_name,
+                avatar=avatar,
+                request_id=request_id,
+                workspace_id=str(workspace_id),
+            ),
+        )
+        return _member(response.member)
+
+    async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember:
+        # The agent renames itself: the IM lets a member update only itself.
+        response = await self._call(
+            self._stub.UpdateMember,
+            im_pb2.UpdateMemberRequest(
+                member=im_pb2.Member(id=str(member_id), display_name=display_name),
+                update_mask=field_mask_pb2.FieldMask(paths=["display_name"]),
+            ),
+            as_member=member_id,
+        )
+        return _member(response.member)
+
+    async def get_member(self, as_member: uuid.UUID, member_id: uuid.UUID) -> IMMember:
+        response = await self._call(
+            self._stub.GetMember, im_pb2.GetMemberRequest(member_id=str(member_id)), as_member=as_member
+        )
+        return _member(response.member)
+
+    async def list_members(self, as_member: uuid.UUID) -> list[IMMember]:
+        members: list[IMMember] = []
+        token = ""
+        for _ in range(_MAX_PAGES):
+            response = await self._call(
+                self._stub.ListMembers,
+                im_pb2.ListMembersRequest(page_size=_LIST_PAGE_SIZE, page_token=token),
+                as_member=as_member,
+            )
+            members.extend(_member(m) for m in response.members)
+            token = response.next_page_token
+            if not token:
+                break
+        return members
+
+    # -- read state -----------------------------------------------------------
+
+    async def get_all_unread(self, as_member: uuid.UUID, *, limit: int = 200) -> list[IMMessage]:
+        response = await self._call(
+            self._stub.GetAllUnread, im_pb2.GetAllUnreadRequest(page_size=limit), as_member=as_member
+        )
+        return [_message(m) for m in response.messages]
+
+    async def mark_read(self, as_member: uuid.UUID, group_id: uuid.UUID, up_to: uuid.UUID) -> None:
+        await self._call(
+            self._stub.MarkRead,
+            im_pb2.MarkReadRequest(group_id=str(group_id), up_to_message_id=str(up_to)),
+            as_member=as_member,
+        )
+
+    # -- messages -------------------------------------------------------------
+
+    async def send_message(
+        self,
+        as_member: uuid.UUID,
+        group_id: uuid.UUID,
+        content: str,
+        *,
+        mentions: Sequence[uuid.UUID] = (),
+        reply_to: uuid.UUID | None = None,
+        request_id: str = "",
+    ) -> IMMessage:
+        response = await self._call(
+            self._stub.SendMessage,
+            im_pb2.SendMessageRequest(
+                group_id=str(group_id),
+                content_type=im_pb2.CONTENT_TYPE_TEXT,
+                content=content,
+                mentions=[str(m) for m in mentions],
+                reply_to_message_id=str(reply_to) if reply_to is not None else "",
+                request_id=request_id,
+            ),
+            as_member=as_member,
+        )
+        return _message(response.message)
+
+    async def list_messages(
+        self, as_member: uuid.UUID, group_id: uuid.UUID, *, limit: int = 50, before: uuid.UUID | None = None
+    ) -> list[IMMessage]:
+        response = await self._call(
+            self._stub.ListMessages,
+            im_pb2.ListMessagesRequest(
+                group_id=str(group_id),
+                page_size=limit,
+                before_message_id=str(before) if before is not None else "",
+            ),
+            as_member=as_member,
+        )
+        # The IM returns pages oldest first.
+        return [_message(m) for m in response.messages]
+
+    # -- groups ---------------------------------------------------------------
+
+    async def get_or_create_direct_group(self, as_member: uuid.UUID, peer_id: uuid.UUID) -> IMGroup:
+        response = await self._call(
+            self._stub.GetOrCreateDirectGroup,
+            im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=str(peer_id)),
+            as_member=as_member,
+        )
+        return _group(response.group)
+
+    async def get_group(self, as_member: uuid.UUID, group_id: uuid.UUID) -> IMGroup:
+        response = await self._call(
+            self._stub.GetGroup, im_pb2.GetGroupRequest(group_id=str(group_id)), as_member=as_member
+        )
+        return _group(response.group)
+
+    async def list_groups(self, as_member: uuid.UUID) -> list[IMGroup]:
+        groups: list[IMGroup] = []
+        token = ""
+        for _ in range(_MAX_PAGES):
+            response = await self._call(
+                self._stub.ListGroups,
+                im_pb2.ListGroupsRequest(page_size=_LIST_PAGE_SIZE, page_token=token),
+                as_member=as_member,
+            )
+            groups.extend(_group(g) for g in response.groups)
+            token = response.next_page_token
+            if not token:
+                break
+        return groups
+
+    async def create_group(self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID]) -> IMGroup:
+        response = await self._call(
+            self._stub.CreateGroup,
+            im_pb2.CreateGroupRequest(name=name, member_ids=[str(m) for m in member_ids]),
+            as_member=as_member,
+        )
+        return _group(response.group)
+
+    # -- events ---------------------------------------------------------------
+
+    async def watch(
+        self,
+        workspace_id: uuid.UUID,
+        *,
+        member_ids: Sequence[uuid.UUID] = (),
+        after_cursor: str = "",
+        on_subscribed: Callable[[], object] | None = None,
+    ) -> AsyncIterator[IMEvent]:
+        """Message-created events of a workspace; see `IMPort.watch`.
+
+        Args:
+            workspace_id: the workspace to watch, as the service itself.
+            member_ids: watch only these members' groups (members of
+                `workspace_id`); empty watches the whole workspace.
+            after_cursor: resume after this cursor; empty starts at the live end.
+            on_subscribed: called each time the IM confirms a (re)opened
+                stream is subscribed, so that a caller starting at the live
+                end knows from when on nothing is missed.
+
+        Raises:
+            IMError: the IM refused the watch (an unknown workspace, a
+                malformed cursor, a wrong service token...), or the
+                watched members are not of `workspace_id`.
+            IMUnavailable: the client is closed.
+        """
+        if self._closed:
+            raise IMUnavailable(f"the IM client for {self._address} is closed")
+        # The IM takes either a workspace or members (whose workspace it finds).
+        watched_members = [str(m) for m in member_ids]
+        scope = "" if watched_members else str(workspace_id)
+        watched_workspace = str(workspace_id)
+        cursor = after_cursor
+        backoff = self._initial_backoff
+        failures = 0
+        while True:
+            call = self._stub.WatchEvents(
+                im_pb2.WatchEventsRequest(
+                    workspace_id=scope, member_ids=watched_members, after_cursor=cursor
+                ),
+                metadata=self._metadata(),
+            )
+            try:
+                await call.initial_metadata()
+                if not call.done():
+                    # The IM sends its headers once the subscription is in place.
+                    if failures:
+                        logger.info("watch of workspace %s reopened after cursor %r", workspace_id, cursor)
+                    backoff = self._initial_backoff
+                    failures = 0
+                    if on_subscribed is not None:
+                        on_subscribed()
+                while (response := await call.read()) is not grpc.aio.EOF:
+                    cursor = response.cursor
+                    if response.WhichOneof("event") != "message_created":
+                        continue
+                    message = response.message_created.message
+                    if message.workspace_id != watched_workspace:
+                        # Cursors are per workspace: resuming one with another's would skip events.
+                        raise _refused(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the watched members are not members of workspace {workspace_id}",
+                        )
+                    yield IMEvent(
+                        cursor=cursor,
+                        message=_message(message),
+                        member_ids=tuple(uuid.UUID(m) for m in response.member_ids),
+                    )
+                reason = "the IM ended the stream"
+            except grpc.aio.AioRpcError as error:
+                if self._closed:
+                    return
+                if error.code() not in _WATCH_RETRYABLE:
+                    raise self._error(error) from None
+                reason = f"{error.code().name}: {error.details()}"
+            except asyncio.CancelledError:
+                # Closing the channel cancels its calls; that ends the watch
+                # quietly. A cancelled consumer is cancelled all the same.
+                task = asyncio.current_task()
+                if self._closed and task is not None and not task.cancelling():
+                    return
+                raise
+            finally:
+                call.cancel()
+            if self._closed:
+                return
+            # Equal jitter: replicas of the runtime do not all come back at once.
+            delay = backoff * (0.5 + random.random() / 2)
+            failures += 1
+            logger.log(
+                logging.WARNING if failures == 1 else logging.DEBUG,
+                "watch of workspace %s interrupted (%s); reopening after cursor %r in %.2f s",
+                workspace_id,
+                reason,
+                cursor,
+                delay,
+            )
+            await asyncio.sleep(delay)
+            backoff = min(backoff * 2, self._max_backoff)
+
+
+def _refused(code: grpc.StatusCode, message: str) -> IMError:
+    error = IMError(message)
+    error.code = code
+    return error
+
+
+# -- proto to port -------------------------------------------------------------
+
+
+def _enum_name(name: str, prefix: str) -> str:
+    return name.removeprefix(prefix).lower()
+
+
+def _member(proto: im_pb2.Member) -> IMMember:
+    return IMMember(
+        id=uuid.UUID(proto.id),
+        workspace_id=uuid.UUID(proto.workspace_id),
+        kind=_enum_name(im_pb2.MemberKind.Name(proto.kind), "MEMBER_KIND_"),
+        display_name=proto.display_name,
+    )
+
+
+def _group(proto: im_pb2.Group) -> IMGroup:
+    return IMGroup(
+        id=uuid.UUID(proto.id),
+        name=proto.name,
+        kind=_enum_name(im_pb2.GroupKind.Name(proto.kind), "GROUP_KIND_"),
+        member_ids=tuple(uuid.UUID(m) for m in proto.member_ids),
+    )
+
+
+def _message(proto: im_pb2.Message) -> IMMessage:
+    return IMMessage(
+        id=uuid.UUID(proto.id),
+        group_id=uuid.UUID(proto.group_id),
+        sender_id=uuid.UUID(proto.sender_id),
+        content_type=_enum_name(im_pb2.ContentType.Name(proto.content_type), "CONTENT_TYPE_"),
+        content=proto.content,
+        mentions=tuple(uuid.UUID(m) for m in proto.mentions),
+        sent_at=proto.send_time.ToDatetime(tzinfo=UTC),
+    )

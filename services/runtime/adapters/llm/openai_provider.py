@@ -1,0 +1,333 @@
+"""The LLM port over any OpenAI-compatible chat completions endpoint.
+
+`OpenAIProvider` streams with the official `openai` client (OpenAI itself,
+DeepSeek, vLLM, llama.cpp's server, ...). What it does, in one place:
+
+* **Requests**: `stream=True` with `stream_options={"include_usage": True}`;
+  `tools` only when the request has some; `temperature` and `max_tokens`
+  only when set. The model and endpoint come from the request's
+  `ModelSettings`, falling back to the constructor's defaults.
+* **Deltas**: `delta.content` (and `delta.refusal`) become `ContentDelta`;
+  the `reasoning_content` extra field that DeepSeek, vLLM and others send
+  (or `reasoning`, its newer spelling) becomes `ReasoningDelta`; each
+  `delta.tool_calls[i]` becomes a `ToolCallDelta`. The stream ends with one
+  `Completion` assembled from exactly the deltas yielded.
+* **Retries** are ours (the client's own are off): on HTTP 408, 409, 429 and
+  5xx, connection errors, timeouts, and a stream cut before it finished
+  (dropped connection, incomplete chunked body, an error event, or an end
+  without a finish reason). Each retry restarts the request from scratch
+  after an exponential backoff with jitter (at least `Retry-After`, at most
+  `backoff_cap`). A retry is only made while the failed attempt has yielded
+  no delta: deltas cannot be taken back, so a stream cut after N deltas
+  raises `LLMUnavailable("stream cut after N deltas ...")` at once and the
+  caller decides what to do with the partial step. A cut that comes after
+  the finish reason loses only the usage, and the completion stands.
+* **Errors**: other 4xx statuses (400, 401, 403, 404, 422, ...) raise
+  `LLMRejected` at once; retries exhausted raise `LLMUnavailable`. Messages
+  name the endpoint, the model and the status, and the server's own error
+  text with the API key redacted; the openai exception is not chained, as its
+  body may echo the key.
+* **The API key** is sent only to the default endpoint (`base_url`): a
+  request naming another endpoint gets a placeholder key, so an agent's
+  settings cannot send the key elsewhere. It is never logged and never shown
+  in a repr.
+* **Clients** are made on first use, one per endpoint, and closed by `aclose`.
+* **Cancellation**: cancelling the consumer (or closing the iterator) closes
+  the HTTP response, which drops the connection and stops the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Mapping
+from typing import cast
+
+import openai
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam, ChatCompletionToolParam
+
+from services.runtime.domain.llm import (
+    Completion,
+    CompletionAssembler,
+    CompletionRequest,
+    ContentDelta,
+    Delta,
+    FinishReason,
+    LLMRejected,
+    LLMUnavailable,
+    ReasoningDelta,
+    ToolCallDelta,
+    Usage,
+)
+from services.runtime.service_layer.llm_port import LLM
+
+logger = logging.getLogger(__name__)
+
+OPENAI_BASE_URL = "https://api.openai.com/v1"
+
+# Sent to endpoints other than the default one, which never get the real key;
+# the client refuses to start without some key, and keyless servers ignore it.
+_NO_KEY = "no-key"
+
+# Statuses worth another try, as the openai client itself retries them.
+_RETRYABLE_STATUSES = frozenset({408, 409, 429})
+
+_MAX_DETAIL = 300
+
+
+class _Retryable(Exception):
+    """An attempt failed in a way that another attempt may not."""
+
+    def __init__(self, reason: str, *, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class OpenAIProvider(LLM):
+    """Streams chat completions from OpenAI-compatible endpoints.
+
+    Args:
+        base_url: The default endpoint, such as `https://api.deepseek.com/v1`;
+            empty means OpenAI's.
+        api_key: The key for the default endpoint (a secret). Empty sends a
+            placeholder, which keyless local servers accept.
+        model: The model used when a request names none.
+        request_timeout: Seconds allowed to connect, to send, and to wait for
+            each piece of the stream (an idle limit, not a total).
+        max_retries: Retries after the first attempt.
+        backoff_base: Seconds before the first retry; it doubles each time.
+        backoff_cap: The longest wait between attempts, in seconds.
+        rng: The jitter's source of randomness (tests may seed one).
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str = "",
+        api_key: str = "",
+        model: str = "",
+        request_timeout: float = 60.0,
+        max_retries: int = 4,
+        backoff_base: float = 0.5,
+        backoff_cap: float = 8.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        if request_timeout <= 0 or backoff_base < 0 or backoff_cap < 0:
+            raise ValueError("timeouts and backoffs must be positive")
+        self._default_base_url = _normalize(base_url or OPENAI_BASE_URL)
+        self._api_key = api_key
+        self._default_model = model
+        self._timeout = request_timeout
+        self._max_retries = max_retries
+        self._backoff_base = backoff_base
+        self._backoff_cap = backoff_cap
+        self._rng = rng or random.Random()
+        self._clients: dict[str, openai.AsyncOpenAI] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"OpenAIProvider(base_url={self._default_base_url!r}, model={self._default_model!r}, "
+            f"api_key={'***' if self._api_key else ''!r})"
+        )
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
+        """Streams one completion; see the module docstring for retries and errors."""
+        settings = request.settings
+        base_url = _normalize(settings.base_url) if settings.base_url else self._default_base_url
+        model = settings.model or self._default_model
+        if not model:
+            raise LLMRejected(f"no model named for {base_url} and no default model configured")
+        client = self._client(base_url)
+        messages = cast(list[ChatCompletionMessageParam], [m.to_openai() for m in request.messages])
+        tools = cast(list[ChatCompletionToolParam], [t.to_openai() for t in request.tools])
+        attempts = self._max_retries + 1
+        for attempt in range(attempts):
+            state = _Attempt(model)
+            try:
+                chunks = await client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    tools=tools or openai.omit,
+                    temperature=openai.omit if settings.temperature is None else settings.temperature,
+                    max_tokens=openai.omit if settings.max_tokens is None else settings.max_tokens,
+                )
+                async with chunks:
+                    try:
+                        async for chunk in chunks:
+                            for delta in state.feed(chunk):
+                                yield delta
+                    except (openai.APIConnectionError, openai.APIError, json.JSONDecodeError) as exc:
+                        if state.finish_reason is None:
+                            raise _Retryable(self._describe_cut(exc)) from None
+                        logger.info("LLM stream from %s cut after its finish reason; usage lost", base_url)
+                if state.finish_reason is None:
+                    raise _Retryable("the stream ended without a finish reason")
+            except openai.APIStatusError as exc:
+                if not _retryable_status(exc.status_code):
+                    raise LLMRejected(self._rejection(base_url, model, exc)) from None
+                failure = _Retryable(f"HTTP {exc.status_code}", retry_after=_retry_after(exc))
+            except openai.APIConnectionError as exc:
+                failure = _Retryable(self._describe_cut(exc))
+            except _Retryable as exc:
+                failure = exc
+            else:
+                yield state.completion()
+                return
+
+            where = f"{base_url} (model {model!r})"
+            if state.deltas:
+                raise LLMUnavailable(f"stream cut after {state.deltas} deltas from {where}: {failure.reason}")
+            if attempt + 1 == attempts:
+                raise LLMUnavailable(f"{where} failed after {attempts} attempts: {failure.reason}")
+            delay = self._backoff(attempt, failure.retry_after)
+            logger.warning(
+                "LLM attempt %d/%d to %s failed (%s); retrying in %.2fs",
+                attempt + 1,
+                attempts,
+                where,
+                failure.reason,
+                delay,
+            )
+            await asyncio.sleep(delay)
+
+    async def aclose(self) -> None:
+        """Closes every client made so far. Idempotent; later streams make new ones."""
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.close()
+
+    def _client(self, base_url: str) -> openai.AsyncOpenAI:
+        client = self._clients.get(base_url)
+        if client is None:
+            key = self._api_key if base_url == self._default_base_url else ""
+            client = openai.AsyncOpenAI(
+                api_key=key or _NO_KEY,
+                base_url=base_url,
+                timeout=openai.Timeout(self._timeout),
+                max_retries=0,
+            )
+            self._clients[base_url] = client
+        return client
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        # "Equal jitter": between half and all of the exponential delay, so
+        # that agents failing together do not retry together.
+        delay = min(self._backoff_cap, self._backoff_base * 2**attempt)
+        delay *= 0.5 + self._rng.random() / 2
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        return min(delay, self._backoff_cap)
+
+    def _rejection(self, base_url: str, model: str, exc: openai.APIStatusError) -> str:
+        detail = exc.body.get("message") if isinstance(exc.body, Mapping) else exc.body
+        text = f"{base_url} refused model {model!r} with HTTP {exc.status_code}"
+        if detail:
+            text += f": {self._redact(str(detail))}"
+        return text
+
+    def _describe_cut(self, exc: Exception) -> str:
+        if isinstance(exc, openai.APITimeoutError):
+            return "timed out"
+        if isinstance(exc, openai.APIConnectionError):
+            cause = exc.__cause__
+            return f"connection failed ({type(cause).__name__})" if cause else "connection failed"
+        if isinstance(exc, openai.APIError):
+            return f"error event in the stream: {self._redact(exc.message)}"
+        return "a malformed chunk"
+
+    def _redact(self, text: str) -> str:
+        """Server text, shortened and without the key (servers may echo it)."""
+        text = text[:_MAX_DETAIL]
+        return text.replace(self._api_key, "***") if self._api_key else text
+
+
+class _Attempt:
+    """What one attempt has streamed so far."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.deltas = 0
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+        self._assembler = CompletionAssembler()
+
+    def feed(self, chunk: ChatCompletionChunk) -> list[Delta]:
+        """The deltas in one chunk, also noting its finish reason, usage and model."""
+        if chunk.model:
+            self.model = chunk.model
+        if chunk.usage is not None:
+            self.usage = _usage(chunk.usage)
+        deltas: list[Delta] = []
+        for choice in chunk.choices[:1]:
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
+            update = choice.delta
+            reasoning = _extra_text(update, "reasoning_content") or _extra_text(update, "reasoning")
+            if reasoning:
+                deltas.append(ReasoningDelta(reasoning))
+            if update.content:
+                deltas.append(ContentDelta(update.content))
+            if update.refusal:
+                deltas.append(ContentDelta(update.refusal))
+            for call in update.tool_calls or ():
+                function = call.function
+                name = function.name if function else None
+                arguments = (function.arguments if function else None) or ""
+                if call.id or name or arguments:
+                    deltas.append(ToolCallDelta(index=call.index, id=call.id, name=name, arguments=arguments))
+        for delta in deltas:
+            self._assembler.add(delta)
+        self.deltas += len(deltas)
+        return deltas
+
+    def completion(self) -> Completion:
+        return Completion(
+            message=self._assembler.message(),
+            finish_reason=FinishReason.parse(self.finish_reason),
+            usage=self.usage,
+            model=self.model,
+        )
+
+
+def _usage(usage: CompletionUsage) -> Usage:
+    details = usage.prompt_tokens_details
+    cached = details.cached_tokens if details is not None else None
+    if cached is None:
+        # DeepSeek's spelling of the same figure.
+        extra = (usage.model_extra or {}).get("prompt_cache_hit_tokens")
+        cached = extra if isinstance(extra, int) else 0
+    return Usage(
+        input_tokens=usage.prompt_tokens or 0,
+        output_tokens=usage.completion_tokens or 0,
+        cached_tokens=cached or 0,
+    )
+
+
+def _extra_text(model: openai.BaseModel, field: str) -> str:
+    """A string field that the openai types do not declare, or ""."""
+    value = (model.model_extra or {}).get(field)
+    return value if isinstance(value, str) else ""
+
+
+def _normalize(base_url: str) -> str:
+    return base_url.rstrip("/")
+
+
+def _retryable_status(status: int) -> bool:
+    return status in _RETRYABLE_STATUSES or status >= 500
+
+
+def _retry_after(exc: openai.APIStatusError) -> float | None:
+    value = exc.response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None  # an HTTP date: rare enough to fall back on our backoff

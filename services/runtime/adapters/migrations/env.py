@@ -1,0 +1,26 @@
+"""Alembic environment for the runtime's schema.
+
+Migrations run on a connection handed in by `services.runtime.adapters.migrate`
+(config.attributes["connection"]), so they work from async code, tests and
+the command line alike. The version table is the runtime's own, so the IM and
+the runtime can share one database.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from services.runtime.adapters.tables import SCHEMA, metadata
+
+connection = context.config.attributes["connection"]
+is_postgres = connection.dialect.name == "postgresql"
+context.configure(
+    connection=connection,
+    target_metadata=metadata,
+    version_table="runtime_alembic_version",
+    version_table_schema=SCHEMA if is_postgres else None,
+    include_schemas=is_postgres,
+    render_as_batch=not is_postgres,
+)
+with context.begin_transaction():
+    context.run_migrations()

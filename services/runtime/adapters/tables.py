@@ -1,0 +1,99 @@
+"""The runtime's tables (SQLAlchemy Core). On PostgreSQL they live in the
+`runtime` schema; on SQLite the schema is translated away (see `sql.Database`),
+so the names do not clash with the IM's when both share one file.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from services.common.sql import UtcDateTime
+
+SCHEMA = "runtime"
+
+metadata = sa.MetaData(schema=SCHEMA)
+
+agents = sa.Table(
+    "agents",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    sa.Column("member_id", sa.Uuid, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("role", sa.Text, nullable=False),
+    sa.Column("system_prompt", sa.Text, nullable=False),
+    # ModelSettings, one column per field.
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("base_url", sa.Text, nullable=False),
+    sa.Column("temperature", sa.Float, nullable=True),
+    sa.Column("max_tokens", sa.Integer, nullable=True),
+    sa.Column("tools", sa.JSON, nullable=False),
+    sa.Column("parent_id", sa.Uuid, nullable=True),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("updated_at", UtcDateTime, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("last_error", sa.Text, nullable=False),
+    sa.Column("tokens_used", sa.BigInteger, nullable=False),
+    sa.Column("token_budget", sa.BigInteger, nullable=False),
+    sa.Column("session_id", sa.Uuid, nullable=False),
+    # Deleted agents keep their row so that their runs and steps stay readable.
+    sa.Column("deleted", sa.Boolean, nullable=False),
+    sa.Index("ix_agents_workspace", "workspace_id", "id"),
+    sa.Index("ix_agents_parent", "parent_id", "id"),
+)
+
+# request_ids of CreateAgent calls, for idempotent retries.
+agent_requests = sa.Table(
+    "agent_requests",
+    metadata,
+    sa.Column("scope", sa.Uuid, primary_key=True),
+    sa.Column("request_id", sa.String(128), primary_key=True),
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("agent_id", sa.Uuid, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+)
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("agent_id", sa.Uuid, nullable=False),
+    sa.Column("session_id", sa.Uuid, nullable=False),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("trigger_message_ids", sa.JSON, nullable=False),
+    sa.Column("started_at", UtcDateTime, nullable=False),
+    sa.Column("iterations", sa.Integer, nullable=False),
+    sa.Column("error", sa.Text, nullable=False),
+    sa.Column("ended_at", UtcDateTime, nullable=True),
+    sa.Index("ix_runs_agent", "agent_id", "id"),
+)
+
+steps = sa.Table(
+    "steps",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("agent_id", sa.Uuid, nullable=False),
+    sa.Column("session_id", sa.Uuid, nullable=False),
+    sa.Column("run_id", sa.Uuid, nullable=False),
+    sa.Column("sequence", sa.BigInteger, nullable=False),
+    # The native chat message.
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("content", sa.Text, nullable=True),
+    sa.Column("reasoning", sa.Text, nullable=True),
+    sa.Column("tool_calls", sa.JSON, nullable=False),
+    sa.Column("tool_call_id", sa.Text, nullable=True),
+    sa.Column("name", sa.Text, nullable=True),
+    # StepMetrics, one column per field, so that usage can be summed in SQL.
+    sa.Column("duration_ms", sa.Float, nullable=False),
+    sa.Column("first_token_ms", sa.Float, nullable=False),
+    sa.Column("input_tokens", sa.BigInteger, nullable=False),
+    sa.Column("output_tokens", sa.BigInteger, nullable=False),
+    sa.Column("cached_tokens", sa.BigInteger, nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("tool_duration_ms", sa.Float, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    # A sequence number is written once: a second writer of it is stale. The
+    # constraint's index also serves a session's reads in order.
+    sa.UniqueConstraint("session_id", "sequence", name="uq_steps_session_sequence"),
+    sa.Index("ix_steps_run", "run_id", "sequence"),
+)

@@ -1,0 +1,144 @@
+"""The composition root: builds the runtime service from its settings."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from agentim.runtime.v1 import runtime_pb2, runtime_pb2_grpc
+from services.common.server import GrpcServer
+from services.runtime.adapters.im_client import GrpcIM
+from services.runtime.adapters.llm.offline import OfflineModel
+from services.runtime.adapters.llm.openai_provider import OpenAIProvider
+from services.runtime.adapters.sql import Database, SqlAgentStore
+from services.runtime.config import Settings
+from services.runtime.domain.etiquette import ChatterGuard
+from services.runtime.domain.model import Agent
+from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
+from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.hub import AgentHub
+from services.runtime.service_layer.llm_port import LLM
+from services.runtime.service_layer.llm_router import ModelRouter
+from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
+from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.tools import default_registry
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_name
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class RuntimeApp:
+    """Everything the running runtime service is made of, wired together."""
+
+    settings: Settings
+    database: Database
+    im: GrpcIM
+    llm: LLM
+    hub: AgentHub
+    supervisor: Supervisor
+    service: AgentService
+    server: GrpcServer
+
+    async def start(self) -> tuple[int, int]:
+        """Starts serving and every agent's runner; returns (port, agents started)."""
+        port = await self.server.start()
+        agents = await self.supervisor.start()
+        return port, agents
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+
+def open_database(settings: Settings) -> Database:
+    """The database engine (no connection yet); makes the embedded default's directory."""
+    url = make_url(settings.database_url)
+    if url.get_backend_name() == "sqlite" and url.database:
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    return Database(settings.database_url)
+
+
+def build(settings: Settings) -> RuntimeApp:
+    """Wires the service; connects nothing until `RuntimeApp.start`."""
+    database = open_database(settings)
+    store = SqlAgentStore(database)
+    im = GrpcIM(
+        settings.im_address,
+        service_token=settings.service_token,
+        deadline_seconds=settings.im_call_timeout_seconds,
+    )
+    llm = ModelRouter(
+        offline=OfflineModel(),
+        endpoint=lambda url: OpenAIProvider(
+            base_url=url,
+            api_key=settings.llm_api_key or "",
+            model=settings.llm_model,
+            request_timeout=settings.llm_timeout_seconds,
+            max_retries=settings.llm_max_retries,
+        ),
+        default_base_url=settings.llm_base_url,
+    )
+    hub = AgentHub()
+    tools = default_registry(timeout_seconds=settings.tool_timeout_seconds)
+    services: list[AgentService] = []
+
+    async def create_sub_agent(parent: Agent, name: str, role: str, system_prompt: str) -> Agent:
+        return await services[0].create_child(parent, name, role, system_prompt)
+
+    env = RunnerEnv(
+        store=store,
+        im=im,
+        llm=llm,
+        tools=tools,
+        hub=hub,
+        guard=ChatterGuard(settings.agent_chatter_limit),
+        directory=Directory(im),
+        settings=LoopSettings(
+            max_iterations=settings.max_iterations,
+            group_policy=settings.group_policy,
+            default_token_budget=settings.token_budget,
+        ),
+        create_sub_agent=create_sub_agent,
+        clock=utc_now,
+    )
+    supervisor = Supervisor(env)
+    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now)
+    services.append(service)
+    servicer = RuntimeServicer(service, service_token=settings.service_token)
+
+    async def ready() -> bool:
+        return await database.ping()
+
+    async def close_hub() -> None:
+        hub.close()
+
+    server = GrpcServer(
+        address=settings.grpc_address,
+        registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, s)],
+        service_names=[SERVICE_NAME],
+        readiness=ready,
+        reflection=settings.reflection,
+        max_message_bytes=settings.max_message_bytes,
+        grace_seconds=settings.shutdown_grace_seconds,
+        closers=[close_hub, supervisor.aclose],
+        cleanups=[llm.aclose, im.aclose, store.aclose, database.aclose],
+    )
+    return RuntimeApp(
+        settings=settings,
+        database=database,
+        im=im,
+        llm=llm,
+        hub=hub,
+        supervisor=supervisor,
+        service=service,
+        server=server,
+    )

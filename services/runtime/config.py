@@ -1,0 +1,73 @@
+"""The runtime service's settings, read once from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.common.logs import LOG_LEVELS
+from services.common.settings import EnvReader, default_data_dir
+from services.runtime.domain.etiquette import GroupPolicy
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    grpc_address: str
+    im_address: str
+    log_level: str
+    reflection: bool
+    max_message_bytes: int
+    shutdown_grace_seconds: float
+    im_call_timeout_seconds: float
+    llm_base_url: str
+    llm_model: str
+    llm_timeout_seconds: float
+    llm_max_retries: int
+    max_iterations: int
+    group_policy: GroupPolicy
+    agent_chatter_limit: int
+    token_budget: int
+    tool_timeout_seconds: float
+    llm_api_key: str | None = field(repr=False)
+    service_token: str | None = field(repr=False)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Reads every setting; raises ConfigError listing all bad ones."""
+        env = EnvReader(environ)
+        data_dir = default_data_dir(env)
+        policy = env.text("RUNTIME_GROUP_POLICY", GroupPolicy.UNLESS_OTHERS_MENTIONED.value)
+        if policy not in {p.value for p in GroupPolicy}:
+            env.problem(
+                f"RUNTIME_GROUP_POLICY: expected one of {[p.value for p in GroupPolicy]}, got {policy!r}"
+            )
+            policy = GroupPolicy.UNLESS_OTHERS_MENTIONED.value
+        base_url = env.text("OPENAI_BASE_URL", "")
+        if base_url and not base_url.startswith(("http://", "https://")):
+            env.problem("OPENAI_BASE_URL: expected an http(s) URL")
+        settings = cls(
+            database_url=env.text(
+                "RUNTIME_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'runtime.db'}")
+            ),
+            grpc_address=env.address("RUNTIME_GRPC_ADDRESS", "127.0.0.1:50052"),
+            im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
+            log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
+            reflection=env.flag("GRPC_REFLECTION", True),
+            max_message_bytes=env.integer("GRPC_MAX_MESSAGE_BYTES", 1024 * 1024, minimum=1024),
+            shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
+            im_call_timeout_seconds=env.number("IM_CALL_TIMEOUT_SECONDS", 10.0, minimum=0.01),
+            llm_base_url=base_url,
+            llm_model=env.text("OPENAI_MODEL", "gpt-4o-mini"),
+            llm_timeout_seconds=env.number("LLM_TIMEOUT_SECONDS", 120.0, minimum=0.01),
+            llm_max_retries=env.integer("LLM_MAX_RETRIES", 4),
+            max_iterations=env.integer("RUNTIME_MAX_ITERATIONS", 10, minimum=1),
+            group_policy=GroupPolicy(policy),
+            agent_chatter_limit=env.integer("RUNTIME_AGENT_CHATTER_LIMIT", 20, minimum=1),
+            token_budget=env.integer("RUNTIME_TOKEN_BUDGET", 1_000_000, minimum=1),
+            tool_timeout_seconds=env.number("TOOL_TIMEOUT_SECONDS", 60.0, minimum=0.01),
+            llm_api_key=env.optional("OPENAI_API_KEY"),
+            service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+        )
+        env.finish()
+        return settings

@@ -1,0 +1,130 @@
+"""The RuntimeService gRPC servicer: proto in, use case, proto out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
+
+from agentim.runtime.v1 import runtime_pb2 as pb
+from agentim.runtime.v1 import runtime_pb2_grpc
+from services.common.identity import Principal, principal_from_metadata
+from services.runtime.entrypoints import mappers
+from services.runtime.service_layer.agents import AgentDraft, AgentService
+
+# grpc.aio.ServicerContext; grpc has no type information.
+Context: TypeAlias = Any
+
+
+def _draft(value: pb.Agent) -> AgentDraft:
+    return AgentDraft(
+        name=value.name,
+        role=value.role,
+        system_prompt=value.system_prompt,
+        model=mappers.model_settings_in(value.model),
+        tools=tuple(value.tools),
+        token_budget=value.token_budget,
+    )
+
+
+class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
+    """Thin translation between the wire and `AgentService`."""
+
+    def __init__(self, service: AgentService, *, service_token: str | None) -> None:
+        self._service = service
+        self._service_token = service_token
+
+    def _caller(self, context: Context) -> Principal | None:
+        return principal_from_metadata(context.invocation_metadata(), service_token=self._service_token)
+
+    async def CreateAgent(self, request: pb.CreateAgentRequest, context: Context) -> pb.CreateAgentResponse:
+        draft = AgentDraft(
+            name=request.name,
+            role=request.role,
+            system_prompt=request.system_prompt,
+            model=mappers.model_settings_in(request.model),
+            tools=tuple(request.tools),
+            token_budget=request.token_budget,
+        )
+        created = await self._service.create_agent(
+            self._caller(context),
+            draft,
+            workspace_id=request.workspace_id,
+            parent_id=request.parent_id,
+            request_id=request.request_id,
+        )
+        return pb.CreateAgentResponse(agent=mappers.agent(created))
+
+    async def GetAgent(self, request: pb.GetAgentRequest, context: Context) -> pb.GetAgentResponse:
+        found = await self._service.get_agent(self._caller(context), request.agent_id)
+        return pb.GetAgentResponse(agent=mappers.agent(found))
+
+    async def ListAgents(self, request: pb.ListAgentsRequest, context: Context) -> pb.ListAgentsResponse:
+        agents, token = await self._service.list_agents(
+            self._caller(context),
+            page_size=request.page_size,
+            page_token=request.page_token,
+            parent_id=request.parent_id,
+        )
+        return pb.ListAgentsResponse(agents=[mappers.agent(a) for a in agents], next_page_token=token)
+
+    async def UpdateAgent(self, request: pb.UpdateAgentRequest, context: Context) -> pb.UpdateAgentResponse:
+        updated = await self._service.update_agent(
+            self._caller(context), request.agent.id, _draft(request.agent), list(request.update_mask.paths)
+        )
+        return pb.UpdateAgentResponse(agent=mappers.agent(updated))
+
+    async def DeleteAgent(self, request: pb.DeleteAgentRequest, context: Context) -> pb.DeleteAgentResponse:
+        await self._service.delete_agent(self._caller(context), request.agent_id)
+        return pb.DeleteAgentResponse()
+
+    async def WakeAgent(self, request: pb.WakeAgentRequest, context: Context) -> pb.WakeAgentResponse:
+        woken = await self._service.wake_agent(self._caller(context), request.agent_id)
+        return pb.WakeAgentResponse(agent=mappers.agent(woken))
+
+    async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
+        runs, token = await self._service.list_runs(
+            self._caller(context),
+            request.agent_id,
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return pb.ListRunsResponse(runs=[mappers.run(r) for r in runs], next_page_token=token)
+
+    async def ListSteps(self, request: pb.ListStepsRequest, context: Context) -> pb.ListStepsResponse:
+        steps, more = await self._service.list_steps(
+            self._caller(context),
+            request.agent_id,
+            after_sequence=request.after_sequence,
+            page_size=request.page_size,
+            run_id=request.run_id,
+        )
+        return pb.ListStepsResponse(steps=[mappers.step(s) for s in steps], has_more=more)
+
+    async def WatchAgent(
+        self, request: pb.WatchAgentRequest, context: Context
+    ) -> AsyncIterator[pb.WatchAgentResponse]:
+        events = await self._service.watch_agent(
+            self._caller(context),
+            request.agent_id,
+            after_sequence=request.after_sequence,
+            live_only=request.live_only,
+        )
+        try:
+            await context.send_initial_metadata(())
+            async for emitted in events:
+                yield pb.WatchAgentResponse(event=mappers.event(emitted))
+        finally:
+            await events.aclose()
+
+    async def WatchAgents(
+        self, request: pb.WatchAgentsRequest, context: Context
+    ) -> AsyncIterator[pb.WatchAgentsResponse]:
+        events = await self._service.watch_agents(
+            self._caller(context), agent_ids=list(request.agent_ids), workspace_id=request.workspace_id
+        )
+        try:
+            await context.send_initial_metadata(())
+            async for emitted in events:
+                yield pb.WatchAgentsResponse(event=mappers.event(emitted))
+        finally:
+            await events.aclose()

@@ -1,0 +1,159 @@
+"""Runtime domain objects to protobuf messages and back; nothing else."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from google.protobuf import timestamp_pb2
+
+from agentim.runtime.v1 import runtime_pb2 as pb
+from services.runtime.domain import llm
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Emitted,
+    Run,
+    RunEnded,
+    RunStarted,
+    RunStatus,
+    StateChanged,
+    Step,
+    StepCompleted,
+    StepDelta,
+    StepStarted,
+)
+
+AGENT_STATES = {
+    AgentState.IDLE: pb.AGENT_STATE_IDLE,
+    AgentState.RUNNING: pb.AGENT_STATE_RUNNING,
+    AgentState.ERROR: pb.AGENT_STATE_ERROR,
+}
+ROLES = {
+    llm.Role.SYSTEM: pb.STEP_ROLE_SYSTEM,
+    llm.Role.USER: pb.STEP_ROLE_USER,
+    llm.Role.ASSISTANT: pb.STEP_ROLE_ASSISTANT,
+    llm.Role.TOOL: pb.STEP_ROLE_TOOL,
+}
+RUN_STATUSES = {
+    RunStatus.RUNNING: pb.RUN_STATUS_RUNNING,
+    RunStatus.COMPLETED: pb.RUN_STATUS_COMPLETED,
+    RunStatus.FAILED: pb.RUN_STATUS_FAILED,
+    RunStatus.ITERATION_LIMIT: pb.RUN_STATUS_ITERATION_LIMIT,
+    RunStatus.BUDGET_EXHAUSTED: pb.RUN_STATUS_BUDGET_EXHAUSTED,
+}
+
+
+def timestamp(value: datetime) -> timestamp_pb2.Timestamp:
+    out = timestamp_pb2.Timestamp()
+    out.FromDatetime(value)
+    return out
+
+
+def model_settings_in(value: pb.ModelSettings) -> llm.ModelSettings:
+    return llm.ModelSettings(
+        model=value.model,
+        base_url=value.base_url,
+        temperature=value.temperature if value.HasField("temperature") else None,
+        max_tokens=value.max_tokens if value.HasField("max_tokens") else None,
+    )
+
+
+def model_settings(value: llm.ModelSettings) -> pb.ModelSettings:
+    out = pb.ModelSettings(model=value.model, base_url=value.base_url)
+    if value.temperature is not None:
+        out.temperature = value.temperature
+    if value.max_tokens is not None:
+        out.max_tokens = value.max_tokens
+    return out
+
+
+def agent(a: Agent) -> pb.Agent:
+    return pb.Agent(
+        id=str(a.id),
+        workspace_id=str(a.workspace_id),
+        member_id=str(a.member_id),
+        name=a.name,
+        role=a.role,
+        system_prompt=a.system_prompt,
+        model=model_settings(a.model),
+        tools=list(a.tools),
+        parent_id=str(a.parent_id) if a.parent_id else "",
+        state=AGENT_STATES[a.state],
+        last_error=a.last_error,
+        tokens_used=a.tokens_used,
+        token_budget=a.token_budget,
+        create_time=timestamp(a.created_at),
+        update_time=timestamp(a.updated_at),
+    )
+
+
+def step(s: Step) -> pb.Step:
+    message, metrics = s.message, s.metrics
+    return pb.Step(
+        id=str(s.id),
+        agent_id=str(s.agent_id),
+        session_id=str(s.session_id),
+        run_id=str(s.run_id),
+        sequence=s.sequence,
+        role=ROLES[message.role],
+        content=message.content or "",
+        reasoning=message.reasoning or "",
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls],
+        tool_call_id=message.tool_call_id or "",
+        name=message.name or "",
+        metrics=pb.StepMetrics(
+            duration_ms=metrics.duration_ms,
+            first_token_ms=metrics.first_token_ms,
+            input_tokens=metrics.input_tokens,
+            output_tokens=metrics.output_tokens,
+            cached_tokens=metrics.cached_tokens,
+            model=metrics.model,
+            tool_duration_ms=metrics.tool_duration_ms,
+        ),
+        create_time=timestamp(s.created_at),
+    )
+
+
+def run(r: Run) -> pb.Run:
+    out = pb.Run(
+        id=str(r.id),
+        agent_id=str(r.agent_id),
+        session_id=str(r.session_id),
+        status=RUN_STATUSES[r.status],
+        trigger_message_ids=[str(m) for m in r.trigger_message_ids],
+        iterations=r.iterations,
+        error=r.error,
+        start_time=timestamp(r.started_at),
+    )
+    if r.ended_at is not None:
+        out.end_time.CopyFrom(timestamp(r.ended_at))
+    return out
+
+
+def event(e: Emitted) -> pb.AgentEvent:
+    out = pb.AgentEvent(agent_id=str(e.agent_id), event_time=timestamp(e.at))
+    match e.event:
+        case RunStarted(run=r):
+            out.run_started.CopyFrom(run(r))
+        case RunEnded(run=r):
+            out.run_ended.CopyFrom(run(r))
+        case StepStarted(run_id=run_id, sequence=sequence, role=role):
+            out.step_started.CopyFrom(pb.StepStarted(run_id=str(run_id), sequence=sequence, role=ROLES[role]))
+        case StepDelta(sequence=sequence, delta=delta):
+            out.step_delta.sequence = sequence
+            match delta:
+                case llm.ContentDelta(text=text):
+                    out.step_delta.content = text
+                case llm.ReasoningDelta(text=text):
+                    out.step_delta.reasoning = text
+                case llm.ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments):
+                    out.step_delta.tool_call.CopyFrom(
+                        pb.ToolCallFragment(
+                            index=index, id=call_id or "", name=name or "", arguments=arguments
+                        )
+                    )
+        case StepCompleted(step=s):
+            out.step_completed.CopyFrom(step(s))
+        case StateChanged(state=state, error=error):
+            out.state_changed.CopyFrom(pb.AgentStateChanged(state=AGENT_STATES[state], error=error))
+    return out

@@ -1,0 +1,378 @@
+"""The runtime's use cases: agents, their runs and steps, and their live events."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+from uuid_utils.compat import uuid7
+
+from services.common import errors
+from services.common.identity import Principal
+from services.runtime.domain.llm import ModelSettings
+from services.runtime.domain.model import Agent, Emitted, Run, Step, StepCompleted, StepDelta, StepStarted
+from services.runtime.service_layer.hub import AgentHub, InFlight, Watcher
+from services.runtime.service_layer.im_port import IMPort
+from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
+from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.tools import ToolRegistry
+
+logger = logging.getLogger(__name__)
+
+MAX_NAME_CHARS = 200
+MAX_PROMPT_CHARS = 100_000
+UPDATABLE = {"name", "role", "system_prompt", "model", "tools", "token_budget"}
+
+
+class InvalidAgentRequest(errors.InvalidArgument):
+    pass
+
+
+class AgentNotFound(errors.NotFound):
+    pass
+
+
+class NotAuthenticated(errors.Unauthenticated):
+    pass
+
+
+class RequestReused(errors.AlreadyExists):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class AgentDraft:
+    """What a caller asks an agent to be."""
+
+    name: str
+    role: str = ""
+    system_prompt: str = ""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    tools: tuple[str, ...] = ()
+    token_budget: int = 0
+
+
+class AgentService:
+    """Agents' lifecycle and views. Callers act as IM members of a workspace."""
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        im: IMPort,
+        supervisor: Supervisor,
+        hub: AgentHub,
+        tools: ToolRegistry,
+        clock: Callable[[], datetime],
+        max_page_size: int = 200,
+    ) -> None:
+        self._store = store
+        self._im = im
+        self._supervisor = supervisor
+        self._hub = hub
+        self._tools = tools
+        self._clock = clock
+        self._max_page = max_page_size
+        self._workspaces: dict[uuid.UUID, uuid.UUID] = {}
+
+    # -- identity -----------------------------------------------------------
+
+    async def _workspace_of(self, principal: Principal | None) -> tuple[uuid.UUID, uuid.UUID]:
+        """(the caller's member id, its workspace)."""
+        if principal is None or principal.member_id is None:
+            raise NotAuthenticated("this call needs the acting member in the x-member-id metadata")
+        member_id = principal.member_id
+        if member_id not in self._workspaces:
+            try:
+                member = await self._im.get_member(member_id, member_id)
+            except errors.ServiceError as error:
+                if isinstance(error, errors.Unavailable):
+                    raise
+                raise NotAuthenticated(f"member {member_id} does not exist") from None
+            self._workspaces[member_id] = member.workspace_id
+        return member_id, self._workspaces[member_id]
+
+    async def _visible(self, principal: Principal | None, agent_id: str) -> Agent:
+        _, workspace = await self._workspace_of(principal)
+        wanted = _parse_id(agent_id, "agent_id")
+        agent = await self._store.get_agent(wanted)
+        if agent is None or agent.workspace_id != workspace:
+            raise AgentNotFound(f"agent {wanted} not found")
+        runner = self._supervisor.runner(agent.id)
+        return runner.agent if runner is not None else agent
+
+    # -- agents -------------------------------------------------------------
+
+    def _check(self, draft: AgentDraft) -> AgentDraft:
+        name = draft.name.strip()
+        if not name:
+            raise InvalidAgentRequest("name is required")
+        if len(name) > MAX_NAME_CHARS or len(draft.role) > MAX_NAME_CHARS:
+            raise InvalidAgentRequest(f"name and role are limited to {MAX_NAME_CHARS} characters")
+        if len(draft.system_prompt) > MAX_PROMPT_CHARS:
+            raise InvalidAgentRequest(
+                f"system_prompt is {len(draft.system_prompt)} characters; the limit is {MAX_PROMPT_CHARS}"
+            )
+        unknown = self._tools.unknown(draft.tools)
+        if unknown:
+            raise InvalidAgentRequest(f"unknown tools: {unknown}; known: {self._tools.names}")
+        model = draft.model
+        if model.temperature is not None and not 0 <= model.temperature <= 2:
+            raise InvalidAgentRequest(f"model.temperature must be between 0 and 2, got {model.temperature}")
+        if model.max_tokens is not None and model.max_tokens <= 0:
+            raise InvalidAgentRequest(f"model.max_tokens must be positive, got {model.max_tokens}")
+        if model.base_url and not model.base_url.startswith(("http://", "https://")):
+            raise InvalidAgentRequest(f"model.base_url must be an http(s) URL, got {model.base_url[:100]!r}")
+        if draft.token_budget < 0:
+            raise InvalidAgentRequest("token_budget must not be negative")
+        return replace(draft, name=name)
+
+    async def create_agent(
+        self,
+        principal: Principal | None,
+        draft: AgentDraft,
+        *,
+        workspace_id: str = "",
+        parent_id: str = "",
+        request_id: str = "",
+    ) -> Agent:
+        caller, workspace = await self._workspace_of(principal)
+        if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
+            raise AgentNotFound(f"workspace {workspace_id} not found")
+        parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
+        return await self._create(caller, workspace, self._check(draft), parent=parent, request_id=request_id)
+
+    async def create_child(self, parent: Agent, name: str, role: str, system_prompt: str) -> Agent:
+        """The create_sub_agent tool: a child with its parent's model and tools."""
+        draft = self._check(
+            AgentDraft(
+                name=name, role=role, system_prompt=system_prompt, model=parent.model, tools=parent.tools
+            )
+        )
+        return await self._create(parent.member_id, parent.workspace_id, draft, parent=parent, request_id="")
+
+    async def _create(
+        self,
+        caller: uuid.UUID,
+        workspace: uuid.UUID,
+        draft: AgentDraft,
+        *,
+        parent: Agent | None,
+        request_id: str,
+    ) -> Agent:
+        fingerprint = hashlib.sha256(
+            json.dumps([str(workspace), repr(draft), str(parent.id if parent else "")]).encode()
+        ).hexdigest()
+        if request_id:
+            found = await self._store.find_request(caller, request_id)
+            if found is not None:
+                return await self._replayed(found, fingerprint, request_id)
+        member = await self._im.create_agent_member(
+            workspace, draft.name, request_id=f"agent:{request_id}" if request_id else ""
+        )
+        now = self._clock()
+        agent = Agent(
+            id=uuid7(),
+            workspace_id=workspace,
+            member_id=member.id,
+            name=draft.name,
+            role=draft.role,
+            system_prompt=draft.system_prompt,
+            model=draft.model,
+            tools=draft.tools,
+            parent_id=parent.id if parent else None,
+            created_at=now,
+            updated_at=now,
+            token_budget=draft.token_budget,
+            session_id=uuid7(),
+        )
+        try:
+            await self._store.add_agent(
+                agent, request=(caller, request_id, fingerprint) if request_id else None
+            )
+        except DuplicateAgentRequest:
+            found = await self._store.find_request(caller, request_id)
+            assert found is not None
+            return await self._replayed(found, fingerprint, request_id)
+        self._supervisor.add(agent)
+        return agent
+
+    async def _replayed(self, found: tuple[str, uuid.UUID], fingerprint: str, request_id: str) -> Agent:
+        used, agent_id = found
+        if used != fingerprint:
+            raise RequestReused(f"request_id {request_id!r} was already used for a different agent")
+        agent = await self._store.get_agent(agent_id)
+        if agent is None:
+            raise AgentNotFound(f"agent {agent_id} not found")
+        return agent
+
+    async def get_agent(self, principal: Principal | None, agent_id: str) -> Agent:
+        return await self._visible(principal, agent_id)
+
+    async def list_agents(
+        self, principal: Principal | None, *, page_size: int, page_token: str, parent_id: str
+    ) -> tuple[list[Agent], str]:
+        _, workspace = await self._workspace_of(principal)
+        limit = self._limit(page_size)
+        after = _parse_id(page_token, "page_token") if page_token else None
+        parent = _parse_id(parent_id, "parent_id") if parent_id else None
+        agents = await self._store.list_agents(workspace, parent_id=parent, after=after, limit=limit + 1)
+        live = [self._live(a) for a in agents[:limit]]
+        return live, str(agents[limit - 1].id) if len(agents) > limit else ""
+
+    def _live(self, agent: Agent) -> Agent:
+        runner = self._supervisor.runner(agent.id)
+        return runner.agent if runner is not None else agent
+
+    async def update_agent(
+        self, principal: Principal | None, agent_id: str, draft: AgentDraft, fields: Sequence[str]
+    ) -> Agent:
+        agent = await self._visible(principal, agent_id)
+        unknown = set(fields) - UPDATABLE
+        if unknown or not fields:
+            raise InvalidAgentRequest(
+                f"update_mask must name some of {sorted(UPDATABLE)}; got {sorted(fields)}"
+            )
+        merged = AgentDraft(
+            name=draft.name if "name" in fields else agent.name,
+            role=draft.role if "role" in fields else agent.role,
+            system_prompt=draft.system_prompt if "system_prompt" in fields else agent.system_prompt,
+            model=draft.model if "model" in fields else agent.model,
+            tools=draft.tools if "tools" in fields else agent.tools,
+            token_budget=draft.token_budget if "token_budget" in fields else agent.token_budget,
+        )
+        merged = self._check(merged)
+        if merged.name != agent.name:
+            await self._im.rename_member(agent.member_id, merged.name)
+        updated = replace(
+            agent,
+            name=merged.name,
+            role=merged.role,
+            system_prompt=merged.system_prompt,
+            model=merged.model,
+            tools=merged.tools,
+            token_budget=merged.token_budget,
+            updated_at=self._clock(),
+        )
+        await self._store.update_agent(updated)
+        runner = self._supervisor.runner(agent.id)
+        if runner is not None:
+            runner.update(updated)
+            return runner.agent
+        return updated
+
+    async def delete_agent(self, principal: Principal | None, agent_id: str) -> None:
+        agent = await self._visible(principal, agent_id)
+        await self._supervisor.remove(agent.id)
+        await self._store.delete_agent(agent.id)
+
+    async def wake_agent(self, principal: Principal | None, agent_id: str) -> Agent:
+        agent = await self._visible(principal, agent_id)
+        runner = self._supervisor.runner(agent.id)
+        if runner is not None:
+            runner.wake(retry=True)
+        return agent
+
+    # -- runs and steps -------------------------------------------------------
+
+    async def list_runs(
+        self, principal: Principal | None, agent_id: str, *, page_size: int, page_token: str
+    ) -> tuple[list[Run], str]:
+        agent = await self._visible(principal, agent_id)
+        limit = self._limit(page_size)
+        before = _parse_id(page_token, "page_token") if page_token else None
+        runs = await self._store.list_runs(agent.id, before=before, limit=limit + 1)
+        return runs[:limit], str(runs[limit - 1].id) if len(runs) > limit else ""
+
+    async def list_steps(
+        self, principal: Principal | None, agent_id: str, *, after_sequence: int, page_size: int, run_id: str
+    ) -> tuple[list[Step], bool]:
+        agent = await self._visible(principal, agent_id)
+        if after_sequence < 0:
+            raise InvalidAgentRequest("after_sequence must not be negative")
+        limit = self._limit(page_size)
+        run = _parse_id(run_id, "run_id") if run_id else None
+        steps = await self._store.list_steps(
+            agent.session_id, after_sequence=after_sequence, limit=limit + 1, run_id=run
+        )
+        return steps[:limit], len(steps) > limit
+
+    async def watch_agent(
+        self, principal: Principal | None, agent_id: str, *, after_sequence: int, live_only: bool
+    ) -> AsyncGenerator[Emitted, None]:
+        """Snapshots of the steps after `after_sequence`, the step in flight so far, then live events."""
+        agent = await self._visible(principal, agent_id)
+        if after_sequence < 0:
+            raise InvalidAgentRequest("after_sequence must not be negative")
+        watcher, flights = self._hub.watch([agent.id])
+        return self._replay_then_live(agent, watcher, flights, after_sequence, live_only)
+
+    async def _replay_then_live(
+        self, agent: Agent, watcher: Watcher, flights: list[InFlight], after_sequence: int, live_only: bool
+    ) -> AsyncGenerator[Emitted, None]:
+        sent = after_sequence
+        events = watcher.events()
+        try:
+            if not live_only:
+                while True:
+                    page = await self._store.list_steps(agent.session_id, after_sequence=sent, limit=500)
+                    for step in page:
+                        yield Emitted(agent.id, step.created_at, StepCompleted(step))
+                        sent = step.sequence
+                    if len(page) < 500:
+                        break
+            for flight in flights:
+                started = flight.started.event
+                assert isinstance(started, StepStarted)
+                if started.sequence > sent:
+                    yield flight.started
+                    for delta in flight.deltas:
+                        yield delta
+            async for emitted in events:
+                event = emitted.event
+                if isinstance(event, StepCompleted) and event.step.sequence <= sent:
+                    continue
+                if isinstance(event, StepDelta | StepStarted) and event.sequence <= sent:
+                    continue
+                yield emitted
+        finally:
+            await events.aclose()
+
+    async def watch_agents(
+        self, principal: Principal | None, *, agent_ids: Sequence[str], workspace_id: str
+    ) -> AsyncGenerator[Emitted, None]:
+        _, workspace = await self._workspace_of(principal)
+        if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
+            raise AgentNotFound(f"workspace {workspace_id} not found")
+        if agent_ids:
+            ids = [(await self._visible(principal, a)).id for a in agent_ids]
+            watcher, _ = self._hub.watch(ids)
+        else:
+            watcher, _ = self._hub.watch(None)
+            return self._filtered(watcher.events(), workspace)
+        return watcher.events()
+
+    async def _filtered(
+        self, events: AsyncIterator[Emitted], workspace: uuid.UUID
+    ) -> AsyncGenerator[Emitted, None]:
+        async for emitted in events:
+            runner = self._supervisor.runner(emitted.agent_id)
+            if runner is not None and runner.agent.workspace_id == workspace:
+                yield emitted
+
+    def _limit(self, page_size: int) -> int:
+        if page_size < 0:
+            raise InvalidAgentRequest("page_size must not be negative")
+        return min(page_size or 50, self._max_page)
+
+
+def _parse_id(value: str, field: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise InvalidAgentRequest(f"{field} is not a valid id: {value[:64]!r}") from None

@@ -1,0 +1,114 @@
+"""Live agent events for watchers, in this process.
+
+Completed steps are in the store; the hub carries what is live (run and
+state changes, step starts, deltas, completions) and remembers each agent's
+step in flight, so that a watcher joining mid-step can be given what it
+missed of it before the live deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncGenerator, Iterable
+from dataclasses import dataclass, field
+
+from services.runtime.domain.model import Emitted, RunEnded, StepCompleted, StepDelta, StepStarted
+
+
+@dataclass(slots=True)
+class InFlight:
+    """The step an agent is streaming: its start and the deltas so far."""
+
+    started: Emitted
+    deltas: list[Emitted] = field(default_factory=list)
+
+
+_CLOSED = object()
+
+
+class Watcher:
+    """One watcher's queue of live events; bounded so a stuck reader cannot grow it forever."""
+
+    def __init__(self, hub: AgentHub, agent_ids: frozenset[uuid.UUID] | None, max_backlog: int) -> None:
+        self._hub = hub
+        self.agent_ids = agent_ids
+        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max_backlog)
+        self.overflowed = False
+
+    def wants(self, agent_id: uuid.UUID) -> bool:
+        return self.agent_ids is None or agent_id in self.agent_ids
+
+    def put(self, item: object) -> None:
+        try:
+            self._queue.put_nowait(item)
+        except asyncio.QueueFull:
+            # Too slow: end this watch; the client resumes from its last step.
+            self.overflowed = True
+            self.close()
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._queue.put_nowait(_CLOSED)
+                return
+            except asyncio.QueueFull:
+                self._queue.get_nowait()
+
+    async def events(self) -> AsyncGenerator[Emitted, None]:
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is _CLOSED:
+                    return
+                assert isinstance(item, Emitted)
+                yield item
+        finally:
+            self._hub.unwatch(self)
+
+
+class AgentHub:
+    """Fans agent events out to watchers; remembers steps in flight."""
+
+    def __init__(self, *, max_backlog: int = 10_000) -> None:
+        self._watchers: set[Watcher] = set()
+        self._in_flight: dict[uuid.UUID, InFlight] = {}
+        self._max_backlog = max_backlog
+
+    def publish(self, emitted: Emitted) -> None:
+        event = emitted.event
+        if isinstance(event, StepStarted):
+            self._in_flight[emitted.agent_id] = InFlight(emitted)
+        elif isinstance(event, StepDelta):
+            flight = self._in_flight.get(emitted.agent_id)
+            if flight is not None:
+                flight.deltas.append(emitted)
+        elif isinstance(event, StepCompleted | RunEnded):
+            self._in_flight.pop(emitted.agent_id, None)
+        for watcher in list(self._watchers):
+            if watcher.wants(emitted.agent_id):
+                watcher.put(emitted)
+
+    def watch(self, agent_ids: Iterable[uuid.UUID] | None) -> tuple[Watcher, list[InFlight]]:
+        """Starts a watch; returns it with the steps in flight at this moment.
+
+        Both are taken at once, so the watcher's queue holds exactly what
+        happens after the in-flight snapshot.
+        """
+        wanted = frozenset(agent_ids) if agent_ids is not None else None
+        watcher = Watcher(self, wanted, self._max_backlog)
+        self._watchers.add(watcher)
+        flights = [
+            InFlight(f.started, list(f.deltas))
+            for agent_id, f in self._in_flight.items()
+            if watcher.wants(agent_id)
+        ]
+        return watcher, flights
+
+    def unwatch(self, watcher: Watcher) -> None:
+        self._watchers.discard(watcher)
+
+    def close(self) -> None:
+        """Ends every watch (shutdown)."""
+        for watcher in list(self._watchers):
+            watcher.close()

@@ -1,0 +1,115 @@
+"""Keeps one runner per agent and wakes them from the IM's event stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+
+from services.runtime.domain.model import Agent
+from services.runtime.service_layer.im_port import IMEvent
+from services.runtime.service_layer.runner import AgentRunner, RunnerEnv
+
+logger = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """Starts, updates and stops runners; routes IM messages to the agents they concern.
+
+    Per workspace with agents it holds one IM watch for those agents'
+    members; when the set changes the watch restarts from its last cursor,
+    so no message is missed.
+    """
+
+    def __init__(self, env: RunnerEnv) -> None:
+        self._env = env
+        self._runners: dict[uuid.UUID, AgentRunner] = {}
+        self._by_member: dict[uuid.UUID, AgentRunner] = {}
+        self._watches: dict[uuid.UUID, asyncio.Task[None]] = {}
+        self._cursors: dict[uuid.UUID, str] = {}
+
+    async def start(self) -> int:
+        """Starts a runner for every stored agent; returns how many."""
+        agents = await self._env.store.all_agents()
+        for agent in agents:
+            self._add(agent)
+        for workspace_id in {a.workspace_id for a in agents}:
+            self._restart_watch(workspace_id)
+        return len(agents)
+
+    def runner(self, agent_id: uuid.UUID) -> AgentRunner | None:
+        return self._runners.get(agent_id)
+
+    def add(self, agent: Agent) -> AgentRunner:
+        runner = self._add(agent)
+        self._restart_watch(agent.workspace_id)
+        return runner
+
+    def _add(self, agent: Agent) -> AgentRunner:
+        runner = AgentRunner(agent, self._env)
+        self._runners[agent.id] = runner
+        self._by_member[agent.member_id] = runner
+        runner.start()
+        return runner
+
+    async def remove(self, agent_id: uuid.UUID) -> None:
+        runner = self._runners.pop(agent_id, None)
+        if runner is None:
+            return
+        self._by_member.pop(runner.agent.member_id, None)
+        await runner.stop()
+        self._restart_watch(runner.agent.workspace_id)
+
+    def is_agent(self, member_id: uuid.UUID) -> bool:
+        return member_id in self._by_member
+
+    def _restart_watch(self, workspace_id: uuid.UUID) -> None:
+        task = self._watches.pop(workspace_id, None)
+        if task is not None:
+            task.cancel()
+        members = [r.agent.member_id for r in self._runners.values() if r.agent.workspace_id == workspace_id]
+        if members:
+            self._watches[workspace_id] = asyncio.create_task(
+                self._watch(workspace_id, members), name=f"im-watch-{workspace_id}"
+            )
+
+    async def _watch(self, workspace_id: uuid.UUID, members: list[uuid.UUID]) -> None:
+        def subscribed() -> None:
+            # Whatever was sent while no watch was in place is unread: look now.
+            for runner in self._runners.values():
+                if runner.agent.workspace_id == workspace_id:
+                    runner.wake()
+
+        try:
+            stream = self._env.im.watch(
+                workspace_id,
+                member_ids=members,
+                after_cursor=self._cursors.get(workspace_id, ""),
+                on_subscribed=subscribed,
+            )
+            async for event in stream:
+                self._cursors[workspace_id] = event.cursor
+                self._route(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("the IM watch of workspace %s failed", workspace_id)
+
+    def _route(self, event: IMEvent) -> None:
+        message = event.message
+        self._env.guard.observe(message.group_id, from_agent=self.is_agent(message.sender_id))
+        for member_id in event.member_ids:
+            runner = self._by_member.get(member_id)
+            if runner is not None and member_id != message.sender_id:
+                runner.wake()
+
+    async def aclose(self) -> None:
+        """Stops every watch and runner."""
+        for task in self._watches.values():
+            task.cancel()
+        for task in self._watches.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._watches.clear()
+        await asyncio.gather(*[runner.stop() for runner in self._runners.values()])

@@ -1,0 +1,276 @@
+"""Tools agents can call, and the registry that runs them.
+
+A tool failure never crashes a runner: whatever goes wrong comes back to the
+model as the tool's result, starting with "error:".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import ServiceError
+from services.runtime.domain.llm import ToolCall, ToolSpec
+from services.runtime.domain.model import Agent
+from services.runtime.service_layer.im_port import IMGroup, IMMember, IMMessage, IMPort
+
+SubAgentFactory = Callable[[Agent, str, str, str], Awaitable[Agent]]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolContext:
+    """What a tool may act on: the calling agent, the IM, the chat that woke it."""
+
+    agent: Agent
+    im: IMPort
+    trigger_group_id: uuid.UUID | None
+    create_sub_agent: SubAgentFactory
+
+
+ToolFunction = Callable[[ToolContext, dict[str, Any]], Awaitable[str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    spec: ToolSpec
+    run: ToolFunction
+
+
+class ToolError(Exception):
+    """A tool's own refusal, shown to the model as is."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    content: str
+    duration_ms: float
+
+
+class ToolRegistry:
+    """The tools the runtime knows; agents use the ones their settings name.
+
+    Args:
+        timeout_seconds: longest a tool may run before its call fails.
+    """
+
+    def __init__(self, tools: Iterable[Tool] = (), *, timeout_seconds: float = 60.0) -> None:
+        self._tools: dict[str, Tool] = {}
+        self._timeout = timeout_seconds
+        for tool in tools:
+            self.register(tool)
+
+    def register(self, tool: Tool) -> None:
+        if tool.spec.name in self._tools:
+            raise ValueError(f"a tool named {tool.spec.name!r} is already registered")
+        self._tools[tool.spec.name] = tool
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._tools)
+
+    def unknown(self, names: Iterable[str]) -> list[str]:
+        return sorted(set(names) - set(self._tools))
+
+    def specs(self, names: Sequence[str]) -> list[ToolSpec]:
+        """The specs of the named tools (every tool when names is empty)."""
+        chosen = names or self.names
+        return [self._tools[name].spec for name in chosen if name in self._tools]
+
+    async def execute(self, context: ToolContext, call: ToolCall) -> ToolOutcome:
+        started = time.perf_counter()
+        content = await self._run(context, call)
+        return ToolOutcome(content=content, duration_ms=(time.perf_counter() - started) * 1000)
+
+    async def _run(self, context: ToolContext, call: ToolCall) -> str:
+        tool = self._tools.get(call.name)
+        allowed = context.agent.tools or tuple(self._tools)
+        if tool is None or call.name not in allowed:
+            return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(allowed))}"
+        try:
+            arguments = json.loads(call.arguments or "{}")
+        except json.JSONDecodeError as error:
+            return f"error: the arguments are not valid JSON ({error})"
+        if not isinstance(arguments, dict):
+            return "error: the arguments must be a JSON object"
+        try:
+            return await asyncio.wait_for(tool.run(context, arguments), self._timeout)
+        except TimeoutError:
+            return f"error: {call.name} did not finish within {self._timeout:g} s"
+        except (ToolError, ServiceError) as error:
+            return f"error: {error}"
+        except (KeyError, TypeError, ValueError) as error:
+            return f"error: bad arguments for {call.name}: {error}"
+
+
+# -- built-in tools ---------------------------------------------------------------
+
+
+def _text(arguments: dict[str, Any], name: str) -> str:
+    value = arguments.get(name)
+    if not isinstance(value, str) or not value.strip():
+        raise ToolError(f"{name!r} must be a non-empty string")
+    return value
+
+
+def _id(value: Any, name: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        raise ToolError(f"{name!r} is not a valid id: {value!r}") from None
+
+
+def _describe_message(message: IMMessage, names: dict[uuid.UUID, str]) -> str:
+    sender = names.get(message.sender_id, str(message.sender_id))
+    return f"{message.sent_at:%Y-%m-%d %H:%M} {sender}: {message.content}"
+
+
+def _describe_group(group: IMGroup, names: dict[uuid.UUID, str]) -> str:
+    members = ", ".join(names.get(m, str(m)) for m in group.member_ids)
+    label = group.name or "direct chat"
+    return f"{label} (group_id={group.id}, {group.kind}): {members}"
+
+
+async def _names(context: ToolContext) -> dict[uuid.UUID, str]:
+    return {m.id: m.display_name for m in await context.im.list_members(context.agent.member_id)}
+
+
+async def _find_member(context: ToolContext, who: str) -> IMMember:
+    """A member by id, or by display name (with or without a leading @)."""
+    members = await context.im.list_members(context.agent.member_id)
+    wanted = who.strip().removeprefix("@")
+    for member in members:
+        if str(member.id) == wanted:
+            return member
+    matches = [m for m in members if m.display_name.casefold() == wanted.casefold()]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ToolError(f"several members are called {wanted!r}; use a member_id")
+    known = ", ".join(f"{m.display_name} ({m.id})" for m in members)
+    raise ToolError(f"no member called {wanted!r}; members: {known}")
+
+
+async def send_message(context: ToolContext, arguments: dict[str, Any]) -> str:
+    group_id = _id(arguments.get("group_id") or context.trigger_group_id, "group_id")
+    mentions = [_id(m, "mentions") for m in arguments.get("mentions", [])]
+    sent = await context.im.send_message(
+        context.agent.member_id, group_id, _text(arguments, "content"), mentions=mentions
+    )
+    return f"sent message {sent.id} to group {group_id}"
+
+
+async def send_direct_message(context: ToolContext, arguments: dict[str, Any]) -> str:
+    member = await _find_member(context, _text(arguments, "to"))
+    if member.id == context.agent.member_id:
+        raise ToolError("that is you; name someone else")
+    group = await context.im.get_or_create_direct_group(context.agent.member_id, member.id)
+    sent = await context.im.send_message(context.agent.member_id, group.id, _text(arguments, "content"))
+    return f"sent message {sent.id} to {member.display_name} (direct chat {group.id})"
+
+
+async def read_history(context: ToolContext, arguments: dict[str, Any]) -> str:
+    group_id = _id(arguments.get("group_id") or context.trigger_group_id, "group_id")
+    limit = max(1, min(int(arguments.get("limit", 20)), 100))
+    messages = await context.im.list_messages(context.agent.member_id, group_id, limit=limit)
+    if not messages:
+        return "no messages yet"
+    names = await _names(context)
+    return "\n".join(_describe_message(m, names) for m in messages)
+
+
+async def list_groups(context: ToolContext, arguments: dict[str, Any]) -> str:
+    groups = await context.im.list_groups(context.agent.member_id)
+    if not groups:
+        return "you are in no group"
+    names = await _names(context)
+    return "\n".join(_describe_group(g, names) for g in groups)
+
+
+async def list_members(context: ToolContext, arguments: dict[str, Any]) -> str:
+    members = await context.im.list_members(context.agent.member_id)
+    return "\n".join(f"{m.display_name} (member_id={m.id}, {m.kind})" for m in members)
+
+
+async def create_group(context: ToolContext, arguments: dict[str, Any]) -> str:
+    who = arguments.get("members", [])
+    if not isinstance(who, list) or not who:
+        raise ToolError("'members' must be a non-empty list of names or member ids")
+    members = [await _find_member(context, str(w)) for w in who]
+    group = await context.im.create_group(
+        context.agent.member_id, _text(arguments, "name"), [m.id for m in members]
+    )
+    return f"created group {group.name!r} (group_id={group.id})"
+
+
+async def create_sub_agent(context: ToolContext, arguments: dict[str, Any]) -> str:
+    child = await context.create_sub_agent(
+        context.agent,
+        _text(arguments, "name"),
+        str(arguments.get("role", "")),
+        str(arguments.get("system_prompt", "")),
+    )
+    return f"created agent {child.name!r} (agent_id={child.id}, member_id={child.member_id})"
+
+
+def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
+
+
+_STRING = {"type": "string"}
+
+BUILT_IN_TOOLS = (
+    Tool(
+        ToolSpec(
+            "send_message",
+            "Send a message to a group you belong to (by default the chat you are answering).",
+            _schema(
+                {"group_id": _STRING, "content": _STRING, "mentions": {"type": "array", "items": _STRING}},
+                ["content"],
+            ),
+        ),
+        send_message,
+    ),
+    Tool(
+        ToolSpec(
+            "send_direct_message",
+            "Send a direct message to a member, by display name or member_id.",
+            _schema({"to": _STRING, "content": _STRING}, ["to", "content"]),
+        ),
+        send_direct_message,
+    ),
+    Tool(
+        ToolSpec(
+            "read_history",
+            "Read the latest messages of a group (by default the chat you are answering).",
+            _schema({"group_id": _STRING, "limit": {"type": "integer", "minimum": 1, "maximum": 100}}, []),
+        ),
+        read_history,
+    ),
+    Tool(ToolSpec("list_groups", "List the groups you belong to.", _schema({}, [])), list_groups),
+    Tool(ToolSpec("list_members", "List the members of your workspace.", _schema({}, [])), list_members),
+    Tool(
+        ToolSpec(
+            "create_group",
+            "Create a group with you and the given members (names or member ids).",
+            _schema({"name": _STRING, "members": {"type": "array", "items": _STRING}}, ["name", "members"]),
+        ),
+        create_group,
+    ),
+    Tool(
+        ToolSpec(
+            "create_sub_agent",
+            "Create a new agent that reports to you.",
+            _schema({"name": _STRING, "role": _STRING, "system_prompt": _STRING}, ["name"]),
+        ),
+        create_sub_agent,
+    ),
+)
+
+
+def default_registry(*, timeout_seconds: float = 60.0) -> ToolRegistry:
+    return ToolRegistry(BUILT_IN_TOOLS, timeout_seconds=timeout_seconds)

@@ -1,0 +1,189 @@
+"""Shared fixtures: real databases (SQLite and PostgreSQL), Redis, IM servers.
+
+PostgreSQL and Redis tests use AGENTIM_TEST_DATABASE_URL and
+AGENTIM_TEST_REDIS_URL (defaults: the local servers). When one is
+unreachable they skip with the reason, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis.asyncio as redis
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common.identity import caller_metadata
+from services.common.sql import async_url
+from services.im import bootstrap
+from services.im.adapters import migrate
+from services.im.adapters.sql import Database
+from services.im.config import Settings
+
+POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("AGENTIM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def unavailable(reason: str) -> None:
+    """Skips outside CI; fails under CI, where every server must be there."""
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: servers must be available)")
+    pytest.skip(reason)
+
+
+# Whether PostgreSQL answered, once per session (None: not asked yet).
+_postgres: dict[str, bool] = {}
+
+
+async def _prepare_postgres() -> None:
+    if "ready" not in _postgres:
+        engine = create_async_engine(async_url(POSTGRES_URL))
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(sa.text("DROP SCHEMA IF EXISTS im CASCADE"))
+            _postgres["ready"] = True
+        except (OSError, sa.exc.SQLAlchemyError):
+            _postgres["ready"] = False
+        finally:
+            await engine.dispose()
+        if _postgres["ready"]:
+            database = Database(POSTGRES_URL)
+            await migrate.upgrade(database)
+            await database.aclose()
+    if not _postgres["ready"]:
+        unavailable(f"PostgreSQL is unreachable at {POSTGRES_URL}")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated database of each kind; PostgreSQL tests share one schema and use fresh ids."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'im.db'}"
+        database = Database(url)
+        await migrate.upgrade(database)
+        await database.aclose()
+        return url
+    await _prepare_postgres()
+    return POSTGRES_URL
+
+
+@pytest.fixture
+async def redis_url() -> str:
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
+    try:
+        await client.ping()
+    except (OSError, redis.RedisError):
+        unavailable(f"Redis is unreachable at {REDIS_URL}")
+    finally:
+        await client.aclose()
+    return REDIS_URL
+
+
+def settings_for(database_url: str, **overrides: str) -> Settings:
+    environ: dict[str, str] = {
+        "DATABASE_URL": database_url,
+        "IM_GRPC_ADDRESS": "127.0.0.1:0",
+        "LOG_LEVEL": "WARNING",
+    }
+    environ.update(overrides)
+    return Settings.from_env(environ)
+
+
+@dataclass
+class RunningIM:
+    """An IM server on a free loopback port, with a client stub."""
+
+    app: bootstrap.IMApp
+    port: int
+    channel: grpc.aio.Channel
+    stub: im_pb2_grpc.IMServiceStub
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+async def start_im(database_url: str, **overrides: str) -> RunningIM:
+    app = bootstrap.build(settings_for(database_url, **overrides))
+    port = await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return RunningIM(app=app, port=port, channel=channel, stub=im_pb2_grpc.IMServiceStub(channel))
+
+
+async def stop_im(running: RunningIM) -> None:
+    await running.channel.close()
+    await running.app.stop()
+
+
+ImFactory = Callable[..., Any]
+
+
+@pytest.fixture
+async def im_factory(database_url: str) -> AsyncIterator[Callable[..., Any]]:
+    """Starts IM servers on the test's database with extra settings; stops them after."""
+    started: list[RunningIM] = []
+
+    async def make(**overrides: str) -> RunningIM:
+        running = await start_im(database_url, **overrides)
+        started.append(running)
+        return running
+
+    yield make
+    for running in reversed(started):
+        await stop_im(running)
+
+
+@pytest.fixture
+async def im(im_factory: Callable[..., Any]) -> RunningIM:
+    running: RunningIM = await im_factory()
+    return running
+
+
+def as_member(member_id: str) -> tuple[tuple[str, str], ...]:
+    return caller_metadata(member_id=member_id)
+
+
+@dataclass
+class World:
+    """A workspace with members, for tests that need some people."""
+
+    workspace: im_pb2.Workspace
+    members: list[im_pb2.Member]
+
+    def md(self, index: int) -> tuple[tuple[str, str], ...]:
+        return as_member(self.members[index].id)
+
+
+async def make_world(
+    stub: im_pb2_grpc.IMServiceStub,
+    *,
+    people: int = 3,
+    kinds: Mapping[int, im_pb2.MemberKind.ValueType] | None = None,
+) -> World:
+    created = await stub.CreateWorkspace(
+        im_pb2.CreateWorkspaceRequest(name=f"ws-{uuid.uuid4().hex[:6]}", creator_display_name="member-0")
+    )
+    members = [created.creator]
+    for index in range(1, people):
+        kind = (kinds or {}).get(index, im_pb2.MEMBER_KIND_HUMAN)
+        response = await stub.CreateMember(
+            im_pb2.CreateMemberRequest(kind=kind, display_name=f"member-{index}"),
+            metadata=as_member(created.creator.id),
+        )
+        members.append(response.member)
+    return World(workspace=created.workspace, members=members)
+
+
+async def next_event(stream: Any, within: float = 5.0) -> im_pb2.WatchEventsResponse:
+    event: im_pb2.WatchEventsResponse = await asyncio.wait_for(stream.read(), within)
+    return event

@@ -1,0 +1,240 @@
+"""docker-compose.yml checked offline, and the health probe its `im` service runs.
+
+No Docker engine runs here, so the compose file is validated with
+`docker-compose config` and its commands and environments are checked
+against the real code: every command of our image must be accepted by the
+module it names, and every environment must load as that service's
+settings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common.settings import ConfigError
+
+from . import ROOT, IMProcess, im_environment, in_ci, migrate_im, python_module, running_im
+
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+IM_SERVICE = "agentim.im.v1.IMService"
+
+
+# -- docker-compose.yml ------------------------------------------------------
+
+
+def _docker_compose(*args: str) -> subprocess.CompletedProcess[str]:
+    command = shutil.which("docker-compose")
+    if command is None:
+        reason = "the docker-compose command is missing: `make install` installs it (as root)"
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return subprocess.run(
+        [command, "-f", str(COMPOSE_FILE), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    """The compose file as docker-compose resolves it (anchors merged, variables set)."""
+    result = _docker_compose("config")
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load(result.stdout)
+    assert isinstance(config, dict)
+    return config
+
+
+def _services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    services = config.get("services")
+    assert isinstance(services, dict) and services, "no services"
+    return services
+
+
+def _our_image(service: dict[str, Any]) -> bool:
+    return "build" in service or str(service.get("image", "")).startswith("agentim")
+
+
+def _python_module_command(command: Any) -> tuple[str, list[str]]:
+    """Splits `python -m MODULE ARGS...` (list form) into MODULE and ARGS."""
+    assert isinstance(command, list), f"use the list form for commands of our image, got {command!r}"
+    assert len(command) >= 3, f"expected python -m MODULE ..., got {command!r}"
+    assert command[:2] == ["python", "-m"], f"expected python -m MODULE ..., got {command!r}"
+    return command[2], [str(arg) for arg in command[3:]]
+
+
+def _assert_command_accepted(command: Any) -> None:
+    module, args = _python_module_command(command)
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    # argparse checks positionals (subcommand choices, HOST:PORT...) before
+    # it acts on a later --help, so exit 0 means the arguments are accepted.
+    result = subprocess.run(
+        python_module(module, *args, "--help"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, f"{command!r} is refused by {module}:\n{result.stderr}"
+
+
+def _settings_class(module: str) -> Any:
+    """The `Settings` of the service package a module belongs to (`services.im.config`), if any."""
+    parts = module.split(".")
+    package = ".".join(parts[:2]) if parts[0] == "services" else parts[0]
+    if importlib.util.find_spec(f"{package}.config") is None:
+        return None
+    return getattr(importlib.import_module(f"{package}.config"), "Settings", None)
+
+
+def _healthcheck_test(service: dict[str, Any]) -> list[str]:
+    test = service.get("healthcheck", {}).get("test")
+    assert isinstance(test, list) and test, f"no healthcheck test in {service!r}"
+    return [str(part) for part in test]
+
+
+def test_compose_file_is_valid() -> None:
+    result = _docker_compose("config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> None:
+    ours = {name: s for name, s in _services(compose).items() if _our_image(s)}
+    assert {"im", "im-migrate"} <= set(ours)
+    for service in ours.values():
+        _assert_command_accepted(service.get("command"))
+        test = _healthcheck_test(service) if "healthcheck" in service else None
+        if test is not None and test[0] == "CMD":
+            _assert_command_accepted(test[1:])
+    assert _services(compose)["im"]["command"][2:] == ["services.im", "serve"]
+    assert _services(compose)["im-migrate"]["command"][2:] == ["services.im", "migrate"]
+
+
+def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
+    checked = []
+    for name, service in _services(compose).items():
+        if not _our_image(service):
+            continue
+        module, _ = _python_module_command(service.get("command"))
+        settings_class = _settings_class(module)
+        if settings_class is None:
+            continue
+        environment = service.get("environment", {})
+        assert isinstance(environment, dict), f"{name}: use the mapping form of environment"
+        try:
+            settings_class.from_env({k: str(v) for k, v in environment.items()})
+        except ConfigError as error:
+            pytest.fail(f"{name}: {error}")
+        checked.append(name)
+    assert {"im", "im-migrate"} <= set(checked)
+
+
+def test_compose_im_listens_where_it_is_published_and_probed(compose: dict[str, Any]) -> None:
+    im = _services(compose)["im"]
+    port = im["environment"]["IM_GRPC_ADDRESS"].rpartition(":")[2]
+    assert im["environment"]["IM_GRPC_ADDRESS"].startswith("0.0.0.0:"), "a container must listen on all"
+    targets = [str(p).split("/")[0].rpartition(":")[2] for p in im.get("ports", [])]
+    assert port in targets, f"port {port} is not published: {im.get('ports')}"
+    assert _healthcheck_test(im)[-1] == f"127.0.0.1:{port}"
+
+
+def test_compose_dependencies_exist_and_wait_for_health(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    for name, service in services.items():
+        depends_on = service.get("depends_on", {})
+        targets = depends_on if isinstance(depends_on, dict) else {key: {} for key in depends_on}
+        for target, rule in targets.items():
+            assert target in services, f"{name} depends on missing service {target}"
+            if (rule or {}).get("condition") == "service_healthy":
+                assert "healthcheck" in services[target], (
+                    f"{name} waits for {target}, which has no healthcheck"
+                )
+    for name in ("postgres", "redis", "im"):
+        assert _healthcheck_test(services[name])[0] in {"CMD", "CMD-SHELL"}, name
+    assert services["im"]["depends_on"]["im-migrate"]["condition"] == "service_completed_successfully"
+    assert services["im-migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["im"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+# -- the health probe: python -m services.common.healthcheck ----------------
+
+
+def _healthcheck(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        python_module("services.common.healthcheck", *args),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def im_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IMProcess]:
+    data_dir = tmp_path_factory.mktemp("im-health")
+    env = im_environment(data_dir)
+    migrate_im(env)
+    with running_im(env, data_dir / "im.log") as im:
+        yield im
+        im.terminate()
+
+
+def test_healthcheck_exits_0_on_a_serving_server(im_server: IMProcess) -> None:
+    for args in ([], ["--service", IM_SERVICE], ["--timeout", "2"]):
+        result = _healthcheck(im_server.address, *args)
+        assert result.returncode == 0, result.stderr
+        assert "SERVING" in result.stdout
+
+
+def test_healthcheck_exits_1_for_an_unknown_service(im_server: IMProcess) -> None:
+    result = _healthcheck(im_server.address, "--service", "no.such.Service")
+    assert result.returncode == 1
+    assert "NOT_FOUND" in result.stderr
+
+
+def test_healthcheck_exits_1_when_nothing_listens() -> None:
+    # A port that was just free: bind, read it back, close.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = _healthcheck(f"127.0.0.1:{port}", "--timeout", "2")
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr
+
+
+def test_healthcheck_exits_1_when_the_database_is_down(tmp_path: Path) -> None:
+    # Nothing listens on port 1: the readiness probe fails, the server says NOT_SERVING.
+    env = im_environment(tmp_path, DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
+    with running_im(env, tmp_path / "im.log") as im:
+        result = _healthcheck(im.address, "--timeout", "5")
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "NOT_SERVING" in result.stdout
+        assert im.terminate() == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param([], id="no-address"),
+        pytest.param(["localhost"], id="no-port"),
+        pytest.param(["127.0.0.1:50051", "--timeout", "0"], id="zero-timeout"),
+    ],
+)
+def test_healthcheck_exits_2_on_bad_arguments(args: list[str]) -> None:
+    assert _healthcheck(*args).returncode == 2

@@ -1,0 +1,528 @@
+"""The runtime's IM adapter (`GrpcIM`) against a real IM server on SQLite."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+
+from agentim.im.v1 import im_pb2
+from services.im.adapters import migrate
+from services.im.adapters.sql import Database
+from services.runtime.adapters.im_client import GrpcIM
+from services.runtime.service_layer.im_port import IMError, IMEvent, IMUnavailable
+from tests.conftest import RunningIM, World, as_member, make_world, start_im, stop_im
+
+TOKEN = f"token-{uuid.uuid4().hex}"
+WAIT_S = 5.0
+
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T], seconds: float = WAIT_S) -> T:
+    return await asyncio.wait_for(awaitable, seconds)
+
+
+def make_client(address: str, *, token: str | None = TOKEN, deadline: float = 2.0) -> GrpcIM:
+    return GrpcIM(
+        address,
+        service_token=token,
+        deadline_seconds=deadline,
+        reconnect_initial_seconds=0.01,
+        reconnect_max_seconds=0.05,
+    )
+
+
+@pytest.fixture
+async def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'im.db'}"
+    database = Database(url)
+    await migrate.upgrade(database)
+    await database.aclose()
+    return url
+
+
+@pytest.fixture
+async def server(sqlite_url: str) -> AsyncIterator[RunningIM]:
+    running = await start_im(sqlite_url, AGENTIM_SERVICE_TOKEN=TOKEN)
+    yield running
+    await stop_im(running)
+
+
+@pytest.fixture
+async def client(server: RunningIM) -> AsyncIterator[GrpcIM]:
+    im = make_client(server.address)
+    yield im
+    await im.aclose()
+
+
+@pytest.fixture
+async def world(server: RunningIM) -> World:
+    return await make_world(server.stub, people=3)
+
+
+def member(world: World, index: int) -> uuid.UUID:
+    return uuid.UUID(world.members[index].id)
+
+
+def workspace(world: World) -> uuid.UUID:
+    return uuid.UUID(world.workspace.id)
+
+
+async def refusal(awaitable: Awaitable[Any]) -> IMError:
+    with pytest.raises(IMError) as caught:
+        await within(awaitable)
+    return caught.value
+
+
+class Watcher:
+    """Runs `GrpcIM.watch` in a task, collecting its events (or its error) in a queue."""
+
+    def __init__(
+        self,
+        client: GrpcIM,
+        workspace_id: uuid.UUID,
+        *,
+        member_ids: Sequence[uuid.UUID] = (),
+        after_cursor: str = "",
+    ) -> None:
+        self.subscriptions = 0
+        self._subscribed = asyncio.Event()
+        self._items: asyncio.Queue[IMEvent | Exception] = asyncio.Queue()
+        self.task = asyncio.create_task(
+            self._run(
+                client.watch(
+                    workspace_id,
+                    member_ids=member_ids,
+                    after_cursor=after_cursor,
+                    on_subscribed=self._on_subscribed,
+                )
+            )
+        )
+
+    def _on_subscribed(self) -> None:
+        self.subscriptions += 1
+        self._subscribed.set()
+
+    async def _run(self, events: AsyncIterator[IMEvent]) -> None:
+        try:
+            async for event in events:
+                self._items.put_nowait(event)
+        except Exception as error:
+            self._items.put_nowait(error)
+
+    async def subscribed(self, count: int = 1) -> None:
+        async def reached() -> None:
+            while self.subscriptions < count:
+                self._subscribed.clear()
+                await self._subscribed.wait()
+
+        await within(reached())
+
+    async def take(self, n: int) -> list[IMEvent]:
+        events: list[IMEvent] = []
+        for _ in range(n):
+            item = await within(self._items.get())
+            if isinstance(item, Exception):
+                raise item
+            events.append(item)
+        return events
+
+    def pending(self) -> int:
+        return self._items.qsize()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await within(asyncio.gather(self.task, return_exceptions=True), 1.0)
+
+
+def contents(events: list[IMEvent]) -> list[str]:
+    return [e.message.content for e in events]
+
+
+# -- members ----------------------------------------------------------------------
+
+
+async def test_agent_members_are_created_once_and_renamed(client: GrpcIM, world: World) -> None:
+    agent = await client.create_agent_member(workspace(world), "helper", avatar="🤖", request_id="agent-1")
+    assert (agent.kind, agent.display_name, agent.workspace_id) == ("agent", "helper", workspace(world))
+    again = await client.create_agent_member(workspace(world), "helper", avatar="🤖", request_id="agent-1")
+    assert again == agent
+
+    renamed = await client.rename_member(agent.id, "Helper Bot")
+    assert (renamed.id, renamed.display_name, renamed.kind) == (agent.id, "Helper Bot", "agent")
+    seen = await client.get_member(member(world, 1), agent.id)
+    assert seen.display_name == "Helper Bot"
+
+    refused = await refusal(client.create_agent_member(uuid.uuid4(), "lost"))
+    assert refused.code == grpc.StatusCode.NOT_FOUND and "not found" in refused.message
+    refused = await refusal(client.rename_member(agent.id, ""))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_members_are_read_as_a_member(client: GrpcIM, server: RunningIM, world: World) -> None:
+    agent = await client.create_agent_member(workspace(world), "helper")
+    human = await client.get_member(agent.id, member(world, 2))
+    assert (human.id, human.kind, human.display_name) == (member(world, 2), "human", "member-2")
+    listed = await client.list_members(agent.id)
+    assert [m.id for m in listed] == [member(world, 0), member(world, 1), member(world, 2), agent.id]
+
+    refused = await refusal(client.get_member(agent.id, uuid.uuid4()))
+    assert refused.code == grpc.StatusCode.NOT_FOUND and "not found" in refused.message
+    stranger = await make_world(server.stub, people=1)
+    refused = await refusal(client.get_member(agent.id, member(stranger, 0)))
+    assert refused.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_member_and_group_lists_are_read_past_the_page_size(sqlite_url: str) -> None:
+    small_pages = await start_im(sqlite_url, AGENTIM_SERVICE_TOKEN=TOKEN, IM_MAX_PAGE_SIZE="2")
+    im = make_client(small_pages.address)
+    try:
+        world = await make_world(small_pages.stub, people=5)
+        everyone = [member(world, i) for i in range(5)]
+        assert [m.id for m in await im.list_members(everyone[0])] == everyone
+        made = [await im.create_group(everyone[0], f"g{i}", everyone[1:]) for i in range(5)]
+        assert [g.id for g in await im.list_groups(everyone[3])] == [g.id for g in made]
+    finally:
+        await im.aclose()
+        await stop_im(small_pages)
+
+
+# -- groups -----------------------------------------------------------------------
+
+
+async def test_groups_named_and_direct(client: GrpcIM, server: RunningIM, world: World) -> None:
+    agent = await client.create_agent_member(workspace(world), "helper")
+    team = await client.create_group(agent.id, "team", [member(world, 0), member(world, 1)])
+    assert (team.name, team.kind) == ("team", "group")
+    assert set(team.member_ids) == {agent.id, member(world, 0), member(world, 1)}
+    assert await client.get_group(member(world, 1), team.id) == team
+
+    direct = await client.get_or_create_direct_group(agent.id, member(world, 2))
+    assert (direct.kind, direct.name, set(direct.member_ids)) == ("direct", "", {agent.id, member(world, 2)})
+    # Asked from the other side: the same group (the IM does not promise an order of member_ids).
+    same = await client.get_or_create_direct_group(member(world, 2), agent.id)
+    assert (same.id, same.kind, set(same.member_ids)) == (direct.id, "direct", set(direct.member_ids))
+    assert [g.id for g in await client.list_groups(agent.id)] == [team.id, direct.id]
+    assert [g.id for g in await client.list_groups(member(world, 2))] == [direct.id]
+
+    refused = await refusal(client.get_group(member(world, 2), team.id))
+    assert refused.code == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.message == f"member {member(world, 2)} is not in group {team.id}"
+    missing = uuid.uuid4()
+    refused = await refusal(client.get_group(agent.id, missing))
+    assert (refused.code, refused.message) == (grpc.StatusCode.NOT_FOUND, f"group {missing} not found")
+    refused = await refusal(client.create_group(agent.id, "bad", [uuid.uuid4()]))
+    assert refused.code == grpc.StatusCode.NOT_FOUND
+    refused = await refusal(client.get_or_create_direct_group(agent.id, agent.id))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- messages and read state ------------------------------------------------------
+
+
+async def test_messages_history_unread_and_read_state(client: GrpcIM, world: World) -> None:
+    agent = await client.create_agent_member(workspace(world), "helper")
+    human = member(world, 0)
+    group = await client.create_group(human, "team", [agent.id])
+    first = await client.send_message(human, group.id, "hi @helper", mentions=[agent.id])
+    assert (first.sender_id, first.group_id, first.content_type) == (human, group.id, "text")
+    assert first.mentions == (agent.id,)
+    assert first.sent_at.tzinfo is not None and abs(time.time() - first.sent_at.timestamp()) < 60
+    reply = await client.send_message(agent.id, group.id, "hello", reply_to=first.id, request_id="r-1")
+    assert (
+        await client.send_message(agent.id, group.id, "hello", reply_to=first.id, request_id="r-1") == reply
+    )
+    later = [await client.send_message(human, group.id, f"m{i}") for i in range(3)]
+
+    history = await client.list_messages(agent.id, group.id)
+    assert [m.id for m in history] == [first.id, reply.id, *(m.id for m in later)]
+    newest = await client.list_messages(agent.id, group.id, limit=2)
+    assert [m.content for m in newest] == ["m1", "m2"]
+    older = await client.list_messages(agent.id, group.id, limit=2, before=newest[0].id)
+    assert [m.content for m in older] == ["hello", "m0"]
+
+    unread = await client.get_all_unread(agent.id)
+    assert [m.id for m in unread] == [first.id, *(m.id for m in later)]
+    assert [m.id for m in await client.get_all_unread(agent.id, limit=2)] == [first.id, later[0].id]
+    await client.mark_read(agent.id, group.id, later[1].id)
+    assert [m.id for m in await client.get_all_unread(agent.id)] == [later[2].id]
+    await client.mark_read(agent.id, group.id, later[2].id)
+    assert await client.get_all_unread(agent.id) == []
+
+    refused = await refusal(client.mark_read(agent.id, group.id, uuid.uuid4()))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_sending_refusals_carry_the_ims_status_and_message(client: GrpcIM, world: World) -> None:
+    agent = await client.create_agent_member(workspace(world), "helper")
+    others = await client.create_group(member(world, 0), "others", [member(world, 1)])
+    refused = await refusal(client.send_message(agent.id, others.id, "let me in"))
+    assert refused.code == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.message == f"member {agent.id} is not in group {others.id}"
+    assert str(refused) == refused.message
+
+    missing = uuid.uuid4()
+    refused = await refusal(client.send_message(agent.id, missing, "anyone?"))
+    assert (refused.code, refused.message) == (grpc.StatusCode.NOT_FOUND, f"group {missing} not found")
+
+    mine = await client.create_group(agent.id, "mine", [member(world, 0)])
+    refused = await refusal(client.send_message(agent.id, mine.id, ""))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and refused.message
+    refused = await refusal(client.send_message(agent.id, mine.id, "hi", mentions=[member(world, 2)]))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and str(member(world, 2)) in refused.message
+    await client.send_message(agent.id, mine.id, "once", request_id="same")
+    refused = await refusal(client.send_message(agent.id, mine.id, "twice", request_id="same"))
+    assert refused.code == grpc.StatusCode.ALREADY_EXISTS
+    assert not isinstance(refused, IMUnavailable)
+
+
+# -- identity -----------------------------------------------------------------------
+
+
+async def test_a_wrong_service_token_is_refused(server: RunningIM, world: World) -> None:
+    async with make_client(server.address, token="not-the-token") as im:
+        refused = await refusal(im.create_agent_member(workspace(world), "helper"))
+        assert refused.code == grpc.StatusCode.UNAUTHENTICATED
+        assert "x-agentim-service" in refused.message
+        refused = await refusal(im.list_members(member(world, 0)))
+        assert refused.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_without_a_token_the_embedded_im_accepts_the_service(sqlite_url: str) -> None:
+    embedded = await start_im(sqlite_url)
+    try:
+        world = await make_world(embedded.stub, people=1)
+        async with make_client(embedded.address, token=None) as im:
+            # A service call with no member: refused unless the service header is sent.
+            agent = await im.create_agent_member(workspace(world), "helper")
+            assert agent.kind == "agent"
+    finally:
+        await stop_im(embedded)
+
+
+# -- deadlines ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_nothing_listening_is_unavailable_within_the_deadline() -> None:
+    async with make_client(f"127.0.0.1:{free_port()}", deadline=1.0) as im:
+        started = time.monotonic()
+        with pytest.raises(IMUnavailable) as caught:
+            await within(im.get_member(uuid.uuid4(), uuid.uuid4()))
+        assert time.monotonic() - started < 1.5
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE and caught.value.message
+
+
+async def test_a_silent_server_is_unavailable_at_the_deadline() -> None:
+    # Accepts connections and never answers: only the deadline ends the call.
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    try:
+        async with make_client(f"127.0.0.1:{port}", deadline=0.5) as im:
+            started = time.monotonic()
+            with pytest.raises(IMUnavailable) as caught:
+                await within(im.list_groups(uuid.uuid4()))
+            assert 0.4 <= time.monotonic() - started < 1.5
+            assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        for writer in held:
+            writer.close()
+        silent.close()
+        await within(silent.wait_closed())
+
+
+async def test_a_closed_client_refuses_calls_and_closes_once(server: RunningIM, world: World) -> None:
+    im = make_client(server.address)
+    await im.list_members(member(world, 0))
+    await im.aclose()
+    await im.aclose()
+    with pytest.raises(IMUnavailable):
+        await within(im.list_members(member(world, 0)))
+    with pytest.raises(IMUnavailable):
+        await within(anext(im.watch(workspace(world))))
+
+
+# -- watch ------------------------------------------------------------------------------
+
+
+async def test_watch_passes_on_new_messages_only(client: GrpcIM, server: RunningIM, world: World) -> None:
+    human = member(world, 0)
+    before = await client.create_group(human, "before", [member(world, 1)])
+    await client.send_message(human, before.id, "sent before the watch")
+    watcher = Watcher(client, workspace(world))
+    try:
+        await watcher.subscribed()
+        group = await client.create_group(human, "team", [member(world, 1)])  # group_changed: skipped
+        first = await client.send_message(human, group.id, "one")
+        await server.stub.EditMessage(  # message_edited: skipped
+            im_pb2.EditMessageRequest(message_id=str(first.id), content="one!"),
+            metadata=as_member(str(human)),
+        )
+        await client.mark_read(member(world, 1), group.id, first.id)  # read_updated: skipped
+        second = await client.send_message(member(world, 1), group.id, "two", mentions=[human])
+        events = await watcher.take(2)
+        assert [e.message for e in events] == [first, second]
+        assert all(e.cursor for e in events) and events[0].cursor != events[1].cursor
+        assert watcher.pending() == 0 and watcher.subscriptions == 1
+    finally:
+        await watcher.stop()
+
+
+async def test_watch_resumes_after_a_cursor(client: GrpcIM, world: World) -> None:
+    human = member(world, 0)
+    group = await client.create_group(human, "team", [member(world, 1)])
+    watcher = Watcher(client, workspace(world))
+    await watcher.subscribed()
+    for i in range(2):
+        await client.send_message(human, group.id, f"m{i}")
+    seen = await watcher.take(2)
+    await watcher.stop()
+
+    for i in range(2, 5):
+        await client.send_message(human, group.id, f"m{i}")
+    resumed = Watcher(client, workspace(world), after_cursor=seen[-1].cursor)
+    try:
+        assert contents(await resumed.take(3)) == ["m2", "m3", "m4"]
+        await client.send_message(human, group.id, "m5")
+        assert contents(await resumed.take(1)) == ["m5"]
+        assert resumed.pending() == 0
+    finally:
+        await resumed.stop()
+
+
+async def test_watch_of_members_passes_on_their_groups_messages(client: GrpcIM, world: World) -> None:
+    human, watched = member(world, 0), member(world, 1)
+    theirs = await client.create_group(human, "theirs", [watched])
+    others = await client.create_group(human, "others", [member(world, 2)])
+    watcher = Watcher(client, workspace(world), member_ids=[watched])
+    try:
+        await watcher.subscribed()
+        await client.send_message(human, others.id, "not for the watched member")
+        sent = await client.send_message(human, theirs.id, "for the watched member")
+        (event,) = await watcher.take(1)
+        assert (event.message, event.member_ids) == (sent, (watched,))
+    finally:
+        await watcher.stop()
+
+
+async def test_watch_of_members_of_another_workspace_is_refused(
+    client: GrpcIM, server: RunningIM, world: World
+) -> None:
+    stranger = await make_world(server.stub, people=2)
+    watcher = Watcher(client, workspace(world), member_ids=[member(stranger, 1)])
+    try:
+        await watcher.subscribed()
+        group = await client.create_group(member(stranger, 0), "g", [member(stranger, 1)])
+        await client.send_message(member(stranger, 0), group.id, "elsewhere")
+        with pytest.raises(IMError) as caught:
+            await watcher.take(1)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await watcher.stop()
+
+
+async def test_watch_refusals_are_raised(client: GrpcIM, world: World) -> None:
+    unknown = uuid.uuid4()
+    refused = await refusal(anext(client.watch(unknown)))
+    assert (refused.code, refused.message) == (grpc.StatusCode.NOT_FOUND, f"workspace {unknown} not found")
+    refused = await refusal(anext(client.watch(workspace(world), after_cursor="not-a-cursor")))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT and "after_cursor" in refused.message
+    refused = await refusal(anext(client.watch(workspace(world), after_cursor="999999")))
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    refused = await refusal(anext(client.watch(workspace(world), member_ids=[uuid.uuid4()])))
+    assert refused.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_watch_with_a_wrong_token_is_refused(server: RunningIM, world: World) -> None:
+    async with make_client(server.address, token="not-the-token") as im:
+        refused = await refusal(anext(im.watch(workspace(world))))
+        assert refused.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_cancelling_the_consumer_ends_the_watch_promptly(client: GrpcIM, world: World) -> None:
+    watcher = Watcher(client, workspace(world))
+    await watcher.subscribed()
+    started = time.monotonic()
+    watcher.task.cancel()
+    await within(asyncio.gather(watcher.task, return_exceptions=True), 1.0)
+    assert watcher.task.cancelled() and time.monotonic() - started < 0.5
+    # The client stays usable.
+    assert len(await client.list_members(member(world, 0))) == 3
+
+
+async def test_closing_the_client_ends_running_watches(server: RunningIM, world: World) -> None:
+    im = make_client(server.address)
+    watcher = Watcher(im, workspace(world))
+    await watcher.subscribed()
+    await im.aclose()
+    await within(watcher.task, 1.0)
+    assert watcher.pending() == 0 and not watcher.task.cancelled()
+
+
+async def start_on_port(url: str, port: int) -> RunningIM:
+    """Starts an IM server on a port just given up by another, retrying the bind briefly."""
+    for _ in range(50):
+        try:
+            return await start_im(url, AGENTIM_SERVICE_TOKEN=TOKEN, IM_GRPC_ADDRESS=f"127.0.0.1:{port}")
+        except OSError:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"port {port} did not become free")
+
+
+async def test_watch_keeps_going_across_a_server_restart(sqlite_url: str) -> None:
+    first = await start_im(sqlite_url, AGENTIM_SERVICE_TOKEN=TOKEN)
+    port = first.port
+    second: RunningIM | None = None
+    im = make_client(first.address)
+    try:
+        world = await make_world(first.stub, people=2)
+        human = member(world, 0)
+        group = await im.create_group(human, "team", [member(world, 1)])
+        watcher = Watcher(im, workspace(world))
+        await watcher.subscribed()
+        for i in range(2):
+            await im.send_message(human, group.id, f"m{i}")
+        assert contents(await watcher.take(2)) == ["m0", "m1"]
+
+        await stop_im(first)  # graceful: the IM ends the stream with OK
+        await asyncio.sleep(0.1)  # the watcher now finds nothing listening, and backs off
+        second = await start_on_port(sqlite_url, port)
+        # Sent before or after the watcher is back: it must get them either way.
+        for i in range(2, 4):
+            await second.stub.SendMessage(
+                im_pb2.SendMessageRequest(group_id=str(group.id), content=f"m{i}"),
+                metadata=as_member(str(human)),
+            )
+        await watcher.subscribed(2)
+        # The same client's unary calls reach the new server too.
+        for i in range(4, 6):
+            await im.send_message(member(world, 1), group.id, f"m{i}")
+        events = await watcher.take(4)
+        assert contents(events) == ["m2", "m3", "m4", "m5"]
+        assert len({e.message.id for e in events}) == 4
+        assert watcher.pending() == 0 and watcher.subscriptions == 2
+        await watcher.stop()
+    finally:
+        await im.aclose()
+        await stop_im(first)
+        if second is not None:
+            await stop_im(second)

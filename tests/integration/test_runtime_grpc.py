@@ -1,0 +1,231 @@
+"""The runtime end to end over gRPC, with a real IM service and the offline model."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from agentim.im.v1 import im_pb2
+from agentim.runtime.v1 import runtime_pb2 as rpb
+from agentim.runtime.v1 import runtime_pb2_grpc
+from services.runtime import bootstrap
+from services.runtime.adapters import migrate
+from services.runtime.adapters.sql import Database
+from services.runtime.config import Settings
+from tests.conftest import RunningIM, World, as_member, make_world
+
+WAIT = 10.0
+
+
+@dataclass
+class RunningRuntime:
+    app: bootstrap.RuntimeApp
+    channel: grpc.aio.Channel
+    stub: runtime_pb2_grpc.RuntimeServiceStub
+
+
+async def start_runtime(im_address: str, database_file: Path, **overrides: str) -> RunningRuntime:
+    url = f"sqlite:///{database_file}"
+    database = Database(url)
+    await migrate.upgrade(database)
+    await database.aclose()
+    environ = {
+        "RUNTIME_DATABASE_URL": url,
+        "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
+        "IM_ADDRESS": im_address,
+        "LOG_LEVEL": "WARNING",
+        **overrides,
+    }
+    app = bootstrap.build(Settings.from_env(environ))
+    port, _ = await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return RunningRuntime(app, channel, runtime_pb2_grpc.RuntimeServiceStub(channel))
+
+
+async def stop_runtime(running: RunningRuntime) -> None:
+    await running.channel.close()
+    await running.app.stop()
+
+
+@pytest.fixture
+async def runtime(im: RunningIM, tmp_path: Path) -> AsyncIterator[RunningRuntime]:
+    running = await start_runtime(im.address, tmp_path / "runtime.db")
+    yield running
+    await stop_runtime(running)
+
+
+async def create_agent(runtime: RunningRuntime, world: World, name: str, **fields: Any) -> rpb.Agent:
+    response = await runtime.stub.CreateAgent(
+        rpb.CreateAgentRequest(name=name, **fields), metadata=world.md(0)
+    )
+    return response.agent
+
+
+async def direct_chat(im: RunningIM, world: World, peer: str) -> im_pb2.Group:
+    response = await im.stub.GetOrCreateDirectGroup(
+        im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=peer), metadata=world.md(0)
+    )
+    return response.group
+
+
+async def wait_for_messages(im: RunningIM, member: str, group: str, count: int) -> list[im_pb2.Message]:
+    async def poll() -> list[im_pb2.Message]:
+        while True:
+            page = await im.stub.ListMessages(
+                im_pb2.ListMessagesRequest(group_id=group, page_size=100), metadata=as_member(member)
+            )
+            if len(page.messages) >= count:
+                return list(page.messages)
+            await asyncio.sleep(0.02)
+
+    return await asyncio.wait_for(poll(), WAIT)
+
+
+async def test_a_person_messages_an_agent_and_watches_it_answer(
+    im: RunningIM, runtime: RunningRuntime
+) -> None:
+    world = await make_world(im.stub, people=1)
+    ada = await create_agent(runtime, world, "ada", role="helper")
+    member = await im.stub.GetMember(im_pb2.GetMemberRequest(member_id=ada.member_id), metadata=world.md(0))
+    assert member.member.kind == im_pb2.MEMBER_KIND_AGENT and member.member.display_name == "ada"
+    chat = await direct_chat(im, world, ada.member_id)
+    watch = runtime.stub.WatchAgent(rpb.WatchAgentRequest(agent_id=ada.id), metadata=world.md(0))
+    await asyncio.wait_for(watch.wait_for_connection(), WAIT)
+    await im.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=chat.id, content="hello there"), metadata=world.md(0)
+    )
+    kinds: list[str] = []
+    deltas = ""
+    while True:
+        response = await asyncio.wait_for(watch.read(), WAIT)
+        kind = response.event.WhichOneof("event")
+        kinds.append(kind)
+        if kind == "step_delta" and response.event.step_delta.WhichOneof("delta") == "content":
+            deltas += response.event.step_delta.content
+        if kind == "run_ended":
+            assert response.event.run_ended.status == rpb.RUN_STATUS_COMPLETED
+            break
+    watch.cancel()
+    assert kinds[0] == "run_started" and "step_started" in kinds and "state_changed" in kinds
+    messages = await wait_for_messages(im, world.members[0].id, chat.id, 2)
+    assert messages[1].sender_id == ada.member_id
+    assert messages[1].content == deltas and "hello there" in deltas
+    steps = await runtime.stub.ListSteps(rpb.ListStepsRequest(agent_id=ada.id), metadata=world.md(0))
+    assert [s.role for s in steps.steps] == [rpb.STEP_ROLE_USER, rpb.STEP_ROLE_ASSISTANT]
+    assert steps.steps[1].reasoning and steps.steps[1].metrics.model == "offline"
+    runs = await runtime.stub.ListRuns(rpb.ListRunsRequest(agent_id=ada.id), metadata=world.md(0))
+    assert [r.status for r in runs.runs] == [rpb.RUN_STATUS_COMPLETED]
+
+
+async def test_an_agent_messages_another_agent_which_answers(im: RunningIM, runtime: RunningRuntime) -> None:
+    world = await make_world(im.stub, people=1)
+    ada = await create_agent(runtime, world, "ada")
+    bea = await create_agent(runtime, world, "bea")
+    chat = await direct_chat(im, world, ada.member_id)
+    await im.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=chat.id, content="tell @bea the build is green"),
+        metadata=world.md(0),
+    )
+    between = await asyncio.wait_for(_direct_group_of(im, ada.member_id, bea.member_id), WAIT)
+    messages = await wait_for_messages(im, ada.member_id, between, 2)
+    assert messages[0].sender_id == ada.member_id and messages[0].content == "the build is green"
+    assert messages[1].sender_id == bea.member_id and "the build is green" in messages[1].content
+
+
+async def _direct_group_of(im: RunningIM, one: str, other: str) -> str:
+    while True:
+        groups = await im.stub.ListGroups(im_pb2.ListGroupsRequest(), metadata=as_member(one))
+        for group in groups.groups:
+            if group.kind == im_pb2.GROUP_KIND_DIRECT and set(group.member_ids) == {one, other}:
+                return str(group.id)
+        await asyncio.sleep(0.02)
+
+
+async def test_two_agents_answering_each_other_stop_at_the_limit(im: RunningIM, tmp_path: Path) -> None:
+    runtime = await start_runtime(im.address, tmp_path / "rt.db", RUNTIME_AGENT_CHATTER_LIMIT="5")
+    try:
+        world = await make_world(im.stub, people=1)
+        ada = await create_agent(runtime, world, "ada")
+        bea = await create_agent(runtime, world, "bea")
+        group = await im.stub.CreateGroup(
+            im_pb2.CreateGroupRequest(name="pair", member_ids=[ada.member_id, bea.member_id]),
+            metadata=world.md(0),
+        )
+        await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=group.group.id, content="discuss"), metadata=world.md(0)
+        )
+        await wait_for_messages(im, world.members[0].id, group.group.id, 6)
+        # They stop: nothing more comes, however long we wait for both to be idle.
+        for agent in (ada, bea):
+            runner = runtime.app.supervisor.runner(uuid.UUID(agent.id))
+            assert runner is not None
+            await asyncio.wait_for(runner.idle.wait(), WAIT)
+        page = await im.stub.ListMessages(
+            im_pb2.ListMessagesRequest(group_id=group.group.id, page_size=100), metadata=world.md(0)
+        )
+        assert 6 <= len(page.messages) <= 7
+    finally:
+        await stop_runtime(runtime)
+
+
+async def test_restarting_the_runtime_resumes_agents_with_their_history(
+    im: RunningIM, tmp_path: Path
+) -> None:
+    database_file = tmp_path / "runtime.db"
+    runtime = await start_runtime(im.address, database_file)
+    world = await make_world(im.stub, people=1)
+    ada = await create_agent(runtime, world, "ada")
+    chat = await direct_chat(im, world, ada.member_id)
+    await im.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=chat.id, content="first"), metadata=world.md(0)
+    )
+    await wait_for_messages(im, world.members[0].id, chat.id, 2)
+    await stop_runtime(runtime)
+
+    # Written while the runtime was down: seen when it comes back.
+    await im.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=chat.id, content="second"), metadata=world.md(0)
+    )
+    runtime = await start_runtime(im.address, database_file)
+    try:
+        await wait_for_messages(im, world.members[0].id, chat.id, 4)
+        steps = await runtime.stub.ListSteps(rpb.ListStepsRequest(agent_id=ada.id), metadata=world.md(0))
+        assert [s.sequence for s in steps.steps] == [1, 2, 3, 4]
+        assert "first" in steps.steps[0].content and "second" in steps.steps[2].content
+    finally:
+        await stop_runtime(runtime)
+
+
+async def test_clear_errors(im: RunningIM, runtime: RunningRuntime) -> None:
+    world = await make_world(im.stub, people=1)
+
+    async def code_of(call: Any) -> grpc.StatusCode:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        return caught.value.code()
+
+    stub, md = runtime.stub, world.md(0)
+    assert await code_of(stub.GetAgent(rpb.GetAgentRequest(agent_id=str(uuid.uuid4())), metadata=md)) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert await code_of(stub.GetAgent(rpb.GetAgentRequest(agent_id="nope"), metadata=md)) == (
+        grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert await code_of(
+        stub.CreateAgent(rpb.CreateAgentRequest(name="x", tools=["rm_rf"]), metadata=md)
+    ) == (grpc.StatusCode.INVALID_ARGUMENT)
+    bad_model = rpb.CreateAgentRequest(name="x", model=rpb.ModelSettings(temperature=9))
+    assert await code_of(stub.CreateAgent(bad_model, metadata=md)) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await code_of(stub.ListAgents(rpb.ListAgentsRequest())) == grpc.StatusCode.UNAUTHENTICATED
+    other = await make_world(im.stub, people=1)
+    theirs = await create_agent(runtime, other, "theirs")
+    assert await code_of(stub.GetAgent(rpb.GetAgentRequest(agent_id=theirs.id), metadata=md)) == (
+        grpc.StatusCode.NOT_FOUND
+    )

@@ -1,0 +1,480 @@
+"""The runtime's `SqlAgentStore` against real SQLite and PostgreSQL.
+
+SQLite tests get a fresh file each; PostgreSQL tests share the `runtime`
+schema (dropped, re-created and migrated once per session) and use fresh ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy.engine import Connection
+from uuid_utils.compat import uuid7
+
+from services.runtime.adapters import migrate
+from services.runtime.adapters.sql import Database, SqlAgentStore
+from services.runtime.adapters.tables import SCHEMA, metadata
+from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
+from services.runtime.domain.model import Agent, AgentState, Run, RunStatus, Step, StepMetrics
+from services.runtime.service_layer.store import DuplicateAgentRequest, DuplicateStep
+
+# PostgreSQL URLs whose runtime schema this session has re-created.
+_prepared: set[str] = set()
+
+
+async def _migrated(url: str) -> None:
+    database = Database(url)
+    try:
+        await migrate.upgrade(database)
+    finally:
+        await database.aclose()
+
+
+@pytest.fixture
+async def runtime_url(database_url: str, tmp_path: Path) -> str:
+    """A migrated runtime database of each kind that `database_url` offers."""
+    if database_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'runtime.db'}"
+        await _migrated(url)
+        return url
+    if database_url not in _prepared:
+        database = Database(database_url)
+        try:
+            async with database.engine.begin() as conn:
+                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+        finally:
+            await database.aclose()
+        await _migrated(database_url)
+        _prepared.add(database_url)
+    return database_url
+
+
+@pytest.fixture
+async def store(runtime_url: str) -> AsyncIterator[SqlAgentStore]:
+    store = SqlAgentStore(Database(runtime_url))
+    yield store
+    await store.aclose()
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def make_agent(workspace_id: uuid.UUID | None = None, **fields: Any) -> Agent:
+    values: dict[str, Any] = {
+        "id": uuid7(),
+        "workspace_id": workspace_id or uuid.uuid4(),
+        "member_id": uuid.uuid4(),
+        "name": "agent",
+        "role": "",
+        "system_prompt": "",
+        "model": ModelSettings(),
+        "tools": (),
+        "parent_id": None,
+        "created_at": now(),
+        "updated_at": now(),
+    }
+    values.update(fields)
+    return Agent(**values)
+
+
+def make_run(agent: Agent, **fields: Any) -> Run:
+    values: dict[str, Any] = {
+        "id": uuid7(),
+        "agent_id": agent.id,
+        "session_id": agent.session_id,
+        "status": RunStatus.RUNNING,
+        "trigger_message_ids": (),
+        "started_at": now(),
+    }
+    values.update(fields)
+    return Run(**values)
+
+
+def make_step(run: Run, sequence: int, message: ChatMessage | None = None, **fields: Any) -> Step:
+    values: dict[str, Any] = {
+        "id": uuid7(),
+        "agent_id": run.agent_id,
+        "session_id": run.session_id,
+        "run_id": run.id,
+        "sequence": sequence,
+        "message": message or ChatMessage(role=Role.ASSISTANT, content=f"step {sequence}"),
+        "metrics": StepMetrics(),
+        "created_at": now(),
+    }
+    values.update(fields)
+    return Step(**values)
+
+
+# Agents
+
+
+async def test_agent_round_trips_every_field(store: SqlAgentStore) -> None:
+    parent = make_agent()
+    full = make_agent(
+        parent.workspace_id,
+        name="研究员 🤖",
+        role="finds things out — «carefully»",
+        system_prompt="You are helpful.\n\nAnswer in 中文 when asked.",
+        model=ModelSettings(model="gpt-x", base_url="http://127.0.0.1:9/v1", temperature=0.0, max_tokens=512),
+        tools=("send_message", "search_history"),
+        parent_id=parent.id,
+        # Another zone on the way in: the same instant comes back in UTC.
+        updated_at=datetime.now(timezone(timedelta(hours=8))),
+        state=AgentState.ERROR,
+        last_error="the model said no ❌",
+        tokens_used=12_345_678_901,
+        token_budget=99_999_999_999,
+    )
+    await store.add_agent(parent)
+    await store.add_agent(full)
+
+    got = await store.get_agent(full.id)
+    assert got == full
+    assert got is not None and got.updated_at.tzinfo is UTC
+    assert await store.get_agent(parent.id) == parent
+    assert await store.get_agent(uuid.uuid4()) is None
+
+
+async def test_model_settings_keep_none_apart_from_zero(store: SqlAgentStore) -> None:
+    unset = make_agent(model=ModelSettings(temperature=None, max_tokens=None))
+    zero = make_agent(model=ModelSettings(temperature=0.0, max_tokens=0))
+    for agent in (unset, zero):
+        await store.add_agent(agent)
+        assert await store.get_agent(agent.id) == agent
+
+
+async def test_update_agent_replaces_settings_state_and_tokens(store: SqlAgentStore) -> None:
+    agent = make_agent(tools=("a",))
+    await store.add_agent(agent)
+    changed = dataclasses.replace(
+        agent,
+        name="renamed",
+        role="reviewer",
+        system_prompt="新的提示",
+        model=ModelSettings(model="m2", base_url="http://x", temperature=1.5, max_tokens=64),
+        tools=(),
+        updated_at=agent.updated_at + timedelta(seconds=5),
+        state=AgentState.RUNNING,
+        last_error="",
+        tokens_used=77,
+        token_budget=1000,
+    )
+    await store.update_agent(changed)
+    assert await store.get_agent(agent.id) == changed
+
+
+async def test_delete_hides_the_agent_and_keeps_its_runs_and_steps(store: SqlAgentStore) -> None:
+    agent = make_agent()
+    sibling = make_agent(agent.workspace_id)
+    await store.add_agent(agent)
+    await store.add_agent(sibling)
+    run = make_run(agent)
+    await store.add_run(run)
+    step = make_step(run, 1)
+    await store.append_step(step)
+
+    await store.delete_agent(agent.id)
+    await store.delete_agent(agent.id)  # again: still fine
+
+    assert await store.get_agent(agent.id) is None
+    listed = await store.list_agents(agent.workspace_id, parent_id=None, after=None, limit=10)
+    assert listed == [sibling]
+    every = {a.id for a in await store.all_agents()}
+    assert sibling.id in every and agent.id not in every
+    assert await store.list_runs(agent.id, before=None, limit=10) == [run]
+    assert await store.list_steps(agent.session_id, after_sequence=0, limit=10) == [step]
+
+
+async def test_list_agents_pages_in_id_order_and_filters_by_parent(store: SqlAgentStore) -> None:
+    workspace_id = uuid.uuid4()
+    parent = make_agent(workspace_id)
+    children = [make_agent(workspace_id, parent_id=parent.id, name=f"child {i}") for i in range(3)]
+    others = [make_agent(workspace_id) for _ in range(2)]
+    elsewhere = make_agent()
+    # Stored out of order: the listing orders by id.
+    for agent in [*reversed(children), elsewhere, *others, parent]:
+        await store.add_agent(agent)
+    everyone = sorted([parent, *children, *others], key=lambda a: a.id)
+
+    pages: list[list[Agent]] = []
+    after: uuid.UUID | None = None
+    while True:
+        page = await store.list_agents(workspace_id, parent_id=None, after=after, limit=2)
+        if not page:
+            break
+        pages.append(page)
+        after = page[-1].id
+    assert [len(p) for p in pages] == [2, 2, 2]
+    assert [a for p in pages for a in p] == everyone
+
+    assert await store.list_agents(workspace_id, parent_id=parent.id, after=None, limit=10) == sorted(
+        children, key=lambda a: a.id
+    )
+    first = await store.list_agents(workspace_id, parent_id=parent.id, after=None, limit=1)
+    rest = await store.list_agents(workspace_id, parent_id=parent.id, after=first[0].id, limit=10)
+    assert first + rest == sorted(children, key=lambda a: a.id)
+    assert await store.list_agents(uuid.uuid4(), parent_id=None, after=None, limit=10) == []
+
+
+async def test_all_agents_lists_every_live_agent(store: SqlAgentStore) -> None:
+    agents = [make_agent() for _ in range(3)]
+    for agent in agents:
+        await store.add_agent(agent)
+    await store.delete_agent(agents[1].id)
+    found = await store.all_agents()
+    ids = [a.id for a in found]
+    assert agents[0] in found and agents[2] in found and agents[1].id not in ids
+    assert ids == sorted(ids)
+
+
+async def test_create_requests_are_recorded_once(store: SqlAgentStore) -> None:
+    scope = uuid.uuid4()
+    first = make_agent()
+    await store.add_agent(first, request=(scope, "req-1", "f" * 64))
+    assert await store.find_request(scope, "req-1") == ("f" * 64, first.id)
+
+    retry = make_agent()
+    with pytest.raises(DuplicateAgentRequest):
+        await store.add_agent(retry, request=(scope, "req-1", "other"))
+    # The refused call stored nothing.
+    assert await store.get_agent(retry.id) is None
+    assert await store.find_request(scope, "req-1") == ("f" * 64, first.id)
+
+    # The same request_id in another scope, and no request at all, are independent.
+    other_scope = make_agent()
+    await store.add_agent(other_scope, request=(uuid.uuid4(), "req-1", "x"))
+    assert await store.get_agent(other_scope.id) == other_scope
+    assert await store.find_request(scope, "req-2") is None
+    assert await store.find_request(uuid.uuid4(), "req-1") is None
+
+
+async def test_concurrent_creates_with_one_request_id_store_one_agent(store: SqlAgentStore) -> None:
+    scope = uuid.uuid4()
+    candidates = [make_agent(), make_agent()]
+    outcomes = await asyncio.gather(
+        *(store.add_agent(a, request=(scope, "same", "fp")) for a in candidates), return_exceptions=True
+    )
+    assert sorted(type(o).__name__ for o in outcomes) == ["DuplicateAgentRequest", "NoneType"]
+    winner = candidates[outcomes.index(None)]
+    assert await store.find_request(scope, "same") == ("fp", winner.id)
+    assert [await store.get_agent(a.id) for a in candidates].count(None) == 1
+
+
+# Runs
+
+
+async def test_run_round_trip_and_update(store: SqlAgentStore) -> None:
+    agent = make_agent()
+    await store.add_agent(agent)
+    run = make_run(agent, trigger_message_ids=(uuid7(), uuid7()))
+    await store.add_run(run)
+    assert await store.list_runs(agent.id, before=None, limit=10) == [run]
+
+    ended = dataclasses.replace(
+        run,
+        status=RunStatus.BUDGET_EXHAUSTED,
+        iterations=7,
+        error="budget: 1000 tokens ✋",
+        ended_at=run.started_at + timedelta(seconds=3),
+    )
+    await store.update_run(ended)
+    assert await store.list_runs(agent.id, before=None, limit=10) == [ended]
+
+
+async def test_list_runs_newest_first_before_a_cursor(store: SqlAgentStore) -> None:
+    agent = make_agent()
+    other = make_agent()
+    ids = sorted(uuid7() for _ in range(5))
+    for run_id in ids:
+        await store.add_run(make_run(agent, id=run_id))
+    await store.add_run(make_run(other))
+
+    newest = await store.list_runs(agent.id, before=None, limit=2)
+    assert [r.id for r in newest] == [ids[4], ids[3]]
+    older = await store.list_runs(agent.id, before=newest[-1].id, limit=2)
+    assert [r.id for r in older] == [ids[2], ids[1]]
+    oldest = await store.list_runs(agent.id, before=older[-1].id, limit=2)
+    assert [r.id for r in oldest] == [ids[0]]
+    assert await store.list_runs(agent.id, before=ids[0], limit=2) == []
+    assert await store.list_runs(uuid.uuid4(), before=None, limit=2) == []
+
+
+# Steps
+
+
+async def test_steps_round_trip_every_field(store: SqlAgentStore) -> None:
+    run = make_run(make_agent())
+    messages = [
+        ChatMessage(role=Role.SYSTEM, content="系统提示"),
+        ChatMessage(role=Role.USER, content="", name="alice 👩"),
+        ChatMessage(
+            role=Role.ASSISTANT,
+            content=None,
+            reasoning="Let me think… 🤔",
+            tool_calls=(
+                ToolCall(id="call_1", name="send_message", arguments='{"text": "你好", "n": 1}'),
+                ToolCall(id="call_2", name="noop", arguments="{}"),
+            ),
+        ),
+        ChatMessage(role=Role.TOOL, content='{"ok": true}', tool_call_id="call_1", name="send_message"),
+        ChatMessage(role=Role.ASSISTANT, content="done", reasoning=""),
+    ]
+    metrics = StepMetrics(
+        duration_ms=1234.5,
+        first_token_ms=87.25,
+        input_tokens=3_000_000_000,
+        output_tokens=42,
+        cached_tokens=1024,
+        model="gpt-x-2026",
+        tool_duration_ms=0.125,
+    )
+    stored = [
+        make_step(run, i, m, metrics=metrics if m.role is Role.ASSISTANT else StepMetrics())
+        for i, m in enumerate(messages, start=1)
+    ]
+    for step in stored:
+        await store.append_step(step)
+
+    got = await store.list_steps(run.session_id, after_sequence=0, limit=100)
+    assert got == stored
+    assert got[0].created_at.tzinfo is UTC
+    assert await store.last_sequence(run.session_id) == len(messages)
+
+
+async def test_a_taken_sequence_is_refused_and_the_next_append_works(store: SqlAgentStore) -> None:
+    run = make_run(make_agent())
+    first = make_step(run, 1)
+    await store.append_step(first)
+
+    stale = make_step(run, 1, ChatMessage(role=Role.USER, content="late"))
+    with pytest.raises(DuplicateStep):
+        await store.append_step(stale)
+    with pytest.raises(DuplicateStep):
+        await store.append_step(stale)
+
+    second = make_step(run, 2)
+    await store.append_step(second)
+    assert await store.list_steps(run.session_id, after_sequence=0, limit=10) == [first, second]
+    assert await store.last_sequence(run.session_id) == 2
+    # Sequences belong to a session: another session may use 1.
+    elsewhere = make_run(make_agent())
+    await store.append_step(make_step(elsewhere, 1))
+
+
+async def test_last_sequence_of_a_new_session_is_zero(store: SqlAgentStore) -> None:
+    assert await store.last_sequence(uuid.uuid4()) == 0
+
+
+async def test_list_steps_after_a_sequence_with_a_limit_and_a_run(store: SqlAgentStore) -> None:
+    agent = make_agent()
+    first_run, second_run = make_run(agent), make_run(agent)
+    stored = [make_step(first_run if i <= 3 else second_run, i) for i in range(1, 7)]
+    # Appended out of order: reads order by sequence.
+    for step in reversed(stored):
+        await store.append_step(step)
+    await store.append_step(make_step(make_run(make_agent()), 1))
+
+    session = agent.session_id
+    assert await store.list_steps(session, after_sequence=0, limit=100) == stored
+    assert await store.list_steps(session, after_sequence=2, limit=2) == stored[2:4]
+    assert await store.list_steps(session, after_sequence=6, limit=10) == []
+    assert await store.list_steps(session, after_sequence=0, limit=10, run_id=second_run.id) == stored[3:]
+    assert await store.list_steps(session, after_sequence=4, limit=1, run_id=second_run.id) == stored[4:5]
+    assert await store.list_steps(session, after_sequence=0, limit=10, run_id=uuid.uuid4()) == []
+    assert await store.list_steps(uuid.uuid4(), after_sequence=0, limit=10) == []
+
+
+@pytest.mark.parametrize("writers", ["one store", "two stores"])
+async def test_concurrent_appends_of_one_sequence_have_one_winner(
+    store: SqlAgentStore, runtime_url: str, writers: str
+) -> None:
+    other = SqlAgentStore(Database(runtime_url)) if writers == "two stores" else store
+    try:
+        run = make_run(make_agent())
+        rivals = [make_step(run, 1, ChatMessage(role=Role.ASSISTANT, content=f"rival {i}")) for i in range(2)]
+        outcomes = await asyncio.gather(
+            store.append_step(rivals[0]), other.append_step(rivals[1]), return_exceptions=True
+        )
+        assert sorted(type(o).__name__ for o in outcomes) == ["DuplicateStep", "NoneType"]
+        winner = rivals[outcomes.index(None)]
+        assert await store.list_steps(run.session_id, after_sequence=0, limit=10) == [winner]
+        # Both stores go on writing.
+        await other.append_step(make_step(run, 2))
+        await store.append_step(make_step(run, 3))
+        assert await store.last_sequence(run.session_id) == 3
+    finally:
+        if other is not store:
+            await other.aclose()
+
+
+# Database and migrations
+
+
+async def test_ping_and_idempotent_close(runtime_url: str) -> None:
+    database = Database(runtime_url)
+    assert await database.ping()
+    store = SqlAgentStore(database)
+    await store.aclose()
+    await store.aclose()
+
+
+def _differences(connection: Connection) -> list[Any]:
+    is_postgres = connection.dialect.name == "postgresql"
+    context = MigrationContext.configure(
+        connection,
+        opts={
+            "version_table": "runtime_alembic_version",
+            "version_table_schema": SCHEMA if is_postgres else None,
+            "include_schemas": is_postgres,
+            # Only the runtime's schema (the IM's shares the database); SQLite has just one.
+            "include_name": lambda name, kind, _parent: kind != "schema" or name == SCHEMA or not is_postgres,
+            "compare_type": True,
+        },
+    )
+    if is_postgres:
+        target = metadata
+    else:
+        target = sa.MetaData()
+        for table in metadata.tables.values():
+            # None takes the target's schema (none), as documented; the annotation omits it.
+            table.to_metadata(target, schema=None)  # type: ignore[arg-type]
+    return list(compare_metadata(context, target))
+
+
+async def test_the_migrations_build_exactly_the_tables(runtime_url: str) -> None:
+    database = Database(runtime_url)
+    try:
+        async with database.engine.connect() as conn:
+            assert await conn.run_sync(_differences) == []
+    finally:
+        await database.aclose()
+
+
+async def test_downgrade_and_upgrade_again(runtime_url: str) -> None:
+    database = Database(runtime_url)
+    if not database.is_sqlite:
+        await database.aclose()
+        pytest.skip("PostgreSQL tests share one migrated schema")
+    try:
+        await migrate.downgrade(database, "base")
+        async with database.engine.connect() as conn:
+            names = await conn.run_sync(lambda c: sa.inspect(c).get_table_names())
+        assert set(names) == {"runtime_alembic_version"}
+        await migrate.upgrade(database)
+        store = SqlAgentStore(database)
+        agent = make_agent()
+        await store.add_agent(agent)
+        assert await store.get_agent(agent.id) == agent
+    finally:
+        await database.aclose()

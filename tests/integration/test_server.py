@@ -1,0 +1,252 @@
+"""The shared gRPC server plumbing: health, reflection, shutdown, ports, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common.clients import open_channel
+from services.common.server import GrpcServer
+from services.common.settings import ConfigError
+from services.im.config import Settings
+from tests.conftest import RunningIM, make_world, start_im, stop_im
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def health_of(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        response = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+        return int(response.status)
+
+
+async def test_health_reports_serving_for_the_im_service(im: RunningIM) -> None:
+    assert await health_of(im.address) == SERVING
+    assert await health_of(im.address, "agentim.im.v1.IMService") == SERVING
+
+
+async def test_health_follows_database_readiness(tmp_path: Path) -> None:
+    running = await start_im(f"sqlite:///{tmp_path / 'im.db'}")
+    try:
+        assert await health_of(running.address) == SERVING
+        ready = True
+
+        async def probe() -> bool:
+            return ready
+
+        running.app.server.health._probe = probe
+        ready = False
+        assert await health_of(running.address) == NOT_SERVING
+        ready = True
+        assert await health_of(running.address) == SERVING
+    finally:
+        await stop_im(running)
+
+
+async def test_unreachable_database_is_not_serving() -> None:
+    running = await start_im("postgresql://nobody@127.0.0.1:1/none")
+    try:
+        assert await health_of(running.address) == NOT_SERVING
+    finally:
+        await stop_im(running)
+
+
+async def test_reflection_lists_services_and_can_be_switched_off(im_factory: Any) -> None:
+    async def listed(address: str) -> list[str]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            async for response in call:
+                return [s.name for s in response.list_services_response.service]
+        return []
+
+    on: RunningIM = await im_factory()
+    assert "agentim.im.v1.IMService" in await listed(on.address)
+    assert "grpc.health.v1.Health" in await listed(on.address)
+    off: RunningIM = await im_factory(GRPC_REFLECTION="false")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await listed(off.address)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_a_taken_port_is_refused(im: RunningIM, tmp_path: Path) -> None:
+    with pytest.raises(OSError, match="cannot listen"):
+        await start_im(f"sqlite:///{tmp_path / 'other.db'}", IM_GRPC_ADDRESS=im.address)
+
+
+def _slow_registrar(started: asyncio.Event) -> Any:
+    async def sleep(request: bytes, context: Any) -> bytes:
+        started.set()
+        await asyncio.sleep(0.5)
+        return b"done"
+
+    handler = grpc.method_handlers_generic_handler(
+        "test.Slow", {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)}
+    )
+    return lambda server: server.add_generic_rpc_handlers((handler,))
+
+
+async def test_shutdown_reports_not_serving_and_drains_in_flight_calls() -> None:
+    started = asyncio.Event()
+    closed: list[str] = []
+
+    async def ready() -> bool:
+        return True
+
+    async def closer() -> None:
+        closed.append("closer")
+
+    async def cleanup() -> None:
+        closed.append("cleanup")
+
+    server = GrpcServer(
+        address="127.0.0.1:0",
+        registrars=[_slow_registrar(started)],
+        service_names=["test.Slow"],
+        readiness=ready,
+        grace_seconds=5,
+        closers=[closer],
+        cleanups=[cleanup],
+    )
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    slow = asyncio.ensure_future(channel.unary_unary("/test.Slow/Sleep")(b"", timeout=5))
+    await asyncio.wait_for(started.wait(), 5)
+    health = health_pb2_grpc.HealthStub(channel)
+    stopping = asyncio.ensure_future(server.stop())
+    await asyncio.sleep(0.05)
+    assert server.health._server_status[""] == NOT_SERVING
+    assert await slow == b"done", "the in-flight call was cut off"
+    await stopping
+    assert closed == ["closer", "cleanup"]
+    with pytest.raises(grpc.aio.AioRpcError):
+        await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+    await channel.close()
+    await server.stop()  # idempotent
+
+
+async def test_client_channels_give_unary_calls_a_deadline() -> None:
+    started = asyncio.Event()
+
+    async def ready() -> bool:
+        return True
+
+    server = GrpcServer(
+        address="127.0.0.1:0", registrars=[_slow_registrar(started)], service_names=[], readiness=ready
+    )
+    port = await server.start()
+    channel = open_channel(f"127.0.0.1:{port}", default_timeout_seconds=0.1)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary("/test.Slow/Sleep")(b"")
+    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await channel.close()
+    await server.stop()
+
+
+def test_settings_report_every_problem_and_hide_secrets() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings.from_env(
+            {
+                "DATABASE_URL": "mysql://x",
+                "IM_GRPC_ADDRESS": "nowhere",
+                "LOG_LEVEL": "LOUD",
+                "IM_MAX_GROUP_MEMBERS": "many",
+                "GRPC_REFLECTION": "perhaps",
+                "AGENTIM_SERVICE_TOKEN": "hunter2",
+            }
+        )
+    problems = "\n".join(caught.value.problems)
+    for name in ("DATABASE_URL", "IM_GRPC_ADDRESS", "LOG_LEVEL", "IM_MAX_GROUP_MEMBERS", "GRPC_REFLECTION"):
+        assert name in problems
+    assert len(caught.value.problems) == 5
+    settings = Settings.from_env({"AGENTIM_SERVICE_TOKEN": "hunter2", "AGENTIM_DATA_DIR": "/tmp/x"})
+    assert "hunter2" not in repr(settings)
+    assert settings.database_url == "sqlite:////tmp/x/im.db" and settings.redis_url is None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_service_process_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    env = {**os.environ, "AGENTIM_DATA_DIR": str(tmp_path), "IM_GRPC_ADDRESS": f"127.0.0.1:{_free_port()}"}
+    subprocess.run([sys.executable, "-m", "services.im", "migrate"], env=env, check=True, capture_output=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.im", "serve"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("IM service listening on 127.0.0.1:"), line
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _serve(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.im", "serve"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line.startswith("IM service listening on "), line
+    return process, line.split()[4]
+
+
+async def test_an_acknowledged_message_survives_a_crash(database_url: str, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url,
+        "IM_GRPC_ADDRESS": "127.0.0.1:0",
+        "LOG_LEVEL": "WARNING",
+        "AGENTIM_DATA_DIR": str(tmp_path),
+    }
+    process, address = _serve(env)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = im_pb2_grpc.IMServiceStub(channel)
+            world = await make_world(stub, people=2)
+            group = await stub.CreateGroup(
+                im_pb2.CreateGroupRequest(name="g", member_ids=[world.members[1].id]), metadata=world.md(0)
+            )
+            sent = await stub.SendMessage(
+                im_pb2.SendMessageRequest(group_id=group.group.id, content="do not lose me"),
+                metadata=world.md(0),
+            )
+    finally:
+        process.kill()  # SIGKILL: no clean-up of any kind
+        process.wait()
+    process, address = _serve(env)
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = im_pb2_grpc.IMServiceStub(channel)
+            unread = await stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=world.md(1))
+            assert [m.id for m in unread.messages] == [sent.message.id]
+            assert unread.messages[0].content == "do not lose me"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0

@@ -1,0 +1,315 @@
+"""In-memory fakes of the runtime's ports: the IM, the LLM and the store."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+
+from services.common import errors
+from services.runtime.domain.llm import (
+    ChatMessage,
+    Completion,
+    CompletionAssembler,
+    CompletionRequest,
+    ContentDelta,
+    Delta,
+    FinishReason,
+    ReasoningDelta,
+    ToolCallDelta,
+    Usage,
+)
+from services.runtime.domain.model import Agent, Run, Step
+from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
+from services.runtime.service_layer.llm_port import LLM
+from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, DuplicateStep
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        self.now += timedelta(milliseconds=1)
+        return self.now
+
+
+class Refused(errors.ServiceError):
+    pass
+
+
+class FakeIM(IMPort):
+    """An IM in memory: members, groups, messages, read positions, a live feed."""
+
+    def __init__(self) -> None:
+        self.members: dict[uuid.UUID, IMMember] = {}
+        self.groups: dict[uuid.UUID, IMGroup] = {}
+        self.messages: list[IMMessage] = []
+        self.read: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}
+        self.clock = FakeClock()
+        self._feeds: list[tuple[set[uuid.UUID], asyncio.Queue[IMEvent]]] = []
+        self.workspace = uuid.uuid4()
+
+    # helpers for tests
+    def human(self, name: str) -> IMMember:
+        member = IMMember(uuid.uuid4(), self.workspace, "human", name)
+        self.members[member.id] = member
+        return member
+
+    def group(self, name: str, *members: uuid.UUID, direct: bool = False) -> IMGroup:
+        group = IMGroup(uuid.uuid4(), name, "direct" if direct else "group", tuple(members))
+        self.groups[group.id] = group
+        return group
+
+    def post(
+        self, sender: uuid.UUID, group_id: uuid.UUID, content: str, mentions: Sequence[uuid.UUID] = ()
+    ) -> IMMessage:
+        message = IMMessage(
+            id=uuid.UUID(int=len(self.messages) + 1),
+            group_id=group_id,
+            sender_id=sender,
+            content_type="text",
+            content=content,
+            mentions=tuple(mentions),
+            sent_at=self.clock(),
+        )
+        self.messages.append(message)
+        concerned = tuple(m for m in self.groups[group_id].member_ids)
+        for watched, queue in self._feeds:
+            hits = tuple(m for m in concerned if m in watched)
+            if hits:
+                queue.put_nowait(IMEvent(cursor=str(len(self.messages)), message=message, member_ids=hits))
+        return message
+
+    def in_group(self, group_id: uuid.UUID) -> list[IMMessage]:
+        return [m for m in self.messages if m.group_id == group_id]
+
+    def _check_member(self, member: uuid.UUID, group_id: uuid.UUID) -> IMGroup:
+        group = self.groups.get(group_id)
+        if group is None:
+            raise Refused(f"group {group_id} not found")
+        if member not in group.member_ids:
+            raise Refused(f"member {member} is not in group {group_id}")
+        return group
+
+    # the port
+    async def create_agent_member(
+        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+    ) -> IMMember:
+        member = IMMember(uuid.uuid4(), workspace_id, "agent", display_name)
+        self.members[member.id] = member
+        return member
+
+    async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember:
+        self.members[member_id] = replace(self.members[member_id], display_name=display_name)
+        return self.members[member_id]
+
+    async def get_member(self, as_member: uuid.UUID, member_id: uuid.UUID) -> IMMember:
+        if member_id not in self.members:
+            raise Refused(f"member {member_id} not found")
+        return self.members[member_id]
+
+    async def list_members(self, as_member: uuid.UUID) -> list[IMMember]:
+        return list(self.members.values())
+
+    async def get_all_unread(self, as_member: uuid.UUID, *, limit: int = 200) -> list[IMMessage]:
+        nil = uuid.UUID(int=0)
+        unread = [
+            m
+            for m in self.messages
+            if as_member in self.groups[m.group_id].member_ids
+            and m.sender_id != as_member
+            and m.id > self.read.get((as_member, m.group_id), nil)
+        ]
+        return unread[:limit]
+
+    async def mark_read(self, as_member: uuid.UUID, group_id: uuid.UUID, up_to: uuid.UUID) -> None:
+        key = (as_member, group_id)
+        if up_to > self.read.get(key, uuid.UUID(int=0)):
+            self.read[key] = up_to
+
+    async def send_message(
+        self,
+        as_member: uuid.UUID,
+        group_id: uuid.UUID,
+        content: str,
+        *,
+        mentions: Sequence[uuid.UUID] = (),
+        reply_to: uuid.UUID | None = None,
+        request_id: str = "",
+    ) -> IMMessage:
+        self._check_member(as_member, group_id)
+        return self.post(as_member, group_id, content, mentions)
+
+    async def get_or_create_direct_group(self, as_member: uuid.UUID, peer_id: uuid.UUID) -> IMGroup:
+        for group in self.groups.values():
+            if group.kind == "direct" and set(group.member_ids) == {as_member, peer_id}:
+                return group
+        return self.group("", as_member, peer_id, direct=True)
+
+    async def get_group(self, as_member: uuid.UUID, group_id: uuid.UUID) -> IMGroup:
+        return self._check_member(as_member, group_id)
+
+    async def list_groups(self, as_member: uuid.UUID) -> list[IMGroup]:
+        return [g for g in self.groups.values() if as_member in g.member_ids]
+
+    async def create_group(self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID]) -> IMGroup:
+        return self.group(name, as_member, *member_ids)
+
+    async def list_messages(
+        self, as_member: uuid.UUID, group_id: uuid.UUID, *, limit: int = 50, before: uuid.UUID | None = None
+    ) -> list[IMMessage]:
+        self._check_member(as_member, group_id)
+        found = [m for m in self.in_group(group_id) if before is None or m.id < before]
+        return found[-limit:]
+
+    async def watch(
+        self,
+        workspace_id: uuid.UUID,
+        *,
+        member_ids: Sequence[uuid.UUID] = (),
+        after_cursor: str = "",
+        on_subscribed: Callable[[], object] | None = None,
+    ) -> AsyncIterator[IMEvent]:
+        queue: asyncio.Queue[IMEvent] = asyncio.Queue()
+        entry = (set(member_ids), queue)
+        self._feeds.append(entry)
+        if on_subscribed is not None:
+            on_subscribed()
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._feeds.remove(entry)
+
+
+@dataclass
+class Script:
+    """What the scripted model says on one call."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, JSON arguments)
+    fail: Exception | None = None
+    before: Callable[[], Awaitable[None]] | None = None
+
+
+class ScriptedLLM(LLM):
+    """Answers each call with the next script (the last one repeats); records requests."""
+
+    def __init__(self, *scripts: Script) -> None:
+        self.scripts = list(scripts) or [Script(content="ok")]
+        self.requests: list[CompletionRequest] = []
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Delta | Completion]:
+        self.requests.append(request)
+        script = self.scripts[min(len(self.requests), len(self.scripts)) - 1]
+        if script.before is not None:
+            await script.before()
+        if script.fail is not None:
+            raise script.fail
+        deltas: list[Delta] = []
+        if script.reasoning:
+            deltas.append(ReasoningDelta(script.reasoning))
+        for piece in [script.content[i : i + 4] for i in range(0, len(script.content), 4)]:
+            deltas.append(ContentDelta(piece))
+        for index, (name, arguments) in enumerate(script.tool_calls):
+            deltas.append(ToolCallDelta(index=index, id=f"call_{len(self.requests)}_{index}", name=name))
+            half = len(arguments) // 2
+            deltas += [
+                ToolCallDelta(index=index, arguments=arguments[:half]),
+                ToolCallDelta(index, arguments=arguments[half:]),
+            ]
+        assembler = CompletionAssembler()
+        for delta in deltas:
+            assembler.add(delta)
+            yield delta
+            await asyncio.sleep(0)
+        reason = FinishReason.TOOL_CALLS if script.tool_calls else FinishReason.STOP
+        yield Completion(assembler.message(), reason, Usage(10, 5, 0), "scripted")
+
+    def last_messages(self) -> list[ChatMessage]:
+        return list(self.requests[-1].messages)
+
+
+class InMemoryAgentStore(AgentStore):
+    def __init__(self) -> None:
+        self.agents: dict[uuid.UUID, Agent] = {}
+        self.deleted: set[uuid.UUID] = set()
+        self.requests: dict[tuple[uuid.UUID, str], tuple[str, uuid.UUID]] = {}
+        self.runs: dict[uuid.UUID, Run] = {}
+        self.steps: dict[uuid.UUID, list[Step]] = {}
+
+    async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
+        if request is not None:
+            scope, request_id, fingerprint = request
+            if (scope, request_id) in self.requests:
+                raise DuplicateAgentRequest(request_id)
+            self.requests[(scope, request_id)] = (fingerprint, agent.id)
+        self.agents[agent.id] = agent
+
+    async def find_request(self, scope: uuid.UUID, request_id: str) -> tuple[str, uuid.UUID] | None:
+        return self.requests.get((scope, request_id))
+
+    async def get_agent(self, agent_id: uuid.UUID) -> Agent | None:
+        return None if agent_id in self.deleted else self.agents.get(agent_id)
+
+    async def list_agents(
+        self, workspace_id: uuid.UUID, *, parent_id: uuid.UUID | None, after: uuid.UUID | None, limit: int
+    ) -> list[Agent]:
+        found = sorted(
+            (
+                a
+                for a in self.agents.values()
+                if a.workspace_id == workspace_id
+                and a.id not in self.deleted
+                and (parent_id is None or a.parent_id == parent_id)
+                and (after is None or a.id > after)
+            ),
+            key=lambda a: a.id,
+        )
+        return found[:limit]
+
+    async def all_agents(self) -> list[Agent]:
+        return [a for a in self.agents.values() if a.id not in self.deleted]
+
+    async def update_agent(self, agent: Agent) -> None:
+        self.agents[agent.id] = agent
+
+    async def delete_agent(self, agent_id: uuid.UUID) -> None:
+        self.deleted.add(agent_id)
+
+    async def add_run(self, run: Run) -> None:
+        self.runs[run.id] = run
+
+    async def update_run(self, run: Run) -> None:
+        self.runs[run.id] = run
+
+    async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
+        found = sorted(
+            (r for r in self.runs.values() if r.agent_id == agent_id and (before is None or r.id < before)),
+            key=lambda r: r.id,
+            reverse=True,
+        )
+        return found[:limit]
+
+    async def append_step(self, step: Step) -> None:
+        steps = self.steps.setdefault(step.session_id, [])
+        if any(s.sequence == step.sequence for s in steps):
+            raise DuplicateStep(str(step.sequence))
+        steps.append(step)
+
+    async def list_steps(
+        self, session_id: uuid.UUID, *, after_sequence: int, limit: int, run_id: uuid.UUID | None = None
+    ) -> list[Step]:
+        found = [
+            s
+            for s in sorted(self.steps.get(session_id, []), key=lambda s: s.sequence)
+            if s.sequence > after_sequence and (run_id is None or s.run_id == run_id)
+        ]
+        return found[:limit]
+
+    async def last_sequence(self, session_id: uuid.UUID) -> int:
+        return max((s.sequence for s in self.steps.get(session_id, [])), default=0)

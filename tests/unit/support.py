@@ -1,0 +1,95 @@
+"""A service wired to the fakes, and shortcuts to populate it."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from services.common.identity import Principal
+from services.im.domain.model import ContentType, Group, Member, MemberKind, Message, Workspace
+from services.im.domain.rules import Limits
+from services.im.service_layer.handlers import IMService
+from services.im.service_layer.ports import TransactionalMessageLog
+from tests.unit.fakes import FakeClock, InMemoryStore, RecordingSignal
+
+SERVICE = Principal(member_id=None, is_service=True)
+
+
+def me(member: Member) -> Principal:
+    """The principal of a member calling for itself."""
+    return Principal(member_id=member.id)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class World:
+    """An `IMService` over a fresh in-memory store, with its fakes at hand."""
+
+    store: InMemoryStore
+    signal: RecordingSignal
+    clock: FakeClock
+    service: IMService
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        limits: Limits | None = None,
+        yield_on_call: bool = False,
+        tick: timedelta = timedelta(seconds=1),
+    ) -> World:
+        store = InMemoryStore(yield_on_call=yield_on_call)
+        signal = RecordingSignal()
+        clock = FakeClock(tick=tick)
+        service = IMService(
+            uow=store.transaction,
+            messages=TransactionalMessageLog(store.transaction),
+            signal=signal,
+            limits=limits,
+            clock=clock,
+        )
+        return cls(store=store, signal=signal, clock=clock, service=service)
+
+    async def workspace(self, name: str = "acme", *, creator: str = "alice") -> tuple[Workspace, Member]:
+        return await self.service.create_workspace(
+            name=name, creator_display_name=creator, creator_kind=None, creator_avatar="", request_id=""
+        )
+
+    async def member(self, colleague: Member, name: str, *, kind: MemberKind = MemberKind.HUMAN) -> Member:
+        """A new member in the colleague's workspace."""
+        return await self.service.create_member(
+            me(colleague), workspace_id="", kind=kind, display_name=name, avatar="", request_id=""
+        )
+
+    async def group(self, creator: Member, *others: Member, name: str = "team") -> Group:
+        return await self.service.create_group(
+            me(creator), name=name, member_ids=[str(o.id) for o in others], request_id=""
+        )
+
+    async def send(
+        self,
+        sender: Member,
+        group: Group,
+        content: str = "hello",
+        *,
+        mentions: tuple[Member, ...] = (),
+        reply_to: Message | None = None,
+        metadata: dict[str, Any] | None = None,
+        request_id: str = "",
+        content_type: ContentType | None = None,
+    ) -> Message:
+        return await self.service.send_message(
+            me(sender),
+            group_id=str(group.id),
+            content_type=content_type,
+            content=content,
+            mentions=[str(m.id) for m in mentions],
+            reply_to_message_id=str(reply_to.id) if reply_to is not None else "",
+            metadata=metadata or {},
+            request_id=request_id,
+        )

@@ -1,0 +1,430 @@
+"""The agent loop against in-memory fakes of the IM, the LLM and the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from services.common.identity import Principal
+from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
+from services.runtime.domain.llm import ContentDelta, LLMUnavailable, ModelSettings, ReasoningDelta, Role
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Emitted,
+    RunEnded,
+    RunStatus,
+    StateChanged,
+    StepCompleted,
+    StepDelta,
+    StepStarted,
+)
+from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
+from services.runtime.service_layer.hub import AgentHub
+from services.runtime.service_layer.im_port import IMUnavailable
+from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
+from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.tools import default_registry
+from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
+
+WAIT = 3.0
+
+
+@dataclass
+class Harness:
+    im: FakeIM
+    llm: ScriptedLLM
+    store: InMemoryAgentStore
+    hub: AgentHub
+    supervisor: Supervisor
+    service: AgentService
+    human: uuid.UUID
+
+    @property
+    def me(self) -> Principal:
+        return Principal(member_id=self.human)
+
+    async def agent(self, name: str = "ada", **fields: object) -> Agent:
+        return await self.service.create_agent(self.me, AgentDraft(name=name, **fields))  # type: ignore[arg-type]
+
+    async def settle(self, *agents: Agent) -> None:
+        """Waits until the agents' runners are idle."""
+        for agent in agents:
+            runner = self.supervisor.runner(agent.id)
+            assert runner is not None
+            await asyncio.sleep(0)
+            await asyncio.wait_for(runner.idle.wait(), WAIT)
+
+    def steps(self, agent: Agent) -> list[tuple[Role, str]]:
+        return [(s.role, s.message.content or "") for s in self.store.steps.get(agent.session_id, [])]
+
+
+async def harness(
+    *scripts: Script, max_iterations: int = 10, chatter_limit: int = 20
+) -> AsyncIterator[Harness]:
+    im, llm, store, hub = FakeIM(), ScriptedLLM(*scripts), InMemoryAgentStore(), AgentHub()
+    clock = FakeClock()
+    services: list[AgentService] = []
+
+    async def create_child(parent: Agent, name: str, role: str, prompt: str) -> Agent:
+        return await services[0].create_child(parent, name, role, prompt)
+
+    tools = default_registry(timeout_seconds=5)
+    env = RunnerEnv(
+        store=store,
+        im=im,
+        llm=llm,
+        tools=tools,
+        hub=hub,
+        guard=ChatterGuard(chatter_limit),
+        directory=Directory(im),
+        settings=LoopSettings(
+            max_iterations=max_iterations, group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED
+        ),
+        create_sub_agent=create_child,
+        clock=clock,
+    )
+    supervisor = Supervisor(env)
+    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
+    services.append(service)
+    human = im.human("alice")
+    yield Harness(im, llm, store, hub, supervisor, service, human.id)
+    await supervisor.aclose()
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[Harness]:
+    async for value in harness(Script(content="Hello Alice!", reasoning="Greet her.")):
+        yield value
+
+
+async def test_a_direct_message_gets_an_answer(h: Harness) -> None:
+    ada = await h.agent()
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    h.im.post(h.human, chat.id, "hi ada")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    assert [m.content for m in h.im.in_group(chat.id)] == ["hi ada", "Hello Alice!"]
+    assert (
+        h.steps(ada)[0][0] is Role.USER and "alice" in h.steps(ada)[0][1] and "hi ada" in h.steps(ada)[0][1]
+    )
+    assistant = h.store.steps[ada.session_id][1]
+    assert assistant.message.content == "Hello Alice!" and assistant.message.reasoning == "Greet her."
+    assert assistant.metrics.input_tokens == 10 and assistant.metrics.model == "scripted"
+    (run,) = h.store.runs.values()
+    assert run.status is RunStatus.COMPLETED and run.iterations == 1
+    assert h.store.agents[ada.id].state is AgentState.IDLE
+    assert await h.im.get_all_unread(ada.member_id) == []
+    # The context was the system prompt then the steps, as native messages.
+    context = h.llm.last_messages()
+    assert context[0].role is Role.SYSTEM and "ada" in (context[0].content or "")
+    assert [m.role for m in context[1:]] == [Role.USER]
+
+
+async def test_tool_calls_run_and_the_loop_continues() -> None:
+    async for h in harness(
+        Script(tool_calls=[("send_direct_message", json.dumps({"to": "bob", "content": "ping from ada"}))]),
+        Script(content="I told Bob."),
+    ):
+        bob = h.im.human("bob")
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "tell @bob ping")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        direct = await h.im.get_or_create_direct_group(ada.member_id, bob.id)
+        assert [m.content for m in h.im.in_group(direct.id)] == ["ping from ada"]
+        assert [m.content for m in h.im.in_group(chat.id)][-1] == "I told Bob."
+        roles = [role for role, _ in h.steps(ada)]
+        assert roles == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.ASSISTANT]
+        tool_step = h.store.steps[ada.session_id][2]
+        call = h.store.steps[ada.session_id][1].message.tool_calls[0]
+        assert tool_step.message.tool_call_id == call.id and tool_step.message.name == "send_direct_message"
+        assert "sent message" in (tool_step.message.content or "")
+        # The second call saw the tool result in its context.
+        assert h.llm.requests[1].messages[-1].role is Role.TOOL
+
+
+async def test_parallel_tool_calls_keep_their_order_and_failures_become_results() -> None:
+    calls = [
+        ("list_members", "{}"),
+        ("no_such_tool", "{}"),
+        ("send_message", "not json"),
+        ("read_history", json.dumps({"group_id": str(uuid.uuid4())})),
+    ]
+    async for h in harness(Script(tool_calls=calls), Script(content="done")):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "go")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        tool_steps = [s for s in h.store.steps[ada.session_id] if s.role is Role.TOOL]
+        assert [s.message.name for s in tool_steps] == [name for name, _ in calls]
+        contents = [s.message.content or "" for s in tool_steps]
+        assert "alice" in contents[0]
+        assert contents[1].startswith("error: unknown tool 'no_such_tool'")
+        assert contents[2].startswith("error: the arguments are not valid JSON")
+        assert contents[3].startswith("error:") and "not found" in contents[3]
+        assert h.store.agents[ada.id].state is AgentState.IDLE
+
+
+async def test_a_message_arriving_mid_run_joins_the_same_run() -> None:
+    state: dict[str, object] = {}
+
+    async def meanwhile() -> None:
+        h = state["h"]
+        assert isinstance(h, Harness)
+        chat = state["chat"]
+        assert isinstance(chat, uuid.UUID)
+        h.im.post(h.human, chat, "also, one more thing")
+
+    async for h in harness(
+        Script(tool_calls=[("list_groups", "{}")], before=None),
+        Script(content="both handled", before=None),
+    ):
+        h.llm.scripts[0].before = meanwhile
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        state.update(h=h, chat=chat.id)
+        h.im.post(h.human, chat.id, "first thing")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        assert len(h.store.runs) == 1
+        second_context = [m.content or "" for m in h.llm.requests[1].messages]
+        assert any("one more thing" in c for c in second_context)
+        (run,) = h.store.runs.values()
+        assert len(run.trigger_message_ids) == 2
+
+
+async def test_the_iteration_limit_ends_a_runaway_run() -> None:
+    async for h in harness(Script(tool_calls=[("list_groups", "{}")]), max_iterations=3):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "loop forever")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        (run,) = h.store.runs.values()
+        assert run.status is RunStatus.ITERATION_LIMIT and run.iterations == 3
+        assert len(h.llm.requests) == 3
+
+
+async def test_group_etiquette(h: Harness) -> None:
+    ada = await h.agent()
+    bob = h.im.human("bob")
+    team = h.im.group("team", h.human, bob.id, ada.member_id)
+    h.im.post(h.human, team.id, "@bob can you look?", mentions=[bob.id])
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    assert not h.store.runs, "a message for someone else is not answered"
+    assert await h.im.get_all_unread(ada.member_id) == [], "but it is read"
+    h.im.post(h.human, team.id, "@ada and you?", mentions=[ada.member_id])
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    assert len(h.store.runs) == 1
+    h.im.post(h.human, team.id, "anyone?")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    assert len(h.store.runs) == 2
+
+
+async def test_agents_talking_to_each_other_stop_at_the_limit() -> None:
+    async for h in harness(Script(content="and what do you think?"), chatter_limit=6):
+        ada = await h.agent("ada")
+        bea = await h.agent("bea")
+        team = h.im.group("pair", ada.member_id, bea.member_id, h.human)
+        h.im.post(h.human, team.id, "discuss")
+        for _ in range(40):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        agent_messages = [m for m in h.im.in_group(team.id) if m.sender_id != h.human]
+        assert 1 <= len(agent_messages) <= 7
+        before = len(agent_messages)
+        h.im.post(h.human, team.id, "go on")
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        assert len([m for m in h.im.in_group(team.id) if m.sender_id != h.human]) > before
+
+
+async def test_a_failing_endpoint_puts_the_agent_in_error_and_a_wake_recovers() -> None:
+    async for h in harness(
+        Script(fail=LLMUnavailable("endpoint down after 4 tries")), Script(content="back")
+    ):
+        ada = await h.agent()
+        watcher, _ = h.hub.watch([ada.id])
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "hello?")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        assert h.store.agents[ada.id].state is AgentState.ERROR
+        assert "endpoint down" in h.store.agents[ada.id].last_error
+        (failed,) = h.store.runs.values()
+        assert failed.status is RunStatus.FAILED
+        await h.service.wake_agent(h.me, str(ada.id))
+        await h.settle(ada)
+        assert h.store.agents[ada.id].state is AgentState.IDLE
+        assert [m.content for m in h.im.in_group(chat.id)] == ["hello?", "back"]
+        states: list[AgentState] = []
+        events = watcher.events()
+        while True:
+            try:
+                emitted = await asyncio.wait_for(events.__anext__(), 0.05)
+            except TimeoutError:
+                break
+            if isinstance(emitted.event, StateChanged):
+                states.append(emitted.event.state)
+        assert AgentState.ERROR in states and states[-1] is AgentState.IDLE
+        await events.aclose()
+
+
+async def test_watching_mid_run_gives_missed_steps_then_live_deltas() -> None:
+    gate = asyncio.Event()
+    release = asyncio.Event()
+
+    async def pause() -> None:
+        gate.set()
+        await release.wait()
+
+    async for h in harness(Script(content="a long answer", reasoning="hmm", before=None)):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.llm.scripts[0].before = pause
+        h.im.post(h.human, chat.id, "question")
+        await asyncio.wait_for(gate.wait(), WAIT)
+        stream = await h.service.watch_agent(h.me, str(ada.id), after_sequence=0, live_only=False)
+        release.set()
+        got: list[Emitted] = []
+        async for emitted in stream:
+            got.append(emitted)
+            if isinstance(emitted.event, StepCompleted) and emitted.event.step.role is Role.ASSISTANT:
+                break
+        await stream.aclose()
+        kinds = [type(e.event) for e in got]
+        assert kinds[0] is StepCompleted and got[0].event.step.sequence == 1  # type: ignore[union-attr]
+        assert StepStarted in kinds
+        text = "".join(
+            e.event.delta.text
+            for e in got
+            if isinstance(e.event, StepDelta) and isinstance(e.event.delta, ContentDelta | ReasoningDelta)
+        )
+        assert text == "hmm" + "a long answer"
+        sequences = [e.event.step.sequence for e in got if isinstance(e.event, StepCompleted)]
+        assert sequences == [1, 2]
+
+
+async def test_restart_restores_agents_with_their_history(h: Harness) -> None:
+    ada = await h.agent()
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    h.im.post(h.human, chat.id, "remember me")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    await h.supervisor.aclose()
+    fresh = Supervisor(h.supervisor._env)
+    assert await fresh.start() == 1
+    h.im.post(h.human, chat.id, "still there?")
+    runner = fresh.runner(ada.id)
+    assert runner is not None
+    runner.wake()
+    await asyncio.sleep(0)
+    await asyncio.wait_for(runner.idle.wait(), WAIT)
+    context = [m.content or "" for m in h.llm.last_messages()]
+    assert any("remember me" in c for c in context) and any("still there?" in c for c in context)
+    await fresh.aclose()
+
+
+async def test_bad_agent_settings_are_refused(h: Harness) -> None:
+    with pytest.raises(InvalidAgentRequest, match="unknown tools"):
+        await h.agent(tools=("launch_rockets",))
+    with pytest.raises(InvalidAgentRequest, match="temperature"):
+        await h.agent(model=ModelSettings(temperature=5.0))
+    with pytest.raises(InvalidAgentRequest, match="base_url"):
+        await h.agent(model=ModelSettings(base_url="ftp://x"))
+    with pytest.raises(InvalidAgentRequest, match="name"):
+        await h.agent(name="  ")
+
+
+async def test_the_token_budget_stops_an_agent() -> None:
+    async for h in harness(Script(tool_calls=[("list_groups", "{}")])):
+        ada = await h.agent(token_budget=20)  # each scripted completion uses 15 tokens
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "work hard")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        (run,) = h.store.runs.values()
+        assert run.status is RunStatus.BUDGET_EXHAUSTED and len(h.llm.requests) == 2
+        assert h.store.agents[ada.id].tokens_used == 30
+        # A new message does not start the model again until the budget is raised.
+        h.im.post(h.human, chat.id, "more")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        assert len(h.llm.requests) == 2
+        await h.service.update_agent(
+            h.me, str(ada.id), AgentDraft(name="ada", token_budget=100), ["token_budget"]
+        )
+        h.im.post(h.human, chat.id, "now go on")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        assert len(h.llm.requests) > 2
+
+
+async def test_watching_several_agents_and_the_workspace(h: Harness) -> None:
+    ada = await h.agent("ada")
+    bea = await h.agent("bea")
+    both = await h.service.watch_agents(h.me, agent_ids=[str(ada.id)], workspace_id="")
+    everyone = await h.service.watch_agents(h.me, agent_ids=[], workspace_id="")
+    for agent in (ada, bea):
+        chat = h.im.group("", h.human, agent.member_id, direct=True)
+        h.im.post(h.human, chat.id, "hi")
+        await asyncio.sleep(0)
+        await h.settle(agent)
+
+    async def drain(events: AsyncIterator[Emitted]) -> set[uuid.UUID]:
+        seen: set[uuid.UUID] = set()
+        while True:
+            try:
+                emitted = await asyncio.wait_for(events.__anext__(), 0.05)
+            except TimeoutError:
+                return seen
+            seen.add(emitted.agent_id)
+
+    assert await drain(both) == {ada.id}
+    assert await drain(everyone) == {ada.id, bea.id}
+    await both.aclose()
+    await everyone.aclose()
+
+
+async def test_an_unreachable_im_is_retried_without_blaming_the_agent(h: Harness) -> None:
+    ada = await h.agent()
+    await h.settle(ada)
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    real = h.im.get_all_unread
+    failures = 0
+
+    async def flaky(as_member: uuid.UUID, *, limit: int = 200) -> list[Any]:
+        nonlocal failures
+        if failures == 0:
+            failures += 1
+            raise IMUnavailable("the IM is restarting")
+        return await real(as_member, limit=limit)
+
+    h.im.get_all_unread = flaky  # type: ignore[method-assign]
+    watcher, _ = h.hub.watch([ada.id])
+    events = watcher.events()
+    h.im.post(h.human, chat.id, "are you there?")
+
+    async def run_ended() -> None:
+        async for emitted in events:
+            if isinstance(emitted.event, RunEnded):
+                return
+
+    await asyncio.wait_for(run_ended(), WAIT)
+    await events.aclose()
+    assert failures == 1
+    assert [m.content for m in h.im.in_group(chat.id)][-1].startswith("Hello")
+    assert h.store.agents[ada.id].state is AgentState.IDLE and not h.store.agents[ada.id].last_error
