@@ -18,6 +18,8 @@ from services.common.errors import Unauthenticated
 
 MEMBER_ID_KEY = "x-member-id"
 SERVICE_TOKEN_KEY = "x-agentim-service"
+# Response header of IM WatchEvents: the cursor the stream starts after.
+WATCH_START_CURSOR_KEY = "x-agentim-start-cursor"
 
 
 @dataclass(frozen=True, slots=True)

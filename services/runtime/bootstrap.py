@@ -23,7 +23,7 @@ from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
-from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
+from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import default_registry
 
@@ -106,9 +106,11 @@ def build(settings: Settings) -> RuntimeApp:
             max_iterations=settings.max_iterations,
             group_policy=settings.group_policy,
             default_token_budget=settings.token_budget,
+            max_reply_bytes=settings.max_reply_bytes,
         ),
         create_sub_agent=create_sub_agent,
         clock=utc_now,
+        history=HistoryCache(settings.history_cache_steps),
     )
     supervisor = Supervisor(env)
     service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now)

@@ -50,6 +50,9 @@ async def test_member_sees_its_groups_events_live(im: RunningIM) -> None:
     assert list(changed.member_ids) == [world.members[1].id]
     assert created.message_created.message.id == sent.id
     assert created.sequence > changed.sequence and created.cursor == str(created.sequence)
+    # The headers said after which cursor the stream starts: just before the group.
+    headers = dict(await stream.initial_metadata())
+    assert headers["x-agentim-start-cursor"] == str(changed.sequence - 1)
 
     await im.stub.EditMessage(
         im_pb2.EditMessageRequest(message_id=sent.id, content="hello!"), metadata=world.md(0)

@@ -94,6 +94,7 @@ class Watcher:
         after_cursor: str = "",
     ) -> None:
         self.subscriptions = 0
+        self.start_cursors: list[str] = []
         self._subscribed = asyncio.Event()
         self._items: asyncio.Queue[IMEvent | Exception] = asyncio.Queue()
         self.task = asyncio.create_task(
@@ -107,8 +108,9 @@ class Watcher:
             )
         )
 
-    def _on_subscribed(self) -> None:
+    def _on_subscribed(self, cursor: str) -> None:
         self.subscriptions += 1
+        self.start_cursors.append(cursor)
         self._subscribed.set()
 
     async def _run(self, events: AsyncIterator[IMEvent]) -> None:
@@ -350,6 +352,31 @@ async def test_a_silent_server_is_unavailable_at_the_deadline() -> None:
         await within(silent.wait_closed())
 
 
+async def test_a_call_the_server_cancels_is_unavailable_not_a_refusal() -> None:
+    # grpc cancels calls on an overloaded channel: worth a retry, unlike a refusal.
+    async def cancel(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        await context.abort(grpc.StatusCode.CANCELLED, "dropped under load")
+        raise AssertionError("abort raises")
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "agentim.im.v1.IMService", {"GetMember": grpc.unary_unary_rpc_method_handler(cancel)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with make_client(f"127.0.0.1:{port}") as im:
+            with pytest.raises(IMUnavailable) as caught:
+                await within(im.get_member(uuid.uuid4(), uuid.uuid4()))
+            assert caught.value.code == grpc.StatusCode.CANCELLED
+    finally:
+        await server.stop(None)
+
+
 async def test_a_closed_client_refuses_calls_and_closes_once(server: RunningIM, world: World) -> None:
     im = make_client(server.address)
     await im.list_members(member(world, 0))
@@ -383,6 +410,9 @@ async def test_watch_passes_on_new_messages_only(client: GrpcIM, server: Running
         assert [e.message for e in events] == [first, second]
         assert all(e.cursor for e in events) and events[0].cursor != events[1].cursor
         assert watcher.pending() == 0 and watcher.subscriptions == 1
+        # It started after the events before it: the last one was the message sent then.
+        (start,) = watcher.start_cursors
+        assert int(start) == int(events[0].cursor) - 2  # then came the group's creation and "one"
     finally:
         await watcher.stop()
 

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
-from services.common import errors
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -22,7 +21,7 @@ from services.runtime.domain.llm import (
     Usage,
 )
 from services.runtime.domain.model import Agent, Run, Step
-from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
+from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, DuplicateStep
 
@@ -36,14 +35,19 @@ class FakeClock:
         return self.now
 
 
-class Refused(errors.ServiceError):
-    pass
+class Refused(IMError):
+    """The fake IM's refusal, as the real client raises `IMError` for the IM's."""
 
 
 class FakeIM(IMPort):
     """An IM in memory: members, groups, messages, read positions, a live feed."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_content_bytes: int = 64 * 1024) -> None:
+        self.max_content_bytes = max_content_bytes
+        # Raised (once each, in order) by the next SendMessage calls.
+        self.send_failures: list[Exception] = []
+        self._sent_requests: dict[str, IMMessage] = {}
+        self.unread_reads = 0
         self.members: dict[uuid.UUID, IMMember] = {}
         self.groups: dict[uuid.UUID, IMGroup] = {}
         self.messages: list[IMMessage] = []
@@ -115,6 +119,7 @@ class FakeIM(IMPort):
         return list(self.members.values())
 
     async def get_all_unread(self, as_member: uuid.UUID, *, limit: int = 200) -> list[IMMessage]:
+        self.unread_reads += 1
         nil = uuid.UUID(int=0)
         unread = [
             m
@@ -140,8 +145,17 @@ class FakeIM(IMPort):
         reply_to: uuid.UUID | None = None,
         request_id: str = "",
     ) -> IMMessage:
+        if self.send_failures:
+            raise self.send_failures.pop(0)
         self._check_member(as_member, group_id)
-        return self.post(as_member, group_id, content, mentions)
+        if len(content.encode()) > self.max_content_bytes:
+            raise Refused(f"content is {len(content.encode())} bytes; the limit is {self.max_content_bytes}")
+        if request_id and request_id in self._sent_requests:
+            return self._sent_requests[request_id]
+        message = self.post(as_member, group_id, content, mentions)
+        if request_id:
+            self._sent_requests[request_id] = message
+        return message
 
     async def get_or_create_direct_group(self, as_member: uuid.UUID, peer_id: uuid.UUID) -> IMGroup:
         for group in self.groups.values():
@@ -171,13 +185,20 @@ class FakeIM(IMPort):
         *,
         member_ids: Sequence[uuid.UUID] = (),
         after_cursor: str = "",
-        on_subscribed: Callable[[], object] | None = None,
+        on_subscribed: Callable[[str], object] | None = None,
     ) -> AsyncIterator[IMEvent]:
         queue: asyncio.Queue[IMEvent] = asyncio.Queue()
-        entry = (set(member_ids), queue)
+        watched = set(member_ids)
+        entry = (watched, queue)
         self._feeds.append(entry)
+        # Resuming: what came after the cursor first (a cursor is a message count).
+        start = int(after_cursor or 0)
+        for index, message in enumerate(self.messages[start:], start=start):
+            hits = tuple(m for m in self.groups[message.group_id].member_ids if m in watched)
+            if hits:
+                queue.put_nowait(IMEvent(cursor=str(index + 1), message=message, member_ids=hits))
         if on_subscribed is not None:
-            on_subscribed()
+            on_subscribed(after_cursor or str(len(self.messages)))
         try:
             while True:
                 yield await queue.get()

@@ -28,10 +28,10 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMUnavailable
-from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
+from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import default_registry
-from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
+from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Refused, Script, ScriptedLLM
 
 WAIT = 3.0
 
@@ -66,7 +66,7 @@ class Harness:
 
 
 async def harness(
-    *scripts: Script, max_iterations: int = 10, chatter_limit: int = 20
+    *scripts: Script, max_iterations: int = 10, chatter_limit: int = 20, max_reply_bytes: int = 64 * 1024
 ) -> AsyncIterator[Harness]:
     im, llm, store, hub = FakeIM(), ScriptedLLM(*scripts), InMemoryAgentStore(), AgentHub()
     clock = FakeClock()
@@ -85,7 +85,9 @@ async def harness(
         guard=ChatterGuard(chatter_limit),
         directory=Directory(im),
         settings=LoopSettings(
-            max_iterations=max_iterations, group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED
+            max_iterations=max_iterations,
+            group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
+            max_reply_bytes=max_reply_bytes,
         ),
         create_sub_agent=create_child,
         clock=clock,
@@ -428,3 +430,100 @@ async def test_an_unreachable_im_is_retried_without_blaming_the_agent(h: Harness
     assert failures == 1
     assert [m.content for m in h.im.in_group(chat.id)][-1].startswith("Hello")
     assert h.store.agents[ada.id].state is AgentState.IDLE and not h.store.agents[ada.id].last_error
+
+
+async def test_an_answer_longer_than_the_im_allows_arrives_in_parts() -> None:
+    paragraph = "word " * 30
+    answer = "\n\n".join([paragraph] * 10)
+    async for h in harness(Script(content=answer), max_reply_bytes=400):
+        h.im.max_content_bytes = 400
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "write a lot")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        parts = [m.content for m in h.im.in_group(chat.id)][1:]
+        assert len(parts) > 1 and "".join(parts) == answer
+        (run,) = h.store.runs.values()
+        assert run.status is RunStatus.COMPLETED
+
+
+async def test_an_answer_the_im_refuses_fails_the_run_not_the_agent(h: Harness) -> None:
+    ada = await h.agent()
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    h.im.send_failures.append(Refused("group not found"))
+    h.im.post(h.human, chat.id, "first")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    (run,) = h.store.runs.values()
+    assert run.status is RunStatus.FAILED and "group not found" in run.error
+    assert h.store.agents[ada.id].state is AgentState.IDLE
+    h.im.post(h.human, chat.id, "second")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    assert [m.content for m in h.im.in_group(chat.id)] == ["first", "second", "Hello Alice!"]
+    assert [r.status for r in h.store.runs.values()] == [RunStatus.FAILED, RunStatus.COMPLETED]
+
+
+async def test_an_answer_lost_to_an_unreachable_im_ends_the_run_failed_and_the_agent_in_error(
+    h: Harness,
+) -> None:
+    ada = await h.agent()
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    h.im.send_failures.append(IMUnavailable("the IM is restarting"))
+    h.im.post(h.human, chat.id, "hello?")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    (run,) = h.store.runs.values()
+    assert run.status is RunStatus.FAILED and "restarting" in run.error
+    agent = h.store.agents[ada.id]
+    assert agent.state is AgentState.ERROR and "restarting" in agent.last_error
+    assert await h.im.get_all_unread(ada.member_id) == [], "what it read stays read"
+
+
+async def test_adding_agents_resumes_the_watch_without_waking_the_others(h: Harness) -> None:
+    ada = await h.agent()
+    await h.settle(ada)
+    reads = h.im.unread_reads
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    others = [await h.agent(f"agent-{i}") for i in range(5)]
+    h.im.post(h.human, chat.id, "sent while the watch restarts")
+    await asyncio.sleep(0)
+    await h.settle(ada, *others)
+    assert [m.content for m in h.im.in_group(chat.id)][-1] == "Hello Alice!", "the message was not lost"
+    # One read per new agent (its first look) and one for ada's message: none for waking everyone.
+    assert h.im.unread_reads - reads <= len(others) + 2
+
+
+def test_the_history_cache_keeps_the_most_recently_used_within_its_bound() -> None:
+    cache = HistoryCache(max_steps=5)
+    agents = [uuid.uuid4() for _ in range(3)]
+    step_lists: list[list[Any]] = [[object()] * 2 for _ in agents]
+    for agent, steps in zip(agents, step_lists, strict=True):
+        cache.keep(agent, steps)
+    assert len(cache) == 2, "the least recently used went first"
+    assert cache.take(agents[0]) is None
+    assert cache.take(agents[2]) is step_lists[2] and cache.take(agents[2]) is None
+    too_many: list[Any] = [object()] * 6
+    cache.keep(agents[0], too_many)  # larger than the whole cache: not kept
+    assert cache.take(agents[0]) is None
+
+
+async def test_an_agent_in_a_conversation_does_not_reload_its_history(h: Harness) -> None:
+    ada = await h.agent()
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    loads = 0
+    real = h.store.list_steps
+
+    async def counted(session_id: uuid.UUID, **kwargs: Any) -> Any:
+        nonlocal loads
+        loads += 1
+        return await real(session_id, **kwargs)
+
+    h.store.list_steps = counted  # type: ignore[method-assign]
+    for text in ("one", "two", "three"):
+        h.im.post(h.human, chat.id, text)
+        await asyncio.sleep(0)
+        await h.settle(ada)
+    assert loads == 1
+    assert [m.role for m in h.llm.last_messages()[1:]] == [Role.USER, Role.ASSISTANT] * 2 + [Role.USER]

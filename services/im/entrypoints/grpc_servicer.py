@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
-from services.common.identity import Principal, principal_from_metadata
+from services.common.identity import WATCH_START_CURSOR_KEY, Principal, principal_from_metadata
 from services.im.entrypoints import mappers
 from services.im.service_layer.events import EventFeed
 from services.im.service_layer.handlers import IMService
@@ -240,8 +240,8 @@ class IMServicer(im_pb2_grpc.IMServiceServicer):
         )
         try:
             # Headers now tell the client the subscription is in place: events
-            # committed from here on will reach it.
-            await context.send_initial_metadata(())
+            # committed from here on will reach it, and after which cursor.
+            await context.send_initial_metadata(((WATCH_START_CURSOR_KEY, deliveries.start_cursor),))
             async for delivery in deliveries:
                 yield mappers.delivery(delivery)
         finally:

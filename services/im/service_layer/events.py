@@ -362,6 +362,9 @@ class Watch:
     """
 
     def __init__(self, subscription: Subscription, member_filter: MemberFilter | None) -> None:
+        # The cursor the watch starts after: where a client resumes if the
+        # stream breaks before it has received any event.
+        self.start_cursor = str(subscription.delivered)
         self._subscription = subscription
         self._filter = member_filter
         self._events = subscription.events()

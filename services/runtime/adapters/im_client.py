@@ -20,7 +20,7 @@ import grpc
 from google.protobuf import field_mask_pb2
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
-from services.common.identity import caller_metadata
+from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
 from services.runtime.service_layer.im_port import (
     IMError,
     IMEvent,
@@ -36,7 +36,12 @@ logger = logging.getLogger(__name__)
 # What the IM accepts from a trusted service when it has no token configured.
 EMBEDDED_SERVICE_TOKEN = "embedded"
 
-_UNREACHABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A call that ends CANCELLED was not cancelled by us (our own cancellation
+# raises CancelledError, never a status): the channel or the IM dropped it,
+# as grpc does under overload. Like an unreachable IM, it is worth a retry.
+_UNREACHABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 # A watch stream that fails with one of these is reopened from its last
 # cursor: the IM went away or was overloaded, or it (or a proxy) cancelled
 # the stream. A cancellation of our own never arrives here as a status.
@@ -64,6 +69,8 @@ class GrpcIM(IMPort):
         reconnect_max_seconds: longest wait between reopen attempts; the
             wait doubles (with jitter) after each failed attempt.
         max_message_bytes: largest message sent or received.
+        max_concurrent_calls: unary calls in flight at once; more wait their
+            turn (one grpc.aio channel cancels calls beyond about a thousand).
     """
 
     def __init__(
@@ -75,6 +82,7 @@ class GrpcIM(IMPort):
         reconnect_initial_seconds: float = 0.2,
         reconnect_max_seconds: float = 10.0,
         max_message_bytes: int = 4 * 1024 * 1024,
+        max_concurrent_calls: int = 256,
     ) -> None:
         if deadline_seconds <= 0:
             raise ValueError("deadline_seconds must be positive")
@@ -99,6 +107,7 @@ class GrpcIM(IMPort):
             ],
         )
         self._stub = im_pb2_grpc.IMServiceStub(self._channel)
+        self._calls = asyncio.Semaphore(max_concurrent_calls)
         self._closed = False
 
     async def __aenter__(self) -> GrpcIM:
@@ -123,7 +132,8 @@ class GrpcIM(IMPort):
         if self._closed:
             raise IMUnavailable(f"the IM client for {self._address} is closed")
         try:
-            return await rpc(request, metadata=self._metadata(as_member), timeout=self._deadline)
+            async with self._calls:
+                return await rpc(request, metadata=self._metadata(as_member), timeout=self._deadline)
         except grpc.aio.AioRpcError as error:
             raise self._error(error) from None
 
@@ -289,7 +299,7 @@ class GrpcIM(IMPort):
         *,
         member_ids: Sequence[uuid.UUID] = (),
         after_cursor: str = "",
-        on_subscribed: Callable[[], object] | None = None,
+        on_subscribed: Callable[[str], object] | None = None,
     ) -> AsyncIterator[IMEvent]:
         """Message-created events of a workspace; see `IMPort.watch`.
 
@@ -299,8 +309,9 @@ class GrpcIM(IMPort):
                 `workspace_id`); empty watches the whole workspace.
             after_cursor: resume after this cursor; empty starts at the live end.
             on_subscribed: called each time the IM confirms a (re)opened
-                stream is subscribed, so that a caller starting at the live
-                end knows from when on nothing is missed.
+                stream is subscribed, with the cursor it starts after, so
+                that a caller starting at the live end knows from when on
+                nothing is missed.
 
         Raises:
             IMError: the IM refused the watch (an unknown workspace, a
@@ -325,15 +336,18 @@ class GrpcIM(IMPort):
                 metadata=self._metadata(),
             )
             try:
-                await call.initial_metadata()
+                headers = await call.initial_metadata()
                 if not call.done():
-                    # The IM sends its headers once the subscription is in place.
+                    # The IM sends its headers once the subscription is in place,
+                    # saying where it starts: resume from there, not from "now",
+                    # if the stream breaks before any event arrives.
+                    cursor = cursor or _header(headers, WATCH_START_CURSOR_KEY)
                     if failures:
                         logger.info("watch of workspace %s reopened after cursor %r", workspace_id, cursor)
                     backoff = self._initial_backoff
                     failures = 0
                     if on_subscribed is not None:
-                        on_subscribed()
+                        on_subscribed(cursor)
                 while (response := await call.read()) is not grpc.aio.EOF:
                     cursor = response.cursor
                     if response.WhichOneof("event") != "message_created":
@@ -424,3 +438,10 @@ def _message(proto: im_pb2.Message) -> IMMessage:
         mentions=tuple(uuid.UUID(m) for m in proto.mentions),
         sent_at=proto.send_time.ToDatetime(tzinfo=UTC),
     )
+
+
+def _header(metadata: Any, key: str) -> str:
+    for name, value in metadata or ():
+        if name == key:
+            return str(value)
+    return ""

@@ -67,3 +67,30 @@ def incoming_message(
         role=Role.USER,
         content=f"[{group_label} | group_id={group_id}] {sender_name} (member_id={sender_id}): {content}",
     )
+
+
+def split_reply(content: str, max_bytes: int) -> list[str]:
+    """Splits an answer into messages of at most `max_bytes` UTF-8 bytes each.
+
+    Cuts at the last paragraph break, else line break, else space, in the
+    second half of a part; a part with none is cut between characters (never
+    inside one). Joined back, the parts are the content.
+    """
+    if max_bytes < 4:
+        raise ValueError("max_bytes must leave room for any character (4 bytes)")
+    parts: list[str] = []
+    rest = content
+    while len(rest.encode()) > max_bytes:
+        # The longest prefix that fits, counted in whole characters.
+        fits = rest.encode()[:max_bytes].decode(errors="ignore")
+        cut = len(fits)
+        for separator in ("\n\n", "\n", " "):
+            at = fits.rfind(separator, len(fits) // 2)
+            if at > 0:
+                cut = at + len(separator)
+                break
+        parts.append(rest[:cut])
+        rest = rest[cut:]
+    if rest or not parts:
+        parts.append(rest)
+    return parts

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 
+from services.common.errors import ResourceExhausted
 from services.runtime.domain.model import Emitted, RunEnded, StepCompleted, StepDelta, StepStarted
 
 
@@ -25,6 +26,11 @@ class InFlight:
 
 
 _CLOSED = object()
+
+
+class WatcherFellBehind(ResourceExhausted):
+    """A watcher's backlog overflowed: its stream ends with this error, never
+    silently, so that the client knows to resume from its last step."""
 
 
 class Watcher:
@@ -43,9 +49,13 @@ class Watcher:
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
-            # Too slow: end this watch; the client resumes from its last step.
+            # Too slow: end this watch at once (what is queued is dropped); the
+            # client resumes from its last completed step.
             self.overflowed = True
+            while not self._queue.empty():
+                self._queue.get_nowait()
             self.close()
+            self._hub.unwatch(self)
 
     def close(self) -> None:
         while True:
@@ -56,10 +66,16 @@ class Watcher:
                 self._queue.get_nowait()
 
     async def events(self) -> AsyncGenerator[Emitted, None]:
+        """Live events until the hub closes; raises `WatcherFellBehind` on overflow."""
         try:
             while True:
                 item = await self._queue.get()
                 if item is _CLOSED:
+                    if self.overflowed:
+                        raise WatcherFellBehind(
+                            f"this watch fell more than {self._queue.maxsize} events behind and was ended;"
+                            " watch again with after_sequence set to the last step received"
+                        )
                     return
                 assert isinstance(item, Emitted)
                 yield item

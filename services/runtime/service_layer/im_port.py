@@ -132,16 +132,18 @@ class IMPort(abc.ABC):
         *,
         member_ids: Sequence[uuid.UUID] = (),
         after_cursor: str = "",
-        on_subscribed: Callable[[], object] | None = None,
+        on_subscribed: Callable[[str], object] | None = None,
     ) -> AsyncIterator[IMEvent]:
         """Message-created events of a workspace (or of the named members), resuming after a cursor.
 
         With member_ids, only the messages of those members' groups come, each
         with the members it concerns (`IMEvent.member_ids`).
 
-        `on_subscribed` is called each time the IM confirms the subscription
-        (at the start and after every reconnection): from then on no event is
-        missed, so it is the moment to catch up on anything earlier.
+        `on_subscribed(cursor)` is called each time the IM confirms the
+        subscription (at the start and after every reconnection) with the
+        cursor the stream starts after: from then on no event is missed, so it
+        is the moment to catch up on anything earlier, and the cursor to keep
+        for a later watch if no event comes.
 
         The stream reconnects by itself (with backoff, from the last cursor it
         delivered) when the IM goes away, so it never loses or repeats an

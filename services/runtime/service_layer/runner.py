@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -23,7 +24,13 @@ from datetime import datetime
 from uuid_utils.compat import uuid7
 
 from services.common import errors
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy, incoming_message, should_answer
+from services.runtime.domain.etiquette import (
+    ChatterGuard,
+    GroupPolicy,
+    incoming_message,
+    should_answer,
+    split_reply,
+)
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -48,7 +55,7 @@ from services.runtime.domain.model import (
     StepStarted,
 )
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.im_port import IMMessage, IMPort
+from services.runtime.service_layer.im_port import IMError, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.tools import SubAgentFactory, ToolContext, ToolRegistry
@@ -64,6 +71,8 @@ class LoopSettings:
     group_policy: GroupPolicy = GroupPolicy.UNLESS_OTHERS_MENTIONED
     default_token_budget: int = 1_000_000
     unread_batch: int = 200
+    # An answer longer than this is sent as several messages (the IM's limit).
+    max_reply_bytes: int = 64 * 1024
 
 
 class Directory:
@@ -89,6 +98,40 @@ class Directory:
         return self._direct[group_id], self._labels[group_id]
 
 
+class HistoryCache:
+    """The steps of recently active agents, kept between their runs.
+
+    An agent woken again soon (as in a conversation) then skips reloading its
+    history; the least recently used are dropped once all of them hold more
+    than `max_steps` steps, so idle agents cost no memory. Only an agent's
+    own runner changes its steps, which keeps the copy right.
+    """
+
+    def __init__(self, max_steps: int = 20_000) -> None:
+        self.max_steps = max_steps
+        self._steps: OrderedDict[uuid.UUID, list[Step]] = OrderedDict()
+        self._total = 0
+
+    def take(self, agent_id: uuid.UUID) -> list[Step] | None:
+        steps = self._steps.pop(agent_id, None)
+        if steps is not None:
+            self._total -= len(steps)
+        return steps
+
+    def keep(self, agent_id: uuid.UUID, steps: list[Step]) -> None:
+        self.take(agent_id)
+        if len(steps) > self.max_steps:
+            return
+        self._steps[agent_id] = steps
+        self._total += len(steps)
+        while self._total > self.max_steps:
+            _, dropped = self._steps.popitem(last=False)
+            self._total -= len(dropped)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+
 @dataclass(frozen=True, slots=True)
 class RunnerEnv:
     """What every runner shares."""
@@ -105,6 +148,7 @@ class RunnerEnv:
     clock: Callable[[], datetime]
     # How many runners may ask the IM for their unread messages at once.
     reads: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
+    history: HistoryCache = field(default_factory=HistoryCache)
 
 
 class AgentRunner:
@@ -152,6 +196,7 @@ class AgentRunner:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._env.history.take(self.agent.id)
 
     # -- the loop -------------------------------------------------------------
 
@@ -184,15 +229,19 @@ class AgentRunner:
                 messages = await self._take_unread()
                 if not messages and not resume:
                     await self._mark_read()  # nothing to answer: they are read all the same
-                    return
+                    break
                 resume = False
                 if self._steps is None:
-                    self._steps = await self._load_steps()
+                    self._steps = self._env.history.take(self.agent.id) or await self._load_steps()
                 await self._run(messages)
                 if self.agent.state is AgentState.ERROR:
-                    return
-        finally:
-            # An idle agent keeps no history in memory; the next run reloads it.
+                    break
+        except BaseException:
+            self._steps = None  # what failed may have left them behind the store
+            raise
+        # Idle, the runner itself holds no history; the shared cache may.
+        if self._steps is not None:
+            self._env.history.keep(self.agent.id, self._steps)
             self._steps = None
 
     async def _load_steps(self) -> list[Step]:
@@ -231,9 +280,17 @@ class AgentRunner:
 
     async def _mark_read(self) -> None:
         pending, self._pending_reads = self._pending_reads, {}
-        await asyncio.gather(
-            *[self._env.im.mark_read(self.agent.member_id, group, up_to) for group, up_to in pending.items()]
+        outcomes = await asyncio.gather(
+            *[self._env.im.mark_read(self.agent.member_id, group, up_to) for group, up_to in pending.items()],
+            return_exceptions=True,
         )
+        for (group, up_to), outcome in zip(pending.items(), outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                # Kept for the next try; meanwhile those messages stay unread.
+                logger.warning("agent %s: marking group %s read failed: %s", self.agent.id, group, outcome)
+                self._pending_reads.setdefault(group, up_to)
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def _run(self, messages: list[IMMessage]) -> None:
         env, agent = self._env, self.agent
@@ -260,6 +317,7 @@ class AgentRunner:
         reading = asyncio.create_task(self._mark_read())
         reply_group = messages[-1].group_id if messages else self._last_group()
         status, error = RunStatus.ITERATION_LIMIT, ""
+        failure: Exception | None = None
         try:
             for _ in range(env.settings.max_iterations):
                 if self._over_budget():
@@ -278,20 +336,43 @@ class AgentRunner:
                         await self._read_in(run, arrived)
                     continue
                 if completion.message.content and reply_group is not None:
-                    await env.im.send_message(agent.member_id, reply_group, completion.message.content)
+                    await self._answer(run, reply_group, completion.message.content)
                 status = RunStatus.COMPLETED
                 break
-        except LLMError as failure:
-            status, error = RunStatus.FAILED, str(failure)
+        except LLMError as llm_failure:
+            status, error = RunStatus.FAILED, str(llm_failure)
+        except Exception as other:
+            # The IM refused or lost the answer, a tool's port broke...: the
+            # run ends FAILED, never left RUNNING.
+            failure = other
+            status, error = RunStatus.FAILED, str(other) or type(other).__name__
         finally:
             await reading
-        run = replace(run, status=status, error=error, ended_at=env.clock())
-        await env.store.update_run(run)
+        await self._end_run(replace(run, status=status, error=error, ended_at=env.clock()), failure)
+
+    async def _end_run(self, run: Run, failure: Exception | None) -> None:
+        await self._env.store.update_run(run)
         self._emit(RunEnded(run))
-        if status is RunStatus.FAILED:
+        agent, status, error = self.agent, run.status, run.error
+        if isinstance(failure, IMError) and not isinstance(failure, errors.Unavailable):
+            # Refused (the group is gone, the agent was removed from it): the
+            # answer cannot be given, but nothing is wrong with the agent.
+            logger.warning("agent %s: the IM refused its answer: %s", agent.id, error)
+            await self._set_state(AgentState.IDLE, "")
+        elif status is RunStatus.FAILED:
+            if failure is not None and not isinstance(failure, errors.ServiceError):
+                logger.error("agent %s: run %s failed", agent.id, run.id, exc_info=failure)
             await self._set_state(AgentState.ERROR, error)
         else:
             await self._set_state(AgentState.IDLE, "")
+
+    async def _answer(self, run: Run, group_id: uuid.UUID, content: str) -> None:
+        """Posts the answer, in several messages if it is longer than one may be."""
+        for index, part in enumerate(split_reply(content, self._env.settings.max_reply_bytes)):
+            # Idempotent per part: a send retried after a lost response posts nothing twice.
+            await self._env.im.send_message(
+                self.agent.member_id, group_id, part, request_id=f"answer/{run.id}/{index}"
+            )
 
     def _last_group(self) -> uuid.UUID | None:
         # Resuming after an error: answer where the last message came from.

@@ -75,18 +75,22 @@ class Supervisor:
             )
 
     async def _watch(self, workspace_id: uuid.UUID, members: list[uuid.UUID]) -> None:
-        def subscribed() -> None:
-            # Whatever was sent while no watch was in place is unread: look now.
+        cursor = self._cursors.get(workspace_id, "")
+
+        def subscribed(start: str) -> None:
+            # A later watch (when the agents change) resumes from here, and the
+            # IM replays what came since; only the first one, started from
+            # "now", has to look for what was sent while no watch was in place.
+            self._cursors.setdefault(workspace_id, start)
+            if cursor:
+                return
             for runner in self._runners.values():
                 if runner.agent.workspace_id == workspace_id:
                     runner.wake()
 
         try:
             stream = self._env.im.watch(
-                workspace_id,
-                member_ids=members,
-                after_cursor=self._cursors.get(workspace_id, ""),
-                on_subscribed=subscribed,
+                workspace_id, member_ids=members, after_cursor=cursor, on_subscribed=subscribed
             )
             async for event in stream:
                 self._cursors[workspace_id] = event.cursor

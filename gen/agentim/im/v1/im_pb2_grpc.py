@@ -317,7 +317,10 @@ class IMServiceServicer:
 
     def WatchEvents(self, request, context):
         """Streams IM events for the caller (or, for a trusted service, a set of
-        members or a whole workspace), starting after a cursor.
+        members or a whole workspace), starting after a cursor. The response
+        headers are sent once the subscription is in place; their
+        `x-agentim-start-cursor` is the cursor the stream starts after, from
+        which to resume should it break before any event arrives.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -93,7 +93,10 @@ class IMServiceStub:
     """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_im_pb2.WatchEventsRequest, _im_pb2.WatchEventsResponse]
     """Streams IM events for the caller (or, for a trusted service, a set of
-    members or a whole workspace), starting after a cursor.
+    members or a whole workspace), starting after a cursor. The response
+    headers are sent once the subscription is in place; their
+    `x-agentim-start-cursor` is the cursor the stream starts after, from
+    which to resume should it break before any event arrives.
     """
 
 @_typing.type_check_only
@@ -161,7 +164,10 @@ class IMServiceAsyncStub(IMServiceStub):
     """
     WatchEvents: _aio.UnaryStreamMultiCallable[_im_pb2.WatchEventsRequest, _im_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Streams IM events for the caller (or, for a trusted service, a set of
-    members or a whole workspace), starting after a cursor.
+    members or a whole workspace), starting after a cursor. The response
+    headers are sent once the subscription is in place; their
+    `x-agentim-start-cursor` is the cursor the stream starts after, from
+    which to resume should it break before any event arrives.
     """
 
 class IMServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -358,7 +364,10 @@ class IMServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_im_pb2.WatchEventsResponse], _abc.AsyncIterator[_im_pb2.WatchEventsResponse]]:
         """Streams IM events for the caller (or, for a trusted service, a set of
-        members or a whole workspace), starting after a cursor.
+        members or a whole workspace), starting after a cursor. The response
+        headers are sent once the subscription is in place; their
+        `x-agentim-start-cursor` is the cursor the stream starts after, from
+        which to resume should it break before any event arrives.
         """
 
 def add_IMServiceServicer_to_server(servicer: IMServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

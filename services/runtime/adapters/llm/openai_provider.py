@@ -43,11 +43,10 @@ import json
 import logging
 import random
 from collections.abc import AsyncIterator, Mapping
-from typing import cast
 
 import openai
 from openai.types import CompletionUsage
-from openai.types.chat import ChatCompletionChunk, ChatCompletionMessageParam, ChatCompletionToolParam
+from openai.types.chat import ChatCompletionChunk
 
 from services.runtime.domain.llm import (
     Completion,
@@ -144,18 +143,23 @@ class OpenAIProvider(LLM):
         if not model:
             raise LLMRejected(f"no model named for {base_url} and no default model configured")
         client = self._client(base_url)
-        messages = cast(list[ChatCompletionMessageParam], [m.to_openai() for m in request.messages])
-        tools = cast(list[ChatCompletionToolParam], [t.to_openai() for t in request.tools])
+        # The context goes in `extra_body`, merged into the JSON as it is: the
+        # client would otherwise walk every message through its type-driven
+        # transform, which costs about 0.3 ms a message here (120 ms for a
+        # 400-step context) and does nothing to these already-wire-format dicts.
+        wire: dict[str, object] = {"messages": [m.to_openai() for m in request.messages]}
+        if request.tools:
+            wire["tools"] = [t.to_openai() for t in request.tools]
         attempts = self._max_retries + 1
         for attempt in range(attempts):
             state = _Attempt(model)
             try:
                 chunks = await client.chat.completions.create(
                     model=model,
-                    messages=messages,
+                    messages=[],
                     stream=True,
                     stream_options={"include_usage": True},
-                    tools=tools or openai.omit,
+                    extra_body=wire,
                     temperature=openai.omit if settings.temperature is None else settings.temperature,
                     max_tokens=openai.omit if settings.max_tokens is None else settings.max_tokens,
                 )
@@ -164,6 +168,9 @@ class OpenAIProvider(LLM):
                         async for chunk in chunks:
                             for delta in state.feed(chunk):
                                 yield delta
+                            # Chunks already buffered arrive without a pause;
+                            # let the watchers' streams send meanwhile.
+                            await asyncio.sleep(0)
                     except (openai.APIConnectionError, openai.APIError, json.JSONDecodeError) as exc:
                         if state.finish_reason is None:
                             raise _Retryable(self._describe_cut(exc)) from None
