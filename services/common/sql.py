@@ -2,15 +2,19 @@
 
 Only what is independent of a context's tables lives here: the UTC datetime
 column type, the async driver URL, the SQLite connection settings, the
-engine holder and the migration runner.
+engine holder, the migration runner, and a one-hop SQLite writer for hot paths.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from alembic import command
@@ -18,6 +22,8 @@ from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Dialect, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+T = TypeVar("T")
 
 
 class UtcDateTime(sa.TypeDecorator[datetime]):
@@ -114,6 +120,15 @@ class SqlDatabase:
         if self.is_sqlite:
             configure_sqlite(self.engine, write_option=write_option)
 
+    @contextlib.asynccontextmanager
+    async def driver_connection(self) -> AsyncIterator[Any]:
+        """A pooled connection's own driver connection (asyncpg on PostgreSQL),
+        for hot paths that send their SQL straight through, without a transaction."""
+        async with self.engine.connect() as conn:
+            driver = (await conn.get_raw_connection()).driver_connection
+            assert driver is not None
+            yield driver
+
     async def ping(self) -> bool:
         async with self.engine.connect() as conn:
             await conn.execute(sa.text("SELECT 1"))
@@ -150,3 +165,58 @@ def _alembic_config(migrations: Path, connection: Connection) -> Config:
     config.set_main_option("script_location", str(migrations))
     config.attributes["connection"] = connection
     return config
+
+
+def sqlite_time(value: datetime) -> str:
+    """A datetime as `UtcDateTime` stores it on SQLite: naive UTC text."""
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+class SqliteWorker:
+    """A dedicated SQLite connection living in one worker thread.
+
+    Through SQLAlchemy's async engine every statement, BEGIN and COMMIT is a
+    thread hop of its own; here a whole transaction written as one function
+    costs one hop. Writers of this process take turns through the database's
+    write lock; other processes wait on SQLite's own (busy_timeout).
+    """
+
+    def __init__(self, database: SqlDatabase, *, name: str) -> None:
+        if not database.is_sqlite:
+            raise ValueError("SqliteWorker needs a SQLite database")
+        self._path = database.sqlite_path
+        self._lock = database.write_lock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._conn: sqlite3.Connection | None = None
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._conn = conn
+        return self._conn
+
+    def _transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        conn = self._connection()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = work(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return result
+
+    async def write(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs `work` in one write transaction; it commits unless `work` raises."""
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._transaction, work)
+
+    async def aclose(self) -> None:
+        """Closes the connection and stops the thread. Idempotent."""
+        if self._conn is not None:
+            conn, self._conn = self._conn, None
+            await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
+        self._executor.shutdown(wait=True)

@@ -292,6 +292,66 @@ async def test_run_round_trip_and_update(store: SqlAgentStore) -> None:
     assert await store.list_runs(agent.id, before=None, limit=10) == [ended]
 
 
+async def test_save_progress_keeps_the_settings_and_end_run_stores_both(store: SqlAgentStore) -> None:
+    agent = make_agent(tools=("a",))
+    await store.add_agent(agent)
+    renamed = dataclasses.replace(agent, name="renamed", updated_at=agent.updated_at + timedelta(seconds=1))
+    await store.update_agent(renamed)
+    # The runner holds an older copy of the settings: it must not write them back.
+    busy = dataclasses.replace(agent, state=AgentState.ERROR, last_error="down ✋", tokens_used=12)
+    await store.save_progress(busy)
+    expected = dataclasses.replace(renamed, state=AgentState.ERROR, last_error="down ✋", tokens_used=12)
+    assert await store.get_agent(agent.id) == expected
+
+    run = make_run(agent)
+    await store.begin_run(run, dataclasses.replace(busy, state=AgentState.RUNNING), [make_step(run, 1)])
+    ended = dataclasses.replace(run, status=RunStatus.COMPLETED, iterations=1, ended_at=run.started_at)
+    await store.end_run(ended, dataclasses.replace(busy, state=AgentState.IDLE, last_error=""))
+    assert await store.list_runs(agent.id, before=None, limit=10) == [ended]
+    stored = await store.get_agent(agent.id)
+    assert stored is not None and stored.state is AgentState.IDLE and stored.name == "renamed"
+
+
+async def test_a_run_begun_with_a_taken_step_is_not_stored_at_all(store: SqlAgentStore) -> None:
+    agent = make_agent()
+    await store.add_agent(agent)
+    first = make_run(agent)
+    await store.begin_run(first, agent, [make_step(first, 1)])
+    stale = make_run(agent)
+    with pytest.raises(DuplicateStep):
+        await store.begin_run(stale, dataclasses.replace(agent, tokens_used=99), [make_step(stale, 1)])
+    assert [r.id for r in await store.list_runs(agent.id, before=None, limit=10)] == [first.id]
+    stored = await store.get_agent(agent.id)
+    assert stored is not None and stored.tokens_used == agent.tokens_used
+
+
+async def test_many_agents_writing_at_once_are_all_stored(store: SqlAgentStore) -> None:
+    # Concurrent writes go to the database together; each stays its own.
+    agents = [make_agent() for _ in range(40)]
+    for agent in agents:
+        await store.add_agent(agent)
+    runs = [make_run(agent) for agent in agents]
+    steps = {run.id: [make_step(run, i) for i in (1, 2)] for run in runs}
+    await asyncio.gather(
+        *[
+            store.begin_run(run, dataclasses.replace(agent, state=AgentState.RUNNING), steps[run.id][:1])
+            for agent, run in zip(agents, runs, strict=True)
+        ]
+    )
+    rival = make_step(runs[0], 2, ChatMessage(role=Role.ASSISTANT, content="rival"))
+    outcomes = await asyncio.gather(
+        *[store.append_step(steps[run.id][1]) for run in runs],
+        store.append_step(rival),
+        return_exceptions=True,
+    )
+    assert [type(o).__name__ for o in outcomes] == ["NoneType"] * len(runs) + ["DuplicateStep"]
+    for agent, run in zip(agents, runs, strict=True):
+        assert await store.list_steps(agent.session_id, after_sequence=0, limit=10) == steps[run.id]
+        assert await store.list_runs(agent.id, before=None, limit=10) == [run]
+        stored = await store.get_agent(agent.id)
+        assert stored is not None and stored.state is AgentState.RUNNING
+
+
 async def test_list_runs_newest_first_before_a_cursor(store: SqlAgentStore) -> None:
     agent = make_agent()
     other = make_agent()

@@ -299,6 +299,12 @@ class InMemoryAgentStore(AgentStore):
     async def update_agent(self, agent: Agent) -> None:
         self.agents[agent.id] = agent
 
+    async def save_progress(self, agent: Agent) -> None:
+        stored = self.agents[agent.id]
+        self.agents[agent.id] = replace(
+            stored, state=agent.state, last_error=agent.last_error, tokens_used=agent.tokens_used
+        )
+
     async def delete_agent(self, agent_id: uuid.UUID) -> None:
         self.deleted.add(agent_id)
 

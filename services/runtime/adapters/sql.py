@@ -17,10 +17,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.common.sql import SqlDatabase
+from services.runtime.adapters.journal import Write, open_journal
 from services.runtime.adapters.tables import SCHEMA, agent_requests, agents, runs, steps
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import Agent, AgentState, Run, RunStatus, Step, StepMetrics
-from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, DuplicateStep
+from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
 
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
 _WRITE = "runtime_write"
@@ -198,6 +199,7 @@ class SqlAgentStore(AgentStore):
 
     def __init__(self, database: Database) -> None:
         self._db = database
+        self._journal = open_journal(database)
 
     def _insert(self, table: sa.Table) -> sqlite.Insert | postgresql.Insert:
         """The backend's INSERT, which knows ON CONFLICT DO NOTHING: a conflict
@@ -279,6 +281,9 @@ class SqlAgentStore(AgentStore):
     async def update_agent(self, agent: Agent) -> None:
         await self._write(_update_agent(agent))
 
+    async def save_progress(self, agent: Agent) -> None:
+        await self._journal.write(Write(progress=agent))
+
     async def delete_agent(self, agent_id: uuid.UUID) -> None:
         await self._write(agents.update().where(agents.c.id == agent_id).values(deleted=True))
 
@@ -288,14 +293,13 @@ class SqlAgentStore(AgentStore):
         await self._write(_insert_run(run))
 
     async def begin_run(self, run: Run, agent: Agent, steps_: Sequence[Step]) -> None:
-        async with self._db.transaction() as conn:
-            await conn.execute(_insert_run(run))
-            await conn.execute(_update_agent(agent))
-            for step in steps_:
-                await self._insert_step(conn, step)
+        await self._journal.write(Write(new_run=run, progress=agent, steps=steps_))
 
     async def update_run(self, run: Run) -> None:
-        await self._write(runs.update().where(runs.c.id == run.id).values(**_run_progress(run)))
+        await self._journal.write(Write(ended_run=run))
+
+    async def end_run(self, run: Run, agent: Agent) -> None:
+        await self._journal.write(Write(ended_run=run, progress=agent))
 
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
         query = runs.select().where(runs.c.agent_id == agent_id).order_by(runs.c.id.desc()).limit(limit)
@@ -306,17 +310,7 @@ class SqlAgentStore(AgentStore):
     # Steps
 
     async def append_step(self, step: Step) -> None:
-        async with self._db.transaction() as conn:
-            await self._insert_step(conn, step)
-
-    async def _insert_step(self, conn: AsyncConnection, step: Step) -> None:
-        result = await conn.execute(
-            self._insert(steps)
-            .values(**_step_values(step))
-            .on_conflict_do_nothing(index_elements=[steps.c.session_id, steps.c.sequence])
-        )
-        if not result.rowcount:
-            raise DuplicateStep(f"step {step.sequence} of session {step.session_id} exists")
+        await self._journal.write(Write(steps=(step,)))
 
     async def list_steps(
         self, session_id: uuid.UUID, *, after_sequence: int, limit: int, run_id: uuid.UUID | None = None
@@ -338,4 +332,5 @@ class SqlAgentStore(AgentStore):
         return int(rows[0][0] or 0)
 
     async def aclose(self) -> None:
+        await self._journal.aclose()
         await self._db.aclose()

@@ -351,20 +351,25 @@ class AgentRunner:
         await self._end_run(replace(run, status=status, error=error, ended_at=env.clock()), failure)
 
     async def _end_run(self, run: Run, failure: Exception | None) -> None:
-        await self._env.store.update_run(run)
-        self._emit(RunEnded(run))
-        agent, status, error = self.agent, run.status, run.error
+        agent, error = self.agent, run.error
         if isinstance(failure, IMError) and not isinstance(failure, errors.Unavailable):
             # Refused (the group is gone, the agent was removed from it): the
             # answer cannot be given, but nothing is wrong with the agent.
             logger.warning("agent %s: the IM refused its answer: %s", agent.id, error)
-            await self._set_state(AgentState.IDLE, "")
-        elif status is RunStatus.FAILED:
+            state, error = AgentState.IDLE, ""
+        elif run.status is RunStatus.FAILED:
             if failure is not None and not isinstance(failure, errors.ServiceError):
                 logger.error("agent %s: run %s failed", agent.id, run.id, exc_info=failure)
-            await self._set_state(AgentState.ERROR, error)
+            state = AgentState.ERROR
         else:
-            await self._set_state(AgentState.IDLE, "")
+            state, error = AgentState.IDLE, ""
+        changed = (state, error) != (agent.state, agent.last_error)
+        self.agent = replace(agent, state=state, last_error=error)
+        # One write for the run's end and the agent's new state.
+        await self._env.store.end_run(run, self.agent)
+        self._emit(RunEnded(run))
+        if changed:
+            self._emit(StateChanged(state, error))
 
     async def _answer(self, run: Run, group_id: uuid.UUID, content: str) -> None:
         """Posts the answer, in several messages if it is longer than one may be."""
@@ -506,10 +511,10 @@ class AgentRunner:
 
     async def _set_state(self, state: AgentState, error: str) -> None:
         if self.agent.state is state and self.agent.last_error == error:
-            await self._env.store.update_agent(self.agent)
+            await self._env.store.save_progress(self.agent)
             return
         self.agent = replace(self.agent, state=state, last_error=error)
-        await self._env.store.update_agent(self.agent)
+        await self._env.store.save_progress(self.agent)
         self._emit(StateChanged(state, error))
 
     def _emit(self, event: AgentEvent) -> None:

@@ -57,6 +57,11 @@ class AgentStore(abc.ABC):
         """Replaces the stored agent's settings, state, error and token count."""
 
     @abc.abstractmethod
+    async def save_progress(self, agent: Agent) -> None:
+        """Stores what the agent's runner owns: its state, last error and
+        tokens used (never its settings, which may change meanwhile)."""
+
+    @abc.abstractmethod
     async def delete_agent(self, agent_id: uuid.UUID) -> None:
         """Marks the agent deleted; its runs and steps stay."""
 
@@ -66,17 +71,28 @@ class AgentStore(abc.ABC):
     async def add_run(self, run: Run) -> None: ...
 
     async def begin_run(self, run: Run, agent: Agent, steps: Sequence[Step]) -> None:
-        """Stores a new run, the agent's state and the run's first steps, together.
+        """Stores a new run, the agent's progress and the run's first steps, together.
 
         This default makes separate calls; an adapter may use one transaction.
+
+        Raises:
+            DuplicateStep: a step's (session, sequence) is taken.
         """
         await self.add_run(run)
-        await self.update_agent(agent)
+        await self.save_progress(agent)
         for step in steps:
             await self.append_step(step)
 
     @abc.abstractmethod
     async def update_run(self, run: Run) -> None: ...
+
+    async def end_run(self, run: Run, agent: Agent) -> None:
+        """Stores how a run ended and the agent's progress, together.
+
+        This default makes separate calls; an adapter may use one transaction.
+        """
+        await self.update_run(run)
+        await self.save_progress(agent)
 
     @abc.abstractmethod
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
