@@ -538,3 +538,12 @@ async def test_downgrade_and_upgrade_again(runtime_url: str) -> None:
         assert await store.get_agent(agent.id) == agent
     finally:
         await database.aclose()
+
+
+async def test_watch_cursors_are_saved_and_replaced(store: SqlAgentStore) -> None:
+    one, two = uuid.uuid4(), uuid.uuid4()
+    await store.save_watch_cursors({one: "12", two: "7"})
+    await store.save_watch_cursors({one: "15"})
+    await store.save_watch_cursors({})
+    cursors = await store.watch_cursors()
+    assert cursors[one] == "15" and cursors[two] == "7"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,7 @@ class FakeIM(IMPort):
         # Raised (once each, in order) by the next SendMessage calls.
         self.send_failures: list[Exception] = []
         self._sent_requests: dict[str, IMMessage] = {}
-        self.unread_reads = 0
+        self.unread_reads: collections.Counter[uuid.UUID] = collections.Counter()  # by member
         self.members: dict[uuid.UUID, IMMember] = {}
         self.groups: dict[uuid.UUID, IMGroup] = {}
         self.messages: list[IMMessage] = []
@@ -119,7 +120,7 @@ class FakeIM(IMPort):
         return list(self.members.values())
 
     async def get_all_unread(self, as_member: uuid.UUID, *, limit: int = 200) -> list[IMMessage]:
-        self.unread_reads += 1
+        self.unread_reads[as_member] += 1
         nil = uuid.UUID(int=0)
         unread = [
             m
@@ -262,6 +263,7 @@ class InMemoryAgentStore(AgentStore):
         self.requests: dict[tuple[uuid.UUID, str], tuple[str, uuid.UUID]] = {}
         self.runs: dict[uuid.UUID, Run] = {}
         self.steps: dict[uuid.UUID, list[Step]] = {}
+        self.cursors: dict[uuid.UUID, str] = {}
 
     async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
         if request is not None:
@@ -298,6 +300,12 @@ class InMemoryAgentStore(AgentStore):
 
     async def update_agent(self, agent: Agent) -> None:
         self.agents[agent.id] = agent
+
+    async def watch_cursors(self) -> dict[uuid.UUID, str]:
+        return dict(self.cursors)
+
+    async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
+        self.cursors.update(cursors)
 
     async def save_progress(self, agent: Agent) -> None:
         stored = self.agents[agent.id]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -92,7 +93,7 @@ async def harness(
         create_sub_agent=create_child,
         clock=clock,
     )
-    supervisor = Supervisor(env)
+    supervisor = Supervisor(env, cursor_save_delay=0)
     service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
     services.append(service)
     human = im.human("alice")
@@ -484,7 +485,7 @@ async def test_an_answer_lost_to_an_unreachable_im_ends_the_run_failed_and_the_a
 async def test_adding_agents_resumes_the_watch_without_waking_the_others(h: Harness) -> None:
     ada = await h.agent()
     await h.settle(ada)
-    reads = h.im.unread_reads
+    reads = h.im.unread_reads.total()
     chat = h.im.group("", h.human, ada.member_id, direct=True)
     others = [await h.agent(f"agent-{i}") for i in range(5)]
     h.im.post(h.human, chat.id, "sent while the watch restarts")
@@ -492,7 +493,7 @@ async def test_adding_agents_resumes_the_watch_without_waking_the_others(h: Harn
     await h.settle(ada, *others)
     assert [m.content for m in h.im.in_group(chat.id)][-1] == "Hello Alice!", "the message was not lost"
     # One read per new agent (its first look) and one for ada's message: none for waking everyone.
-    assert h.im.unread_reads - reads <= len(others) + 2
+    assert h.im.unread_reads.total() - reads <= len(others) + 2
 
 
 def test_the_history_cache_keeps_the_most_recently_used_within_its_bound() -> None:
@@ -527,3 +528,48 @@ async def test_an_agent_in_a_conversation_does_not_reload_its_history(h: Harness
         await h.settle(ada)
     assert loads == 1
     assert [m.role for m in h.llm.last_messages()[1:]] == [Role.USER, Role.ASSISTANT] * 2 + [Role.USER]
+
+
+async def test_a_restart_resumes_the_im_watch_and_wakes_only_the_agents_it_concerns(h: Harness) -> None:
+    ada, bea = await h.agent("ada"), await h.agent("bea")
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    h.im.post(h.human, chat.id, "first")
+    await asyncio.sleep(0)
+    await h.settle(ada, bea)
+    for _ in range(20):  # the cursor is saved once the agents are idle
+        await asyncio.sleep(0)
+    assert h.store.cursors == {h.im.workspace: str(len(h.im.messages))}
+    await h.supervisor.aclose()
+
+    h.im.post(h.human, chat.id, "sent while the runtime was down")
+    h.im.unread_reads.clear()
+    fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
+    assert await fresh.start() == 2
+    await asyncio.sleep(0)
+    await h.settle(ada, bea)
+    for runner in (fresh.runner(ada.id), fresh.runner(bea.id)):
+        assert runner is not None
+        await asyncio.wait_for(runner.idle.wait(), WAIT)
+    assert [m.content for m in h.im.in_group(chat.id)][-1] == "Hello Alice!"
+    assert len(h.im.in_group(chat.id)) == 4
+    assert set(h.im.unread_reads) == {ada.member_id}, "only ada, whom the replay concerns, looked"
+    await fresh.aclose()
+
+
+async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) -> None:
+    ada, bea = await h.agent("ada"), await h.agent("bea")
+    await h.settle(ada, bea)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert h.store.cursors, "the watch's start was saved"
+    await h.supervisor.aclose()
+    h.store.agents[ada.id] = dataclasses.replace(h.store.agents[ada.id], state=AgentState.RUNNING)
+    h.im.unread_reads.clear()
+    fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
+    await fresh.start()
+    runner = fresh.runner(ada.id)
+    assert runner is not None
+    await asyncio.sleep(0)
+    await asyncio.wait_for(runner.idle.wait(), WAIT)
+    assert set(h.im.unread_reads) == {ada.member_id}
+    await fresh.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -18,7 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.common.sql import SqlDatabase
 from services.runtime.adapters.journal import Write, open_journal
-from services.runtime.adapters.tables import SCHEMA, agent_requests, agents, runs, steps
+from services.runtime.adapters.tables import SCHEMA, agent_requests, agents, runs, steps, watch_cursors
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import Agent, AgentState, Run, RunStatus, Step, StepMetrics
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
@@ -330,6 +331,26 @@ class SqlAgentStore(AgentStore):
             sa.select(sa.func.max(steps.c.sequence)).where(steps.c.session_id == session_id)
         )
         return int(rows[0][0] or 0)
+
+    # IM watch cursors
+
+    async def watch_cursors(self) -> dict[uuid.UUID, str]:
+        rows = await self._rows(sa.select(watch_cursors.c.workspace_id, watch_cursors.c.cursor))
+        return {row.workspace_id: row.cursor for row in rows}
+
+    async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
+        if not cursors:
+            return
+        at = datetime.now(UTC)
+        statement = self._insert(watch_cursors).values(
+            [{"workspace_id": w, "cursor": c, "updated_at": at} for w, c in cursors.items()]
+        )
+        await self._write(
+            statement.on_conflict_do_update(
+                index_elements=[watch_cursors.c.workspace_id],
+                set_={"cursor": statement.excluded.cursor, "updated_at": statement.excluded.updated_at},
+            )
+        )
 
     async def aclose(self) -> None:
         await self._journal.aclose()

@@ -97,3 +97,14 @@ steps = sa.Table(
     sa.UniqueConstraint("session_id", "sequence", name="uq_steps_session_sequence"),
     sa.Index("ix_steps_run", "run_id", "sequence"),
 )
+
+# How far the IM watch of each workspace got: a restart resumes from there and
+# the IM replays what came since, so only the agents it concerns wake up. A
+# cursor saved late only makes the replay longer; never is anything skipped.
+watch_cursors = sa.Table(
+    "watch_cursors",
+    metadata,
+    sa.Column("workspace_id", sa.Uuid, primary_key=True),
+    sa.Column("cursor", sa.String(64), nullable=False),
+    sa.Column("updated_at", UtcDateTime, nullable=False),
+)

@@ -169,10 +169,13 @@ class AgentRunner:
         self.idle = asyncio.Event()
         self.idle.set()
 
-    def start(self) -> None:
+    def start(self, *, look: bool = True) -> None:
+        """Starts the loop; `look` makes it read its unread messages at once
+        (which may have arrived while the runtime was down)."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name=f"agent-{self.agent.id}")
-            self.wake()  # messages may have arrived while the runtime was down
+            if look:
+                self.wake()
 
     def wake(self, *, retry: bool = False) -> None:
         """Makes the runner read its unread messages; `retry` also retries a

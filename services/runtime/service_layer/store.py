@@ -118,5 +118,15 @@ class AgentStore(abc.ABC):
     async def last_sequence(self, session_id: uuid.UUID) -> int:
         """The sequence number of the session's last step (0 if none)."""
 
+    # IM watch cursors
+
+    @abc.abstractmethod
+    async def watch_cursors(self) -> dict[uuid.UUID, str]:
+        """The saved cursor of each workspace's IM watch."""
+
+    @abc.abstractmethod
+    async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
+        """Saves (replacing) the cursors of these workspaces' IM watches."""
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Releases connections. Idempotent."""

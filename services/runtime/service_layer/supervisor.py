@@ -7,7 +7,7 @@ import contextlib
 import logging
 import uuid
 
-from services.runtime.domain.model import Agent
+from services.runtime.domain.model import Agent, AgentState
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import AgentRunner, RunnerEnv
 
@@ -20,20 +20,34 @@ class Supervisor:
     Per workspace with agents it holds one IM watch for those agents'
     members; when the set changes the watch restarts from its last cursor,
     so no message is missed.
+
+    A workspace's cursor is saved once every event up to it has been dealt
+    with (its runners are all idle again), so that after a restart the watch
+    resumes from there: the IM replays what came since and wakes just the
+    agents it concerns, instead of every agent asking for its unread messages.
+
+    Args:
+        cursor_save_delay: seconds of events gathered into one cursor write.
     """
 
-    def __init__(self, env: RunnerEnv) -> None:
+    def __init__(self, env: RunnerEnv, *, cursor_save_delay: float = 1.0) -> None:
         self._env = env
         self._runners: dict[uuid.UUID, AgentRunner] = {}
         self._by_member: dict[uuid.UUID, AgentRunner] = {}
         self._watches: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._cursors: dict[uuid.UUID, str] = {}
+        self._save_delay = cursor_save_delay
+        self._savers: dict[uuid.UUID, asyncio.Task[None]] = {}
 
     async def start(self) -> int:
         """Starts a runner for every stored agent; returns how many."""
         agents = await self._env.store.all_agents()
+        self._cursors = await self._env.store.watch_cursors()
         for agent in agents:
-            self._add(agent)
+            # An idle agent of a workspace with a saved cursor waits for the
+            # replay to wake it; one that was busy or failing looks at once.
+            replayed = agent.workspace_id in self._cursors and agent.state is AgentState.IDLE
+            self._add(agent, look=not replayed)
         for workspace_id in {a.workspace_id for a in agents}:
             self._restart_watch(workspace_id)
         return len(agents)
@@ -46,11 +60,11 @@ class Supervisor:
         self._restart_watch(agent.workspace_id)
         return runner
 
-    def _add(self, agent: Agent) -> AgentRunner:
+    def _add(self, agent: Agent, *, look: bool = True) -> AgentRunner:
         runner = AgentRunner(agent, self._env)
         self._runners[agent.id] = runner
         self._by_member[agent.member_id] = runner
-        runner.start()
+        runner.start(look=look)
         return runner
 
     async def remove(self, agent_id: uuid.UUID) -> None:
@@ -81,7 +95,9 @@ class Supervisor:
             # A later watch (when the agents change) resumes from here, and the
             # IM replays what came since; only the first one, started from
             # "now", has to look for what was sent while no watch was in place.
-            self._cursors.setdefault(workspace_id, start)
+            if workspace_id not in self._cursors:
+                self._cursors[workspace_id] = start
+                self._save_cursor_soon(workspace_id)
             if cursor:
                 return
             for runner in self._runners.values():
@@ -95,6 +111,7 @@ class Supervisor:
             async for event in stream:
                 self._cursors[workspace_id] = event.cursor
                 self._route(event)
+                self._save_cursor_soon(workspace_id)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -108,6 +125,31 @@ class Supervisor:
             if runner is not None and member_id != message.sender_id:
                 runner.wake()
 
+    def _save_cursor_soon(self, workspace_id: uuid.UUID) -> None:
+        saver = self._savers.get(workspace_id)
+        if saver is None or saver.done():
+            self._savers[workspace_id] = asyncio.create_task(
+                self._save_cursor_when_settled(workspace_id), name=f"cursor-saver-{workspace_id}"
+            )
+
+    async def _save_cursor_when_settled(self, workspace_id: uuid.UUID) -> None:
+        await asyncio.sleep(self._save_delay)
+        while busy := [
+            r.idle.wait()
+            for r in self._runners.values()
+            if r.agent.workspace_id == workspace_id and not r.idle.is_set()
+        ]:
+            await asyncio.gather(*busy)
+        # No await since the check: every event routed so far has been dealt with.
+        cursor = self._cursors.get(workspace_id)
+        if cursor is None:
+            return
+        try:
+            await self._env.store.save_watch_cursors({workspace_id: cursor})
+        except Exception as error:
+            # Only makes a restart replay more; the next event tries again.
+            logger.warning("saving the IM cursor of workspace %s failed: %s", workspace_id, error)
+
     async def aclose(self) -> None:
         """Stops every watch and runner."""
         for task in self._watches.values():
@@ -116,4 +158,10 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._watches.clear()
+        for saver in self._savers.values():
+            saver.cancel()
+        for saver in self._savers.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await saver
+        self._savers.clear()
         await asyncio.gather(*[runner.stop() for runner in self._runners.values()])
