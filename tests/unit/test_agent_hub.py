@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from services.runtime.domain.llm import ContentDelta, Role
-from services.runtime.domain.model import Emitted, StepDelta, StepStarted
+from services.runtime.domain.llm import ContentDelta, ReasoningDelta, Role, ToolCallDelta
+from services.runtime.domain.model import Emitted, StepDelta, StepStarted, merge_deltas
 from services.runtime.service_layer.hub import AgentHub, WatcherFellBehind
 
 AGENT = uuid.uuid4()
@@ -43,3 +43,45 @@ async def test_a_watcher_that_falls_behind_is_ended_with_an_error_not_silently()
         await asyncio.wait_for(anext(events), 1)
     hub.publish(delta("e"))  # it no longer receives anything
     assert not hub._watchers
+
+
+def test_consecutive_fragments_of_a_step_are_merged_and_nothing_else() -> None:
+    other = uuid.uuid4()
+    events = [
+        delta("Hel"),
+        delta("lo"),
+        Emitted(AGENT, AT, StepDelta(1, ReasoningDelta("hm"))),
+        Emitted(AGENT, AT, StepDelta(1, ReasoningDelta("m"))),
+        Emitted(AGENT, AT, StepDelta(1, ToolCallDelta(0, id="c1", name="send", arguments='{"a'))),
+        Emitted(AGENT, AT, StepDelta(1, ToolCallDelta(0, arguments='": 1}'))),
+        Emitted(AGENT, AT, StepDelta(1, ToolCallDelta(1, id="c2", name="list", arguments=""))),
+        Emitted(other, AT, StepDelta(1, ContentDelta("another agent"))),
+        delta("!"),
+        Emitted(AGENT, AT, StepDelta(2, ContentDelta("next step"))),
+    ]
+    merged = merge_deltas(events)
+    assert [(e.agent_id, e.event) for e in merged] == [
+        (AGENT, StepDelta(1, ContentDelta("Hello"))),
+        (AGENT, StepDelta(1, ReasoningDelta("hmm"))),
+        (AGENT, StepDelta(1, ToolCallDelta(0, id="c1", name="send", arguments='{"a": 1}'))),
+        (AGENT, StepDelta(1, ToolCallDelta(1, id="c2", name="list", arguments=""))),
+        (other, StepDelta(1, ContentDelta("another agent"))),
+        (AGENT, StepDelta(1, ContentDelta("!"))),
+        (AGENT, StepDelta(2, ContentDelta("next step"))),
+    ]
+
+
+async def test_a_watcher_behind_the_model_gets_fewer_longer_deltas_with_the_same_text() -> None:
+    hub = AgentHub()
+    watcher, _ = hub.watch([AGENT])
+    events = watcher.events()
+    hub.publish(delta("a"))
+    first = await asyncio.wait_for(anext(events), 1)
+    for text in "bcdef":  # queued while the first was being sent
+        hub.publish(delta(text))
+    hub.publish(Emitted(AGENT, AT, StepStarted(uuid.uuid4(), 2, Role.ASSISTANT)))
+    hub.close()
+    rest = [e async for e in events]
+    assert first == delta("a")
+    assert rest[0].event == StepDelta(1, ContentDelta("bcdef"))
+    assert isinstance(rest[1].event, StepStarted) and len(rest) == 2

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
-from services.runtime.domain.llm import ChatMessage, Delta, ModelSettings, Role
+from services.runtime.domain.llm import (
+    ChatMessage,
+    ContentDelta,
+    Delta,
+    ModelSettings,
+    ReasoningDelta,
+    Role,
+    ToolCallDelta,
+)
 
 
 class AgentState(enum.StrEnum):
@@ -134,3 +143,43 @@ class Emitted:
     agent_id: uuid.UUID
     at: datetime
     event: AgentEvent
+
+
+def merge_deltas(events: Iterable[Emitted]) -> list[Emitted]:
+    """Joins consecutive fragments of one step into one: content with content,
+    reasoning with reasoning, a tool call's arguments with the same call's.
+
+    What a slow watcher has waiting then goes out as fewer, longer deltas that
+    add up to the same text; nothing else is reordered or dropped.
+    """
+    merged: list[Emitted] = []
+    for emitted in events:
+        last = merged[-1] if merged else None
+        if last is not None and last.agent_id == emitted.agent_id:
+            joined = _joined(last.event, emitted.event)
+            if joined is not None:
+                merged[-1] = replace(emitted, event=joined)
+                continue
+        merged.append(emitted)
+    return merged
+
+
+def _joined(first: AgentEvent, second: AgentEvent) -> StepDelta | None:
+    if not (isinstance(first, StepDelta) and isinstance(second, StepDelta)):
+        return None
+    if first.sequence != second.sequence:
+        return None
+    a, b = first.delta, second.delta
+    if isinstance(a, ContentDelta) and isinstance(b, ContentDelta):
+        return StepDelta(first.sequence, ContentDelta(a.text + b.text))
+    if isinstance(a, ReasoningDelta) and isinstance(b, ReasoningDelta):
+        return StepDelta(first.sequence, ReasoningDelta(a.text + b.text))
+    if (
+        isinstance(a, ToolCallDelta)
+        and isinstance(b, ToolCallDelta)
+        and a.index == b.index
+        and b.id is None
+        and b.name is None
+    ):
+        return StepDelta(first.sequence, replace(a, arguments=a.arguments + b.arguments))
+    return None

@@ -15,7 +15,16 @@ from uuid_utils.compat import uuid7
 from services.common import errors
 from services.common.identity import Principal
 from services.runtime.domain.llm import ModelSettings
-from services.runtime.domain.model import Agent, Emitted, Run, Step, StepCompleted, StepDelta, StepStarted
+from services.runtime.domain.model import (
+    Agent,
+    Emitted,
+    Run,
+    Step,
+    StepCompleted,
+    StepDelta,
+    StepStarted,
+    merge_deltas,
+)
 from services.runtime.service_layer.hub import AgentHub, InFlight, Watcher
 from services.runtime.service_layer.im_port import IMPort
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
@@ -331,7 +340,7 @@ class AgentService:
                 assert isinstance(started, StepStarted)
                 if started.sequence > sent:
                     yield flight.started
-                    for delta in flight.deltas:
+                    for delta in merge_deltas(flight.deltas):
                         yield delta
             async for emitted in events:
                 event = emitted.event

@@ -12,9 +12,17 @@ import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
+from typing import cast
 
 from services.common.errors import ResourceExhausted
-from services.runtime.domain.model import Emitted, RunEnded, StepCompleted, StepDelta, StepStarted
+from services.runtime.domain.model import (
+    Emitted,
+    RunEnded,
+    StepCompleted,
+    StepDelta,
+    StepStarted,
+    merge_deltas,
+)
 
 
 @dataclass(slots=True)
@@ -69,16 +77,23 @@ class Watcher:
         """Live events until the hub closes; raises `WatcherFellBehind` on overflow."""
         try:
             while True:
-                item = await self._queue.get()
-                if item is _CLOSED:
+                waiting = [await self._queue.get()]
+                # What queued up while the last event was being sent goes out
+                # merged: a watcher slower than the model gets fewer, longer deltas.
+                while not self._queue.empty():
+                    waiting.append(self._queue.get_nowait())
+                closed = waiting[-1] is _CLOSED
+                if closed:
+                    waiting.pop()
+                for emitted in merge_deltas(cast(list[Emitted], waiting)):
+                    yield emitted
+                if closed:
                     if self.overflowed:
                         raise WatcherFellBehind(
                             f"this watch fell more than {self._queue.maxsize} events behind and was ended;"
                             " watch again with after_sequence set to the last step received"
                         )
                     return
-                assert isinstance(item, Emitted)
-                yield item
         finally:
             self._hub.unwatch(self)
 

@@ -3,6 +3,10 @@
 `OpenAIProvider` streams with the official `openai` client (OpenAI itself,
 DeepSeek, vLLM, llama.cpp's server, ...). What it does, in one place:
 
+* **The client**: its generic `post` (what `chat.completions.create` wraps),
+  with the request body as we build it and chunks as parsed JSON: the same
+  HTTP, headers, error types and SSE decoding, without the per-message
+  transform and per-chunk pydantic models that cost most of the CPU.
 * **Requests**: `stream=True` with `stream_options={"include_usage": True}`;
   `tools` only when the request has some; `temperature` and `max_tokens`
   only when set. The model and endpoint come from the request's
@@ -39,14 +43,12 @@ DeepSeek, vLLM, llama.cpp's server, ...). What it does, in one place:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
 import openai
-from openai.types import CompletionUsage
-from openai.types.chat import ChatCompletionChunk
 
 from services.runtime.domain.llm import (
     Completion,
@@ -143,25 +145,34 @@ class OpenAIProvider(LLM):
         if not model:
             raise LLMRejected(f"no model named for {base_url} and no default model configured")
         client = self._client(base_url)
-        # The context goes in `extra_body`, merged into the JSON as it is: the
-        # client would otherwise walk every message through its type-driven
-        # transform, which costs about 0.3 ms a message here (120 ms for a
-        # 400-step context) and does nothing to these already-wire-format dicts.
-        wire: dict[str, object] = {"messages": [m.to_openai() for m in request.messages]}
+        body: dict[str, object] = {
+            "model": model,
+            "messages": [m.to_openai() for m in request.messages],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if request.tools:
-            wire["tools"] = [t.to_openai() for t in request.tools]
+            body["tools"] = [t.to_openai() for t in request.tools]
+        if settings.temperature is not None:
+            body["temperature"] = settings.temperature
+        if settings.max_tokens is not None:
+            body["max_tokens"] = settings.max_tokens
         attempts = self._max_retries + 1
         for attempt in range(attempts):
             state = _Attempt(model)
             try:
-                chunks = await client.chat.completions.create(
-                    model=model,
-                    messages=[],
+                # The client's generic POST, which `chat.completions.create`
+                # wraps: the same request, headers, errors and SSE decoding, but
+                # the body goes as it is and chunks come back as parsed JSON.
+                # `create` would walk the context through its type-driven
+                # transform (about 0.3 ms a message here) and build a pydantic
+                # model of every chunk (about half of the runtime's CPU per delta).
+                chunks = await client.post(
+                    "/chat/completions",
+                    body=body,
+                    cast_to=object,
                     stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body=wire,
-                    temperature=openai.omit if settings.temperature is None else settings.temperature,
-                    max_tokens=openai.omit if settings.max_tokens is None else settings.max_tokens,
+                    stream_cls=openai.AsyncStream[object],
                 )
                 async with chunks:
                     try:
@@ -171,7 +182,7 @@ class OpenAIProvider(LLM):
                             # Chunks already buffered arrive without a pause;
                             # let the watchers' streams send meanwhile.
                             await asyncio.sleep(0)
-                    except (openai.APIConnectionError, openai.APIError, json.JSONDecodeError) as exc:
+                    except (openai.APIConnectionError, openai.APIError, ValueError) as exc:
                         if state.finish_reason is None:
                             raise _Retryable(self._describe_cut(exc)) from None
                         logger.info("LLM stream from %s cut after its finish reason; usage lost", base_url)
@@ -266,30 +277,42 @@ class _Attempt:
         self.usage: Usage | None = None
         self._assembler = CompletionAssembler()
 
-    def feed(self, chunk: ChatCompletionChunk) -> list[Delta]:
-        """The deltas in one chunk, also noting its finish reason, usage and model."""
-        if chunk.model:
-            self.model = chunk.model
-        if chunk.usage is not None:
-            self.usage = _usage(chunk.usage)
+    def feed(self, chunk: object) -> list[Delta]:
+        """The deltas in one chunk (a `chat.completion.chunk` as parsed JSON),
+        also noting its finish reason, usage and model.
+
+        Raises:
+            ValueError: the chunk is not shaped like one.
+        """
+        if not isinstance(chunk, dict):
+            raise ValueError(f"a chunk that is not a JSON object: {str(chunk)[:80]!r}")
+        model = chunk.get("model")
+        if isinstance(model, str) and model:
+            self.model = model
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = _usage(usage)
         deltas: list[Delta] = []
-        for choice in chunk.choices[:1]:
-            if choice.finish_reason is not None:
-                self.finish_reason = choice.finish_reason
-            update = choice.delta
-            reasoning = _extra_text(update, "reasoning_content") or _extra_text(update, "reasoning")
+        for choice in _objects(chunk.get("choices"))[:1]:
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = str(choice["finish_reason"])
+            update = _object(choice.get("delta"))
+            reasoning = _text(update, "reasoning_content") or _text(update, "reasoning")
             if reasoning:
                 deltas.append(ReasoningDelta(reasoning))
-            if update.content:
-                deltas.append(ContentDelta(update.content))
-            if update.refusal:
-                deltas.append(ContentDelta(update.refusal))
-            for call in update.tool_calls or ():
-                function = call.function
-                name = function.name if function else None
-                arguments = (function.arguments if function else None) or ""
-                if call.id or name or arguments:
-                    deltas.append(ToolCallDelta(index=call.index, id=call.id, name=name, arguments=arguments))
+            if content := _text(update, "content"):
+                deltas.append(ContentDelta(content))
+            if refusal := _text(update, "refusal"):
+                deltas.append(ContentDelta(refusal))
+            for call in _objects(update.get("tool_calls")):
+                function = _object(call.get("function"))
+                call_id, name = _text(call, "id") or None, _text(function, "name") or None
+                arguments = _text(function, "arguments")
+                index = call.get("index")
+                if not isinstance(index, int):
+                    raise ValueError(f"a tool call delta without an index: {call!r:.80}")
+                if call_id or name or arguments:
+                    deltas.append(ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments))
         for delta in deltas:
             self._assembler.add(delta)
         self.deltas += len(deltas)
@@ -304,23 +327,45 @@ class _Attempt:
         )
 
 
-def _usage(usage: CompletionUsage) -> Usage:
-    details = usage.prompt_tokens_details
-    cached = details.cached_tokens if details is not None else None
-    if cached is None:
+def _usage(usage: dict[str, Any]) -> Usage:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(cached, int):
         # DeepSeek's spelling of the same figure.
-        extra = (usage.model_extra or {}).get("prompt_cache_hit_tokens")
-        cached = extra if isinstance(extra, int) else 0
+        cached = usage.get("prompt_cache_hit_tokens")
     return Usage(
-        input_tokens=usage.prompt_tokens or 0,
-        output_tokens=usage.completion_tokens or 0,
-        cached_tokens=cached or 0,
+        input_tokens=_count(usage, "prompt_tokens"),
+        output_tokens=_count(usage, "completion_tokens"),
+        cached_tokens=cached if isinstance(cached, int) else 0,
     )
 
 
-def _extra_text(model: openai.BaseModel, field: str) -> str:
-    """A string field that the openai types do not declare, or ""."""
-    value = (model.model_extra or {}).get(field)
+def _object(value: object) -> dict[str, Any]:
+    """A JSON object that may be missing (null: empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {value!r:.80}")
+    return value
+
+
+def _objects(value: object) -> list[dict[str, Any]]:
+    """A JSON array of objects that may be missing (null: empty)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ValueError(f"expected a JSON array, got {value!r:.80}")
+    return [_object(item) for item in value]
+
+
+def _count(fields: dict[str, Any], name: str) -> int:
+    value = fields.get(name)
+    return value if isinstance(value, int) else 0
+
+
+def _text(fields: dict[str, Any], name: str) -> str:
+    """A string field, or "" when it is missing, null or not a string."""
+    value = fields.get(name)
     return value if isinstance(value, str) else ""
 
 
