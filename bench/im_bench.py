@@ -19,7 +19,13 @@ Measured, `--runs` times each (medians are reported):
 The result is printed and written to the `## IM service (issue 2)` section of
 docs/benchmarks.md (other sections of that file are kept).
 
-Run as `python -m bench.im_bench [--backends sqlite,postgresql] [--runs 3] [--seconds 3]`.
+With `--mode wake` it measures instead, one call at a time, what an agent's
+wake goes through: GetAllUnread of a few unread messages, MarkRead (which
+records a ReadUpdated event), and the delay from SendMessage returning to the
+message's event reaching a WatchEvents subscriber, each with the server's CPU
+time per call; the bare echo round trip is the floor. It only prints.
+
+Run as `python -m bench.im_bench [--mode full|wake] [--backends sqlite,postgresql] [--runs 3] [--seconds 3]`.
 """
 
 from __future__ import annotations
@@ -562,6 +568,7 @@ class Options:
     profile_seconds: float
     profile_native: bool
     write_doc: bool
+    mode: str = "full"
 
 
 def _server_env(database_url: str, data_dir: Path) -> dict[str, str]:
@@ -710,6 +717,273 @@ async def _bench_backend(
             result.profile = await profile_send(stub, senders, server, options, backend)
         result.server_problems = server.problems()
     return result
+
+
+# --- wake mode: the calls an agent's wake goes through, one at a time --------------
+
+WAKE_GROUPS = 3
+WAKE_CALLS = 300
+
+
+@dataclass
+class WakeSample:
+    """Latencies (ms) and server CPU per call (ms) of one wake-mode run."""
+
+    echo_ms: list[float] = field(default_factory=list)
+    unread_ms: list[float] = field(default_factory=list)
+    unread_cpu_ms: float | None = None
+    mark_ms: list[float] = field(default_factory=list)
+    mark_cpu_ms: float | None = None
+    send_ms: list[float] = field(default_factory=list)
+    delivery_ms: list[float] = field(default_factory=list)
+    send_cpu_ms: float | None = None
+    mismatches: int = 0
+
+
+async def _timed_calls(
+    count: int, call: Callable[[int], Awaitable[object]], pid: int | None, into: list[float]
+) -> float | None:
+    """Runs `call` `count` times in a row (after 10 unmeasured); returns the server CPU ms per call."""
+    for i in range(10):
+        await call(-1 - i)
+    before = _process_cpu_s(pid) if pid else None
+    for i in range(count):
+        started = time.perf_counter()
+        await call(i)
+        into.append((time.perf_counter() - started) * 1000.0)
+    after = _process_cpu_s(pid) if pid else None
+    return None if before is None or after is None else (after - before) * 1000.0 / count
+
+
+async def measure_wake(stub: Any, echo_call: Any, server_pid: int) -> WakeSample:
+    """One run: a reader with a few unread messages, an author, and a watch on the reader."""
+    sample = WakeSample()
+    created = await stub.CreateWorkspace(
+        im_pb2.CreateWorkspaceRequest(name="bench-wake", creator_display_name="bench reader"),
+        timeout=CALL_TIMEOUT_S,
+    )
+    reader = as_member(created.creator.id)
+    author_id = (
+        await stub.CreateMember(
+            im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_AGENT, display_name="bench author"),
+            metadata=reader,
+            timeout=CALL_TIMEOUT_S,
+        )
+    ).member.id
+    author = as_member(author_id)
+    groups = [
+        (
+            await stub.CreateGroup(
+                im_pb2.CreateGroupRequest(name=f"wake {g}", member_ids=[author_id]),
+                metadata=reader,
+                timeout=CALL_TIMEOUT_S,
+            )
+        ).group.id
+        for g in range(WAKE_GROUPS)
+    ]
+
+    async def send(group_id: str) -> Any:
+        request = im_pb2.SendMessageRequest(group_id=group_id, content=_content(1))
+        return (await stub.SendMessage(request, metadata=author, timeout=CALL_TIMEOUT_S)).message
+
+    for group_id in groups:
+        await send(group_id)
+
+    await _timed_calls(
+        WAKE_CALLS, lambda i: echo_call(ECHO_PAYLOAD, timeout=CALL_TIMEOUT_S), None, sample.echo_ms
+    )
+
+    unread_request = im_pb2.GetAllUnreadRequest()
+
+    async def get_unread(i: int) -> object:
+        response = await stub.GetAllUnread(unread_request, metadata=reader, timeout=CALL_TIMEOUT_S)
+        sample.mismatches += (len(response.messages), response.remaining_count) != (WAKE_GROUPS, 0)
+        return response
+
+    sample.unread_cpu_ms = await _timed_calls(WAKE_CALLS, get_unread, server_pid, sample.unread_ms)
+
+    # MarkRead of a fresh message each time, so each call moves and records an event.
+    marks: list[im_pb2.MarkReadRequest] = []
+    for i in range(WAKE_CALLS + 10):
+        group_id = groups[i % WAKE_GROUPS]
+        marks.append(im_pb2.MarkReadRequest(group_id=group_id, up_to_message_id=(await send(group_id)).id))
+    mark_iter = iter(marks)
+
+    async def mark(i: int) -> object:
+        request = next(mark_iter)
+        response = await stub.MarkRead(request, metadata=reader, timeout=CALL_TIMEOUT_S)
+        sample.mismatches += response.read_state.last_read_message_id != request.up_to_message_id
+        return response
+
+    sample.mark_cpu_ms = await _timed_calls(WAKE_CALLS, mark, server_pid, sample.mark_ms)
+
+    await measure_delivery(stub, reader, send=send, groups=groups, server_pid=server_pid, sample=sample)
+    return sample
+
+
+async def measure_delivery(
+    stub: Any,
+    reader: Metadata,
+    *,
+    send: Callable[[str], Awaitable[Any]],
+    groups: list[str],
+    server_pid: int,
+    sample: WakeSample,
+) -> None:
+    """SendMessage returns, then the reader's watch receives the message: how long in between."""
+    stream = stub.WatchEvents(im_pb2.WatchEventsRequest(), metadata=reader)
+    await asyncio.wait_for(stream.wait_for_connection(), CALL_TIMEOUT_S)
+    arrived: dict[str, float] = {}
+    waiters: dict[str, asyncio.Future[float]] = {}
+
+    async def watch() -> None:
+        async for event in stream:
+            if event.WhichOneof("event") == "message_created":
+                message_id = event.message_created.message.id
+                arrived[message_id] = time.perf_counter()
+                waiter = waiters.pop(message_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(arrived[message_id])
+
+    watcher = asyncio.create_task(watch())
+    send_ms: list[float] = []
+
+    async def send_and_deliver(i: int) -> object:
+        group_id = groups[i % WAKE_GROUPS]
+        started = time.perf_counter()
+        message = await send(group_id)
+        returned = time.perf_counter()
+        if message.id in arrived:
+            when = arrived[message.id]
+        else:
+            waiter: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+            waiters[message.id] = waiter
+            when = await asyncio.wait_for(waiter, CALL_TIMEOUT_S)
+        if i >= 0:
+            send_ms.append((returned - started) * 1000.0)
+            sample.delivery_ms.append(max(0.0, when - returned) * 1000.0)
+        return message
+
+    try:
+        sample.send_cpu_ms = await _timed_calls(WAKE_CALLS, send_and_deliver, server_pid, [])
+    finally:
+        stream.cancel()
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await watcher
+    sample.send_ms = send_ms
+
+
+async def wake_backend(
+    backend: str, echo: ServerProcess, options: Options, workdir: Path
+) -> list[WakeSample]:
+    data_dir = workdir / backend
+    data_dir.mkdir(parents=True, exist_ok=True)
+    async with contextlib.AsyncExitStack() as stack:
+        if backend == "sqlite":
+            database_url = f"sqlite:///{data_dir / 'im.db'}"
+        else:
+            await stack.enter_async_context(exclusive_postgres(options.postgres_url))
+            database_url = options.postgres_url
+        env = _server_env(database_url, data_dir)
+        python = sys.executable
+        await run_command([python, "-m", "services.im", "migrate"], env=env, limit_s=MIGRATE_TIMEOUT_S)
+        samples: list[WakeSample] = []
+        async with (
+            running_server(
+                f"IM service ({backend})",
+                [python, "-m", "services.im", "serve"],
+                env=env,
+                log_path=workdir / f"im-wake-{backend}.log",
+            ) as server,
+            grpc.aio.insecure_channel(server.address) as im_channel,
+            grpc.aio.insecure_channel(echo.address) as echo_channel,
+        ):
+            stub = im_pb2_grpc.IMServiceStub(im_channel)
+            echo_call = echo_channel.unary_unary(echo_server.METHOD)
+            for run in range(1, options.runs + 1):
+                sample = await measure_wake(stub, echo_call, server.pid)
+                samples.append(sample)
+                print(f"[{backend}] wake run {run}: " + _wake_line(sample), flush=True)
+            problems = server.problems()
+            if problems:
+                print(
+                    f"[{backend}] the server logged {len(problems)} warning/error lines:",
+                    *problems[:5],
+                    sep="\n",
+                )
+        return samples
+
+
+def _cpu(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _wake_line(s: WakeSample) -> str:
+    def p50(values: list[float]) -> float:
+        return percentile(sorted(values), 0.5)
+
+    return (
+        f"echo p50 {p50(s.echo_ms):.3f} ms; GetAllUnread p50 {p50(s.unread_ms):.3f} ms "
+        f"(server CPU {_cpu(s.unread_cpu_ms)} ms/call); MarkRead p50 {p50(s.mark_ms):.3f} ms "
+        f"(CPU {_cpu(s.mark_cpu_ms)}); SendMessage p50 {p50(s.send_ms):.3f} ms, then event delivery "
+        f"p50 {p50(s.delivery_ms):.3f} ms p90 {percentile(sorted(s.delivery_ms), 0.9):.3f} ms "
+        f"(send+deliver CPU {_cpu(s.send_cpu_ms)}); unexpected answers {s.mismatches}"
+    )
+
+
+def wake_report(backend: str, samples: list[WakeSample]) -> str:
+    def row(name: str, values: list[list[float]], cpu: list[float | None]) -> str:
+        p50s = [percentile(sorted(v), 0.5) for v in values]
+        p90s = [percentile(sorted(v), 0.9) for v in values]
+        return (
+            f"| {name} | {median(p50s):.3f} | {min(p50s):.3f}-{max(p50s):.3f} | {median(p90s):.3f} "
+            f"| {_cpu(_med_opt(cpu))} |"
+        )
+
+    return "\n".join(
+        [
+            f"### {backend}: one call at a time, median of {len(samples)} runs of {WAKE_CALLS} calls",
+            "",
+            "| Call | p50 ms (median) | p50 ms (min-max) | p90 ms | server CPU ms/call |",
+            "|---|---:|---:|---:|---:|",
+            row("echo (floor)", [s.echo_ms for s in samples], [None]),
+            row(
+                f"GetAllUnread ({WAKE_GROUPS} unread)",
+                [s.unread_ms for s in samples],
+                [s.unread_cpu_ms for s in samples],
+            ),
+            row(
+                "MarkRead (moves, records ReadUpdated)",
+                [s.mark_ms for s in samples],
+                [s.mark_cpu_ms for s in samples],
+            ),
+            row("SendMessage", [s.send_ms for s in samples], [s.send_cpu_ms for s in samples]),
+            row("SendMessage returned -> event at watcher", [s.delivery_ms for s in samples], [None]),
+            "",
+            f"Unexpected answers: {sum(s.mismatches for s in samples)}. The CPU of the last two rows is "
+            "per message sent and delivered.",
+            "",
+        ]
+    )
+
+
+async def run_wake(options: Options) -> list[str]:
+    workdir = Path(tempfile.mkdtemp(prefix="agentim-bench-wake-"))
+    reports: list[str] = []
+    try:
+        async with running_server(
+            "echo server",
+            [sys.executable, "-m", "bench.echo_server", "--address", "127.0.0.1:0"],
+            env=dict(os.environ),
+            log_path=workdir / "echo.log",
+        ) as echo:
+            for backend in options.backends:
+                reports.append(wake_report(backend, await wake_backend(backend, echo, options, workdir)))
+    except BenchError as error:
+        raise BenchError(f"{error}\n(server logs kept in {workdir})") from None
+    shutil.rmtree(workdir, ignore_errors=True)
+    return reports
 
 
 # --- report ----------------------------------------------------------------------
@@ -953,6 +1227,14 @@ async def run(options: Options) -> list[BackendResult]:
 
 def parse_options(argv: Sequence[str] | None) -> Options:
     parser = argparse.ArgumentParser(prog="python -m bench.im_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--mode",
+        choices=("full", "wake"),
+        default="full",
+        help="full: throughput and GetAllUnread of a big backlog (writes the doc); "
+        "wake: one-at-a-time latency and server CPU of GetAllUnread, MarkRead and event delivery "
+        "(prints only)",
+    )
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: sqlite,postgresql")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (medians)")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per closed-loop run")
@@ -991,6 +1273,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         profile_seconds=args.profile_seconds,
         profile_native=args.profile_native,
         write_doc=not args.no_doc,
+        mode=args.mode,
     )
 
 
@@ -999,6 +1282,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     arguments = list(sys.argv[1:] if argv is None else argv)
     command = " ".join([".venv/bin/python -m bench.im_bench", *arguments])
     started = time.perf_counter()
+    if options.mode == "wake":
+        try:
+            reports = asyncio.run(run_wake(options))
+        except BenchError as error:
+            raise SystemExit(f"benchmark failed: {error}") from None
+        print()
+        print("\n".join(reports))
+        print(f"total time {time.perf_counter() - started:.0f} s")
+        return
     # Other people may commit while this runs: record what the servers ran from.
     version_before = code_version()
     try:

@@ -2,7 +2,7 @@
 
 Only what is independent of a context's tables lives here: the UTC datetime
 column type, the async driver URL, the SQLite connection settings, the
-engine holder, the migration runner, and a one-hop SQLite writer for hot paths.
+engine holder, the migration runner, and dedicated SQLite connections for hot paths.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import threading
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -172,35 +174,59 @@ def sqlite_time(value: datetime) -> str:
     return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
-class SqliteWorker:
-    """A dedicated SQLite connection living in one worker thread.
+def sqlite_time_from(text: str) -> datetime:
+    """The aware UTC datetime of `sqlite_time` text (what `UtcDateTime` reads back)."""
+    return datetime.fromisoformat(text).replace(tzinfo=UTC)
 
-    Through SQLAlchemy's async engine every statement, BEGIN and COMMIT is a
-    thread hop of its own; here a whole transaction written as one function
-    costs one hop. Writers of this process take turns through the database's
-    write lock; other processes wait on SQLite's own (busy_timeout).
+
+def sqlite_id(text: str) -> uuid.UUID:
+    """An id as SQLAlchemy's Uuid stores it on SQLite (32 hex digits)."""
+    return uuid.UUID(hex=text)
+
+
+class SqliteWorker:
+    """Dedicated SQLite connections in worker threads: a transaction costs one thread hop.
+
+    Writes run on one connection in one thread, in turn with this process's
+    other writers through the database's write lock (other processes wait on
+    SQLite's own lock). Reads run on a few read-only connections, one per
+    reader thread, each read in one transaction (one snapshot).
+
+    Args:
+        database: a SQLite database.
+        name: prefix of the threads' names.
+        readers: reader threads (and connections).
     """
 
-    def __init__(self, database: SqlDatabase, *, name: str) -> None:
+    def __init__(self, database: SqlDatabase, *, name: str, readers: int = 2) -> None:
         if not database.is_sqlite:
             raise ValueError("SqliteWorker needs a SQLite database")
         self._path = database.sqlite_path
-        self._lock = database.write_lock
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._conn: sqlite3.Connection | None = None
+        self._write_lock = database.write_lock
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-writer")
+        self._readers = ThreadPoolExecutor(max_workers=readers, thread_name_prefix=f"{name}-reader")
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._closed = False
 
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
+    def _connection(self, *, read_only: bool) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
             conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA foreign_keys=ON")
-            self._conn = conn
-        return self._conn
+            if read_only:
+                conn.execute("PRAGMA query_only=ON")
+            self._local.conn = conn
+            with self._connections_lock:
+                self._connections.append(conn)
+        return conn
 
-    def _transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")
+    @staticmethod
+    def _transaction(conn: sqlite3.Connection, begin: str, work: Callable[[sqlite3.Connection], T]) -> T:
+        conn.execute(begin)
         try:
             result = work(conn)
             conn.execute("COMMIT")
@@ -209,14 +235,33 @@ class SqliteWorker:
             raise
         return result
 
+    def _write(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        return self._transaction(self._connection(read_only=False), "BEGIN IMMEDIATE", work)
+
+    def _read(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        return self._transaction(self._connection(read_only=True), "BEGIN", work)
+
     async def write(self, work: Callable[[sqlite3.Connection], T]) -> T:
         """Runs `work` in one write transaction; it commits unless `work` raises."""
-        async with self._lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._transaction, work)
+        async with self._write_lock:
+            return await asyncio.get_running_loop().run_in_executor(self._writer, self._write, work)
+
+    async def read(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Runs `work` in one read transaction on a read-only connection."""
+        return await asyncio.get_running_loop().run_in_executor(self._readers, self._read, work)
 
     async def aclose(self) -> None:
-        """Closes the connection and stops the thread. Idempotent."""
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
-        self._executor.shutdown(wait=True)
+        """Stops the threads and closes the connections. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._shutdown)
+
+    def _shutdown(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        with self._connections_lock:
+            connections, self._connections = self._connections, []
+        for conn in connections:
+            conn.close()

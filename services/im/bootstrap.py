@@ -9,6 +9,7 @@ from pathlib import Path
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common.server import GrpcServer
 from services.im.adapters.message_log import open_message_log
+from services.im.adapters.read_path import open_read_path
 from services.im.adapters.signals import InProcessSignal, RedisSignal
 from services.im.adapters.sql import Database
 from services.im.config import Settings
@@ -53,9 +54,17 @@ def build(settings: Settings) -> IMApp:
     """Wires the service; connects nothing until `IMApp.start`."""
     database = open_database(settings)
     signal: EventSignal = RedisSignal(settings.redis_url) if settings.redis_url else InProcessSignal()
-    hub = EventHub(uow=database.transaction, signal=signal)
+    read_path = open_read_path(database)
+    hub = EventHub(log=read_path, signal=signal)
     message_log = open_message_log(database)
-    service = IMService(uow=database.transaction, messages=message_log, signal=signal, limits=settings.limits)
+    service = IMService(
+        uow=database.transaction,
+        messages=message_log,
+        inbox=read_path,
+        on_committed=hub.offer,
+        signal=signal,
+        limits=settings.limits,
+    )
     feed = EventFeed(uow=database.transaction, hub=hub)
     servicer = IMServicer(service, feed, service_token=settings.service_token)
 
@@ -71,6 +80,6 @@ def build(settings: Settings) -> IMApp:
         max_message_bytes=settings.max_message_bytes,
         grace_seconds=settings.shutdown_grace_seconds,
         closers=[hub.aclose],
-        cleanups=[message_log.aclose, signal.aclose, database.aclose],
+        cleanups=[message_log.aclose, read_path.aclose, signal.aclose, database.aclose],
     )
     return IMApp(settings=settings, database=database, signal=signal, hub=hub, service=service, server=server)

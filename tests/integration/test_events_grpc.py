@@ -212,7 +212,28 @@ async def test_idle_watchers_do_not_poll_the_database(im: RunningIM) -> None:
     assert reads == settled, "the hub read the database while nothing happened"
     await send(im, world, 0, group.id, "again")
     await next_event(stream)
-    assert reads == settled + 1
+    # Committed by this very process: handed out without reading it back.
+    assert reads == settled
+    stream.cancel()
+
+
+async def test_events_committed_elsewhere_are_read_not_skipped(im_factory: Any) -> None:
+    # Two processes on one database and no Redis: one does not hear the
+    # other's signals. When its own next event does not follow on from what
+    # its watchers have, it must read the gap from the database, in order.
+    here: RunningIM = await im_factory()
+    there: RunningIM = await im_factory()
+    world = await make_world(here.stub, people=2)
+    group = await make_group(here, world, 1)
+    stream = here.stub.WatchEvents(im_pb2.WatchEventsRequest(), metadata=world.md(1))
+    await asyncio.wait_for(stream.wait_for_connection(), 5)
+    await send(here, world, 0, group.id, "one")
+    first = await next_event(stream)
+    await send(there, world, 0, group.id, "two (unheard)")
+    await send(here, world, 0, group.id, "three")
+    second, third = await read_n(stream, 2)
+    assert contents([first, second, third]) == ["one", "two (unheard)", "three"]
+    assert [e.sequence for e in (second, third)] == [first.sequence + 1, first.sequence + 2]
     stream.cancel()
 
 

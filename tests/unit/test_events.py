@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import pytest
 
 from services.common.identity import Principal
+from services.im.adapters import codec
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, ShuttingDown, Unauthenticated
 from services.im.domain.model import (
     ContentType,
@@ -26,8 +28,11 @@ from services.im.domain.model import (
     ReadState,
     ReadUpdated,
     RecordedEvent,
+    as_recorded,
 )
 from services.im.service_layer.events import EventFeed, EventHub, MemberFilter, Subscription, Watch
+from services.im.service_layer.handlers import IMService
+from services.im.service_layer.ports import TransactionalEventLog, TransactionalMessageLog
 from tests.unit.fakes import FakeTransaction
 from tests.unit.support import SERVICE, World, me, unique
 
@@ -341,6 +346,165 @@ async def test_workspaces_are_separate(world: World, make_hub: HubFactory) -> No
         assert got.workspace_id == alice.workspace_id
         assert isinstance(got.event, MessageCreated)
         assert got.event.message.content == "here"
+
+
+# -- events offered by this process's handlers ------------------------------------------
+
+
+class CountingLog(TransactionalEventLog):
+    """The reference event log, counting its reads."""
+
+    reads = 0
+
+    async def read(
+        self, workspace_id: uuid.UUID, *, after: int, up_to: int | None, limit: int
+    ) -> list[RecordedEvent]:
+        self.reads += 1
+        return await super().read(workspace_id, after=after, up_to=up_to, limit=limit)
+
+
+def offering(world: World, hub: EventHub) -> World:
+    """The world with a service that offers what it commits to the hub, as `bootstrap` wires it."""
+    service = IMService(
+        uow=world.store.transaction,
+        messages=TransactionalMessageLog(world.store.transaction),
+        signal=world.signal,
+        on_committed=hub.offer,
+        clock=world.clock,
+    )
+    return replace(world, service=service)
+
+
+async def test_events_committed_here_are_handed_out_without_a_read(world: World) -> None:
+    log = CountingLog(world.store.transaction)
+    hub = EventHub(log=log, signal=world.signal)
+    try:
+        here = offering(world, hub)
+        (alice, bob), group = await team(here)
+        subscription = await hub.subscribe(alice.workspace_id, after=None)
+        async with contextlib.aclosing(subscription.events()) as events:
+            await here.send(bob, group, "settle")
+            await take(events, 1)
+            settled = log.reads
+            # Every kind of event, with what the log does not keep (request ids, a direct key).
+            sent = await here.send(alice, group, "with a request id", request_id="r-1", metadata={"k": [1]})
+            await here.service.mark_read(me(bob), group_id=str(group.id), up_to_message_id=str(sent.id))
+            await here.service.edit_message(me(alice), message_id=str(sent.id), content="edited")
+            await here.service.rename_group(
+                me(alice), group_id=str(group.id), name="renamed", fields=["name"]
+            )
+            await here.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id))
+            got = await take(events, 5)
+            assert log.reads == settled
+            # Exactly what a read would have given.
+            stored = world.store.events_of(alice.workspace_id)
+            assert got == stored[-5:]
+            assert [type(e.event) for e in got] == [
+                MessageCreated,
+                ReadUpdated,
+                MessageEdited,
+                GroupChanged,
+                GroupChanged,
+            ]
+    finally:
+        await hub.aclose()
+
+
+async def test_offered_events_after_a_gap_are_read_instead(world: World) -> None:
+    log = CountingLog(world.store.transaction)
+    hub = EventHub(log=log, signal=world.signal)
+    try:
+        here = offering(world, hub)
+        (alice, bob), group = await team(here)
+        subscription = await hub.subscribe(alice.workspace_id, after=None)
+        async with contextlib.aclosing(subscription.events()) as events:
+            await here.send(bob, group, "settle")
+            start = (await take(events, 1))[0].sequence
+            # Committed elsewhere (not offered) and its signal lost.
+            world.signal.forward = False
+            await world.send(bob, group, "unheard")
+            world.signal.forward = True
+            reads = log.reads
+            await here.send(alice, group, "after the gap")
+            got = await take(events, 2)
+            assert sequences(got) == [start + 1, start + 2]
+            assert [e.event.message.content for e in got if isinstance(e.event, MessageCreated)] == [
+                "unheard",
+                "after the gap",
+            ]
+            assert log.reads > reads
+            await here.send(alice, group, "next")
+            assert sequences(await take(events, 1)) == [start + 3]
+    finally:
+        await hub.aclose()
+
+
+async def test_an_offer_during_a_read_is_left_to_the_read(world: World) -> None:
+    hub = EventHub(uow=world.store.transaction, signal=world.signal)
+    try:
+        here = offering(world, hub)
+        (alice, bob), group = await team(here)
+        subscription = await hub.subscribe(alice.workspace_id, after=None)
+        async with contextlib.aclosing(subscription.events()) as events:
+            await here.send(bob, group, "settle")
+            start = (await take(events, 1))[0].sequence
+            entered, release = asyncio.Event(), asyncio.Event()
+
+            async def block_once(tx: FakeTransaction) -> None:
+                world.store.hooks.pop("read_events")
+                entered.set()
+                await release.wait()
+
+            world.store.hooks["read_events"] = block_once
+            world.signal.deliver(None, 0)  # the tail starts a read, which blocks
+            await within(entered.wait())
+            await here.send(alice, group, "offered while reading")
+            release.set()
+            got = await take(events, 1)
+            assert sequences(got) == [start + 1]
+            await here.send(alice, group, "next")
+            assert sequences(await take(events, 1)) == [start + 2]
+    finally:
+        await hub.aclose()
+
+
+def test_as_recorded_is_what_the_event_log_gives_back() -> None:
+    member, other = uuid.uuid4(), uuid.uuid4()
+    message = Message(
+        id=uuid.uuid4(),
+        workspace_id=WORKSPACE,
+        group_id=uuid.uuid4(),
+        sender_id=member,
+        content_type=ContentType.CODE,
+        content="x = 1",
+        mentions=(other,),
+        reply_to=uuid.uuid4(),
+        metadata={"k": ["v", 1, None]},
+        sent_at=NOW,
+        edited_at=NOW,
+        request_id="r",
+        request_hash="h" * 64,
+    )
+    group = Group(
+        id=uuid.uuid4(),
+        workspace_id=WORKSPACE,
+        name="",
+        kind=GroupKind.DIRECT,
+        creator_id=member,
+        created_at=NOW,
+        member_ids=(member, other),
+        direct_key=f"{member}:{other}",
+    )
+    events: list[Event] = [
+        MessageCreated(message=message),
+        MessageEdited(message=message),
+        MessageCreated(message=replace(message, request_id=None, request_hash=None)),
+        GroupChanged(group=group, added_member_ids=(other,)),
+        GroupChanged(group=replace(group, direct_key=None), removed_member_ids=(other,)),
+        ReadUpdated(read_state=ReadState(group.id, member, message.id, 3)),
+    ]
+    for event in events:
+        assert as_recorded(event) == codec.decode_event(*codec.encode_event(event))
 
 
 # -- MemberFilter -------------------------------------------------------------------

@@ -4,26 +4,25 @@ Messages sent at the same time are appended together (`NaturalBatcher`):
 one round trip and one commit serve many senders. On PostgreSQL a batch is
 one statement sent straight through asyncpg (from the engine's pool), since
 building SQLAlchemy statements would cost several times the CPU the database
-needs to run them. On SQLite a batch is one transaction run in one go on a
-dedicated connection in a worker thread, instead of a thread hop per query.
+needs to run them. On SQLite a batch is one transaction run in one go on the
+database's dedicated writer connection, instead of a thread hop per query
+(see `services.common.sql.SqliteWorker`).
 Both store exactly what `TransactionalMessageLog` (the reference, used by
 the tests' fakes) stores, in the formats the SQLAlchemy tables read back.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import asyncpg
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.common.batching import NaturalBatcher
+from services.common.sql import sqlite_time
 from services.im.adapters import codec
 from services.im.adapters.sql import Database
 from services.im.adapters.tables import SCHEMA
@@ -39,7 +38,7 @@ def open_message_log(database: Database) -> MessageLog:
 
 
 class SqliteMessageLog(MessageLog):
-    """`MessageLog` on SQLite: a batch is one transaction on a dedicated connection.
+    """`MessageLog` on SQLite: a batch is one transaction on the database's writer connection.
 
     The connection lives in one worker thread, so a batch costs one thread
     hop instead of one per query. Writers of this process take turns through
@@ -48,10 +47,7 @@ class SqliteMessageLog(MessageLog):
 
     def __init__(self, database: Database, *, max_batch: int = 256) -> None:
         self._db = database
-        self._path = database.sqlite_path
         self._transactional = TransactionalMessageLog(database.transaction)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="im-sqlite-messages")
-        self._conn: sqlite3.Connection | None = None
         self._batcher: NaturalBatcher[tuple[Message, datetime], int | None] = NaturalBatcher(
             self._append_batch, max_batch=max_batch
         )
@@ -68,28 +64,7 @@ class SqliteMessageLog(MessageLog):
         rows = [
             (message, at, codec.encode_event(MessageCreated(message=message))[1]) for message, at in batch
         ]
-        async with self._db.write_lock:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._write, rows)
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False, timeout=10)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA foreign_keys=ON")
-            self._conn = conn
-        return self._conn
-
-    def _write(self, rows: list[tuple[Message, datetime, str]]) -> list[int | None]:
-        conn = self._connection()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            results = self._store(conn, rows)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        return results
+        return await self._db.sqlite.write(lambda conn: self._store(conn, rows))
 
     @staticmethod
     def _store(conn: sqlite3.Connection, rows: list[tuple[Message, datetime, str]]) -> list[int | None]:
@@ -115,7 +90,7 @@ class SqliteMessageLog(MessageLog):
                     json.dumps([str(m) for m in message.mentions]),
                     reply_to,
                     json.dumps(message.metadata, ensure_ascii=False),
-                    _sqlite_time(message.sent_at),
+                    sqlite_time(message.sent_at),
                     message.request_id,
                     message.request_hash,
                 ),
@@ -129,22 +104,14 @@ class SqliteMessageLog(MessageLog):
                 message, at, payload = rows[index]
                 conn.execute(
                     _SQLITE_INSERT_EVENT,
-                    (workspace, place, message.group_id.hex, _MESSAGE_CREATED, payload, _sqlite_time(at)),
+                    (workspace, place, message.group_id.hex, _MESSAGE_CREATED, payload, sqlite_time(at)),
                 )
                 results[index] = place
         return results
 
     async def aclose(self) -> None:
+        # The connection is the database's: it closes it.
         await self._batcher.aclose()
-        if self._conn is not None:
-            conn, self._conn = self._conn, None
-            await asyncio.get_running_loop().run_in_executor(self._executor, conn.close)
-        self._executor.shutdown(wait=True)
-
-
-def _sqlite_time(value: datetime) -> str:
-    """A datetime as SQLAlchemy stores `UtcDateTime` in SQLite: naive UTC text."""
-    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
 _MESSAGE_CREATED = codec.KINDS[MessageCreated]
@@ -186,8 +153,8 @@ class PostgresMessageLog(MessageLog):
     async def access(
         self, group_id: uuid.UUID, member_ids: list[uuid.UUID], reply_to: uuid.UUID | None
     ) -> GroupAccess | None:
-        async with self._db.engine.connect() as conn:
-            rows = await (await _asyncpg(conn)).fetch(_ACCESS_SQL, group_id, member_ids, reply_to)
+        async with self._db.driver_connection() as conn:
+            rows = await conn.fetch(_ACCESS_SQL, group_id, member_ids, reply_to)
         if not rows:
             return None
         return GroupAccess(
@@ -223,8 +190,8 @@ class PostgresMessageLog(MessageLog):
                 column.append(value)
         for attempt in range(1, self.DEADLOCK_TRIES + 1):
             try:
-                async with self._db.engine.connect() as conn:
-                    rows = await (await _asyncpg(conn)).fetch(_APPEND_SQL, *columns)
+                async with self._db.driver_connection() as conn:
+                    rows = await conn.fetch(_APPEND_SQL, *columns)
                 break
             except asyncpg.exceptions.DeadlockDetectedError:
                 if attempt == self.DEADLOCK_TRIES:
@@ -234,13 +201,6 @@ class PostgresMessageLog(MessageLog):
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
-
-
-async def _asyncpg(conn: AsyncConnection) -> Any:
-    """The asyncpg connection under a pooled SQLAlchemy connection."""
-    driver = (await conn.get_raw_connection()).driver_connection
-    assert driver is not None
-    return driver
 
 
 _ACCESS_SQL = f"""

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from services.common.sql import SqlDatabase, UtcDateTime
+from services.common.sql import SqlDatabase, SqliteWorker, UtcDateTime
 from services.im.adapters import codec
 from services.im.adapters.tables import (
     SCHEMA,
@@ -57,9 +57,23 @@ class Database(SqlDatabase):
 
     def __init__(self, url: str, *, pool_size: int = 16) -> None:
         super().__init__(url, schema=SCHEMA, write_option="im_write", pool_size=pool_size)
+        self._sqlite: SqliteWorker | None = None
 
     def transaction(self, *, write: bool = True) -> SqlTransaction:
         return SqlTransaction(self, write=write)
+
+    @property
+    def sqlite(self) -> SqliteWorker:
+        """The dedicated SQLite connections the hot paths share (SQLite only; made on first use)."""
+        if self._sqlite is None:
+            self._sqlite = SqliteWorker(self, name="im-sqlite")
+        return self._sqlite
+
+    async def aclose(self) -> None:
+        """Closes the hot paths' SQLite connections and the pooled ones. Idempotent."""
+        if self._sqlite is not None:
+            await self._sqlite.aclose()
+        await super().aclose()
 
 
 def _dialect_insert(database: Database) -> Any:

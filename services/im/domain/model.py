@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -149,3 +149,20 @@ def event_group_id(event: Event) -> uuid.UUID:
             return g.id
         case ReadUpdated(read_state=r):
             return r.group_id
+
+
+def as_recorded(event: Event) -> Event:
+    """The event as the event log gives it back: without what only its writer needs.
+
+    A recorded message keeps no request_id (nor its fingerprint) and a
+    recorded group no direct_key; an event handed out without a round trip
+    through the log must look exactly like one read from it.
+    """
+    match event:
+        case MessageCreated(message=m) if m.request_id is not None or m.request_hash is not None:
+            return MessageCreated(message=replace(m, request_id=None, request_hash=None))
+        case MessageEdited(message=m) if m.request_id is not None or m.request_hash is not None:
+            return MessageEdited(message=replace(m, request_id=None, request_hash=None))
+        case GroupChanged(group=g) if g.direct_key is not None:
+            return replace(event, group=replace(g, direct_key=None))
+    return event

@@ -7,15 +7,23 @@ from an older cursor (or falls too far behind) reads the missed range from
 the database itself, then continues from the tail, with no gap and no
 duplicate: sequence numbers are gap-free and in commit order, so "everything
 up to N" is a well-defined, final set.
+
+The handlers of this process also `offer` the events they have just
+committed, before signalling them: when they follow on from the tail's last
+event, the tail hands them out as they are and the signal that follows
+finds nothing to read. Anything else (a gap, a signal from another replica,
+a read in progress) leaves it to the signal to make the tail read from the
+database, which stays the truth.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
 from services.common.identity import Principal
@@ -28,7 +36,7 @@ from services.im.domain.model import (
     ReadUpdated,
     RecordedEvent,
 )
-from services.im.service_layer.ports import EventSignal, UnitOfWorkFactory
+from services.im.service_layer.ports import EventLog, EventSignal, TransactionalEventLog, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +48,9 @@ class EventHub:
     """Fans committed events out to this process's subscribers.
 
     Args:
-        uow: transactions to read events with.
         signal: the wake-up channel; the hub connects itself to it.
+        log: where to read events from.
+        uow: transactions to read events with, when no `log` is given.
         batch_size: events read per query.
         max_backlog: events a subscriber may have waiting before it is
             switched to reading from the database (so a slow reader costs
@@ -51,12 +60,17 @@ class EventHub:
     def __init__(
         self,
         *,
-        uow: UnitOfWorkFactory,
         signal: EventSignal,
+        log: EventLog | None = None,
+        uow: UnitOfWorkFactory | None = None,
         batch_size: int = 500,
         max_backlog: int = 10_000,
     ) -> None:
-        self._uow = uow
+        if log is None:
+            if uow is None:
+                raise ValueError("EventHub needs an event log or a unit of work to read events with")
+            log = TransactionalEventLog(uow)
+        self._log = log
         self.batch_size = batch_size
         self._max_backlog = max_backlog
         self._tails: dict[uuid.UUID, _Tail] = {}
@@ -68,19 +82,29 @@ class EventHub:
         """A workspace (or, for None, possibly every workspace) has new events."""
         if workspace_id is None:
             for each in self._tails.values():
-                each.wake.set()
+                each.look()
             return
         tail = self._tails.get(workspace_id)
         if tail is not None and sequence > tail.last_sequence:
-            tail.wake.set()
+            tail.signalled(sequence)
+
+    def offer(self, events: Sequence[RecordedEvent]) -> None:
+        """Events this process has just committed, in sequence order, not yet signalled.
+
+        Handed out at once if they follow on from what the workspace's tail
+        has handed out; otherwise ignored, and the signal that must follow
+        makes the tail read them.
+        """
+        if events:
+            tail = self._tails.get(events[0].workspace_id)
+            if tail is not None:
+                tail.offer(events)
 
     async def read(self, workspace_id: uuid.UUID, *, after: int, up_to: int | None) -> list[RecordedEvent]:
-        async with self._uow(write=False) as tx:
-            return await tx.read_events(workspace_id, after=after, up_to=up_to, limit=self.batch_size)
+        return await self._log.read(workspace_id, after=after, up_to=up_to, limit=self.batch_size)
 
     async def last_sequence(self, workspace_id: uuid.UUID) -> int:
-        async with self._uow(write=False) as tx:
-            return await tx.last_event_sequence(workspace_id)
+        return await self._log.last_sequence(workspace_id)
 
     async def subscribe(self, workspace_id: uuid.UUID, *, after: int | None) -> Subscription:
         """Subscribes to a workspace's events after sequence `after` (None: from now)."""
@@ -96,7 +120,7 @@ class EventHub:
         subscription = Subscription(self, tail, delivered=start, catch_up=start < tail.last_sequence)
         tail.subscribers.add(subscription)
         # The tail may lag behind the database (a signal in flight); let it look.
-        tail.wake.set()
+        tail.look()
         return subscription
 
     def _unsubscribe(self, subscription: Subscription) -> None:
@@ -125,24 +149,56 @@ class _Tail:
     def __init__(self, hub: EventHub, workspace_id: uuid.UUID, last_sequence: int) -> None:
         self.hub = hub
         self.workspace_id = workspace_id
+        # The last event handed to the subscribers.
         self.last_sequence = last_sequence
         self.subscribers: set[Subscription] = set()
         self.wake = asyncio.Event()
+        # The newest sequence signalled, and whether to read even if it is handed out.
+        self._signalled = last_sequence
+        self._must_read = False
+        self._reading = False
         self._task = asyncio.create_task(self._run(), name=f"im-event-tail-{workspace_id}")
+
+    def look(self) -> None:
+        """Reads whatever the database has beyond the last event, soon."""
+        self._must_read = True
+        self.wake.set()
+
+    def signalled(self, sequence: int) -> None:
+        """Events up to `sequence` are committed."""
+        self._signalled = max(self._signalled, sequence)
+        self.wake.set()
+
+    def offer(self, events: Sequence[RecordedEvent]) -> None:
+        """Hands out committed events if they follow on from the last one (see `EventHub.offer`)."""
+        # While a read is in flight its answer may hold them too: leave them to the signal.
+        if (
+            not self._reading
+            and events[0].sequence == self.last_sequence + 1
+            and all(b.sequence == a.sequence + 1 for a, b in itertools.pairwise(events))
+        ):
+            self._hand_out(list(events))
+
+    def _hand_out(self, batch: list[RecordedEvent]) -> None:
+        self.last_sequence = batch[-1].sequence
+        for subscription in list(self.subscribers):
+            subscription.push(batch)
 
     async def _run(self) -> None:
         failures = 0
         while True:
             await self.wake.wait()
             self.wake.clear()
+            if not self._must_read and self._signalled <= self.last_sequence:
+                continue  # handed out already
+            self._must_read = False
+            self._reading = True
             try:
                 while True:
                     batch = await self.hub.read(self.workspace_id, after=self.last_sequence, up_to=None)
                     if not batch:
                         break
-                    self.last_sequence = batch[-1].sequence
-                    for subscription in list(self.subscribers):
-                        subscription.push(batch)
+                    self._hand_out(batch)
                     if len(batch) < self.hub.batch_size:
                         break  # a short batch is the end: no need to ask again
                 failures = 0
@@ -157,8 +213,11 @@ class _Tail:
                     delay,
                     exc_info=True,
                 )
+                self._reading = False
                 await asyncio.sleep(delay)
-                self.wake.set()
+                self.look()
+            finally:
+                self._reading = False
 
     def stop(self) -> None:
         self._task.cancel()

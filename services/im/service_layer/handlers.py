@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -35,16 +35,23 @@ from services.im.domain.model import (
     Member,
     MemberKind,
     Message,
+    MessageCreated,
     MessageEdited,
     ReadState,
     ReadUpdated,
+    RecordedEvent,
     Workspace,
+    as_recorded,
+    event_group_id,
 )
 from services.im.service_layer.ports import (
     DuplicateRequest,
     EventSignal,
+    Inbox,
     MessageLog,
+    ReadOutcome,
     Transaction,
+    TransactionalInbox,
     UnitOfWorkFactory,
 )
 
@@ -80,6 +87,11 @@ class IMService:
     Args:
         uow: makes a new transaction.
         messages: appends messages (the hot path).
+        inbox: reads and marks members' unread messages (the other hot
+            path); by default each call is a transaction of `uow`.
+        on_committed: given the events just committed (in sequence order,
+            as the event log will give them back) before they are signalled;
+            lets this process's event hub hand them out without reading them.
         signal: tells event hubs (in this process or, with Redis, every
             replica) that events were committed.
         limits: the configured limits.
@@ -92,11 +104,15 @@ class IMService:
         uow: UnitOfWorkFactory,
         messages: MessageLog,
         signal: EventSignal,
+        inbox: Inbox | None = None,
+        on_committed: Callable[[Sequence[RecordedEvent]], None] | None = None,
         limits: rules.Limits | None = None,
         clock: Clock = utc_now,
     ) -> None:
         self._uow = uow
         self._messages = messages
+        self._inbox = inbox or TransactionalInbox(uow)
+        self._on_committed = on_committed
         self._signal = signal
         self._identities: dict[uuid.UUID, Member] = {}
         self.limits = limits or rules.Limits()
@@ -168,16 +184,27 @@ class IMService:
     async def _commit(self, tx: Transaction, workspace_id: uuid.UUID, events: list[Event]) -> None:
         """Records the events, commits, then wakes the event hubs."""
         now = self._clock()
-        sequence = 0
-        for event in events:
-            sequence = await tx.append_event(workspace_id, event, now)
+        sequences = [await tx.append_event(workspace_id, event, now) for event in events]
         await tx.commit()
         if events:
-            await self._signal_committed(workspace_id, sequence)
+            await self._signal_committed(
+                [
+                    _recorded(workspace_id, sequence, now, event)
+                    for sequence, event in zip(sequences, events, strict=True)
+                ]
+            )
 
-    async def _signal_committed(self, workspace_id: uuid.UUID, sequence: int) -> None:
+    async def _signal_committed(self, recorded: list[RecordedEvent]) -> None:
+        """Offers the events just committed to this process's hub, then wakes every hub."""
+        workspace_id = recorded[-1].workspace_id
+        if self._on_committed is not None:
+            try:
+                self._on_committed(recorded)
+            except Exception:
+                # The signal below still makes the hub read them.
+                logger.warning("could not hand out new events of workspace %s", workspace_id, exc_info=True)
         try:
-            await self._signal.publish(workspace_id, sequence)
+            await self._signal.publish(workspace_id, recorded[-1].sequence)
         except Exception:
             # The events are committed; subscribers catch up on the next signal.
             logger.warning("could not signal new events of workspace %s", workspace_id, exc_info=True)
@@ -601,9 +628,12 @@ class IMService:
             request_id=rid,
             request_hash=fingerprint if rid is not None else None,
         )
-        sequence = await self._messages.append(message, self._clock())
+        at = self._clock()
+        sequence = await self._messages.append(message, at)
         if sequence is not None:
-            await self._signal_committed(message.workspace_id, sequence)
+            await self._signal_committed(
+                [_recorded(message.workspace_id, sequence, at, MessageCreated(message=message))]
+            )
             return message
         access = await self._messages.access(target, [caller.id, *mentioned], reply_to)
         if access is None or access.workspace_id != caller.workspace_id:
@@ -703,25 +733,23 @@ class IMService:
     ) -> ReadState:
         target = rules.parse_id(group_id, "group_id")
         up_to = rules.parse_id(up_to_message_id, "up_to_message_id")
-        async with self._uow() as tx:
-            caller = await self._acting_member(tx, principal)
-            group = await self._visible_group(tx, caller, target)
-            message = await tx.get_message(up_to)
-            if message is None or message.group_id != group.id:
+        caller = await self._caller(principal)
+        at = self._clock()
+        marked = await self._inbox.mark_read(caller, target, up_to, at)
+        match marked.outcome:
+            case ReadOutcome.NO_GROUP:
+                raise NotFound(f"group {target} not found")
+            case ReadOutcome.NOT_A_MEMBER:
+                raise NotAMember(f"member {caller.id} is not in group {target}")
+            case ReadOutcome.NOT_IN_GROUP:
                 raise InvalidRequest(f"up_to_message_id {up_to} is not a message of this group")
-            moved = await tx.advance_read(group.id, caller.id, up_to)
-            membership = await tx.get_membership(group.id, caller.id)
-            assert membership is not None
-            unread = (await tx.unread_counts(caller.id, [group.id])).get(group.id, 0)
-            state = ReadState(
-                group_id=group.id,
-                member_id=caller.id,
-                last_read_message_id=membership.last_read_message_id,
-                unread_count=unread,
+        state = marked.state
+        assert state is not None
+        if marked.sequence is not None:
+            await self._signal_committed(
+                [_recorded(caller.workspace_id, marked.sequence, at, ReadUpdated(read_state=state))]
             )
-            if moved:
-                await self._commit(tx, group.workspace_id, [ReadUpdated(read_state=state)])
-            return state
+        return state
 
     async def get_all_unread(
         self, principal: Principal | None, *, page_size: int
@@ -731,9 +759,8 @@ class IMService:
             self.limits,
             maximum=self.limits.max_unread_page_size,
         )
-        async with self._uow(write=False) as tx:
-            caller = await self._acting_member(tx, principal)
-            messages, total = await tx.unread_messages(caller.id, limit=limit)
+        caller = await self._caller(principal)
+        messages, total = await self._inbox.unread(caller.id, limit=limit)
         return messages, total - len(messages)
 
     async def list_chats(self, principal: Principal | None, *, page_size: int, page_token: str) -> Page[Chat]:
@@ -788,3 +815,14 @@ class IMService:
             return Page(items, "")
         items = items[:limit]
         return Page(items, rules.encode_page_token({"after": str(key(items[-1]))}))
+
+
+def _recorded(workspace_id: uuid.UUID, sequence: int, at: datetime, event: Event) -> RecordedEvent:
+    """A just-committed event as the event log will give it back."""
+    return RecordedEvent(
+        workspace_id=workspace_id,
+        sequence=sequence,
+        recorded_at=at,
+        event=as_recorded(event),
+        group_id=event_group_id(event),
+    )

@@ -7,6 +7,7 @@ PostgreSQL; the unit tests implement them in memory.
 from __future__ import annotations
 
 import abc
+import enum
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ from services.im.domain.model import (
     Membership,
     Message,
     MessageCreated,
+    ReadState,
+    ReadUpdated,
     RecordedEvent,
     Workspace,
 )
@@ -282,6 +285,133 @@ class TransactionalMessageLog(MessageLog):
             sequence = await tx.append_event(message.workspace_id, MessageCreated(message=message), at)
             await tx.commit()
             return sequence
+
+
+class ReadOutcome(enum.Enum):
+    """How a MarkRead request turned out."""
+
+    DONE = "done"
+    # The group does not exist in the member's workspace.
+    NO_GROUP = "no_group"
+    NOT_A_MEMBER = "not_a_member"
+    # The read-up-to message is not a message of the group.
+    NOT_IN_GROUP = "not_in_group"
+
+
+@dataclass(frozen=True, slots=True)
+class MarkedRead:
+    """What `Inbox.mark_read` did.
+
+    Attributes:
+        outcome: DONE, or why nothing was done.
+        state: the read state after the call (DONE only).
+        sequence: the ReadUpdated event's sequence number, if the position moved.
+    """
+
+    outcome: ReadOutcome
+    state: ReadState | None = None
+    sequence: int | None = None
+
+
+class Inbox(abc.ABC):
+    """A member's read state: what an agent reads and marks on each wake.
+
+    Kept apart from `Transaction`, like `MessageLog`, so that an adapter can
+    make each call one round trip (or one thread hop).
+    """
+
+    @abc.abstractmethod
+    async def unread(self, member_id: uuid.UUID, *, limit: int) -> tuple[list[Message], int]:
+        """The member's oldest unread messages across its groups, and how many in all
+        (see `Transaction.unread_messages`)."""
+
+    @abc.abstractmethod
+    async def mark_read(
+        self, member: Member, group_id: uuid.UUID, up_to: uuid.UUID, at: datetime
+    ) -> MarkedRead:
+        """Moves the member's read position in the group forward to `up_to`.
+
+        Checked in this order: the group is in the member's workspace, the
+        member is in it, `up_to` is one of its messages. If the position
+        moved, the ReadUpdated event (recorded at `at`, with the state
+        returned) commits together with it.
+        """
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Releases resources. Idempotent."""
+
+
+class TransactionalInbox(Inbox):
+    """The `Inbox` any unit of work provides: each call one transaction."""
+
+    def __init__(self, uow: UnitOfWorkFactory) -> None:
+        self._uow = uow
+
+    async def unread(self, member_id: uuid.UUID, *, limit: int) -> tuple[list[Message], int]:
+        async with self._uow(write=False) as tx:
+            return await tx.unread_messages(member_id, limit=limit)
+
+    async def mark_read(
+        self, member: Member, group_id: uuid.UUID, up_to: uuid.UUID, at: datetime
+    ) -> MarkedRead:
+        async with self._uow() as tx:
+            group = await tx.get_group(group_id)
+            if group is None or group.workspace_id != member.workspace_id:
+                return MarkedRead(ReadOutcome.NO_GROUP)
+            if member.id not in group.member_ids:
+                return MarkedRead(ReadOutcome.NOT_A_MEMBER)
+            message = await tx.get_message(up_to)
+            if message is None or message.group_id != group.id:
+                return MarkedRead(ReadOutcome.NOT_IN_GROUP)
+            moved = await tx.advance_read(group.id, member.id, up_to)
+            membership = await tx.get_membership(group.id, member.id)
+            assert membership is not None
+            unread = (await tx.unread_counts(member.id, [group.id])).get(group.id, 0)
+            state = ReadState(
+                group_id=group.id,
+                member_id=member.id,
+                last_read_message_id=membership.last_read_message_id,
+                unread_count=unread,
+            )
+            if not moved:
+                return MarkedRead(ReadOutcome.DONE, state)
+            sequence = await tx.append_event(group.workspace_id, ReadUpdated(read_state=state), at)
+            await tx.commit()
+            return MarkedRead(ReadOutcome.DONE, state, sequence)
+
+
+class EventLog(abc.ABC):
+    """Reads a workspace's committed events: what every wake-up of a live feed costs."""
+
+    @abc.abstractmethod
+    async def read(
+        self, workspace_id: uuid.UUID, *, after: int, up_to: int | None, limit: int
+    ) -> list[RecordedEvent]:
+        """At most `limit` events after sequence `after` (and up to `up_to`), in order."""
+
+    @abc.abstractmethod
+    async def last_sequence(self, workspace_id: uuid.UUID) -> int:
+        """The sequence number of the workspace's last committed event (0: none)."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Releases resources. Idempotent."""
+
+
+class TransactionalEventLog(EventLog):
+    """The `EventLog` any unit of work provides."""
+
+    def __init__(self, uow: UnitOfWorkFactory) -> None:
+        self._uow = uow
+
+    async def read(
+        self, workspace_id: uuid.UUID, *, after: int, up_to: int | None, limit: int
+    ) -> list[RecordedEvent]:
+        async with self._uow(write=False) as tx:
+            return await tx.read_events(workspace_id, after=after, up_to=up_to, limit=limit)
+
+    async def last_sequence(self, workspace_id: uuid.UUID) -> int:
+        async with self._uow(write=False) as tx:
+            return await tx.last_event_sequence(workspace_id)
 
 
 class EventSignal(abc.ABC):
