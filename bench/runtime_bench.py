@@ -1218,6 +1218,7 @@ class Backend:
             "OPENAI_MODEL",
             "AGENTIM_SERVICE_TOKEN",
             "RUNTIME_AGENT_CHATTER_LIMIT",
+            "RUNTIME_TOKEN_BUDGET",
         ):
             env.pop(name, None)
         env.update(
@@ -1416,7 +1417,11 @@ async def _chatter_part(
         running(
             f"runtime, agent to agent ({name})",
             [sys.executable, "-m", "services.runtime", "serve"],
-            env=backend.runtime_env(RUNTIME_AGENT_CHATTER_LIMIT="1000000000"),
+            # Lifted so that the pairs never stop: the chatter limit, and the token
+            # budget (each completion counts its whole growing context).
+            env=backend.runtime_env(
+                RUNTIME_AGENT_CHATTER_LIMIT="1000000000", RUNTIME_TOKEN_BUDGET="1000000000000"
+            ),
             cwd=backend.source,
             log_path=workdir / f"runtime-chatter-{name}.log",
         ) as rt,
@@ -1761,7 +1766,8 @@ def _chatter_section(results: Sequence[BackendResult], options: Options) -> list
     lines = [
         "### Agent to agent",
         "",
-        "Pairs of agents (offline model) in direct chats, with RUNTIME_AGENT_CHATTER_LIMIT lifted so "
+        "Pairs of agents (offline model) in direct chats, with RUNTIME_AGENT_CHATTER_LIMIT and "
+        "RUNTIME_TOKEN_BUDGET lifted so "
         "that they answer each other without end; the benchmark sends each pair's first message as its "
         "first agent (the IM takes the member from `x-member-id`), waits "
         f"{CHATTER_WARMUP_S:g} s, then counts through a trusted WatchEvents on the workspace the messages "

@@ -67,7 +67,11 @@ class Harness:
 
 
 async def harness(
-    *scripts: Script, max_iterations: int = 10, chatter_limit: int = 20, max_reply_bytes: int = 64 * 1024
+    *scripts: Script,
+    max_iterations: int = 10,
+    chatter_limit: int = 20,
+    max_reply_bytes: int = 64 * 1024,
+    unread_batch: int = 200,
 ) -> AsyncIterator[Harness]:
     im, llm, store, hub = FakeIM(), ScriptedLLM(*scripts), InMemoryAgentStore(), AgentHub()
     clock = FakeClock()
@@ -89,6 +93,7 @@ async def harness(
             max_iterations=max_iterations,
             group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
             max_reply_bytes=max_reply_bytes,
+            unread_batch=unread_batch,
         ),
         create_sub_agent=create_child,
         clock=clock,
@@ -573,3 +578,21 @@ async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) ->
     await asyncio.wait_for(runner.idle.wait(), WAIT)
     assert set(h.im.unread_reads) == {ada.member_id}
     await fresh.aclose()
+
+
+async def test_more_unread_than_one_read_takes_are_all_answered() -> None:
+    async for h in harness(Script(content="got it"), unread_batch=2):
+        ada = await h.agent()
+        await h.settle(ada)
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        runner = h.supervisor.runner(ada.id)
+        assert runner is not None
+        await runner.stop()  # the messages pile up while it is away
+        for text in ("one", "two", "three"):
+            h.im.post(h.human, chat.id, text)
+        runner.start()
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        runs = list(h.store.runs.values())
+        assert len(runs) == 2 and [len(r.trigger_message_ids) for r in runs] == [2, 1]
+        assert await h.im.get_all_unread(ada.member_id) == []

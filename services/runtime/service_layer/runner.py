@@ -227,18 +227,16 @@ class AgentRunner:
 
     async def _cycle(self) -> None:
         resume, self._retry = self._retry and self.agent.state is AgentState.ERROR, False
+        # One run per cycle: whatever arrives meanwhile wakes the runner again
+        # (the loop then comes straight back), so no second look is needed.
         try:
-            while True:
-                messages = await self._take_unread()
-                if not messages and not resume:
-                    await self._mark_read()  # nothing to answer: they are read all the same
-                    break
-                resume = False
+            messages = await self._take_unread()
+            if messages or resume:
                 if self._steps is None:
                     self._steps = self._env.history.take(self.agent.id) or await self._load_steps()
                 await self._run(messages)
-                if self.agent.state is AgentState.ERROR:
-                    break
+            else:
+                await self._mark_read()  # nothing to answer: they are read all the same
         except BaseException:
             self._steps = None  # what failed may have left them behind the store
             raise
@@ -264,6 +262,8 @@ class AgentRunner:
             unread = await self._env.im.get_all_unread(member, limit=self._env.settings.unread_batch)
         if not unread:
             return []
+        if len(unread) >= self._env.settings.unread_batch:
+            self.wake()  # a full page: there may be more after it
         latest: dict[uuid.UUID, uuid.UUID] = {}
         relevant: list[IMMessage] = []
         for message in unread:
