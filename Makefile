@@ -27,8 +27,10 @@ $(NODE_STAMP): package.json package-lock.json
 	touch $@
 
 # Debian's docker-compose validates docker-compose.yml offline (no Docker
-# engine runs here). Installed only when the command is missing, so a second
-# run costs nothing; without root the compose tests skip (and fail in CI).
+# engine runs here), and Debian's chromium runs the browser test (npm's
+# playwright-core drives it; `npx playwright install` cannot download
+# browsers here). Each is installed only when missing, so a second run costs
+# nothing; without root their tests skip (and fail in CI).
 system-deps:
 	@if command -v docker-compose >/dev/null 2>&1; then \
 		:; \
@@ -39,6 +41,16 @@ system-deps:
 	else \
 		echo "notice: docker-compose is missing and this is not root;" \
 			"run 'sudo apt-get install -y docker-compose', or its tests will skip"; \
+	fi
+	@if [ -x /usr/bin/chromium ]; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing Debian's chromium"; \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+	else \
+		echo "notice: /usr/bin/chromium is missing and this is not root;" \
+			"run 'sudo apt-get install -y chromium', or the browser test will skip"; \
 	fi
 
 install: $(STAMP) $(NODE_STAMP) system-deps

@@ -1,0 +1,1 @@
+"""The HTTP gateway: the IM and runtime gRPC APIs as JSON and Server-Sent Events, and the web UI."""

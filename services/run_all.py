@@ -1,8 +1,9 @@
 """Runs the whole system on one machine: `python -m services.run_all`.
 
-Applies every service's migrations, starts the IM service and then the
-agent runtime (pointed at the IM), prints where each listens, and stops them
-all (gracefully, in reverse order) on SIGINT or SIGTERM, or when one of them
+Applies every service's migrations, starts the IM service, then the agent
+runtime (pointed at the IM), then the HTTP gateway (pointed at both), prints
+where each listens and the URL to open in a browser, and stops them all
+(gracefully, in reverse order) on SIGINT or SIGTERM, or when one of them
 exits. This is what `make run` does, with the embedded default unless
 DATABASE_URL / REDIS_URL say otherwise.
 """
@@ -16,6 +17,7 @@ import sys
 import threading
 from types import FrameType
 
+# Services with a database to migrate; the gateway has none.
 SERVICES = ("services.im", "services.runtime")
 STOP_SECONDS = 20
 
@@ -34,6 +36,14 @@ def _start(module: str, env: dict[str, str]) -> tuple[subprocess.Popen[str], str
     return process, line.split()[4]
 
 
+def _browser_url(address: str) -> str:
+    """The URL of a listening address, with loopback for a wildcard host."""
+    host, _, port = address.rpartition(":")
+    if host in {"0.0.0.0", "::", "[::]", ""}:
+        host = "127.0.0.1"
+    return f"http://{host}:{port}/"
+
+
 def main() -> int:
     env = dict(os.environ)
     for module in SERVICES:
@@ -50,8 +60,12 @@ def main() -> int:
         im, im_address = _start("services.im", env)
         started.append(im)
         env["IM_ADDRESS"] = im_address
-        runtime, _ = _start("services.runtime", env)
+        runtime, runtime_address = _start("services.runtime", env)
         started.append(runtime)
+        env["RUNTIME_ADDRESS"] = runtime_address
+        gateway, gateway_address = _start("gateway", env)
+        started.append(gateway)
+        print(f"Open {_browser_url(gateway_address)} in a browser", flush=True)
         print("Agent IM is running; press Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
             if any(p.poll() is not None for p in started):

@@ -45,14 +45,14 @@ async def check(target: str, *, service: str = "", deadline_seconds: float = 3.0
     return name
 
 
-def _address(value: str) -> str:
+def address_argument(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return value
 
 
-def _positive(value: str) -> float:
+def seconds_argument(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
@@ -68,11 +68,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m services.common.healthcheck",
         description="Exit 0 if a gRPC server reports SERVING on grpc.health.v1.Health/Check.",
     )
-    parser.add_argument("address", type=_address, help="HOST:PORT of the server")
+    parser.add_argument("address", type=address_argument, help="HOST:PORT of the server")
     parser.add_argument(
         "--service", default="", help="service to check, e.g. agentim.im.v1.IMService (default: the server)"
     )
-    parser.add_argument("--timeout", type=_positive, default=3.0, help="deadline in seconds (default: 3)")
+    parser.add_argument(
+        "--timeout", type=seconds_argument, default=3.0, help="deadline in seconds (default: 3)"
+    )
     options = parser.parse_args(argv)
     subject = options.service or "server"
     try:

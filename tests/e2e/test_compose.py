@@ -123,6 +123,7 @@ def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> Non
             _assert_command_accepted(test[1:])
     assert _services(compose)["im"]["command"][2:] == ["services.im", "serve"]
     assert _services(compose)["im-migrate"]["command"][2:] == ["services.im", "migrate"]
+    assert _services(compose)["gateway"]["command"][2:] == ["gateway", "serve"]
 
 
 def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
@@ -141,7 +142,7 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
         except ConfigError as error:
             pytest.fail(f"{name}: {error}")
         checked.append(name)
-    assert {"im", "im-migrate"} <= set(checked)
+    assert {"im", "im-migrate", "gateway"} <= set(checked)
 
 
 def test_compose_im_listens_where_it_is_published_and_probed(compose: dict[str, Any]) -> None:
@@ -169,6 +170,22 @@ def test_compose_dependencies_exist_and_wait_for_health(compose: dict[str, Any])
     assert services["im"]["depends_on"]["im-migrate"]["condition"] == "service_completed_successfully"
     assert services["im-migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["im"]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_compose_gateway_is_published_probed_untrusted_and_waits_for_both(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    gateway = services["gateway"]
+    environment = gateway["environment"]
+    port = environment["GATEWAY_HTTP_ADDRESS"].rpartition(":")[2]
+    assert environment["GATEWAY_HTTP_ADDRESS"].startswith("0.0.0.0:")
+    assert [str(p).split("/")[0].rpartition(":")[2] for p in gateway.get("ports", [])] == [port]
+    assert _healthcheck_test(gateway) == ["CMD", "python", "-m", "gateway.healthcheck", f"127.0.0.1:{port}"]
+    # The gateway is no trusted service: it must not hold the service token.
+    assert "AGENTIM_SERVICE_TOKEN" not in environment
+    for upstream, variable in (("im", "IM_ADDRESS"), ("runtime", "RUNTIME_ADDRESS")):
+        assert gateway["depends_on"][upstream]["condition"] == "service_healthy"
+        listen = services[upstream]["environment"][f"{upstream.upper()}_GRPC_ADDRESS"].rpartition(":")[2]
+        assert environment[variable] == f"{upstream}:{listen}"
 
 
 # -- the health probe: python -m services.common.healthcheck ----------------

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -31,13 +33,14 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
     env = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(("AGENTIM_", "IM_", "RUNTIME_", "OPENAI_"))
+        if not key.startswith(("AGENTIM_", "IM_", "RUNTIME_", "OPENAI_", "GATEWAY_"))
         and key not in {"DATABASE_URL", "REDIS_URL"}
     }
     env.update(
         AGENTIM_DATA_DIR=str(tmp_path),
         IM_GRPC_ADDRESS="127.0.0.1:0",
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
+        GATEWAY_HTTP_ADDRESS="127.0.0.1:0",
         LOG_LEVEL="WARNING",
     )
     process = subprocess.Popen(
@@ -54,6 +57,17 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
         assert im_line.startswith("IM service listening on 127.0.0.1:"), im_line
         assert runtime_line.startswith("runtime service listening on 127.0.0.1:"), runtime_line
         assert "offline model" in runtime_line
+        gateway_line = process.stdout.readline()
+        open_line = process.stdout.readline()
+        assert gateway_line.startswith("HTTP gateway listening on 127.0.0.1:"), gateway_line
+        gateway = gateway_line.split()[4]
+        assert f"IM at {im_line.split()[4]}" in gateway_line
+        assert f"runtime at {runtime_line.split()[4]}" in gateway_line
+        assert open_line.strip() == f"Open http://{gateway}/ in a browser", open_line
+        with urllib.request.urlopen(f"http://{gateway}/healthz", timeout=10) as health:
+            assert json.load(health)["status"] == "SERVING"
+        with urllib.request.urlopen(f"http://{gateway}/", timeout=10) as page:
+            assert page.status == 200 and "html" in page.headers["Content-Type"]
         assert serving(im_line.split()[4])
         assert serving(runtime_line.split()[4])
         assert (tmp_path / "im.db").exists() and (tmp_path / "runtime.db").exists()

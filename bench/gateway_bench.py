@@ -1,0 +1,513 @@
+"""Benchmark of the HTTP gateway (issue 4): what SSE through the gateway adds,
+and how many concurrent SSE clients one gateway process carries.
+
+Every server runs as its own subprocess on a free loopback port, on the
+embedded default (SQLite, in-process signals), started with the helpers of
+`bench.runtime_bench`: the IM service, the runtime, `bench.llm_server` (the
+fake OpenAI server) and the gateway (`python -m gateway serve`). The clients
+are this process. Times of different processes are compared on
+CLOCK_MONOTONIC (`time.monotonic_ns()`), system-wide on Linux.
+
+1. Streamed deltas: an agent whose model is the fake server's
+   `bench-timed-<n>-<gap_us>` streams n deltas, each carrying the time it was
+   written. Two watchers of the same run, side by side in this process: the
+   runtime's gRPC WatchAgent stream and the gateway's SSE
+   `/v1/agents/{id}/events`. Each takes its receive time minus the stamp;
+   the gateway's added latency is the SSE latency minus the gRPC latency of
+   the same delta.
+2. Concurrent SSE clients: N members of one group, each with its own
+   `/v1/events` stream through the gateway (one gRPC stream each to the IM);
+   a person sends `--broadcasts` messages to the group, one a second. The
+   delivery latency of a message is a client's receive time minus the moment
+   SendMessage was called; also the gateway's RSS idle, with the N streams
+   open, and after the broadcasts.
+
+Run as `python -m bench.gateway_bench [--runs 3] [--clients 100,1000,5000]
+[--no-doc]`. The result is printed and written to the `## Gateway (issue 4)`
+section at the end of docs/benchmarks.md (other sections are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+
+from agentim.im.v1 import im_pb2, im_pb2_grpc
+from agentim.runtime.v1 import runtime_pb2 as rpb
+from agentim.runtime.v1 import runtime_pb2_grpc
+from bench.im_bench import BenchError, code_version
+from bench.runtime_bench import (
+    CALL_TIMEOUT_S,
+    SETTLE_S,
+    Backend,
+    Clients,
+    as_member,
+    create_agent,
+    delete_agents,
+    direct_chat,
+    median,
+    ms,
+    open_watch,
+    p,
+    rss_mib,
+    run_command,
+    running,
+    send,
+    until_run_ended,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+SECTION = "## Gateway (issue 4)"
+DELTA_COUNT = 1000
+DELTA_GAP_US = 1000
+CLIENT_LEVELS = (100, 1000, 5000)
+CONNECT_CONCURRENCY = 200
+CREATE_CONCURRENCY = 64
+BROADCAST_GAP_S = 1.0
+DELIVERY_TIMEOUT_S = 60.0
+
+
+# --- SSE client -----------------------------------------------------------------------
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> Any:
+    """Yields (kind, data, received_ns) for each event of an open SSE response."""
+    kind, data = "message", ""
+    async for raw in response.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+        elif not line and data:
+            yield kind, data, time.monotonic_ns()
+            kind, data = "message", ""
+
+
+# --- 1. streamed deltas ------------------------------------------------------------------
+
+
+@dataclass
+class DeltaSample:
+    grpc_ms: list[float] = field(default_factory=list)
+    sse_ms: list[float] = field(default_factory=list)
+    added_ms: list[float] = field(default_factory=list)
+
+
+async def delta_run(
+    clients: Clients, http: aiohttp.ClientSession, *, gateway: str, person: str, fake_url: str, run: int
+) -> DeltaSample:
+    model = rpb.ModelSettings(base_url=fake_url, model=f"bench-timed-{DELTA_COUNT}-{DELTA_GAP_US}")
+    agent = await create_agent(clients, person, f"gw-timed-{run}", model=model)
+    await asyncio.sleep(SETTLE_S)
+    chat = await direct_chat(clients, person, agent.member_id)
+    by_grpc: dict[int, int] = {}
+    by_sse: dict[int, int] = {}
+
+    def on_grpc(event: Any, received: int) -> None:
+        if event.WhichOneof("event") == "step_delta" and event.step_delta.WhichOneof("delta") == "content":
+            for stamp in event.step_delta.content.split(";"):
+                if stamp:
+                    by_grpc[int(stamp)] = received
+
+    async def watch_sse(response: aiohttp.ClientResponse) -> None:
+        async for kind, data, received in sse_events(response):
+            if kind == "step_delta":
+                content = json.loads(data)["event"]["stepDelta"].get("content", "")
+                for stamp in content.split(";"):
+                    if stamp:
+                        by_sse[int(stamp)] = received
+            elif kind == "run_ended":
+                return
+
+    url = f"http://{gateway}/v1/agents/{agent.id}/events"
+    params = {"member_id": person, "live_only": "true"}
+    async with http.get(url, params=params, timeout=aiohttp.ClientTimeout(total=None)) as response:
+        if response.status != 200:
+            raise BenchError(f"SSE refused: {response.status} {await response.text()}")
+        await response.content.readuntil(b"\n\n")  # the opening: subscribed
+        call = await open_watch(clients, person, agent.id)
+        try:
+            sse_task = asyncio.create_task(watch_sse(response))
+            await send(clients, person, chat, "stream to me")
+            await until_run_ended(call, on_grpc)
+            await asyncio.wait_for(sse_task, CALL_TIMEOUT_S)
+        finally:
+            call.cancel()
+    await delete_agents(clients, person, [agent])
+    sample = DeltaSample()
+    for stamp, received in by_grpc.items():
+        sample.grpc_ms.append(ms(received - stamp))
+        if stamp in by_sse:
+            sample.sse_ms.append(ms(by_sse[stamp] - stamp))
+            sample.added_ms.append(ms(by_sse[stamp] - received))
+    if len(sample.sse_ms) != DELTA_COUNT or len(sample.grpc_ms) != DELTA_COUNT:
+        print(f"warning: run {run}: gRPC got {len(by_grpc)}, SSE got {len(by_sse)} of {DELTA_COUNT} deltas")
+    return sample
+
+
+# --- 2. concurrent SSE clients ---------------------------------------------------------------
+
+
+@dataclass
+class FanOutSample:
+    clients: int
+    connected_s: float
+    rss_idle_mib: float
+    rss_open_mib: float
+    rss_after_mib: float
+    # Per broadcast: delivery latencies (ms) to every client, and how many got it.
+    latencies: list[list[float]] = field(default_factory=list)
+    delivered: list[int] = field(default_factory=list)
+
+
+async def _bounded(calls: Sequence[Any], limit: int) -> list[Any]:
+    semaphore = asyncio.Semaphore(limit)
+
+    async def one(call: Any) -> Any:
+        async with semaphore:
+            return await call()
+
+    return list(await asyncio.gather(*(one(c) for c in calls)))
+
+
+async def fan_out(
+    im: Any, http: aiohttp.ClientSession, *, gateway: str, gateway_pid: int, count: int, broadcasts: int
+) -> FanOutSample:
+    created = await im.CreateWorkspace(
+        im_pb2.CreateWorkspaceRequest(name=f"fan-{count}", creator_display_name="sender"),
+        timeout=CALL_TIMEOUT_S,
+    )
+    sender = created.creator.id
+
+    async def member(index: int) -> str:
+        response = await im.CreateMember(
+            im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_HUMAN, display_name=f"reader-{index}"),
+            metadata=as_member(sender),
+            timeout=CALL_TIMEOUT_S,
+        )
+        return str(response.member.id)
+
+    readers = await _bounded([lambda i=i: member(i) for i in range(count)], CREATE_CONCURRENCY)
+    group = (
+        await im.CreateGroup(
+            im_pb2.CreateGroupRequest(name="all"), metadata=as_member(sender), timeout=CALL_TIMEOUT_S
+        )
+    ).group.id
+    for start in range(0, count, 500):
+        await im.AddGroupMembers(
+            im_pb2.AddGroupMembersRequest(group_id=group, member_ids=readers[start : start + 500]),
+            metadata=as_member(sender),
+            timeout=CALL_TIMEOUT_S,
+        )
+    rss_idle = rss_mib(gateway_pid)
+    received: dict[int, list[int]] = {b: [] for b in range(broadcasts)}
+    all_in: dict[int, asyncio.Event] = {b: asyncio.Event() for b in range(broadcasts)}
+    opened = 0
+    responses: list[aiohttp.ClientResponse] = []
+
+    async def connect(reader: str) -> None:
+        nonlocal opened
+        response = await http.get(
+            f"http://{gateway}/v1/events",
+            params={"member_id": reader},
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CALL_TIMEOUT_S),
+        )
+        if response.status != 200:
+            raise BenchError(f"SSE refused: {response.status} {await response.text()}")
+        await response.content.readuntil(b"\n\n")
+        responses.append(response)
+        opened += 1
+
+    async def listen(response: aiohttp.ClientResponse) -> None:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.CancelledError):
+            async for kind, data, at in sse_events(response):
+                if kind == "message_created":
+                    index = int(json.loads(data)["messageCreated"]["message"]["content"].split("-")[1])
+                    received[index].append(at)
+                    if len(received[index]) == count:
+                        all_in[index].set()
+
+    started = time.perf_counter()
+    await _bounded([lambda r=r: connect(r) for r in readers], CONNECT_CONCURRENCY)
+    connected_s = time.perf_counter() - started
+    listeners = [asyncio.create_task(listen(r)) for r in responses]
+    await asyncio.sleep(1.0)
+    rss_open = rss_mib(gateway_pid)
+    sample = FanOutSample(count, connected_s, rss_idle, rss_open, float("nan"))
+    try:
+        for index in range(broadcasts):
+            sent_at = time.monotonic_ns()
+            await im.SendMessage(
+                im_pb2.SendMessageRequest(group_id=group, content=f"broadcast-{index}"),
+                metadata=as_member(sender),
+                timeout=CALL_TIMEOUT_S,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(all_in[index].wait(), DELIVERY_TIMEOUT_S)
+            sample.latencies.append(sorted(ms(at - sent_at) for at in received[index]))
+            sample.delivered.append(len(received[index]))
+            await asyncio.sleep(BROADCAST_GAP_S)
+        sample.rss_after_mib = rss_mib(gateway_pid)
+    finally:
+        for task in listeners:
+            task.cancel()
+        await asyncio.gather(*listeners, return_exceptions=True)
+        for response in responses:
+            response.close()
+    return sample
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Options:
+    runs: int
+    clients: list[int]
+    broadcasts: int
+    write_doc: bool
+
+
+@dataclass
+class Result:
+    deltas: list[DeltaSample] = field(default_factory=list)
+    fan_out: list[FanOutSample] = field(default_factory=list)
+    rss_start_mib: float = float("nan")
+
+
+async def run(options: Options) -> Result:
+    result = Result()
+    with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
+        workdir = Path(tmp)
+        python = sys.executable
+        backend = Backend(
+            "embedded",
+            f"sqlite:///{workdir / 'im.db'}",
+            f"sqlite:///{workdir / 'rt.db'}",
+            None,
+            workdir,
+            ROOT,
+        )
+        im_env = {**backend.im_env(), "IM_MAX_GROUP_MEMBERS": str(max(options.clients) + 10)}
+        await run_command([python, "-m", "services.im", "migrate"], env=im_env, cwd=ROOT)
+        await run_command([python, "-m", "services.runtime", "migrate"], env=backend.runtime_env(), cwd=ROOT)
+        async with contextlib.AsyncExitStack() as stack:
+            im = await stack.enter_async_context(
+                running(
+                    "IM service",
+                    [python, "-m", "services.im", "serve"],
+                    env=im_env,
+                    cwd=ROOT,
+                    log_path=workdir / "im.log",
+                )
+            )
+            backend.im_address = im.address
+            llm = await stack.enter_async_context(
+                running(
+                    "fake OpenAI server",
+                    [python, "-m", "bench.llm_server"],
+                    env=backend.base_env(),
+                    cwd=ROOT,
+                    log_path=workdir / "llm.log",
+                )
+            )
+            runtime = await stack.enter_async_context(
+                running(
+                    "runtime",
+                    [python, "-m", "services.runtime", "serve"],
+                    env=backend.runtime_env(),
+                    cwd=ROOT,
+                    log_path=workdir / "runtime.log",
+                )
+            )
+            gateway_env = {
+                **backend.base_env(),
+                "GATEWAY_HTTP_ADDRESS": "127.0.0.1:0",
+                "IM_ADDRESS": im.address,
+                "RUNTIME_ADDRESS": runtime.address,
+            }
+            gateway = await stack.enter_async_context(
+                running(
+                    "gateway",
+                    [python, "-m", "gateway", "serve"],
+                    env=gateway_env,
+                    cwd=ROOT,
+                    log_path=workdir / "gateway.log",
+                )
+            )
+            await asyncio.sleep(1.0)
+            result.rss_start_mib = rss_mib(gateway.pid)
+            im_channel = await stack.enter_async_context(grpc.aio.insecure_channel(im.address))
+            rt_channel = await stack.enter_async_context(grpc.aio.insecure_channel(runtime.address))
+            clients = Clients(
+                im_pb2_grpc.IMServiceStub(im_channel), runtime_pb2_grpc.RuntimeServiceStub(rt_channel)
+            )
+            connector = aiohttp.TCPConnector(limit=0)
+            http = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
+            person = (
+                await clients.im.CreateWorkspace(
+                    im_pb2.CreateWorkspaceRequest(name="deltas", creator_display_name="person"),
+                    timeout=CALL_TIMEOUT_S,
+                )
+            ).creator.id
+            for index in range(options.runs):
+                sample = await delta_run(
+                    clients,
+                    http,
+                    gateway=gateway.address,
+                    person=person,
+                    fake_url=f"http://{llm.address}/v1",
+                    run=index,
+                )
+                result.deltas.append(sample)
+                print(
+                    f"deltas run {index + 1}: gRPC p50 {p(sample.grpc_ms, 0.5):.3f} ms, "
+                    f"SSE p50 {p(sample.sse_ms, 0.5):.3f} ms, added p50 {p(sample.added_ms, 0.5):.3f} ms "
+                    f"p99 {p(sample.added_ms, 0.99):.3f} ms",
+                    flush=True,
+                )
+            for count in options.clients:
+                fan = await fan_out(
+                    clients.im,
+                    http,
+                    gateway=gateway.address,
+                    gateway_pid=gateway.pid,
+                    count=count,
+                    broadcasts=options.broadcasts,
+                )
+                result.fan_out.append(fan)
+                print(
+                    f"{count} clients: connected in {fan.connected_s:.1f} s; delivered {fan.delivered}; "
+                    f"p50 {median(p(lat, 0.5) for lat in fan.latencies):.1f} ms, "
+                    f"p99 {median(p(lat, 0.99) for lat in fan.latencies):.1f} ms; "
+                    f"RSS {fan.rss_idle_mib:.0f} -> {fan.rss_open_mib:.0f} -> {fan.rss_after_mib:.0f} MiB",
+                    flush=True,
+                )
+                await asyncio.sleep(2.0)
+    return result
+
+
+def render(result: Result, options: Options, command: str, seconds: float) -> str:
+    deltas = result.deltas
+    lines = [
+        SECTION,
+        "",
+        f"Measured {dt.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, code {code_version()}; took {seconds:.0f} s. Command:",
+        "",
+        f"    {command}",
+        "",
+        "Embedded default (SQLite, in-process signals); every server its own process, the clients in the",
+        "benchmark's process, all on loopback. Medians over runs.",
+        "",
+        f"### Streamed deltas: SSE through the gateway vs the runtime's gRPC stream ({options.runs} runs)",
+        "",
+        f"{DELTA_COUNT} deltas, one every {DELTA_GAP_US} µs, from the fake OpenAI server through the "
+        "runtime; two watchers of the same run in one process: gRPC `WatchAgent` and the gateway's "
+        "`/v1/agents/{id}/events`. Latency from the fake server writing a delta to a watcher reading it.",
+        "",
+        "| Measurement | p50 | p99 |",
+        "|---|---:|---:|",
+    ]
+    for name, attribute in (
+        ("gRPC WatchAgent (runtime)", "grpc_ms"),
+        ("SSE through the gateway", "sse_ms"),
+        ("**added by the gateway** (SSE minus gRPC, same delta)", "added_ms"),
+    ):
+        values: list[list[float]] = [getattr(sample, attribute) for sample in deltas]
+        lines.append(
+            f"| {name} | {median(p(v, 0.5) for v in values):.3f} ms | "
+            f"{median(p(v, 0.99) for v in values):.3f} ms |"
+        )
+    lines += [
+        "",
+        f"### Concurrent SSE clients on one gateway process ({options.broadcasts} broadcasts each)",
+        "",
+        "N members of one group, each with its own `/v1/events` stream (one gRPC stream each from the "
+        "gateway to the IM); a message to the group, one a second. Delivery latency: from calling "
+        "SendMessage to a client reading the event (median over the broadcasts of each percentile). "
+        "The client runs in one Python process on the same 2 cores as the IM and the gateway, so it "
+        "shares the load.",
+        "",
+        f"Gateway RSS at start (no stream): {result.rss_start_mib:.0f} MiB.",
+        "",
+        "| Clients | all connected in | delivered | p50 | p99 | last client "
+        "| gateway RSS with streams open | after the broadcasts |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for fan in result.fan_out:
+        delivered = min(fan.delivered) if fan.delivered else 0
+        per_stream_kib = (fan.rss_open_mib - fan.rss_idle_mib) / fan.clients * 1024
+        lines.append(
+            f"| {fan.clients:,} | {fan.connected_s:.1f} s | {delivered:,} of {fan.clients:,} (worst) | "
+            f"{median(p(lat, 0.5) for lat in fan.latencies):.1f} ms | "
+            f"{median(p(lat, 0.99) for lat in fan.latencies):.1f} ms | "
+            f"{median(lat[-1] if lat else float('nan') for lat in fan.latencies):.1f} ms | "
+            f"{fan.rss_open_mib:.0f} MiB (+{per_stream_kib:.0f} KiB per stream) | "
+            f"{fan.rss_after_mib:.0f} MiB |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def update_doc(path: Path, section: str) -> None:
+    """Replaces (or appends at the end) the gateway section of the benchmarks document."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    if start == -1:
+        text = text.rstrip("\n") + "\n\n" + section
+    else:
+        end = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + section + ("" if end == -1 else "\n" + text[end + 1 :])
+    path.write_text(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs of the deltas part (default 3)")
+    parser.add_argument(
+        "--clients",
+        default=",".join(map(str, CLIENT_LEVELS)),
+        help="SSE client counts (default 100,1000,5000)",
+    )
+    parser.add_argument("--broadcasts", type=int, default=5, help="messages per client count (default 5)")
+    parser.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    options = Options(
+        runs=args.runs,
+        clients=[int(c) for c in args.clients.split(",") if c],
+        broadcasts=args.broadcasts,
+        write_doc=not args.no_doc,
+    )
+    command = "python -m bench.gateway_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    started = time.perf_counter()
+    try:
+        result = asyncio.run(run(options))
+    except BenchError as error:
+        print(f"benchmark failed: {error}", file=sys.stderr)
+        return 1
+    section = render(result, options, command.strip(), time.perf_counter() - started)
+    print(section)
+    if options.write_doc:
+        update_doc(DOC, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Builds the gateway from its settings: the composition root."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from gateway.config import Settings
+from gateway.http import Gateway
+from gateway.upstream import Upstreams
+
+logger = logging.getLogger(__name__)
+
+
+class GatewayApp:
+    """The HTTP server with its upstream channels; `start`, then `stop` (idempotent)."""
+
+    def __init__(self, settings: Settings, upstreams: Upstreams) -> None:
+        self.settings = settings
+        self.upstreams = upstreams
+        self.gateway = Gateway(settings, upstreams)
+        self._runner = web.AppRunner(
+            self.gateway.application(),
+            # Query strings may carry an access token: no access log.
+            access_log=None,
+            # A client that goes away cancels its handler, and so its gRPC call.
+            handler_cancellation=True,
+            shutdown_timeout=settings.shutdown_grace_seconds,
+        )
+        self.port = 0
+        self._started = False
+        self._stopped = False
+
+    async def start(self) -> int:
+        """Listens; returns the port.
+
+        Raises:
+            OSError: the address cannot be bound (for example, it is taken).
+        """
+        host, _, port = self.settings.http_address.rpartition(":")
+        await self._runner.setup()
+        self._started = True
+        site = web.TCPSite(self._runner, host.strip("[]"), int(port), reuse_port=False)
+        try:
+            await site.start()
+        except OSError as error:
+            raise OSError(
+                f"cannot listen on {self.settings.http_address}: {error.strerror or error}"
+            ) from error
+        self.port = int(self._runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops accepting, ends SSE streams, lets requests finish, closes the channels. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._started:
+            await self._runner.cleanup()
+        await self.upstreams.aclose()
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        logger.info("shutting down")
+        await self.stop()
+
+
+def build(settings: Settings) -> GatewayApp:
+    upstreams = Upstreams(
+        {"im": settings.im_address, "runtime": settings.runtime_address},
+        call_timeout_seconds=settings.call_timeout_seconds,
+    )
+    return GatewayApp(settings, upstreams)

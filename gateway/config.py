@@ -1,0 +1,84 @@
+"""The gateway's settings, read once from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.logs import LOG_LEVELS
+from services.common.settings import EnvReader
+
+DEFAULT_STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the gateway reads from the environment.
+
+    Attributes:
+        http_address: host:port to listen on; port 0 picks a free port.
+        im_address: host:port of the IM service.
+        runtime_address: host:port of the agent runtime.
+        cors_origins: origins allowed to call from a browser page served
+            elsewhere; `*` allows any; empty: same-origin only.
+        max_body_bytes: largest request body.
+        call_timeout_seconds: deadline of every unary call upstream (and of
+            opening a stream).
+        heartbeat_seconds: idle time after which an SSE stream gets a `: ping`.
+        sse_retry_ms: the reconnection delay sent to SSE clients (`retry:`).
+        sse_max_seconds: longest life of one SSE stream; the client then
+            reconnects with Last-Event-ID (0: unlimited).
+        shutdown_grace_seconds: how long shutdown lets requests finish.
+        static_dir: the web UI's files.
+        log_level: logging level.
+        token: the bearer token every /v1 call must present; None: open.
+    """
+
+    http_address: str
+    im_address: str
+    runtime_address: str
+    cors_origins: tuple[str, ...]
+    max_body_bytes: int
+    call_timeout_seconds: float
+    heartbeat_seconds: float
+    sse_retry_ms: int
+    sse_max_seconds: float
+    shutdown_grace_seconds: float
+    static_dir: Path
+    log_level: str
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Reads every setting; raises ConfigError listing all bad ones."""
+        env = EnvReader(environ)
+        origins = tuple(
+            o.strip().rstrip("/") for o in env.text("GATEWAY_CORS_ORIGINS", "").split(",") if o.strip()
+        )
+        for origin in origins:
+            scheme, sep, rest = origin.partition("://")
+            if origin != "*" and (scheme not in {"http", "https"} or not sep or not rest or "/" in rest):
+                env.problem(
+                    f"GATEWAY_CORS_ORIGINS: expected '*' or origins like https://host:port, got {origin!r}"
+                )
+        token = env.optional("GATEWAY_TOKEN")
+        if token is not None and not token.isprintable():
+            env.problem("GATEWAY_TOKEN: must be printable text")
+        settings = cls(
+            http_address=env.address("GATEWAY_HTTP_ADDRESS", "127.0.0.1:8080"),
+            im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
+            runtime_address=env.address("RUNTIME_ADDRESS", "127.0.0.1:50052"),
+            cors_origins=origins,
+            max_body_bytes=env.integer("GATEWAY_MAX_BODY_BYTES", 1024 * 1024, minimum=1024),
+            call_timeout_seconds=env.number("GATEWAY_CALL_TIMEOUT_SECONDS", 10.0, minimum=0.01),
+            heartbeat_seconds=env.number("GATEWAY_SSE_HEARTBEAT_SECONDS", 15.0, minimum=0.01),
+            sse_retry_ms=env.integer("GATEWAY_SSE_RETRY_MS", 3000, minimum=0),
+            sse_max_seconds=env.number("GATEWAY_SSE_MAX_SECONDS", 0.0),
+            shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
+            static_dir=Path(env.text("GATEWAY_STATIC_DIR", str(DEFAULT_STATIC_DIR))).expanduser(),
+            log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
+            token=token,
+        )
+        env.finish()
+        return settings

@@ -1,0 +1,382 @@
+"""The HTTP entrypoint: aiohttp handlers for the API, SSE streams, health, the
+OpenAPI document and the web UI's files.
+
+Handlers are thin: route -> request message -> upstream call -> JSON. What a
+route calls and how messages look come from `routes` and the descriptors;
+errors become the JSON error body in one middleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from gateway import openapi, sse
+from gateway.config import Settings
+from gateway.errors import (
+    HttpError,
+    bad_request,
+    method_not_allowed,
+    not_found,
+    too_large,
+    unauthenticated,
+)
+from gateway.routes import (
+    SSE_MEMBER_PARAM,
+    SSE_TOKEN_PARAM,
+    Matched,
+    MethodNotAllowed,
+    Resume,
+    Route,
+    RouteTable,
+)
+from gateway.transcoding import build_request, dumps, message_json
+from gateway.upstream import Metadata, Upstreams
+from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MEMBER_HEADER = "X-Member-Id"
+CORS_ALLOW_HEADERS = "Authorization, X-Member-Id, Content-Type, Last-Event-ID"
+CORS_ALLOW_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
+CORS_MAX_AGE_S = 600
+_JSON = "application/json"
+_HTTP_STATUS_NAMES = {
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    413: "RESOURCE_EXHAUSTED",
+    429: "RESOURCE_EXHAUSTED",
+}
+
+PLACEHOLDER_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Agent IM</title></head>
+<body><h1>Agent IM gateway</h1>
+<p>The web UI is not installed (no <code>index.html</code> in the gateway's static directory).
+The API is served under <code>/v1</code>; its description is at <a href="/openapi.json">/openapi.json</a>.</p>
+</body></html>
+"""
+
+
+def error_response(error: HttpError) -> web.Response:
+    return web.Response(
+        text=dumps(error.body()), status=error.code, content_type=_JSON, headers=error.headers
+    )
+
+
+def _valid_member_id(value: str) -> bool:
+    # gRPC metadata values must be printable ASCII; the service checks the rest.
+    return bool(value) and all(33 <= ord(c) < 127 for c in value)
+
+
+class Gateway:
+    """The HTTP API over the upstream services. Holds no state of its own.
+
+    Args:
+        settings: the gateway's settings.
+        upstreams: the gRPC channels to the IM and the runtime.
+        table: the route table.
+    """
+
+    def __init__(self, settings: Settings, upstreams: Upstreams, table: RouteTable | None = None) -> None:
+        self._settings = settings
+        self._upstreams = upstreams
+        self.table = table or RouteTable()
+        self._openapi = dumps(openapi.build(tuple(self.table.routes)))
+        self._token = settings.token.encode() if settings.token is not None else None
+        self._origins = set(settings.cors_origins)
+        self._streams: set[asyncio.Future[None]] = set()
+        self.shutting_down = False
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def application(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self._settings.max_body_bytes,
+            middlewares=[self._errors, self._preflight],
+        )
+        app.on_response_prepare.append(self._cors_headers)
+        app.on_shutdown.append(self._on_shutdown)
+        app.router.add_get("/", self._index)
+        app.router.add_get("/static/{path:.+}", self._static)
+        app.router.add_get("/healthz", self._health)
+        app.router.add_get("/openapi.json", self._openapi_doc)
+        app.router.add_route("*", "/v1{tail:(/.*)?}", self._api)
+        app.router.add_route("*", "/{tail:.*}", self._unknown)
+        return app
+
+    # --- middlewares and signals -------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        try:
+            response = await handler(request)
+        except HttpError as error:
+            response = error_response(error)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            status = _HTTP_STATUS_NAMES.get(error.status, "UNKNOWN")
+            response = error_response(HttpError(error.status, status, error.reason))
+        # The path only: query strings may hold an access token.
+        logger.debug(
+            "%s %s %s %.1f ms",
+            request.method,
+            request.path,
+            response.status,
+            1000 * (time.perf_counter() - started),
+        )
+        return response
+
+    def _allowed_origin(self, origin: str) -> bool:
+        return "*" in self._origins or origin.rstrip("/") in self._origins
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if (
+            request.method != "OPTIONS"
+            or origin is None
+            or "Access-Control-Request-Method" not in request.headers
+        ):
+            return await handler(request)
+        if not self._allowed_origin(origin):
+            raise HttpError(403, "PERMISSION_DENIED", f"origin {origin[:100]!r} is not allowed")
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": CORS_ALLOW_METHODS,
+                "Access-Control-Allow-Headers": CORS_ALLOW_HEADERS,
+                "Access-Control-Max-Age": str(CORS_MAX_AGE_S),
+            },
+        )
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and self._origins and self._allowed_origin(origin):
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers.add("Vary", "Origin")
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        """Ends every SSE stream: clients reconnect (elsewhere) with Last-Event-ID."""
+        self.shutting_down = True
+        for stop in list(self._streams):
+            if not stop.done():
+                stop.set_result(None)
+
+    # --- open routes -------------------------------------------------------------
+
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        page = self._settings.static_dir / "index.html"
+        if page.is_file():
+            return web.FileResponse(page, headers={"Cache-Control": "no-cache"})
+        return web.Response(text=PLACEHOLDER_PAGE, content_type="text/html")
+
+    async def _static(self, request: web.Request) -> web.StreamResponse:
+        root = self._settings.static_dir.resolve()
+        target = (root / request.match_info["path"]).resolve()
+        if not target.is_relative_to(root) or not target.is_file():
+            raise not_found(f"no file {request.path!r}")
+        return web.FileResponse(target, headers={"Cache-Control": "no-cache"})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.shutting_down:
+            statuses = {name: "UNKNOWN" for name in self._upstreams.addresses}
+            serving = False
+        else:
+            statuses = await self._upstreams.health()
+            serving = all(status == "SERVING" for status in statuses.values())
+        body = {"status": "SERVING" if serving else "NOT_SERVING", "upstreams": statuses}
+        return web.Response(text=dumps(body), status=200 if serving else 503, content_type=_JSON)
+
+    async def _openapi_doc(self, request: web.Request) -> web.Response:
+        return web.Response(text=self._openapi, content_type=_JSON)
+
+    async def _unknown(self, request: web.Request) -> web.Response:
+        raise not_found(f"no route for {request.path[:200]!r}")
+
+    # --- the API -----------------------------------------------------------------
+
+    async def _api(self, request: web.Request) -> web.StreamResponse:
+        match = self.table.match(request.method, request.rel_url.raw_path)
+        streaming = isinstance(match, Matched) and match.route.streaming
+        self._authorize(request, streaming=streaming)
+        if match is None:
+            raise not_found(f"no route for {request.path[:200]!r}")
+        if isinstance(match, MethodNotAllowed):
+            raise method_not_allowed(match.allowed)
+        metadata = self._metadata(request, streaming=streaming)
+        if streaming:
+            return await self._stream(request, match, metadata)
+        return await self._unary(request, match, metadata)
+
+    def _authorize(self, request: web.Request, *, streaming: bool) -> None:
+        if self._token is None:
+            return
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        candidate: str | None = presented.strip() if scheme.lower() == "bearer" else None
+        if not candidate and streaming:
+            candidate = request.query.get(SSE_TOKEN_PARAM)
+        if not candidate:
+            raise unauthenticated("this gateway requires Authorization: Bearer <token>")
+        if not hmac.compare_digest(candidate.encode(errors="surrogateescape"), self._token):
+            raise unauthenticated("the bearer token is not valid")
+
+    def _metadata(self, request: web.Request, *, streaming: bool) -> Metadata:
+        member = request.headers.get(MEMBER_HEADER, "").strip()
+        if not member and streaming:
+            member = request.query.get(SSE_MEMBER_PARAM, "").strip()
+        if not member:
+            return ()
+        if not _valid_member_id(member):
+            raise unauthenticated(f"{MEMBER_HEADER} is not a valid member id")
+        return caller_metadata(member_id=member)
+
+    async def _body(self, request: web.Request) -> bytes:
+        limit = self._settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large(limit)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise too_large(limit) from None
+
+    async def _unary(self, request: web.Request, match: Matched, metadata: Metadata) -> web.Response:
+        route = match.route
+        body: bytes | None = None
+        query: list[tuple[str, str]] = list(request.query.items())
+        if route.has_body:
+            body = await self._body(request)
+            if query:
+                raise bad_request("query parameters are not accepted here: send the fields in the JSON body")
+        message = build_request(
+            self._upstreams.new_request(route), body=body, query=query, path_params=match.path_params
+        )
+        try:
+            response = await self._upstreams.unary(route, message, metadata)
+        except grpc.aio.AioRpcError as error:
+            raise HttpError.from_grpc(error.code(), error.details()) from None
+        return web.Response(text=message_json(response), content_type=_JSON)
+
+    async def _stream(self, request: web.Request, match: Matched, metadata: Metadata) -> web.StreamResponse:
+        route = match.route
+        message = build_request(
+            self._upstreams.new_request(route),
+            body=None,
+            query=request.query.items(),
+            path_params=match.path_params,
+            skip=(SSE_MEMBER_PARAM, SSE_TOKEN_PARAM),
+        )
+        start = int(getattr(message, "after_sequence", 0)) if route.resume is Resume.STEP_SEQUENCE else 0
+        last_event_id = request.headers.get("Last-Event-ID", "").strip()
+        if last_event_id and route.resume is not Resume.NONE:
+            start = sse.apply_last_event_id(route.resume, message, last_event_id)
+        ids = sse.ResumeIds(route.resume, after_sequence=start)
+        call = self._upstreams.stream(route, message, metadata)
+        stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._streams.add(stop)
+        try:
+            headers = await self._opened(route, call)
+            response = web.StreamResponse(
+                headers={
+                    "Content-Type": "text/event-stream; charset=utf-8",
+                    "Cache-Control": "no-cache",
+                    "X-Accel-Buffering": "no",
+                }
+            )
+            await response.prepare(request)
+            # The subscription is in place: say so at once.
+            await response.write(
+                sse.opening(self._settings.sse_retry_ms, self._start_id(route, headers, start))
+            )
+            await self._pump(call, response, ids, stop)
+            return response
+        finally:
+            self._streams.discard(stop)
+            call.cancel()
+
+    @staticmethod
+    def _start_id(route: Route, headers: dict[str, str], start: int) -> str | None:
+        if route.resume is Resume.CURSOR:
+            return headers.get(WATCH_START_CURSOR_KEY)
+        if route.resume is Resume.STEP_SEQUENCE:
+            return str(start)
+        return None
+
+    async def _opened(self, route: Route, call: Any) -> dict[str, str]:
+        """Waits for the stream's headers (sent once the upstream has subscribed); returns them.
+
+        Raises:
+            HttpError: the call failed before (its status), or took too long (504).
+        """
+        try:
+            metadata = await asyncio.wait_for(call.initial_metadata(), self._settings.call_timeout_seconds)
+        except TimeoutError:
+            raise HttpError(504, "DEADLINE_EXCEEDED", f"{route.rpc} did not open in time") from None
+        except grpc.aio.AioRpcError as error:
+            raise HttpError.from_grpc(error.code(), error.details()) from None
+        if call.done():
+            code = await call.code()
+            if code != grpc.StatusCode.OK:
+                raise HttpError.from_grpc(code, await call.details())
+        return {str(key): str(value) for key, value in (metadata or ())}
+
+    async def _pump(
+        self, call: Any, response: web.StreamResponse, ids: sse.ResumeIds, stop: asyncio.Future[None]
+    ) -> None:
+        """Copies the stream's messages to SSE events until it ends, fails, or the gateway stops."""
+        loop = asyncio.get_running_loop()
+        heartbeat = self._settings.heartbeat_seconds
+        ends_at = loop.time() + self._settings.sse_max_seconds if self._settings.sse_max_seconds else None
+        read: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                timeout = heartbeat
+                if ends_at is not None:
+                    timeout = min(timeout, ends_at - loop.time())
+                    if timeout <= 0:
+                        return
+                if read is None:
+                    read = asyncio.ensure_future(call.read())
+                done, _ = await asyncio.wait(
+                    (read, stop), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if read in done:
+                    current, read = read, None
+                    try:
+                        item = current.result()
+                    except grpc.aio.AioRpcError as error:
+                        await response.write(
+                            sse.error_frame(HttpError.from_grpc(error.code(), error.details()))
+                        )
+                        return
+                    except asyncio.CancelledError:
+                        # The read (not this task): the channel closed at shutdown.
+                        return
+                    if item is grpc.aio.EOF:
+                        return
+                    await response.write(ids.encode(item))
+                elif stop.done():
+                    return
+                elif ends_at is None or loop.time() < ends_at:
+                    await response.write(sse.PING)
+        except ConnectionError:
+            # The client went away; the call is cancelled by our caller.
+            return
+        finally:
+            if read is not None:
+                read.cancel()

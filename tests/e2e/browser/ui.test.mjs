@@ -1,0 +1,314 @@
+// The web UI in a real browser (headless Chromium driven by playwright-core).
+//
+// Run by tests/e2e/test_browser.py against a running system:
+//   AGENTIM_UI_URL=http://127.0.0.1:8080/ node tests/e2e/browser/ui.test.mjs
+// Environment: AGENTIM_UI_URL (required), CHROMIUM (default /usr/bin/chromium),
+// AGENTIM_ARTIFACTS (screenshots; default artifacts/browser).
+//
+// It prints one line per step and exits 0 when every step passed.
+
+import { mkdirSync } from "node:fs";
+import path from "node:path";
+import { chromium } from "playwright-core";
+
+const BASE = process.env.AGENTIM_UI_URL;
+const ARTIFACTS = process.env.AGENTIM_ARTIFACTS || "artifacts/browser";
+const EXECUTABLE = process.env.CHROMIUM || "/usr/bin/chromium";
+const TIMEOUT = 15_000;
+const CHROMIUM_ARGS = [
+  "--headless",
+  "--no-sandbox",
+  "--disable-gpu",
+  "--disable-quic",
+  "--no-first-run",
+  "--disable-background-networking",
+  "--disable-component-update",
+  "--disable-sync",
+];
+const HOSTILE = [
+  "<img src=x onerror=alert(1)>",
+  "<script>alert(2)</script>",
+  "[click me](javascript:alert(3))",
+  '<a href="javascript:alert(4)">link</a>',
+  "<javascript:alert(5)>",
+  '<svg onload="alert(6)"></svg>',
+].join(" ");
+
+if (!BASE) {
+  console.error("AGENTIM_UI_URL is not set");
+  process.exit(2);
+}
+mkdirSync(ARTIFACTS, { recursive: true });
+
+const started = Date.now();
+const log = (text) => console.log(`[${((Date.now() - started) / 1000).toFixed(1)}s] ${text}`);
+const dialogs = [];
+const problems = [];
+
+function watch(page, name) {
+  page.setDefaultTimeout(TIMEOUT);
+  page.on("dialog", async (dialog) => {
+    dialogs.push(`${name}: ${dialog.type()} ${dialog.message()}`);
+    await dialog.dismiss().catch(() => {});
+  });
+  page.on("pageerror", (error) => problems.push(`${name}: page error: ${error.message}`));
+  page.on("console", (message) => {
+    if (message.type() !== "error") return;
+    const text = message.text();
+    // A refused inline script or style (CSP) is what hostile content would cause; count it too.
+    problems.push(`${name}: console error: ${text}`);
+  });
+}
+
+const testid = (id) => `[data-testid="${id}"]`;
+
+async function shot(page, name) {
+  await page.screenshot({ path: path.join(ARTIFACTS, `${name}.png`) });
+  log(`screenshot ${name}.png`);
+}
+
+async function actingAs(page, name) {
+  await page.locator(testid("me-name")).filter({ hasText: new RegExp(`^${name}$`) }).waitFor({ state: "attached" });
+}
+
+async function switchTo(page, name) {
+  await page.locator(testid("perspective-select")).selectOption({ label: name });
+  await actingAs(page, name);
+}
+
+async function newFromMenu(page, item) {
+  await page.locator(testid("new-menu-button")).click();
+  await page.locator(testid(item)).click();
+}
+
+async function createAgent(page, name, role, parent = "") {
+  await newFromMenu(page, "new-agent");
+  const dialog = page.locator(testid("agent-dialog"));
+  await dialog.locator(testid("agent-name")).fill(name);
+  await dialog.locator(testid("agent-role")).fill(role);
+  if (parent) await dialog.locator(testid("agent-parent")).selectOption({ label: parent });
+  await dialog.locator(testid("agent-prompt")).fill(`You are ${name}, a helpful ${role}.`);
+  for (const tool of ["send_direct_message", "read_history", "list_groups"]) {
+    if (!(await dialog.locator(testid(`agent-tool-${tool}`)).isChecked())) throw new Error(`tool ${tool} is not offered ticked`);
+  }
+  await dialog.locator(testid("agent-dialog-submit")).click();
+  await dialog.waitFor({ state: "detached" });
+  await page.locator(testid("agent-panel-name")).filter({ hasText: name }).waitFor();
+}
+
+async function send(page, text) {
+  const input = page.locator(testid("composer-input"));
+  await input.fill(text);
+  await input.press("Enter");
+  await page.waitForFunction(() => document.querySelector('[data-testid="composer-input"]').value === "", null, { polling: 100 });
+}
+
+function messageFrom(page, sender, text) {
+  return page.locator(`${testid("message-list")} ${testid("message")}[data-sender-name="${sender}"]`).filter({ hasText: text });
+}
+
+function chatItem(page, name) {
+  return page.locator(`${testid("chat-item")}[data-chat-name="${name}"]`);
+}
+
+async function step(name, body) {
+  log(`… ${name}`);
+  await body();
+  log(`✓ ${name}`);
+}
+
+const browser = await chromium.launch({ executablePath: EXECUTABLE, args: CHROMIUM_ARGS, headless: true });
+let context;
+let page;
+let exitCode = 0;
+try {
+  // A new context is a fresh profile: empty localStorage, no cache.
+  context = await browser.newContext({ viewport: { width: 1440, height: 900 } });
+  page = await context.newPage();
+  watch(page, "page 1");
+
+  await step("create a workspace with its first human", async () => {
+    await page.goto(BASE);
+    await page.locator(testid("create-workspace-name")).fill("Acme");
+    await page.locator(testid("create-workspace-creator")).fill("Ada");
+    await shot(page, "01-start");
+    await page.locator(testid("create-workspace-submit")).click();
+    await actingAs(page, "Ada");
+    await page.locator(testid("no-chat")).waitFor();
+  });
+
+  await step("create two agents (one reporting to the other)", async () => {
+    await createAgent(page, "helper", "assistant");
+    await createAgent(page, "bea", "reviewer", "helper (assistant)");
+    await page.locator(testid("agent-state")).filter({ hasText: "idle" }).waitFor();
+    // The organisation tree lists both; the panel's organisation tab shows it too.
+    await page.locator(testid("tab-agents")).click();
+    await page.locator(`${testid("tree-node")}[data-agent-name="helper"]`).waitFor();
+    await page.locator(`${testid("tree-node")}[data-agent-name="bea"]`).click();
+    await page.locator(testid("agent-tab-organisation")).click();
+    const organisation = page.locator(testid("agent-organisation"));
+    await organisation.locator(testid("agent-parent-link")).filter({ hasText: "helper" }).click();
+    // Now helper's organisation: no parent, bea as its sub-agent.
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "helper" }).waitFor();
+    await organisation.getByText("nobody: a top-level agent").waitFor();
+    await organisation.locator(testid("agent-child")).filter({ hasText: "bea" }).waitFor();
+    await shot(page, "02-organisation");
+    await page.locator(testid("agent-tab-activity")).click();
+  });
+
+  await step("open a direct chat with the agent; its steps stream in the agent panel", async () => {
+    await page.locator(`${testid("tree-node")}[data-agent-name="helper"]`).click();
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "helper" }).waitFor();
+    await page.locator(testid("agent-chat")).click();
+    await page.locator(testid("chat-title")).filter({ hasText: "helper" }).waitFor();
+    await page.locator(testid("open-agent-panel")).waitFor();
+    // Note every step element that is ever drawn while streaming.
+    await page.evaluate(() => {
+      window.__liveSteps = 0;
+      new MutationObserver((records) => {
+        for (const record of records) {
+          for (const node of record.addedNodes) {
+            if (node.nodeType === 1 && node.matches('[data-testid="step"][data-live="true"]')) window.__liveSteps += 1;
+          }
+        }
+      }).observe(document.getElementById("agent-panel"), { childList: true, subtree: true });
+    });
+    await send(page, "Hello **helper**, please run `make test`");
+    await messageFrom(page, "Ada", "Hello").locator("strong").filter({ hasText: "helper" }).waitFor();
+    await messageFrom(page, "Ada", "Hello").locator("code").filter({ hasText: "make test" }).waitFor();
+    const answer = "(offline model) You said: Hello **helper**, please run `make test`";
+    await messageFrom(page, "helper", "(offline model) You said").waitFor();
+    const panel = page.locator(testid("agent-panel"));
+    const assistant = panel.locator(`${testid("step")}[data-role="assistant"][data-live="false"]`).filter({ hasText: "You said" });
+    await assistant.waitFor();
+    await assistant.locator(testid("step-reasoning")).waitFor();
+    const input = panel.locator(`${testid("step")}[data-role="user"]`).filter({ hasText: "please run" });
+    await input.waitFor();
+    await panel.locator(`${testid("run")}[data-status="RUN_STATUS_COMPLETED"]`).first().waitFor();
+    const shown = await assistant.locator(testid("step-content")).innerText();
+    if (!shown.includes("(offline model) You said: Hello helper, please run make test")) {
+      throw new Error(`unexpected assistant step content: ${shown} (expected the rendered form of ${answer})`);
+    }
+    // The answer's step came over the live stream (step_started, deltas, step_completed), not from a reload.
+    const streamed = Number(await panel.locator(testid("agent-activity")).getAttribute("data-streamed-steps"));
+    if (!(streamed >= 1)) throw new Error(`no step was streamed live into the panel (${streamed})`);
+    log(`steps streamed live: ${streamed}; drawn while still streaming: ${await page.evaluate(() => window.__liveSteps)}`);
+    await page.locator(testid("agent-state")).filter({ hasText: "idle" }).waitFor();
+    await shot(page, "03-agent-answer-and-steps");
+  });
+
+  await step("@mention completion, and an agent messaging another agent which answers", async () => {
+    const input = page.locator(testid("composer-input"));
+    await input.fill("");
+    await input.pressSequentially("tell @be");
+    const option = page.locator(`${testid("mention-option")}[data-member-name="bea"]`);
+    await option.waitFor();
+    await input.press("Enter");
+    const value = await input.inputValue();
+    if (value !== "tell @bea ") throw new Error(`mention not inserted: ${JSON.stringify(value)}`);
+    await input.pressSequentially("the build is green");
+    await input.press("Enter");
+    const panel = page.locator(testid("agent-panel"));
+    await panel.locator(`${testid("step-tool-call")}[data-tool="send_direct_message"]`).waitFor();
+    await panel.locator(`${testid("step")}[data-role="tool"]`).filter({ hasText: "sent message" }).waitFor();
+    await messageFrom(page, "helper", "Done: sent message").waitFor();
+    await shot(page, "04-tool-call");
+    // Through the first agent's eyes: its direct chat with bea, and bea's answer.
+    await switchTo(page, "helper");
+    await page.locator(testid("agent-view-note")).waitFor();
+    await chatItem(page, "bea").click();
+    await page.locator(testid("chat-title")).filter({ hasText: "bea" }).waitFor();
+    await messageFrom(page, "helper", "the build is green").first().waitFor();
+    await messageFrom(page, "bea", "You said: the build is green").first().waitFor();
+    await shot(page, "05-agent-to-agent");
+  });
+
+  let second;
+  await step("a second human sees an unread badge appear live, and clear when the chat opens", async () => {
+    await switchTo(page, "Ada");
+    await newFromMenu(page, "new-member");
+    await page.locator(testid("member-name")).fill("Bob");
+    await page.locator(testid("member-dialog-submit")).click();
+    await page.locator(testid("member-dialog")).waitFor({ state: "detached" });
+    await switchTo(page, "Bob");
+    await page.locator(testid("no-chat")).waitFor();
+
+    // A second tab acts as Ada and writes to Bob.
+    second = await context.newPage();
+    watch(second, "page 2");
+    await second.goto(BASE);
+    await actingAs(second, "Bob");
+    await switchTo(second, "Ada");
+    await newFromMenu(second, "new-direct");
+    await second.locator(`${testid("direct-peer")}[data-member-name="Bob"]`).click();
+    await second.locator(testid("chat-title")).filter({ hasText: "Bob" }).waitFor();
+    await send(second, "Hi Bob, lunch at *noon*?");
+    // Most recent activity first in Ada's chat list.
+    await second.locator(`${testid("chat-item")}:first-child[data-chat-name="Bob"]`).waitFor();
+
+    const item = chatItem(page, "Ada");
+    await item.locator(testid("chat-unread")).filter({ hasText: /^1$/ }).waitFor();
+    await item.locator(testid("chat-last")).filter({ hasText: "Hi Bob, lunch" }).waitFor();
+    await shot(page, "06-unread-badge");
+    await item.click();
+    await messageFrom(page, "Ada", "lunch at").locator("em").filter({ hasText: "noon" }).waitFor();
+    await item.locator(testid("chat-unread")).waitFor({ state: "detached" });
+    await page.locator(`${testid("chat-item")}[data-chat-name="Ada"][data-unread="0"]`).waitFor();
+  });
+
+  await step("a reply is shown with its quote", async () => {
+    const original = messageFrom(page, "Ada", "lunch at");
+    await original.hover();
+    await original.locator(testid("reply-button")).click();
+    await page.locator(testid("reply-preview")).filter({ hasText: "Replying to Ada" }).waitFor();
+    await send(page, "Sure, see you there");
+    for (const p of [page, second]) {
+      await messageFrom(p, "Bob", "Sure, see you there").locator(testid("message-quote")).filter({ hasText: "lunch at" }).waitFor();
+    }
+  });
+
+  await step("hostile content renders inert", async () => {
+    await send(second, HOSTILE);
+    await second.locator(testid("composer-type")).selectOption("CONTENT_TYPE_CODE");
+    await send(second, "<b>not bold</b>\n<img src=x onerror=alert(7)>");
+    // A message sent after the hostile ones: once it shows, they have been drawn (and any handler would have run).
+    await send(second, "end of test");
+    for (const p of [page, second]) {
+      await messageFrom(p, "Ada", "end of test").waitFor();
+      const list = p.locator(testid("message-list"));
+      await messageFrom(p, "Ada", "<img src=x onerror=alert(1)>").waitFor();
+      await messageFrom(p, "Ada", "<b>not bold</b>").waitFor();
+      const injected = await p.evaluate(() => {
+        const root = document.querySelector('[data-testid="message-list"]');
+        return {
+          elements: root.querySelectorAll("img, script, svg, iframe, object, b").length,
+          badLinks: [...document.querySelectorAll("a")].filter((a) => !/^(https?|mailto):/.test(a.href)).length,
+          handlers: [...root.querySelectorAll("*")].filter((el) => [...el.attributes].some((a) => a.name.startsWith("on"))).length,
+        };
+      });
+      if (injected.elements || injected.badLinks || injected.handlers) throw new Error(`hostile content was not inert: ${JSON.stringify(injected)}`);
+      if ((await list.locator('a[href^="javascript"]').count()) !== 0) throw new Error("a javascript: link was rendered");
+    }
+    await messageFrom(page, "Ada", "[click me](javascript:alert(3))").waitFor();
+    await shot(page, "07-hostile-inert");
+    if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
+  });
+
+  await step("no script error and no refused content in either tab", async () => {
+    if (problems.length) throw new Error(problems.join("\n"));
+    if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
+  });
+  log("all browser checks passed");
+} catch (error) {
+  exitCode = 1;
+  console.error(`FAILED: ${error.stack || error}`);
+  if (problems.length) console.error(`browser problems:\n${problems.join("\n")}`);
+  for (const [i, p] of (context ? context.pages() : []).entries()) {
+    await p.screenshot({ path: path.join(ARTIFACTS, `failure-page${i + 1}.png`) }).catch(() => {});
+    const text = await p.locator("body").innerText().catch(() => "");
+    console.error(`--- page ${i + 1} text ---\n${text.slice(0, 3000)}`);
+  }
+} finally {
+  await browser.close();
+}
+process.exit(exitCode);

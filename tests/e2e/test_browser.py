@@ -1,0 +1,220 @@
+"""The web UI in a real browser: the whole system as `make run` starts it, driven by headless Chromium.
+
+The script (tests/e2e/browser/ui.test.mjs, playwright-core) creates a
+workspace, two agents and a second person, chats, watches an agent's steps
+stream, checks unread badges, replies, mentions and that hostile content
+stays inert. Screenshots go to artifacts/browser/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from . import ROOT, in_ci
+
+CHROMIUM = Path("/usr/bin/chromium")
+SCRIPT = ROOT / "tests" / "e2e" / "browser" / "ui.test.mjs"
+ARTIFACTS = ROOT / "artifacts" / "browser"
+PLAYWRIGHT = ROOT / "node_modules" / "playwright-core"
+GATEWAY = ROOT / "gateway"
+RUNNING = "Agent IM is running"
+START_SECONDS = 90.0
+BROWSER_SECONDS = 120.0
+STOP_SECONDS = 30.0
+# "IM service listening on 127.0.0.1:50051 (...)" -> {"IM service": "127.0.0.1:50051"}
+_LISTENING = re.compile(r"^(?P<what>.+?) listening on (?P<address>[^\s:]+:\d+)")
+# Settings the test chooses itself: a developer's own must not leak in.
+_SERVICE_PREFIXES = ("AGENTIM_", "IM_", "RUNTIME_", "GATEWAY_", "OPENAI_", "GRPC_", "LLM_", "TOOL_")
+_SERVICE_NAMES = {"DATABASE_URL", "REDIS_URL", "LOG_LEVEL", "SHUTDOWN_GRACE_SECONDS"}
+
+
+def _missing_or_skip() -> str:
+    """The node command; skips (fails in CI) when something the test needs is missing."""
+    node = shutil.which("node")
+    missing = []
+    if not CHROMIUM.exists():
+        missing.append(f"{CHROMIUM} (`make install` as root installs Debian's chromium)")
+    if not (GATEWAY / "__main__.py").is_file() or not (GATEWAY / "static" / "index.html").is_file():
+        missing.append("the HTTP gateway and its web UI (gateway/__main__.py, gateway/static/index.html)")
+    if node is None:
+        missing.append("the node command")
+    if not PLAYWRIGHT.is_dir():
+        missing.append("node_modules/playwright-core (run `make install`)")
+    if missing:
+        reason = f"browser test needs: {'; '.join(missing)}"
+        if in_ci():
+            pytest.fail(reason)
+        pytest.skip(reason)
+    assert node is not None
+    return node
+
+
+def _environment(data_dir: Path) -> dict[str, str]:
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(_SERVICE_PREFIXES) and key not in _SERVICE_NAMES
+    }
+    env.update(
+        AGENTIM_DATA_DIR=str(data_dir),
+        IM_GRPC_ADDRESS="127.0.0.1:0",
+        RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
+        GATEWAY_HTTP_ADDRESS="127.0.0.1:0",
+        LOG_LEVEL="WARNING",
+        SHUTDOWN_GRACE_SECONDS="2",
+    )
+    return env
+
+
+@dataclass
+class Service:
+    """A child process whose stdout lines announce where it listens."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    lines: list[str] = field(default_factory=list)
+
+    def addresses(self) -> dict[str, str]:
+        found = (_LISTENING.match(line) for line in self.lines)
+        return {m["what"]: m["address"] for m in found if m}
+
+    def read_until(self, done: Callable[[list[str]], bool], timeout: float) -> dict[str, str]:
+        """Reads stdout lines until `done(lines)`; returns the addresses announced so far."""
+        assert self.process.stdout is not None
+        fd = self.process.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        pending = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while not done(self.lines):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not selector.select(remaining):
+                    raise AssertionError(f"no sign of readiness within {timeout}s:\n{self.report()}")
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    raise AssertionError(f"the process exited ({self.process.wait()}):\n{self.report()}")
+                pending += chunk
+                *complete, pending = pending.split(b"\n")
+                self.lines += [line.decode(errors="replace").strip() for line in complete]
+        return self.addresses()
+
+    def report(self) -> str:
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "--- stdout ---\n" + "\n".join(self.lines) + f"\n--- stderr ({self.log_path.name}) ---\n{log}"
+
+    def terminate(self) -> int:
+        """SIGTERM, then waits; kills it if it ignores that. Returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"{self.name} ignored SIGTERM:\n{self.report()}") from None
+
+
+@contextmanager
+def _service(module: str, env: Mapping[str, str], log_path: Path) -> Iterator[Service]:
+    """Runs `python -m module`; whatever happens, it is stopped when the block ends."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", module],
+            cwd=ROOT,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+        )
+    service = Service(module, process, log_path)
+    try:
+        yield service
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def _run_browser(node: str, url: str) -> tuple[int, str]:
+    """Runs the Playwright script; on a timeout it is stopped (SIGTERM lets it close Chromium)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "AGENTIM_UI_URL": url,
+        "AGENTIM_ARTIFACTS": str(ARTIFACTS),
+        "CHROMIUM": str(CHROMIUM),
+    }
+    process = subprocess.Popen(
+        [node, str(SCRIPT)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=BROWSER_SECONDS)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGTERM)
+        try:
+            output, _ = process.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            output, _ = process.communicate()
+        return -1, f"the browser script took over {BROWSER_SECONDS}s\n{output}"
+    return process.returncode, output
+
+
+@pytest.mark.timeout(START_SECONDS + BROWSER_SECONDS + 2 * STOP_SECONDS)
+def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) -> None:
+    node = _missing_or_skip()
+    env = _environment(tmp_path)
+    with ExitStack() as stack:
+        system = stack.enter_context(_service("services.run_all", env, tmp_path / "run_all.log"))
+        addresses = system.read_until(lambda lines: any(RUNNING in line for line in lines), START_SECONDS)
+        assert "IM service" in addresses and "runtime service" in addresses, system.report()
+        assert "offline model" in "\n".join(system.lines), "the test expects the built-in offline model"
+        services = [system]
+        url_address = next((a for what, a in addresses.items() if "gateway" in what.lower()), None)
+        if url_address is None:
+            # run_all does not start the gateway (yet): run it beside the system, as an operator would.
+            gateway_env = {
+                **env,
+                "IM_ADDRESS": addresses["IM service"],
+                "RUNTIME_ADDRESS": addresses["runtime service"],
+            }
+            gateway = stack.enter_context(_service("gateway", gateway_env, tmp_path / "gateway.log"))
+            announced = gateway.read_until(
+                lambda lines: any(" listening on " in line for line in lines), START_SECONDS
+            )
+            url_address = next(iter(announced.values()), None)
+            assert url_address is not None, gateway.report()
+            services.insert(0, gateway)
+
+        code, output = _run_browser(node, f"http://{url_address}/")
+        logs = "\n".join(service.report() for service in services)
+        assert code == 0, f"browser script failed (exit {code}); screenshots in {ARTIFACTS}\n{output}\n{logs}"
+        assert "all browser checks passed" in output, output
+
+        for service in services:
+            assert service.terminate() == 0, f"{service.name} did not stop cleanly:\n{logs}"

@@ -1,0 +1,195 @@
+"""Helpers for the gateway tests: a whole stack on loopback, an HTTP client, an SSE reader."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from gateway import bootstrap
+from gateway.config import Settings
+
+WAIT = 10.0
+
+
+def gateway_settings(im_address: str, runtime_address: str, **overrides: str) -> Settings:
+    environ = {
+        "GATEWAY_HTTP_ADDRESS": "127.0.0.1:0",
+        "IM_ADDRESS": im_address,
+        "RUNTIME_ADDRESS": runtime_address,
+        "LOG_LEVEL": "WARNING",
+        "SHUTDOWN_GRACE_SECONDS": "1",
+        **overrides,
+    }
+    return Settings.from_env(environ)
+
+
+async def start_gateway(im_address: str, runtime_address: str, **overrides: str) -> bootstrap.GatewayApp:
+    app = bootstrap.build(gateway_settings(im_address, runtime_address, **overrides))
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop()
+        raise
+    return app
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: Any
+
+    @property
+    def error(self) -> dict[str, Any]:
+        assert isinstance(self.body, dict) and "error" in self.body, self.body
+        error: dict[str, Any] = self.body["error"]
+        return error
+
+
+class Api:
+    """A small JSON client of one gateway."""
+
+    def __init__(self, http: aiohttp.ClientSession, base: str) -> None:
+        self.http = http
+        self.base = base
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        member: str | None = None,
+        body: Any = None,
+        data: bytes | str | None = None,
+        params: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        sent = dict(headers or {})
+        if member is not None:
+            sent["X-Member-Id"] = member
+        if body is not None:
+            data = json.dumps(body)
+            sent.setdefault("Content-Type", "application/json")
+        async with self.http.request(
+            method,
+            self.base + path,
+            data=data,
+            params=params,
+            headers=sent,
+            timeout=aiohttp.ClientTimeout(WAIT),
+        ) as response:
+            text = await response.text()
+            try:
+                parsed: Any = json.loads(text)
+            except ValueError:
+                parsed = text
+            return Reply(response.status, parsed, response.headers)
+
+    async def ok(self, method: str, path: str, **kwargs: Any) -> Any:
+        reply = await self.call(method, path, **kwargs)
+        assert reply.status == 200, (method, path, reply.status, reply.body)
+        return reply.body
+
+
+@dataclass
+class Event:
+    """One SSE event as a browser's EventSource sees it."""
+
+    kind: str
+    data: str
+    id: str | None
+
+    @property
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+
+@dataclass
+class SseStream:
+    """Reads events from an open `text/event-stream` response, like EventSource does."""
+
+    response: aiohttp.ClientResponse
+    last_event_id: str | None = None
+    retry: int | None = None
+    comments: list[str] = field(default_factory=list)
+
+    async def next(self, within: float = WAIT) -> Event | None:
+        """The next event (None when the stream ends)."""
+        return await asyncio.wait_for(self._next(), within)
+
+    async def _next(self) -> Event | None:
+        kind, event_id, seen_id = "message", None, False
+        data: list[str] = []
+        while True:
+            raw = await self.response.content.readline()
+            if not raw:
+                return None
+            line = raw.decode().rstrip("\n")
+            if not line:
+                if seen_id:
+                    self.last_event_id = event_id
+                if data:
+                    return Event(kind, "\n".join(data), self.last_event_id)
+                kind, data, seen_id = "message", [], False
+                continue
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if not name:
+                self.comments.append(value)
+            elif name == "event":
+                kind = value
+            elif name == "data":
+                data.append(value)
+            elif name == "id":
+                event_id, seen_id = value, True
+            elif name == "retry":
+                self.retry = int(value)
+
+    async def until(self, kind: str, within: float = WAIT) -> list[Event]:
+        """Events up to and including the first of `kind`."""
+        seen: list[Event] = []
+        while True:
+            event = await self.next(within)
+            assert event is not None, f"the stream ended before {kind}; got {[e.kind for e in seen]}"
+            seen.append(event)
+            if event.kind == kind:
+                return seen
+
+
+class sse:
+    """Opens an SSE stream; the response must be 200 `text/event-stream`."""
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        url: str,
+        *,
+        params: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._request = http.get(
+            url, params=params, headers=headers, timeout=aiohttp.ClientTimeout(total=None, sock_connect=WAIT)
+        )
+        self._response: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> SseStream:
+        self._response = await asyncio.wait_for(self._request.__aenter__(), WAIT)
+        assert self._response.status == 200, (self._response.status, await self._response.text())
+        assert self._response.headers["Content-Type"].startswith("text/event-stream")
+        return SseStream(self._response)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._request.__aexit__(None, None, None)
+
+
+def write_static(directory: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        target = directory / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return directory
