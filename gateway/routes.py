@@ -121,6 +121,28 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/agents/{agent_id}/steps", RT, "ListSteps"),
     Route("GET", "/v1/agents/{agent_id}/events", RT, "WatchAgent", Resume.STEP_SEQUENCE),
     Route("GET", "/v1/agent-events", RT, "WatchAgents"),
+    # Agent control (lifecycle, intervention, checkpoints, sessions, retry
+    # and fork, the task queue).
+    Route("POST", "/v1/agents/{agent_id}:start", RT, "StartAgent"),
+    Route("POST", "/v1/agents/{agent_id}:pause", RT, "PauseAgent"),
+    Route("POST", "/v1/agents/{agent_id}:resume", RT, "ResumeAgent"),
+    Route("POST", "/v1/agents/{agent_id}:interrupt", RT, "InterruptAgent"),
+    Route("POST", "/v1/agents/{agent_id}:terminate", RT, "TerminateAgent"),
+    Route("PATCH", "/v1/agents/{agent_id}/steps/{sequence}", RT, "UpdateStep"),
+    Route("DELETE", "/v1/agents/{agent_id}/steps/{sequence}", RT, "DeleteStep"),
+    Route("POST", "/v1/agents/{agent_id}/notes", RT, "AddNote"),
+    Route("POST", "/v1/agents/{agent_id}/checkpoints", RT, "CreateCheckpoint"),
+    Route("GET", "/v1/agents/{agent_id}/checkpoints", RT, "ListCheckpoints"),
+    Route("POST", "/v1/agents/{agent_id}/checkpoints/{checkpoint_id}:restore", RT, "RestoreCheckpoint"),
+    Route("GET", "/v1/agents/{agent_id}/sessions", RT, "ListSessions"),
+    Route("POST", "/v1/agents/{agent_id}:setMainSession", RT, "SetMainSession"),
+    Route("POST", "/v1/agents/{agent_id}/steps/{sequence}:retry", RT, "RetryFromStep"),
+    Route("POST", "/v1/agents/{agent_id}/steps/{sequence}:fork", RT, "ForkFromStep"),
+    Route("POST", "/v1/agents/{agent_id}/tasks", RT, "SubmitTask"),
+    Route("GET", "/v1/agents/{agent_id}/tasks", RT, "ListTasks"),
+    Route("GET", "/v1/agents/{agent_id}/queue", RT, "GetQueueStats"),
+    Route("GET", "/v1/tasks/{task_id}", RT, "GetTask"),
+    Route("POST", "/v1/tasks/{task_id}:cancel", RT, "CancelTask"),
 )
 
 # Query parameters SSE routes accept besides request fields: browsers'

@@ -2,6 +2,7 @@
 // organisation tree) and the agent form.
 
 import { LiveStream, listAll } from "./api.js";
+import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, queueView, sessionsView, showAddNote, stepActions } from "./control.js";
 import { avatar, h, setChildren } from "./dom.js";
 import { applyDelta, renderRunHeader, renderStep, startedStep } from "./steps.js";
 import { field, modal, showError, streamStatus, toast } from "./ui.js";
@@ -17,8 +18,25 @@ export const BUILT_IN_TOOLS = [
   ["create_sub_agent", "create an agent that reports to it"],
 ];
 
-const AGENT_EVENTS = ["run_started", "run_ended", "step_started", "step_delta", "step_completed", "state_changed"];
-const STATE_LABELS = { AGENT_STATE_IDLE: "idle", AGENT_STATE_RUNNING: "running", AGENT_STATE_ERROR: "error" };
+const AGENT_EVENTS = [
+  "run_started",
+  "run_ended",
+  "step_started",
+  "step_delta",
+  "step_completed",
+  "state_changed",
+  "task_changed",
+  "main_session_changed",
+  "steps_rewritten",
+];
+const TABS = [
+  ["activity", "Activity"],
+  ["queue", "Queue"],
+  ["sessions", "Sessions"],
+  ["checkpoints", "Checkpoints"],
+  ["settings", "Settings"],
+  ["organisation", "Organisation"],
+];
 const RUNS_PAGE = 10;
 
 let panel = null;
@@ -58,7 +76,7 @@ export async function openAgentPanel(ctx, agentId, { tab = "activity" } = {}) {
   panel = {
     ctx,
     agentId,
-    agent,
+    agent: { ...agent },
     tab: previous && previous.agentId === agentId ? previous.tab : tab,
     runs: new Map(),
     steps: new Map(), // sequence -> completed Step
@@ -74,7 +92,15 @@ export async function openAgentPanel(ctx, agentId, { tab = "activity" } = {}) {
     stream: null,
     loaded: false,
     streamed: 0,
+    gen: 0, // bumped when the steps are reloaded: an older load stops
+    reloadFrom: Infinity,
+    pauseRequested: false,
+    drawnMode: "", // what the Activity tab was drawn for (see activityMode)
+    actionError: "",
+    view: null, // the open Queue, Sessions or Checkpoints tab
+    host: null,
   };
+  panel.host = makeHost(panel);
   const el = panelElement();
   el.hidden = false;
   document.querySelector(".shell")?.classList.add("with-panel");
@@ -84,7 +110,7 @@ export async function openAgentPanel(ctx, agentId, { tab = "activity" } = {}) {
     const fresh = (await ctx.api("GET", `/v1/agents/${agentId}`)).agent;
     if (panel !== mine) return;
     panel.agent = fresh;
-    ctx.upsertAgent(fresh);
+    ctx.upsertAgent({ ...fresh });
     drawHead();
     await loadActivity(mine);
   } catch (err) {
@@ -99,33 +125,88 @@ export async function openAgentPanel(ctx, agentId, { tab = "activity" } = {}) {
 /** Called when the app learns of an agent's new state or settings. */
 export function updateAgentInPanel(agent) {
   if (!panel || panel.agentId !== agent.id) return;
-  panel.agent = { ...panel.agent, ...agent };
+  // The panel follows the main session from its own stream and calls.
+  applyAgent(panel, { ...agent, mainSessionId: panel.agent.mainSessionId });
+}
+
+/** What control.js may use of the panel `mine`. */
+function makeHost(mine) {
+  return {
+    ctx: mine.ctx,
+    agentId: mine.agentId,
+    get agent() {
+      return mine.agent;
+    },
+    alive: () => panel === mine,
+    setAgent(agent) {
+      if (panel !== mine) return;
+      mine.actionError = "";
+      applyAgent(mine, agent);
+    },
+    reloadSteps: (after) => panel === mine && reloadSteps(mine, after),
+    adoptMainSession: (agent) => panel === mine && applyAgent(mine, agent),
+    openAgent: (agentId) => openAgentPanel(mine.ctx, agentId),
+    fail(what, error) {
+      if (panel !== mine) return;
+      mine.actionError = `${what}: ${error && error.message ? error.message : error}`;
+      drawHead();
+      // Refused for the agent's state: what the panel shows may be behind; show it as it is.
+      if (error && error.status === "FAILED_PRECONDITION") refreshAgent(mine);
+    },
+  };
+}
+
+/**
+ * Takes in the agent's new state or settings; returns true when its main
+ * session changed (the panel then loads the new one).
+ */
+function applyAgent(p, agent) {
+  const before = p.agent;
+  p.agent = { ...before, ...agent };
+  if (p.agent.state !== "AGENT_STATE_RUNNING") p.pauseRequested = false;
+  // A copy: the app updates its agents in place, and the panel compares before and after.
+  p.ctx.upsertAgent({ ...p.agent });
   drawHead();
+  const session = p.agent.mainSessionId;
+  if (session && before.mainSessionId && session !== before.mainSessionId) {
+    switchSession(p);
+    return true;
+  }
+  // Edit and delete are offered only while paused (and a bar says so).
+  if (p.drawnMode !== activityMode(p.agent)) redrawActivity();
+  return false;
 }
 
 // -- loading and streaming -------------------------------------------------------
 
-async function loadActivity(mine) {
+async function loadActivity(mine, gen = mine.gen) {
   const { ctx, agentId } = mine;
   const runsPage = await ctx.api("GET", `/v1/agents/${agentId}/runs`, { query: { page_size: RUNS_PAGE } });
+  if (mine.gen !== gen) return;
   const runs = runsPage.runs || [];
   for (const run of runs) mine.runs.set(run.id, run);
   mine.runsToken = runsPage.nextPageToken || "";
   let after = 0;
   if (mine.runsToken && runs.length) after = await firstSequenceOf(mine, runs[runs.length - 1].id);
-  await loadStepsAfter(mine, after);
+  await loadStepsAfter(mine, after, { gen });
 }
 
 async function firstSequenceOf(mine, runId) {
-  const page = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/steps`, { query: { run_id: runId, page_size: 1 } });
+  const page = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/steps`, {
+    query: { run_id: runId, page_size: 1, session_id: mine.agent.mainSessionId },
+  });
   const first = (page.steps || [])[0];
   return first ? Math.max(0, Number(first.sequence) - 1) : 0;
 }
 
-async function loadStepsAfter(mine, after, { until = Infinity } = {}) {
+async function loadStepsAfter(mine, after, { until = Infinity, gen = mine.gen } = {}) {
   let cursor = after;
   for (let page = 0; page < 25; page += 1) {
-    const response = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/steps`, { query: { after_sequence: cursor, page_size: 200 } });
+    const response = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/steps`, {
+      query: { after_sequence: cursor, page_size: 200, session_id: mine.agent.mainSessionId },
+    });
+    // Superseded by a newer reload (steps rewritten, another main session).
+    if (mine.gen !== gen) return;
     const steps = response.steps || [];
     for (const step of steps) {
       const seq = Number(step.sequence);
@@ -174,15 +255,13 @@ function startStream(mine) {
 
 async function catchUp(mine) {
   try {
-    await loadStepsAfter(mine, mine.lastCompleted);
+    // Steps may have been rewritten, or the main session changed, while the stream was down.
+    const fresh = (await mine.ctx.api("GET", `/v1/agents/${mine.agentId}`)).agent;
+    if (panel !== mine || applyAgent(mine, fresh)) return;
     const page = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/runs`, { query: { page_size: RUNS_PAGE } });
     for (const run of page.runs || []) mine.runs.set(run.id, run);
-    const fresh = (await mine.ctx.api("GET", `/v1/agents/${mine.agentId}`)).agent;
-    if (panel !== mine) return;
-    panel.agent = fresh;
-    mine.ctx.upsertAgent(fresh);
-    drawHead();
-    drawBody();
+    const known = [...mine.steps.keys()];
+    await reloadSteps(mine, known.length ? Math.min(...known) - 1 : 0);
   } catch (err) {
     showError(err, "Could not catch up with the agent");
   }
@@ -225,10 +304,62 @@ function onEvent(event) {
     p.lastCompleted = Math.max(p.lastCompleted, seq);
     schedule(seq);
   } else if (event.stateChanged) {
-    p.agent = { ...p.agent, state: event.stateChanged.state, lastError: event.stateChanged.error || "" };
-    p.ctx.upsertAgent(p.agent);
-    drawHead();
+    applyAgent(p, { state: event.stateChanged.state, lastError: event.stateChanged.error || "" });
+  } else if (event.taskChanged) {
+    p.view?.onTask?.(event.taskChanged);
+  } else if (event.mainSessionChanged) {
+    if (!applyAgent(p, { mainSessionId: event.mainSessionChanged.id })) p.view?.refresh?.();
+  } else if (event.stepsRewritten) {
+    const { sessionId, afterSequence } = event.stepsRewritten;
+    if (sessionId && p.agent.mainSessionId && sessionId !== p.agent.mainSessionId) return;
+    const after = Number(afterSequence) || 0;
+    // A step still streaming past that point belonged to the history just replaced.
+    for (const seq of [...p.live.keys()]) if (seq > after) p.live.delete(seq);
+    reloadSteps(p, after);
   }
+}
+
+/**
+ * Re-reads the main session's steps after `after` (edited, deleted, added,
+ * retried or restored) and redraws. Overlapping reloads merge: the latest
+ * reads from the lowest point any of them asked for.
+ */
+async function reloadSteps(p, after) {
+  if (!p.loaded) return; // the load under way reads everything
+  p.reloadFrom = Math.min(p.reloadFrom, after);
+  const from = p.reloadFrom;
+  p.gen += 1;
+  const gen = p.gen;
+  for (const seq of [...p.steps.keys()]) if (seq > from) p.steps.delete(seq);
+  p.lastCompleted = Math.max(0, ...p.steps.keys());
+  try {
+    await loadStepsAfter(p, from, { gen });
+  } catch (err) {
+    showError(err, "Could not reload the agent's steps");
+  }
+  if (panel !== p || p.gen !== gen) return;
+  p.reloadFrom = Infinity;
+  redrawActivity({ keepScroll: true });
+}
+
+/** The main session changed (a fork, Make main, a restore): show the new one. */
+async function switchSession(p) {
+  p.gen += 1;
+  const gen = p.gen;
+  p.reloadFrom = Infinity;
+  p.steps = new Map();
+  p.live = new Map();
+  p.lastCompleted = 0;
+  p.loaded = false;
+  drawBody();
+  try {
+    await loadActivity(p, gen);
+  } catch (err) {
+    showError(err, "Could not load the agent's main session");
+  }
+  if (panel !== p || p.gen !== gen) return;
+  p.loaded = true;
+  drawBody();
 }
 
 /** Re-reads the agent (tokens used, state) after a run. */
@@ -236,9 +367,7 @@ async function refreshAgent(p) {
   try {
     const fresh = (await p.ctx.api("GET", `/v1/agents/${p.agentId}`)).agent;
     if (panel !== p) return;
-    p.agent = fresh;
-    p.ctx.upsertAgent(fresh);
-    drawHead();
+    applyAgent(p, fresh);
   } catch {
     // The next run ends with another try; the stream is what matters.
   }
@@ -281,7 +410,7 @@ function drawPanel() {
   setChildren(
     el,
     h("header", { class: "panel-head", id: "agent-panel-head" }),
-    h("div", { class: "panel-tabs" }, tab("activity", "Activity"), tab("settings", "Settings"), tab("organisation", "Organisation")),
+    h("div", { class: "panel-tabs", role: "tablist" }, TABS.map(([name, label]) => tab(name, label))),
     h("div", { class: "panel-body", id: "agent-panel-body" }),
   );
   drawHead();
@@ -315,9 +444,39 @@ function drawHead() {
       "div",
       { class: "panel-actions" },
       h("button", { class: "btn btn-small", type: "button", testid: "agent-chat", onclick: () => ctx.openDirect(agent.memberId) }, "Chat"),
-      h("button", { class: "btn btn-small", type: "button", testid: "agent-wake", onclick: wake }, "Wake"),
+      h("button", { class: "btn btn-small", type: "button", testid: "agent-wake", title: "Read its unread messages now", onclick: wake }, "Wake"),
       h("button", { class: "btn btn-small", type: "button", testid: "agent-view-as", title: "See the IM as this agent", onclick: () => ctx.switchPerspective(agent.memberId) }, "View as"),
     ),
+    h(
+      "div",
+      { class: "panel-actions panel-controls", testid: "agent-controls" },
+      lifecycleButtons(panel.host, {
+        onPauseRequested: () => {
+          panel.pauseRequested = true;
+        },
+      }),
+    ),
+    panel.pauseRequested ? h("div", { class: "panel-note", role: "status", testid: "agent-pausing" }, "Pausing at the next step boundary…") : null,
+    panel.actionError
+      ? h(
+          "div",
+          { class: "panel-error action-error", role: "alert", testid: "agent-action-error" },
+          h("span", {}, panel.actionError),
+          h(
+            "button",
+            {
+              class: "icon-btn",
+              type: "button",
+              "aria-label": "Dismiss",
+              onclick: () => {
+                panel.actionError = "";
+                drawHead();
+              },
+            },
+            "×",
+          ),
+        )
+      : null,
   );
 }
 
@@ -326,9 +485,7 @@ async function wake() {
   try {
     const response = await p.ctx.api("POST", `/v1/agents/${p.agentId}:wake`, { body: {} });
     if (panel !== p) return;
-    p.agent = response.agent;
-    p.ctx.upsertAgent(response.agent);
-    drawHead();
+    applyAgent(p, response.agent);
     toast(`${response.agent.name} is reading its messages.`);
   } catch (err) {
     showError(err, "Could not wake the agent");
@@ -338,17 +495,62 @@ async function wake() {
 function drawBody() {
   const body = document.getElementById("agent-panel-body");
   if (!body || !panel) return;
+  const views = { queue: queueView, sessions: sessionsView, checkpoints: checkpointsView };
+  panel.view = null;
   if (panel.tab === "settings") setChildren(body, settingsView());
   else if (panel.tab === "organisation") setChildren(body, organisationView());
-  else drawActivity(body);
+  else if (views[panel.tab]) {
+    panel.view = views[panel.tab](panel.host);
+    setChildren(body, panel.view.element);
+  } else drawActivity(body);
+}
+
+/** Redraws the Activity tab (if open), keeping the reader's place when asked. */
+function redrawActivity({ keepScroll = false } = {}) {
+  const body = document.getElementById("agent-panel-body");
+  if (!body || !panel || panel.tab !== "activity" || !panel.loaded) return;
+  const old = document.getElementById("agent-activity");
+  const top = old ? old.scrollTop : 0;
+  const atEnd = old ? old.scrollHeight - old.scrollTop - old.clientHeight < 150 : true;
+  drawActivity(body);
+  const list = document.getElementById("agent-activity");
+  if (list && keepScroll && !atEnd) list.scrollTop = top;
+}
+
+/** What the Activity tab depends on in the agent's state: paused, terminated or neither. */
+function activityMode(agent) {
+  if (isPaused(agent)) return "paused";
+  return agent.state === "AGENT_STATE_TERMINATED" ? "terminated" : "working";
+}
+
+/** What the agent's state means for its steps, above them. */
+function stateBar(p) {
+  if (isPaused(p.agent)) {
+    return h(
+      "div",
+      { class: "state-bar state-bar-paused", role: "status", testid: "paused-bar" },
+      h("span", {}, h("strong", {}, "Paused."), " Messages and tasks wait until you Resume. Meanwhile you can edit or delete its steps, or add a note."),
+      h("button", { class: "btn btn-small", type: "button", testid: "add-note", onclick: () => showAddNote(p.host) }, "Add a note"),
+    );
+  }
+  if (p.agent.state === "AGENT_STATE_TERMINATED") {
+    return h("div", { class: "state-bar state-bar-terminated", role: "status", testid: "terminated-bar" }, h("strong", {}, "Terminated."), " It handles nothing until you Start it.");
+  }
+  return null;
 }
 
 function drawActivity(body) {
   const p = panel;
   p.sections = new Map();
   p.stepEls = new Map();
-  const list = h("div", { class: "activity", id: "agent-activity", testid: "agent-activity", dataset: { streamedSteps: String(p.streamed) } });
-  setChildren(body, list);
+  const list = h("div", {
+    class: "activity",
+    id: "agent-activity",
+    testid: "agent-activity",
+    dataset: { streamedSteps: String(p.streamed), mainSession: p.agent.mainSessionId || "", paused: String(isPaused(p.agent)) },
+  });
+  p.drawnMode = activityMode(p.agent);
+  setChildren(body, stateBar(p), list);
   if (!p.loaded) {
     list.append(h("p", { class: "muted" }, "Loading…"));
     return;
@@ -371,12 +573,22 @@ function drawActivity(body) {
   list.scrollTop = list.scrollHeight;
 }
 
+/** A run not loaded: a note (a step a person added, in a run of its own), or one under way. */
+function unknownRun(p, runId) {
+  const steps = [...p.steps.values()].filter((step) => step.runId === runId);
+  const live = [...p.live.values()].some((step) => step.runId === runId);
+  if (!live && steps.length && steps.every((step) => step.role === "STEP_ROLE_SYSTEM" || step.role === "STEP_ROLE_USER")) {
+    return { id: runId, status: "", note: true };
+  }
+  return { id: runId, status: runId ? "RUN_STATUS_RUNNING" : "" };
+}
+
 function ensureSection(runId) {
   const p = panel;
   let section = p.sections.get(runId);
   if (section) return section;
   const list = document.getElementById("agent-activity");
-  const run = p.runs.get(runId) || { id: runId, status: runId ? "RUN_STATUS_RUNNING" : "" };
+  const run = p.runs.get(runId) || unknownRun(p, runId);
   const head = renderRunHeader(run);
   const steps = h("div", { class: "run-steps" });
   const el = h("section", { class: "run", dataset: { runId } }, head, steps);
@@ -396,6 +608,7 @@ function drawStep(seq) {
     live: Boolean(live),
     reasoningOpen: p.reasoningOpen.get(seq),
     onToggleReasoning: (open) => p.reasoningOpen.set(seq, open),
+    actions: live ? null : stepActions(p.host, step),
   });
   const existing = p.stepEls.get(seq);
   if (existing) {
@@ -498,9 +711,7 @@ function settingsView() {
       const response = await ctx.api("PATCH", `/v1/agents/${agent.id}`, {
         body: { agent: { id: agent.id, ...values }, updateMask: "name,role,systemPrompt,model,tools,tokenBudget" },
       });
-      panel.agent = response.agent;
-      ctx.upsertAgent(response.agent);
-      drawHead();
+      applyAgent(panel, response.agent);
       toast("Settings saved.");
     } catch (err) {
       error.textContent = err.message;

@@ -9,6 +9,7 @@ import { avatar, clear, h, icon, longTime, parseTime, setChildren, shortTime, sn
 import { renderMarkdown, safeHref } from "./markdown.js";
 import { askToken, field, modal, showError, streamStatus, toast } from "./ui.js";
 import { closeAgentPanel, currentPanelAgent, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
+import { STATE_LABELS } from "./control.js";
 
 const IDENTITY_KEY = "agentim.identity";
 const KNOWN_KEY = "agentim.known";
@@ -700,8 +701,6 @@ function renderContacts(body) {
     h("div", { class: "list-actions" }, h("button", { class: "btn", type: "button", onclick: showNewMember }, "Add a person"), h("button", { class: "btn", type: "button", onclick: () => showCreateAgent(appContext) }, "Create an agent")),
   );
 }
-
-const STATE_LABELS = { AGENT_STATE_IDLE: "idle", AGENT_STATE_RUNNING: "running", AGENT_STATE_ERROR: "error" };
 
 export function stateDot(agent) {
   const label = STATE_LABELS[agent.state] || "unknown";

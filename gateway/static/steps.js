@@ -31,6 +31,7 @@ export function startedStep(agentId, started) {
     name: "",
     metrics: null,
     createTime: "",
+    interrupted: false,
   };
 }
 
@@ -76,9 +77,10 @@ function metricsLine(step) {
  * Draws one step, stored or streaming.
  *
  * Options: live (the step is still streaming), reasoningOpen (show the
- * thinking expanded; by default only while streaming), onToggleReasoning.
+ * thinking expanded; by default only while streaming), onToggleReasoning,
+ * actions (elements drawn under the step: the panel's step controls).
  */
-export function renderStep(step, { live = false, reasoningOpen, onToggleReasoning } = {}) {
+export function renderStep(step, { live = false, reasoningOpen, onToggleReasoning, actions = null } = {}) {
   const role = ROLE_NAMES[step.role] || "assistant";
   const head = h(
     "div",
@@ -86,13 +88,14 @@ export function renderStep(step, { live = false, reasoningOpen, onToggleReasonin
     h("span", { class: "step-role" }, role === "tool" && step.name ? `${ROLE_LABELS.tool} · ${step.name}` : ROLE_LABELS[role]),
     h("span", { class: "step-seq", title: step.id ? `step ${step.id}` : "" }, `#${step.sequence}`),
     live ? h("span", { class: "step-live", testid: "step-live" }, "streaming…") : null,
+    step.interrupted ? h("span", { class: "step-interrupted", testid: "step-interrupted", title: "Cut short by Interrupt: what was streamed until then" }, "interrupted") : null,
     role === "tool" && step.toolCallId ? h("code", { class: "step-call-id" }, step.toolCallId) : null,
     h("span", { class: "step-meta", title: longTime(step.createTime) }, live ? "" : [metricsLine(step), step.createTime ? shortTime(step.createTime) : ""].filter(Boolean).join(" · ")),
   );
   const el = h("div", {
-    class: `step step-${role}${live ? " is-live" : ""}`,
+    class: `step step-${role}${live ? " is-live" : ""}${step.interrupted ? " is-interrupted" : ""}`,
     testid: "step",
-    dataset: { role, sequence: String(step.sequence), live: String(live) },
+    dataset: { role, sequence: String(step.sequence), live: String(live), interrupted: String(Boolean(step.interrupted)) },
   }, head);
 
   if (step.reasoning) {
@@ -123,6 +126,7 @@ export function renderStep(step, { live = false, reasoningOpen, onToggleReasonin
       ),
     );
   }
+  if (actions && actions.length) el.append(h("div", { class: "step-actions", testid: "step-actions" }, actions));
   return el;
 }
 
@@ -132,10 +136,19 @@ const RUN_STATUS = {
   RUN_STATUS_FAILED: "failed",
   RUN_STATUS_ITERATION_LIMIT: "iteration limit",
   RUN_STATUS_BUDGET_EXHAUSTED: "budget exhausted",
+  RUN_STATUS_INTERRUPTED: "interrupted",
 };
 
-/** The header of a run: status, iterations, start and length, error. */
+/** The header of a run: status, iterations, start and length, error (or, with `note`, of a person's note). */
 export function renderRunHeader(run) {
+  if (run.note) {
+    return h(
+      "div",
+      { class: "run-head run-note", testid: "run", dataset: { runId: run.id || "", status: "NOTE" } },
+      h("span", { class: "run-status" }, "note"),
+      h("span", { class: "run-meta" }, "added by a person"),
+    );
+  }
   const status = RUN_STATUS[run.status] || "run";
   const start = run.startTime ? new Date(run.startTime) : null;
   const end = run.endTime ? new Date(run.endTime) : null;

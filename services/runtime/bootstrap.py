@@ -20,11 +20,14 @@ from services.runtime.domain.etiquette import ChatterGuard
 from services.runtime.domain.model import Agent
 from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
 from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
+from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.tasks import RetryPolicy, TaskService
 from services.runtime.service_layer.tools import default_registry
 
 logger = logging.getLogger(__name__)
@@ -115,7 +118,27 @@ def build(settings: Settings) -> RuntimeApp:
     supervisor = Supervisor(env)
     service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now)
     services.append(service)
-    servicer = RuntimeServicer(service, service_token=settings.service_token)
+    history = HistoryService(
+        store=store, supervisor=supervisor, hub=hub, im=im, agents=service, clock=utc_now
+    )
+    tasks = TaskService(
+        store=store,
+        supervisor=supervisor,
+        hub=hub,
+        agents=service,
+        clock=utc_now,
+        retry=RetryPolicy(
+            max_attempts=settings.task_max_attempts,
+            base_seconds=settings.task_retry_base_seconds,
+            max_seconds=settings.task_retry_max_seconds,
+        ),
+        max_input_bytes=settings.max_task_input_bytes,
+    )
+    supervisor.use_tasks(tasks)
+    lifecycle = LifecycleService(agents=service, supervisor=supervisor, clear_queue=tasks.clear_queue)
+    servicer = RuntimeServicer(
+        service, history=history, tasks=tasks, lifecycle=lifecycle, service_token=settings.service_token
+    )
 
     async def ready() -> bool:
         return await database.ping()

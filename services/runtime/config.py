@@ -31,6 +31,10 @@ class Settings:
     tool_timeout_seconds: float
     max_reply_bytes: int
     history_cache_steps: int
+    max_task_input_bytes: int
+    task_max_attempts: int
+    task_retry_base_seconds: float
+    task_retry_max_seconds: float
     llm_api_key: str | None = field(repr=False)
     service_token: str | None = field(repr=False)
 
@@ -70,6 +74,10 @@ class Settings:
             tool_timeout_seconds=env.number("TOOL_TIMEOUT_SECONDS", 60.0, minimum=0.01),
             max_reply_bytes=env.integer("RUNTIME_MAX_REPLY_BYTES", 64 * 1024, minimum=64),
             history_cache_steps=env.integer("RUNTIME_HISTORY_CACHE_STEPS", 20_000, minimum=0),
+            max_task_input_bytes=env.integer("RUNTIME_MAX_TASK_INPUT_BYTES", 64 * 1024, minimum=1),
+            task_max_attempts=env.integer("RUNTIME_TASK_MAX_ATTEMPTS", 3, minimum=1),
+            task_retry_base_seconds=env.number("RUNTIME_TASK_RETRY_BASE_SECONDS", 5.0, minimum=0.001),
+            task_retry_max_seconds=env.number("RUNTIME_TASK_RETRY_MAX_SECONDS", 300.0, minimum=0.001),
             llm_api_key=env.optional("OPENAI_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
         )

@@ -3,7 +3,13 @@
 The script (tests/e2e/browser/ui.test.mjs, playwright-core) creates a
 workspace, two agents and a second person, chats, watches an agent's steps
 stream, checks unread badges, replies, mentions and that hostile content
-stays inert. Screenshots go to artifacts/browser/.
+stays inert. Then agent control: it pauses a third agent (a message sent
+meanwhile waits), edits one of its steps and adds a note, resumes it and sees
+it go on from the corrected context and answer; forks from a step into a new
+session that becomes the main thread (and makes the first main again);
+creates a checkpoint; queues tasks while paused, cancels one and sees the
+other succeed; restores the checkpoint; terminates and starts the agent.
+Screenshots go to artifacts/browser/.
 """
 
 from __future__ import annotations

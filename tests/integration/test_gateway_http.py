@@ -561,11 +561,92 @@ async def test_static_files_are_served(stack: Stack, tmp_path: Path) -> None:
         await placeholder_app.stop()
 
 
+async def agent_that_answered(stack: Stack) -> tuple[Api, str, str]:
+    """A person and an agent that has answered them once: (api, person, the agent's path)."""
+    api = stack.api
+    ada = (await people(api, 1)).ids[0]
+    agent = (await api.ok("POST", "/v1/agents", member=ada, body={"name": "cora"}))["agent"]
+    base = f"/v1/agents/{agent['id']}"
+    chat = (await api.ok("POST", "/v1/groups:direct", member=ada, body={"peerMemberId": agent["memberId"]}))[
+        "group"
+    ]
+    await api.ok("POST", f"/v1/groups/{chat['id']}/messages", member=ada, body={"content": "hello"})
+    async with sse(stack.http, f"{api.base}{base}/events", params={"member_id": ada}) as stream:
+        await stream.until("run_ended")
+    return api, ada, base
+
+
+async def test_agent_lifecycle_intervention_checkpoint_and_task_routes(stack: Stack) -> None:
+    api, ada, base = await agent_that_answered(stack)
+    paused = await api.ok("POST", f"{base}:pause", member=ada)
+    assert paused["agent"]["state"] == "AGENT_STATE_PAUSED"
+    refused = await api.call("POST", f"{base}:start", member=ada)
+    assert refused.status == 400 and refused.body["error"]["status"] == "FAILED_PRECONDITION"
+    assert "cannot start an agent that is PAUSED" in refused.body["error"]["message"]
+    edited = await api.ok("PATCH", f"{base}/steps/1", member=ada, body={"content": "hello, edited"})
+    assert edited["step"]["content"] == "hello, edited"
+    note = await api.ok(
+        "POST", f"{base}/notes", member=ada, body={"role": "STEP_ROLE_SYSTEM", "content": "Be brief."}
+    )
+    assert note["step"]["role"] == "STEP_ROLE_SYSTEM" and note["step"]["sequence"] == "3"
+    await api.ok("DELETE", f"{base}/steps/3", member=ada)
+    checkpoint = (await api.ok("POST", f"{base}/checkpoints", member=ada, body={"name": "before"}))[
+        "checkpoint"
+    ]
+    listed = await api.ok("GET", f"{base}/checkpoints", member=ada)
+    assert [c["id"] for c in listed["checkpoints"]] == [checkpoint["id"]]
+    await api.ok("POST", f"{base}/checkpoints/{checkpoint['id']}:restore", member=ada)
+    task = (
+        await api.ok("POST", f"{base}/tasks", member=ada, body={"input": "sum it up", "requestId": "t-1"})
+    )["task"]
+    assert task["status"] == "TASK_STATUS_QUEUED" and task["position"] == 0
+    again = (
+        await api.ok("POST", f"{base}/tasks", member=ada, body={"input": "sum it up", "requestId": "t-1"})
+    )["task"]
+    assert again["id"] == task["id"], "the same request_id is the same task"
+    assert (await api.ok("GET", f"/v1/tasks/{task['id']}", member=ada))["task"]["input"] == "sum it up"
+    stats = await api.ok("GET", f"{base}/queue", member=ada)
+    assert stats["queued"] == 1 and stats["running"] is False
+    cancelled = await api.ok("POST", f"/v1/tasks/{task['id']}:cancel", member=ada)
+    assert cancelled["task"]["status"] == "TASK_STATUS_CANCELLED"
+    assert [t["id"] for t in (await api.ok("GET", f"{base}/tasks", member=ada))["tasks"]] == [task["id"]]
+    resumed = await api.ok("POST", f"{base}:resume", member=ada)
+    assert resumed["agent"]["state"] in ("AGENT_STATE_IDLE", "AGENT_STATE_RUNNING")
+
+
+async def test_agent_fork_session_retry_and_terminate_routes(stack: Stack) -> None:
+    api, ada, base = await agent_that_answered(stack)
+    async with sse(
+        stack.http, f"{api.base}{base}/events", params={"member_id": ada, "live_only": "true"}
+    ) as live:
+        forked = await api.ok("POST", f"{base}/steps/1:fork", member=ada, body={})
+        await live.until("run_ended")
+    sessions = (await api.ok("GET", f"{base}/sessions", member=ada))["sessions"]
+    assert [s["main"] for s in sessions] == [False, True] and sessions[1]["id"] == forked["session"]["id"]
+    await api.ok("POST", f"{base}:setMainSession", member=ada, body={"sessionId": sessions[0]["id"]})
+    steps = await api.ok("GET", f"{base}/steps", member=ada, params={"session_id": sessions[1]["id"]})
+    assert steps["steps"][0]["content"].endswith("hello")
+
+    async with sse(
+        stack.http, f"{api.base}{base}/events", params={"member_id": ada, "live_only": "true"}
+    ) as live:
+        await api.ok("POST", f"{base}/steps/2:retry", member=ada)
+        await live.until("run_ended")
+    terminated = await api.ok(
+        "POST", f"{base}:terminate", member=ada, body={"queuePolicy": "QUEUE_POLICY_CLEAR"}
+    )
+    assert terminated["agent"]["state"] == "AGENT_STATE_TERMINATED"
+    interrupted = await api.call("POST", f"{base}:interrupt", member=ada)
+    assert interrupted.status == 400
+    started = await api.ok("POST", f"{base}:start", member=ada)
+    assert started["agent"]["state"] == "AGENT_STATE_IDLE"
+
+
 async def test_the_openapi_document_lists_every_route(stack: Stack) -> None:
     document = await stack.api.ok("GET", "/openapi.json")
     operations = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
     routes = {(r.method, r.openapi_path) for r in stack.gateway.gateway.table.routes}
-    assert operations == routes and len(routes) == 32
+    assert operations == routes and len(routes) == 52
 
 
 async def test_a_taken_port_is_refused(stack: Stack) -> None:

@@ -25,7 +25,18 @@ from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.adapters.tables import SCHEMA, metadata
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
-from services.runtime.domain.model import Agent, AgentState, Run, RunStatus, Step, StepMetrics
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Checkpoint,
+    Run,
+    RunStatus,
+    Session,
+    Step,
+    StepMetrics,
+    Task,
+    TaskStatus,
+)
 from services.runtime.service_layer.store import DuplicateAgentRequest, DuplicateStep
 
 # PostgreSQL URLs whose runtime schema this session has re-created.
@@ -547,3 +558,352 @@ async def test_watch_cursors_are_saved_and_replaced(store: SqlAgentStore) -> Non
     await store.save_watch_cursors({})
     cursors = await store.watch_cursors()
     assert cursors[one] == "15" and cursors[two] == "7"
+
+
+# History: sessions, checkpoints, the step archive
+
+
+async def _agent_with_steps(store: SqlAgentStore, count: int, **fields: Any) -> tuple[Agent, Run]:
+    agent = make_agent(**fields)
+    await store.add_agent(agent)
+    await store.add_session(Session(id=agent.session_id, agent_id=agent.id, created_at=agent.created_at))
+    run = make_run(agent)
+    await store.add_run(run)
+    for sequence in range(1, count + 1):
+        await store.append_step(make_step(run, sequence))
+    return agent, run
+
+
+async def _contents(store: SqlAgentStore, session_id: uuid.UUID) -> list[tuple[int, str | None]]:
+    found = await store.list_steps(session_id, after_sequence=0, limit=100)
+    return [(s.sequence, s.message.content) for s in found]
+
+
+async def test_sessions_are_listed_oldest_first_with_their_step_counts(store: SqlAgentStore) -> None:
+    agent, _ = await _agent_with_steps(store, 3)
+    main = Session(id=agent.session_id, agent_id=agent.id, created_at=agent.created_at)
+    await store.add_session(main)  # again: no change, no error
+    other = Session(
+        id=uuid7(), agent_id=agent.id, created_at=now(), forked_from=main.id, forked_at_sequence=2
+    )
+    await store.add_session(other)
+    assert await store.get_session(other.id) == other
+    assert await store.get_session(uuid.uuid4()) is None
+    assert await store.list_sessions(agent.id) == [(main, 3), (other, 0)]
+    await store.set_main_session(agent.id, other.id)
+    stored = await store.get_agent(agent.id)
+    assert stored is not None and stored.session_id == other.id
+
+
+async def test_a_fork_copies_the_steps_up_to_its_sequence(store: SqlAgentStore) -> None:
+    agent, run = await _agent_with_steps(store, 2)
+    await store.append_step(make_step(run, 3, interrupted=True))
+    await store.append_step(make_step(run, 4))
+    fork = Session(
+        id=uuid7(), agent_id=agent.id, created_at=now(), forked_from=agent.session_id, forked_at_sequence=3
+    )
+    assert await store.fork_session(fork) == 3
+    assert await store.get_session(fork.id) == fork
+    original = await store.list_steps(agent.session_id, after_sequence=0, limit=10)
+    copies = await store.list_steps(fork.id, after_sequence=0, limit=10)
+    assert [s.sequence for s in copies] == [1, 2, 3] and len(original) == 4
+    for copy, source in zip(copies, original, strict=False):
+        assert copy.id != source.id and copy.session_id == fork.id
+        assert dataclasses.replace(copy, id=source.id, session_id=source.session_id).message == source.message
+    # The copies keep the interrupted mark (archived with it when they go).
+    assert await store.archive_steps(fork.id, reason="retried", at=now(), sequences=[3]) == 1
+    ((reason, archived),) = await store.archived_steps(fork.id)
+    assert reason == "retried" and archived.interrupted and archived.sequence == 3
+
+
+async def test_a_clone_s_empty_main_session_becomes_the_fork(store: SqlAgentStore) -> None:
+    agent, _ = await _agent_with_steps(store, 2)
+    clone, _ = await _agent_with_steps(store, 0)
+    fork = Session(
+        id=clone.session_id,
+        agent_id=clone.id,
+        created_at=clone.created_at,
+        forked_from=agent.session_id,
+        forked_at_sequence=2,
+    )
+    assert await store.fork_session(fork) == 2
+    assert await store.list_sessions(clone.id) == [(fork, 2)]
+    copies = await store.list_steps(clone.session_id, after_sequence=0, limit=10)
+    assert all(s.agent_id == clone.id for s in copies)
+    assert await _contents(store, agent.session_id) == [(1, "step 1"), (2, "step 2")]
+
+
+async def test_an_edit_archives_the_original_in_the_same_change(store: SqlAgentStore) -> None:
+    agent, _ = await _agent_with_steps(store, 2)
+    (first, _) = await store.list_steps(agent.session_id, after_sequence=0, limit=10)
+    assert await store.edit_step(first.id, "corrected", at=now())
+    assert not await store.edit_step(uuid.uuid4(), "nothing", at=now())
+    edited = (await store.list_steps(agent.session_id, after_sequence=0, limit=1))[0]
+    assert edited.id == first.id and edited.message.content == "corrected"
+    assert edited.message.role is first.message.role
+    ((reason, original),) = await store.archived_steps(agent.session_id)
+    assert reason == "edited" and original == first
+
+
+async def test_steps_are_archived_by_number_or_after_one(store: SqlAgentStore) -> None:
+    agent, _ = await _agent_with_steps(store, 6)
+    at = now()
+    assert await store.archive_steps(agent.session_id, reason="deleted", at=at, sequences=[2, 3]) == 2
+    assert (
+        await store.archive_steps(
+            agent.session_id, reason="retried", at=at + timedelta(seconds=1), after_sequence=4
+        )
+        == 2
+    )
+    assert await store.archive_steps(agent.session_id, reason="deleted", at=at, sequences=[2]) == 0
+    assert await _contents(store, agent.session_id) == [(1, "step 1"), (4, "step 4")]
+    archived = await store.archived_steps(agent.session_id)
+    assert [(reason, s.sequence) for reason, s in archived] == [
+        ("deleted", 2),
+        ("deleted", 3),
+        ("retried", 5),
+        ("retried", 6),
+    ]
+    # A sequence number freed by the archive may be written again.
+    run = make_run(agent)
+    await store.append_step(make_step(run, 5, ChatMessage(role=Role.ASSISTANT, content="again")))
+    assert (await _contents(store, agent.session_id))[-1] == (5, "again")
+
+
+async def test_checkpoints_keep_settings_list_newest_first_and_restore(store: SqlAgentStore) -> None:
+    agent, _ = await _agent_with_steps(
+        store,
+        4,
+        name="ada",
+        role="helper",
+        system_prompt="Be kind.",
+        model=ModelSettings(model="m1", base_url="http://x", temperature=0.5, max_tokens=None),
+        tools=("send_message",),
+        token_budget=500,
+    )
+    made = []
+    for index in range(3):
+        checkpoint = Checkpoint(
+            id=uuid7(),
+            agent_id=agent.id,
+            name=f"c{index}",
+            session_id=agent.session_id,
+            sequence=2 + index,
+            settings=dataclasses.replace(agent, system_prompt=f"prompt {index}"),
+            created_at=now(),
+        )
+        await store.add_checkpoint(checkpoint)
+        made.append(checkpoint)
+    # Settings changed since: a checkpoint keeps its own.
+    await store.update_agent(dataclasses.replace(agent, name="renamed", system_prompt="Be terse.", tools=()))
+    found = await store.get_checkpoint(made[0].id)
+    assert found is not None and found.settings.system_prompt == "prompt 0"
+    assert (found.settings.name, found.settings.tools, found.settings.model) == (
+        "ada",
+        ("send_message",),
+        agent.model,
+    )
+    assert found.settings.token_budget == 500 and found.settings.id == agent.id
+    assert dataclasses.replace(found, settings=made[0].settings) == made[0]
+    assert await store.get_checkpoint(uuid.uuid4()) is None
+    first = await store.list_checkpoints(agent.id, before=None, limit=2)
+    rest = await store.list_checkpoints(agent.id, before=first[-1].id, limit=2)
+    assert [c.name for c in first + rest] == ["c2", "c1", "c0"]
+
+    elsewhere = uuid7()
+    await store.set_main_session(agent.id, elsewhere)
+    assert await store.restore_checkpoint(made[0], at=now()) == 2
+    assert await _contents(store, agent.session_id) == [(1, "step 1"), (2, "step 2")]
+    assert [r for r, _ in await store.archived_steps(agent.session_id)] == ["restored", "restored"]
+    restored = await store.get_agent(agent.id)
+    assert restored is not None and restored.session_id == agent.session_id
+
+
+async def test_the_migration_gives_every_existing_agent_its_main_session(runtime_url: str) -> None:
+    database = Database(runtime_url)
+    if not database.is_sqlite:
+        await database.aclose()
+        pytest.skip("PostgreSQL tests share one migrated schema")
+    try:
+        await migrate.downgrade(database, "0002")
+        store = SqlAgentStore(database)
+        agent = make_agent()
+        await store.add_agent(agent)
+        await migrate.upgrade(database)
+        (session, count) = (await store.list_sessions(agent.id))[0]
+        assert (session.id, session.agent_id, session.forked_from, count) == (
+            agent.session_id,
+            agent.id,
+            None,
+            0,
+        )
+    finally:
+        await database.aclose()
+
+
+# Tasks
+
+
+def make_task(agent_id: uuid.UUID, **fields: Any) -> Task:
+    values: dict[str, Any] = {
+        "id": uuid7(),
+        "agent_id": agent_id,
+        "session_id": uuid7(),
+        "input": "do it",
+        "status": TaskStatus.QUEUED,
+        "created_at": now(),
+    }
+    values.update(fields)
+    return Task(**values)
+
+
+async def test_a_task_round_trips_every_field_and_its_progress_is_replaced(store: SqlAgentStore) -> None:
+    agent_id = uuid7()
+    task = make_task(agent_id, input="write the report ✍", priority=-3, request_id="r-1")
+    assert await store.add_task(task) == task
+    assert await store.get_task(task.id) == task
+    assert await store.get_task(uuid.uuid4()) is None
+    at = now()
+    progressed = dataclasses.replace(
+        task,
+        status=TaskStatus.FAILED,
+        attempts=2,
+        last_error="boom",
+        result="half",
+        started_at=at,
+        ended_at=at + timedelta(seconds=1),
+        retry_at=at + timedelta(seconds=5),
+        run_id=uuid7(),
+        # What a task was submitted with never changes.
+        input="changed",
+        priority=7,
+    )
+    assert await store.update_task(progressed, expected=[TaskStatus.QUEUED])
+    stored = await store.get_task(task.id)
+    assert stored == dataclasses.replace(progressed, input=task.input, priority=task.priority)
+    # A compare-and-set: the stored status must be one expected.
+    assert not await store.update_task(
+        dataclasses.replace(task, status=TaskStatus.RUNNING), expected=[TaskStatus.QUEUED]
+    )
+    assert await store.get_task(task.id) == stored
+
+
+async def test_a_request_id_is_recorded_once_per_agent(store: SqlAgentStore, runtime_url: str) -> None:
+    agent_id = uuid7()
+    first = make_task(agent_id, request_id="same")
+    assert await store.add_task(first) == first
+    assert await store.add_task(make_task(agent_id, request_id="same", input="other")) == first
+    assert await store.find_task(agent_id, "same") == first
+    assert await store.find_task(agent_id, "other") is None
+    # Other agents' request_ids, and tasks without one, are independent.
+    elsewhere = make_task(uuid7(), request_id="same")
+    assert await store.add_task(elsewhere) == elsewhere
+    plain = [make_task(agent_id) for _ in range(2)]
+    assert [await store.add_task(t) for t in plain] == plain
+    assert await store.find_task(agent_id, "") is None
+    # Concurrent submissions through two stores: one task.
+    other = SqlAgentStore(Database(runtime_url))
+    try:
+        rivals = [make_task(agent_id, request_id="raced", input=f"rival {i}") for i in range(6)]
+        stored = await asyncio.gather(
+            *(s.add_task(t) for s, t in zip([store, other] * 3, rivals, strict=True))
+        )
+        assert len({t.id for t in stored}) == 1 and stored[0] in rivals
+    finally:
+        await other.aclose()
+
+
+async def test_tasks_are_listed_newest_first_before_a_cursor(store: SqlAgentStore) -> None:
+    agent_id = uuid7()
+    tasks_ = [make_task(agent_id, input=f"t{i}") for i in range(5)]
+    for task in tasks_:
+        await store.add_task(task)
+    await store.add_task(make_task(uuid7()))
+    first = await store.list_tasks(agent_id, before=None, limit=3)
+    rest = await store.list_tasks(agent_id, before=first[-1].id, limit=3)
+    assert [t.input for t in first + rest] == ["t4", "t3", "t2", "t1", "t0"]
+
+
+async def test_the_queue_is_served_by_priority_then_arrival(store: SqlAgentStore) -> None:
+    agent_id, start = uuid7(), now()
+    at = [start + timedelta(milliseconds=i) for i in range(10)]
+    low = make_task(agent_id, input="low", created_at=at[0])
+    high = make_task(agent_id, input="high", priority=5, created_at=at[1])
+    high_later = make_task(agent_id, input="high later", priority=5, created_at=at[2])
+    # Submitted in the same instant: the id breaks the tie.
+    twin_a, twin_b = sorted(
+        [make_task(agent_id, input="twin", created_at=at[3]) for _ in range(2)], key=lambda t: t.id
+    )
+    due = make_task(agent_id, input="due retry", priority=5, created_at=at[4])
+    later = make_task(agent_id, input="later retry", priority=9, created_at=at[0])
+    others = [
+        make_task(agent_id, input=status.value, priority=99, status=status)
+        for status in (TaskStatus.RUNNING, TaskStatus.SUCCEEDED, TaskStatus.CANCELLED, TaskStatus.DEAD)
+    ]
+    for task in [low, high, high_later, twin_b, twin_a, due, later, *others, make_task(uuid7(), priority=99)]:
+        await store.add_task(task)
+    for task, retry in ((due, start), (later, start + timedelta(hours=1))):
+        failed = dataclasses.replace(task, status=TaskStatus.FAILED, attempts=1, retry_at=retry)
+        assert await store.update_task(failed, expected=[TaskStatus.QUEUED])
+    clock = start + timedelta(seconds=1)
+    order = [high, high_later, due, low, twin_a, twin_b]
+    assert [await store.tasks_ahead(t, now=clock) for t in order] == [0, 1, 2, 3, 4, 5]
+    assert await store.next_retry_at(agent_id) == start
+    served: list[uuid.UUID] = []
+    while (head := await store.next_task(agent_id, now=clock)) is not None:
+        served.append(head.id)
+        await store.update_task(
+            dataclasses.replace(head, status=TaskStatus.SUCCEEDED), expected=[head.status]
+        )
+    assert served == [t.id for t in order]
+    # Once its retry is due, the later one comes first (priority 9).
+    assert await store.next_retry_at(agent_id) == start + timedelta(hours=1)
+    head = await store.next_task(agent_id, now=start + timedelta(hours=1))
+    assert head is not None and head.id == later.id
+    assert await store.next_task(uuid7(), now=clock) is None
+    assert await store.next_retry_at(uuid7()) is None
+
+
+async def test_cancelling_the_waiting_tasks_of_an_agent(store: SqlAgentStore) -> None:
+    agent_id, at = uuid7(), now()
+    queued = [make_task(agent_id) for _ in range(3)]
+    failed = make_task(agent_id, status=TaskStatus.FAILED, retry_at=at)
+    running = make_task(agent_id, status=TaskStatus.RUNNING)
+    elsewhere = make_task(uuid7())
+    for task in [*queued, failed, running, elsewhere]:
+        await store.add_task(task)
+    cancelled = await store.cancel_waiting_tasks(agent_id, at=at)
+    expected = [
+        dataclasses.replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None)
+        for t in [*queued, failed]
+    ]
+    assert cancelled == sorted(expected, key=lambda t: t.id)
+    assert [await store.get_task(t.id) for t in [*queued, failed]] == expected
+    assert await store.get_task(running.id) == running and await store.get_task(elsewhere.id) == elsewhere
+    assert await store.cancel_waiting_tasks(agent_id, at=at) == []
+
+
+async def test_queue_stats(store: SqlAgentStore) -> None:
+    agent_id, start = uuid7(), now()
+    assert await store.queue_stats(agent_id) == (0, 0, 0.0)
+    tasks_ = [
+        make_task(agent_id, created_at=start),
+        make_task(
+            agent_id, status=TaskStatus.FAILED, created_at=start, started_at=start + timedelta(seconds=1)
+        ),
+        make_task(
+            agent_id, status=TaskStatus.RUNNING, created_at=start, started_at=start + timedelta(seconds=3)
+        ),
+        make_task(
+            agent_id, status=TaskStatus.SUCCEEDED, created_at=start, started_at=start + timedelta(seconds=2)
+        ),
+        make_task(agent_id, status=TaskStatus.CANCELLED, created_at=start),
+        make_task(
+            uuid7(), status=TaskStatus.RUNNING, created_at=start, started_at=start + timedelta(hours=1)
+        ),
+    ]
+    for task in tasks_:
+        await store.add_task(task)
+    waiting, running, average = await store.queue_stats(agent_id)
+    assert (waiting, running) == (2, 1)
+    assert average == pytest.approx(2000.0, abs=1.0)

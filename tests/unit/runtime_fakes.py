@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -21,7 +22,7 @@ from services.runtime.domain.llm import (
     ToolCallDelta,
     Usage,
 )
-from services.runtime.domain.model import Agent, Run, Step
+from services.runtime.domain.model import Agent, Checkpoint, Run, Session, Step, Task, TaskStatus
 from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, DuplicateStep
@@ -216,6 +217,11 @@ class Script:
     tool_calls: list[tuple[str, str]] = field(default_factory=list)  # (name, JSON arguments)
     fail: Exception | None = None
     before: Callable[[], Awaitable[None]] | None = None
+    # After this many deltas, waits until `gate` is set (a model mid-stream).
+    hold_after: int = -1
+    gate: asyncio.Event | None = None
+    # Set when the stream reaches `hold_after`.
+    reached: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ScriptedLLM(LLM):
@@ -245,7 +251,10 @@ class ScriptedLLM(LLM):
                 ToolCallDelta(index, arguments=arguments[half:]),
             ]
         assembler = CompletionAssembler()
-        for delta in deltas:
+        for index, delta in enumerate(deltas):
+            if index == script.hold_after and script.gate is not None:
+                script.reached.set()
+                await script.gate.wait()
             assembler.add(delta)
             yield delta
             await asyncio.sleep(0)
@@ -264,6 +273,7 @@ class InMemoryAgentStore(AgentStore):
         self.runs: dict[uuid.UUID, Run] = {}
         self.steps: dict[uuid.UUID, list[Step]] = {}
         self.cursors: dict[uuid.UUID, str] = {}
+        self._history = _History()
 
     async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
         if request is not None:
@@ -300,6 +310,236 @@ class InMemoryAgentStore(AgentStore):
 
     async def update_agent(self, agent: Agent) -> None:
         self.agents[agent.id] = agent
+
+    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+
+    @property
+    def sessions(self) -> dict[uuid.UUID, Session]:
+        return self._history.sessions
+
+    @property
+    def archive(self) -> list[tuple[str, datetime, Step]]:
+        """(reason, when, step) of every archived step, in the order archived."""
+        return self._history.archive
+
+    async def add_session(self, session: Session) -> None:
+        self.sessions.setdefault(session.id, session)
+
+    async def get_session(self, session_id: uuid.UUID) -> Session | None:
+        return self.sessions.get(session_id)
+
+    async def list_sessions(self, agent_id: uuid.UUID) -> list[tuple[Session, int]]:
+        found = sorted(
+            (s for s in self.sessions.values() if s.agent_id == agent_id), key=lambda s: (s.created_at, s.id)
+        )
+        return [(s, len(self.steps.get(s.id, []))) for s in found]
+
+    async def set_main_session(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
+        self.agents[agent_id] = replace(self.agents[agent_id], session_id=session_id)
+
+    async def fork_session(self, session: Session) -> int:
+        origin = session.forked_from
+        assert origin is not None
+        if session.id in self.sessions:
+            session = replace(
+                self.sessions[session.id],
+                forked_from=session.forked_from,
+                forked_at_sequence=session.forked_at_sequence,
+            )
+        self.sessions[session.id] = session
+        source = [s for s in self.steps.get(origin, []) if s.sequence <= session.forked_at_sequence]
+        copies = [
+            replace(s, id=uuid.uuid4(), session_id=session.id, agent_id=session.agent_id) for s in source
+        ]
+        self.steps.setdefault(session.id, []).extend(copies)
+        return len(copies)
+
+    async def edit_step(self, step_id: uuid.UUID, content: str, *, at: datetime) -> bool:
+        for session_steps in self.steps.values():
+            for index, step in enumerate(session_steps):
+                if step.id == step_id:
+                    self.archive.append(("edited", at, step))
+                    session_steps[index] = replace(step, message=replace(step.message, content=content))
+                    return True
+        return False
+
+    async def archive_steps(
+        self,
+        session_id: uuid.UUID,
+        *,
+        reason: str,
+        at: datetime,
+        sequences: Sequence[int] = (),
+        after_sequence: int | None = None,
+    ) -> int:
+        kept: list[Step] = []
+        moved = 0
+        for step in sorted(self.steps.get(session_id, []), key=lambda s: s.sequence):
+            if step.sequence in sequences or (after_sequence is not None and step.sequence > after_sequence):
+                self.archive.append((reason, at, step))
+                moved += 1
+            else:
+                kept.append(step)
+        self.steps[session_id] = kept
+        return moved
+
+    async def archived_steps(self, session_id: uuid.UUID) -> list[tuple[str, Step]]:
+        return [(reason, step) for reason, _, step in self.archive if step.session_id == session_id]
+
+    async def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self._history.checkpoints[checkpoint.id] = checkpoint
+
+    def _checkpoint(self, checkpoint: Checkpoint) -> Checkpoint | None:
+        agent, saved = self.agents.get(checkpoint.agent_id), checkpoint.settings
+        if agent is None:
+            return None
+        settings = replace(
+            agent,
+            name=saved.name,
+            role=saved.role,
+            system_prompt=saved.system_prompt,
+            model=saved.model,
+            tools=saved.tools,
+            token_budget=saved.token_budget,
+        )
+        return replace(checkpoint, settings=settings)
+
+    async def get_checkpoint(self, checkpoint_id: uuid.UUID) -> Checkpoint | None:
+        found = self._history.checkpoints.get(checkpoint_id)
+        return self._checkpoint(found) if found is not None else None
+
+    async def list_checkpoints(
+        self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int
+    ) -> list[Checkpoint]:
+        found = sorted(
+            (
+                c
+                for c in self._history.checkpoints.values()
+                if c.agent_id == agent_id and (before is None or c.id < before)
+            ),
+            key=lambda c: c.id,
+            reverse=True,
+        )
+        return [c for c in map(self._checkpoint, found[:limit]) if c is not None]
+
+    async def restore_checkpoint(self, checkpoint: Checkpoint, *, at: datetime) -> int:
+        archived = await self.archive_steps(
+            checkpoint.session_id, reason="restored", at=at, after_sequence=checkpoint.sequence
+        )
+        await self.set_main_session(checkpoint.agent_id, checkpoint.session_id)
+        return archived
+
+    # -- Tasks (TaskService) --
+
+    @functools.cached_property
+    def tasks(self) -> dict[uuid.UUID, Task]:
+        return {}
+
+    def _task_request(self, agent_id: uuid.UUID, request_id: str) -> Task | None:
+        return next(
+            (t for t in self.tasks.values() if t.agent_id == agent_id and t.request_id == request_id), None
+        )
+
+    def _waiting_tasks(self, agent_id: uuid.UUID, now: datetime) -> list[Task]:
+        """The queue in the order it is served."""
+        return sorted(
+            (
+                t
+                for t in self.tasks.values()
+                if t.agent_id == agent_id
+                and (
+                    t.status is TaskStatus.QUEUED
+                    or (t.status is TaskStatus.FAILED and t.retry_at is not None and t.retry_at <= now)
+                )
+            ),
+            key=_queue_order,
+        )
+
+    async def add_task(self, task: Task) -> Task:
+        # A database round trip: concurrent submissions interleave here.
+        await asyncio.sleep(0)
+        if task.request_id:
+            found = self._task_request(task.agent_id, task.request_id)
+            if found is not None:
+                return found
+        self.tasks[task.id] = task
+        return task
+
+    async def get_task(self, task_id: uuid.UUID) -> Task | None:
+        return self.tasks.get(task_id)
+
+    async def find_task(self, agent_id: uuid.UUID, request_id: str) -> Task | None:
+        await asyncio.sleep(0)
+        return self._task_request(agent_id, request_id)
+
+    async def list_tasks(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Task]:
+        found = sorted(
+            (t for t in self.tasks.values() if t.agent_id == agent_id and (before is None or t.id < before)),
+            key=lambda t: t.id,
+            reverse=True,
+        )
+        return found[:limit]
+
+    async def next_task(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
+        waiting = self._waiting_tasks(agent_id, now)
+        return waiting[0] if waiting else None
+
+    async def tasks_ahead(self, task: Task, *, now: datetime) -> int:
+        return sum(1 for t in self._waiting_tasks(task.agent_id, now) if _queue_order(t) < _queue_order(task))
+
+    async def next_retry_at(self, agent_id: uuid.UUID) -> datetime | None:
+        return min(
+            (
+                t.retry_at
+                for t in self.tasks.values()
+                if t.agent_id == agent_id and t.status is TaskStatus.FAILED and t.retry_at is not None
+            ),
+            default=None,
+        )
+
+    async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+        stored = self.tasks.get(task.id)
+        if stored is None or stored.status not in expected:
+            return False
+        self.tasks[task.id] = replace(
+            stored,
+            status=task.status,
+            attempts=task.attempts,
+            last_error=task.last_error,
+            result=task.result,
+            started_at=task.started_at,
+            ended_at=task.ended_at,
+            retry_at=task.retry_at,
+            run_id=task.run_id,
+        )
+        return True
+
+    async def cancel_waiting_tasks(self, agent_id: uuid.UUID, *, at: datetime) -> list[Task]:
+        cancelled = [
+            replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None)
+            for t in self.tasks.values()
+            if t.agent_id == agent_id and t.status in (TaskStatus.QUEUED, TaskStatus.FAILED)
+        ]
+        self.tasks.update((t.id, t) for t in cancelled)
+        return cancelled
+
+    async def requeue_running_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+        requeued = [
+            replace(t, status=TaskStatus.QUEUED, attempts=max(0, t.attempts - 1), retry_at=None)
+            for t in self.tasks.values()
+            if t.agent_id == agent_id and t.status is TaskStatus.RUNNING
+        ]
+        self.tasks.update((t.id, t) for t in requeued)
+        return requeued
+
+    async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
+        mine = [t for t in self.tasks.values() if t.agent_id == agent_id]
+        waits = [(t.started_at - t.created_at).total_seconds() * 1000 for t in mine if t.started_at]
+        return (
+            sum(1 for t in mine if t.status in (TaskStatus.QUEUED, TaskStatus.FAILED)),
+            sum(1 for t in mine if t.status is TaskStatus.RUNNING),
+            sum(waits) / len(waits) if waits else 0.0,
+        )
 
     async def watch_cursors(self) -> dict[uuid.UUID, str]:
         return dict(self.cursors)
@@ -348,3 +588,17 @@ class InMemoryAgentStore(AgentStore):
 
     async def last_sequence(self, session_id: uuid.UUID) -> int:
         return max((s.sequence for s in self.steps.get(session_id, [])), default=0)
+
+
+@dataclass
+class _History:
+    """`InMemoryAgentStore`'s sessions, checkpoints and step archive."""
+
+    sessions: dict[uuid.UUID, Session] = field(default_factory=dict)
+    checkpoints: dict[uuid.UUID, Checkpoint] = field(default_factory=dict)
+    archive: list[tuple[str, datetime, Step]] = field(default_factory=list)
+
+
+def _queue_order(task: Task) -> tuple[int, datetime, uuid.UUID]:
+    """Higher priority first, then arrival."""
+    return (-task.priority, task.created_at, task.id)

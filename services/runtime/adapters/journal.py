@@ -117,6 +117,7 @@ class SqliteJournal(Journal):
                         metrics.model,
                         metrics.tool_duration_ms,
                         sqlite_time(step.created_at),
+                        step.interrupted,
                     ),
                 ).rowcount
                 if not inserted:
@@ -170,8 +171,8 @@ class SqliteJournal(Journal):
 _SQLITE_INSERT_STEP = """
 INSERT INTO steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
                    tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
-                   cached_tokens, model, tool_duration_ms, created_at)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   cached_tokens, model, tool_duration_ms, created_at, interrupted)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (session_id, sequence) DO NOTHING
 """
 _SQLITE_INSERT_RUN = """
@@ -246,6 +247,8 @@ class PostgresJournal(Journal):
                 [a.state.value for _, a in progress],
                 [a.last_error for _, a in progress],
                 [a.tokens_used for _, a in progress],
+                # $43: steps again
+                [s.interrupted for _, s in steps],
             )
         refused = {int(row["w"]) for row in rows}
         return [index not in refused for index in range(len(batch))]
@@ -262,10 +265,10 @@ new_steps AS (
     SELECT * FROM unnest($1::int[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::bigint[],
                          $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
                          $13::float8[], $14::float8[], $15::bigint[], $16::bigint[], $17::bigint[],
-                         $18::text[], $19::float8[], $20::timestamptz[])
+                         $18::text[], $19::float8[], $20::timestamptz[], $43::bool[])
         AS s(w, id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
              tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
-             cached_tokens, model, tool_duration_ms, created_at)
+             cached_tokens, model, tool_duration_ms, created_at, interrupted)
 ),
 refused AS (
     SELECT s.w FROM new_steps s
@@ -277,10 +280,11 @@ refused AS (
 inserted_steps AS (
     INSERT INTO {SCHEMA}.steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning,
                                 tool_calls, tool_call_id, name, duration_ms, first_token_ms, input_tokens,
-                                output_tokens, cached_tokens, model, tool_duration_ms, created_at)
+                                output_tokens, cached_tokens, model, tool_duration_ms, created_at,
+                                interrupted)
     SELECT id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls::json,
            tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens, cached_tokens,
-           model, tool_duration_ms, created_at
+           model, tool_duration_ms, created_at, interrupted
     FROM new_steps WHERE w NOT IN (SELECT w FROM refused)
     ON CONFLICT (session_id, sequence) DO NOTHING
     RETURNING session_id, sequence

@@ -9,19 +9,43 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
+from uuid_utils.compat import uuid7
 
 from services.common.sql import SqlDatabase
 from services.runtime.adapters.journal import Write, open_journal
-from services.runtime.adapters.tables import SCHEMA, agent_requests, agents, runs, steps, watch_cursors
+from services.runtime.adapters.tables import (
+    SCHEMA,
+    agent_requests,
+    agents,
+    checkpoints,
+    runs,
+    sessions,
+    step_archive,
+    steps,
+    tasks,
+    watch_cursors,
+)
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
-from services.runtime.domain.model import Agent, AgentState, Run, RunStatus, Step, StepMetrics
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Checkpoint,
+    Run,
+    RunStatus,
+    Session,
+    Step,
+    StepMetrics,
+    Task,
+    TaskStatus,
+)
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
 
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
@@ -154,6 +178,7 @@ def _step_values(step: Step) -> dict[str, Any]:
         "model": metrics.model,
         "tool_duration_ms": metrics.tool_duration_ms,
         "created_at": step.created_at,
+        "interrupted": step.interrupted,
     }
 
 
@@ -184,6 +209,7 @@ def _step(row: sa.Row[Any]) -> Step:
             tool_duration_ms=float(row.tool_duration_ms),
         ),
         created_at=row.created_at,
+        interrupted=bool(row.interrupted),
     )
 
 
@@ -332,6 +358,302 @@ class SqlAgentStore(AgentStore):
         )
         return int(rows[0][0] or 0)
 
+    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+
+    async def add_session(self, session: Session) -> None:
+        await self._write(
+            self._insert(sessions)
+            .values(**_session_values(session))
+            .on_conflict_do_nothing(index_elements=[sessions.c.id])
+        )
+
+    async def get_session(self, session_id: uuid.UUID) -> Session | None:
+        rows = await self._rows(sessions.select().where(sessions.c.id == session_id))
+        return _session(rows[0]) if rows else None
+
+    async def list_sessions(self, agent_id: uuid.UUID) -> list[tuple[Session, int]]:
+        count = (
+            sa.select(sa.func.count())
+            .where(steps.c.session_id == sessions.c.id)
+            .scalar_subquery()
+            .label("step_count")
+        )
+        rows = await self._rows(
+            sa.select(sessions, count)
+            .where(sessions.c.agent_id == agent_id)
+            .order_by(sessions.c.created_at, sessions.c.id)
+        )
+        return [(_session(row), int(row.step_count)) for row in rows]
+
+    async def set_main_session(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
+        await self._write(agents.update().where(agents.c.id == agent_id).values(session_id=session_id))
+
+    async def fork_session(self, session: Session) -> int:
+        assert session.forked_from is not None
+        async with self._db.transaction() as conn:
+            marked = await conn.execute(
+                sessions.update()
+                .where(sessions.c.id == session.id)
+                .values(forked_from=session.forked_from, forked_at_sequence=session.forked_at_sequence)
+            )
+            if not marked.rowcount:
+                await conn.execute(sessions.insert().values(**_session_values(session)))
+            source = (
+                await conn.execute(
+                    steps.select()
+                    .where(
+                        steps.c.session_id == session.forked_from,
+                        steps.c.sequence <= session.forked_at_sequence,
+                    )
+                    .order_by(steps.c.sequence)
+                )
+            ).all()
+            copies = [
+                {**row._asdict(), "id": uuid7(), "session_id": session.id, "agent_id": session.agent_id}
+                for row in source
+            ]
+            if copies:
+                await conn.execute(steps.insert(), copies)
+            return len(copies)
+
+    async def edit_step(self, step_id: uuid.UUID, content: str, *, at: datetime) -> bool:
+        async with self._db.transaction() as conn:
+            archived = await _archive(conn, steps.c.id == step_id, reason="edited", at=at, remove=False)
+            if not archived:
+                return False
+            await conn.execute(steps.update().where(steps.c.id == step_id).values(content=content))
+            return True
+
+    async def archive_steps(
+        self,
+        session_id: uuid.UUID,
+        *,
+        reason: str,
+        at: datetime,
+        sequences: Sequence[int] = (),
+        after_sequence: int | None = None,
+    ) -> int:
+        async with self._db.transaction() as conn:
+            return await _archive(conn, _chosen(session_id, sequences, after_sequence), reason=reason, at=at)
+
+    async def archived_steps(self, session_id: uuid.UUID) -> list[tuple[str, Step]]:
+        rows = await self._rows(
+            step_archive.select()
+            .where(step_archive.c.session_id == session_id)
+            .order_by(step_archive.c.archived_at, step_archive.c.sequence, step_archive.c.archive_id)
+        )
+        return [(row.reason, _step(row)) for row in rows]
+
+    async def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        settings = checkpoint.settings
+        await self._write(
+            checkpoints.insert().values(
+                id=checkpoint.id,
+                agent_id=checkpoint.agent_id,
+                name=checkpoint.name,
+                session_id=checkpoint.session_id,
+                sequence=checkpoint.sequence,
+                settings={
+                    "name": settings.name,
+                    "role": settings.role,
+                    "system_prompt": settings.system_prompt,
+                    "model": {
+                        "model": settings.model.model,
+                        "base_url": settings.model.base_url,
+                        "temperature": settings.model.temperature,
+                        "max_tokens": settings.model.max_tokens,
+                    },
+                    "tools": list(settings.tools),
+                    "token_budget": settings.token_budget,
+                },
+                created_at=checkpoint.created_at,
+            )
+        )
+
+    async def get_checkpoint(self, checkpoint_id: uuid.UUID) -> Checkpoint | None:
+        found = await self._checkpoints(checkpoints.c.id == checkpoint_id, limit=1)
+        return found[0] if found else None
+
+    async def list_checkpoints(
+        self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int
+    ) -> list[Checkpoint]:
+        condition = checkpoints.c.agent_id == agent_id
+        if before is not None:
+            condition = sa.and_(condition, checkpoints.c.id < before)
+        return await self._checkpoints(condition, limit=limit)
+
+    async def _checkpoints(self, condition: sa.ColumnElement[bool], *, limit: int) -> list[Checkpoint]:
+        async with self._db.transaction(write=False) as conn:
+            rows = (
+                await conn.execute(
+                    checkpoints.select().where(condition).order_by(checkpoints.c.id.desc()).limit(limit)
+                )
+            ).all()
+            owners = {r.agent_id for r in rows}
+            found = (await conn.execute(agents.select().where(agents.c.id.in_(owners)))).all() if rows else []
+        agents_by_id = {row.id: _agent(row) for row in found}
+        return [_checkpoint(row, agents_by_id[row.agent_id]) for row in rows if row.agent_id in agents_by_id]
+
+    async def restore_checkpoint(self, checkpoint: Checkpoint, *, at: datetime) -> int:
+        async with self._db.transaction() as conn:
+            archived = await _archive(
+                conn,
+                _chosen(checkpoint.session_id, (), checkpoint.sequence),
+                reason="restored",
+                at=at,
+            )
+            await conn.execute(
+                agents.update()
+                .where(agents.c.id == checkpoint.agent_id)
+                .values(session_id=checkpoint.session_id)
+            )
+            return archived
+
+    # -- Tasks (TaskService) --
+
+    async def add_task(self, task: Task) -> Task:
+        async with self._db.transaction() as conn:
+            statement = self._insert(tasks).values(**_task_values(task))
+            if task.request_id:
+                # A concurrent submission with the request_id waits here for the
+                # first one's commit, then inserts nothing and reads its task.
+                statement = statement.on_conflict_do_nothing(
+                    index_elements=[tasks.c.agent_id, tasks.c.request_id], index_where=_has_request
+                )
+            if (await conn.execute(statement)).rowcount:
+                return task
+            found = await conn.execute(
+                tasks.select().where(tasks.c.agent_id == task.agent_id, tasks.c.request_id == task.request_id)
+            )
+            return _task(found.one())
+
+    async def get_task(self, task_id: uuid.UUID) -> Task | None:
+        rows = await self._rows(tasks.select().where(tasks.c.id == task_id))
+        return _task(rows[0]) if rows else None
+
+    async def find_task(self, agent_id: uuid.UUID, request_id: str) -> Task | None:
+        rows = await self._rows(
+            tasks.select().where(tasks.c.agent_id == agent_id, tasks.c.request_id == request_id, _has_request)
+        )
+        return _task(rows[0]) if rows else None
+
+    async def list_tasks(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Task]:
+        query = tasks.select().where(tasks.c.agent_id == agent_id).order_by(tasks.c.id.desc()).limit(limit)
+        if before is not None:
+            query = query.where(tasks.c.id < before)
+        return [_task(r) for r in await self._rows(query)]
+
+    async def next_task(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
+        # Two heads, each the start of a range of ix_tasks_queue: the oldest
+        # QUEUED task of the highest priority queued, and the first FAILED
+        # task whose retry is due (few: those waiting out a backoff).
+        top = tasks.alias("top")
+        highest = (
+            sa.select(sa.func.max(top.c.priority))
+            .where(top.c.agent_id == agent_id, top.c.status == TaskStatus.QUEUED.value)
+            .scalar_subquery()
+        )
+        queued = (
+            tasks.select()
+            .where(
+                tasks.c.agent_id == agent_id,
+                tasks.c.status == TaskStatus.QUEUED.value,
+                tasks.c.priority == highest,
+            )
+            .order_by(tasks.c.created_at, tasks.c.id)
+            .limit(1)
+        )
+        due = (
+            tasks.select()
+            .where(tasks.c.agent_id == agent_id, _retry_due(now))
+            .order_by(tasks.c.priority.desc(), tasks.c.created_at, tasks.c.id)
+            .limit(1)
+        )
+        async with self._db.transaction(write=False) as conn:
+            heads = [_task(r) for q in (queued, due) for r in (await conn.execute(q)).all()]
+        return min(heads, key=_queue_order, default=None)
+
+    async def tasks_ahead(self, task: Task, *, now: datetime) -> int:
+        ahead = sa.or_(
+            tasks.c.priority > task.priority,
+            sa.and_(
+                tasks.c.priority == task.priority,
+                sa.or_(
+                    tasks.c.created_at < task.created_at,
+                    sa.and_(tasks.c.created_at == task.created_at, tasks.c.id < task.id),
+                ),
+            ),
+        )
+
+        def counted(waiting: sa.ColumnElement[bool]) -> sa.ScalarSelect[int]:
+            # One index range per status, rather than all the agent's tasks ever.
+            return (
+                sa.select(sa.func.count())
+                .select_from(tasks)
+                .where(tasks.c.agent_id == task.agent_id, waiting, ahead)
+                .scalar_subquery()
+            )
+
+        queued = counted(tasks.c.status == TaskStatus.QUEUED.value)
+        rows = await self._rows(sa.select(queued + counted(_retry_due(now))))
+        return int(rows[0][0])
+
+    async def next_retry_at(self, agent_id: uuid.UUID) -> datetime | None:
+        rows = await self._rows(
+            sa.select(sa.func.min(tasks.c.retry_at)).where(
+                tasks.c.agent_id == agent_id, tasks.c.status == TaskStatus.FAILED.value
+            )
+        )
+        found: datetime | None = rows[0][0]
+        return found
+
+    async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+        async with self._db.transaction() as conn:
+            updated = await conn.execute(
+                tasks.update()
+                .where(tasks.c.id == task.id, tasks.c.status.in_([s.value for s in expected]))
+                .values(**_task_progress(task))
+            )
+            return bool(updated.rowcount)
+
+    async def cancel_waiting_tasks(self, agent_id: uuid.UUID, *, at: datetime) -> list[Task]:
+        async with self._db.transaction() as conn:
+            rows = await conn.execute(
+                tasks.update()
+                .where(tasks.c.agent_id == agent_id, tasks.c.status.in_(_WAITING))
+                .values(status=TaskStatus.CANCELLED.value, ended_at=at, retry_at=None)
+                .returning(*tasks.c)
+            )
+            return sorted((_task(r) for r in rows.all()), key=lambda t: t.id)
+
+    async def requeue_running_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+        async with self._db.transaction() as conn:
+            rows = await conn.execute(
+                tasks.update()
+                .where(tasks.c.agent_id == agent_id, tasks.c.status == TaskStatus.RUNNING.value)
+                .values(status=TaskStatus.QUEUED.value, attempts=tasks.c.attempts - 1, retry_at=None)
+                .returning(*tasks.c)
+            )
+            return sorted((_task(r) for r in rows.all()), key=lambda t: t.id)
+
+    async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
+        if self._db.is_sqlite:
+            days = sa.func.julianday(tasks.c.started_at) - sa.func.julianday(tasks.c.created_at)
+            wait_ms = days * 86_400_000
+        else:
+            wait_ms = sa.extract("epoch", tasks.c.started_at - tasks.c.created_at) * 1000
+        running = tasks.c.status == TaskStatus.RUNNING.value
+        rows = await self._rows(
+            sa.select(
+                sa.func.sum(sa.case((tasks.c.status.in_(_WAITING), 1), else_=0)).label("waiting"),
+                sa.func.sum(sa.case((running, 1), else_=0)).label("running"),
+                # Tasks never started have no started_at: avg leaves them out.
+                sa.func.avg(wait_ms).label("average"),
+            ).where(tasks.c.agent_id == agent_id)
+        )
+        row = rows[0]
+        return int(row.waiting or 0), int(row.running or 0), float(row.average or 0.0)
+
     # IM watch cursors
 
     async def watch_cursors(self) -> dict[uuid.UUID, str]:
@@ -355,3 +677,149 @@ class SqlAgentStore(AgentStore):
     async def aclose(self) -> None:
         await self._journal.aclose()
         await self._db.aclose()
+
+
+# -- History helpers (HistoryService) --
+
+
+def _session_values(session: Session) -> dict[str, Any]:
+    return {
+        "id": session.id,
+        "agent_id": session.agent_id,
+        "created_at": session.created_at,
+        "forked_from": session.forked_from,
+        "forked_at_sequence": session.forked_at_sequence,
+    }
+
+
+def _session(row: sa.Row[Any]) -> Session:
+    return Session(
+        id=row.id,
+        agent_id=row.agent_id,
+        created_at=row.created_at,
+        forked_from=row.forked_from,
+        forked_at_sequence=int(row.forked_at_sequence),
+    )
+
+
+def _chosen(session_id: uuid.UUID, sequences: Sequence[int], after: int | None) -> sa.ColumnElement[bool]:
+    """The steps of a session with these sequence numbers or after `after`."""
+    picked: list[sa.ColumnElement[bool]] = []
+    if sequences:
+        picked.append(steps.c.sequence.in_(list(sequences)))
+    if after is not None:
+        picked.append(steps.c.sequence > after)
+    return sa.and_(steps.c.session_id == session_id, sa.or_(sa.false(), *picked))
+
+
+async def _archive(
+    conn: AsyncConnection,
+    condition: sa.ColumnElement[bool],
+    *,
+    reason: str,
+    at: datetime,
+    remove: bool = True,
+) -> int:
+    """Copies the chosen steps, whole, to the archive and (`remove`) takes them
+    out of their session; returns how many (in the caller's transaction)."""
+    rows = (await conn.execute(steps.select().where(condition))).all()
+    if not rows:
+        return 0
+    await conn.execute(
+        step_archive.insert(),
+        [{**row._asdict(), "archive_id": uuid7(), "archived_at": at, "reason": reason} for row in rows],
+    )
+    if remove:
+        await conn.execute(steps.delete().where(steps.c.id.in_([row.id for row in rows])))
+    return len(rows)
+
+
+def _checkpoint(row: sa.Row[Any], agent: Agent) -> Checkpoint:
+    """A checkpoint row; its settings over its agent as stored now."""
+    saved = row.settings
+    model = saved["model"]
+    return Checkpoint(
+        id=row.id,
+        agent_id=row.agent_id,
+        name=row.name,
+        session_id=row.session_id,
+        sequence=int(row.sequence),
+        settings=replace(
+            agent,
+            name=saved["name"],
+            role=saved["role"],
+            system_prompt=saved["system_prompt"],
+            model=ModelSettings(
+                model=model["model"],
+                base_url=model["base_url"],
+                temperature=model["temperature"],
+                max_tokens=model["max_tokens"],
+            ),
+            tools=tuple(saved["tools"]),
+            token_budget=int(saved["token_budget"]),
+        ),
+        created_at=row.created_at,
+    )
+
+
+# -- Task helpers (TaskService) --
+
+_WAITING = [TaskStatus.QUEUED.value, TaskStatus.FAILED.value]
+# The partial unique index uq_tasks_agent_request covers the tasks with a request_id.
+_has_request = tasks.c.request_id != ""
+
+
+def _retry_due(now: datetime) -> sa.ColumnElement[bool]:
+    return sa.and_(tasks.c.status == TaskStatus.FAILED.value, tasks.c.retry_at <= now)
+
+
+def _queue_order(task: Task) -> tuple[int, datetime, uuid.UUID]:
+    """The order tasks are served in: higher priority first, then arrival."""
+    return (-task.priority, task.created_at, task.id)
+
+
+def _task_progress(task: Task) -> dict[str, Any]:
+    """The columns `update_task` replaces."""
+    return {
+        "status": task.status.value,
+        "attempts": task.attempts,
+        "last_error": task.last_error,
+        "result": task.result,
+        "started_at": task.started_at,
+        "ended_at": task.ended_at,
+        "retry_at": task.retry_at,
+        "run_id": task.run_id,
+    }
+
+
+def _task_values(task: Task) -> dict[str, Any]:
+    return {
+        "id": task.id,
+        "agent_id": task.agent_id,
+        "session_id": task.session_id,
+        "input": task.input,
+        "priority": task.priority,
+        "request_id": task.request_id,
+        "created_at": task.created_at,
+        **_task_progress(task),
+    }
+
+
+def _task(row: sa.Row[Any]) -> Task:
+    return Task(
+        id=row.id,
+        agent_id=row.agent_id,
+        session_id=row.session_id,
+        input=row.input,
+        status=TaskStatus(row.status),
+        created_at=row.created_at,
+        priority=int(row.priority),
+        attempts=int(row.attempts),
+        last_error=row.last_error,
+        result=row.result,
+        request_id=row.request_id,
+        started_at=row.started_at,
+        ended_at=row.ended_at,
+        retry_at=row.retry_at,
+        run_id=row.run_id,
+    )

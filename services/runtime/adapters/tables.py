@@ -92,6 +92,7 @@ steps = sa.Table(
     sa.Column("model", sa.Text, nullable=False),
     sa.Column("tool_duration_ms", sa.Float, nullable=False),
     sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("interrupted", sa.Boolean, nullable=False, server_default=sa.false()),
     # A sequence number is written once: a second writer of it is stale. The
     # constraint's index also serves a session's reads in order.
     sa.UniqueConstraint("session_id", "sequence", name="uq_steps_session_sequence"),
@@ -107,4 +108,75 @@ watch_cursors = sa.Table(
     sa.Column("workspace_id", sa.Uuid, primary_key=True),
     sa.Column("cursor", sa.String(64), nullable=False),
     sa.Column("updated_at", UtcDateTime, nullable=False),
+)
+
+# The threads of an agent's steps; `agents.session_id` names the main one.
+sessions = sa.Table(
+    "sessions",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("agent_id", sa.Uuid, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("forked_from", sa.Uuid, nullable=True),
+    sa.Column("forked_at_sequence", sa.BigInteger, nullable=False),
+    sa.Index("ix_sessions_agent", "agent_id", "id"),
+)
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("agent_id", sa.Uuid, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("session_id", sa.Uuid, nullable=False),
+    sa.Column("sequence", sa.BigInteger, nullable=False),
+    # The agent's settings then, as the agents table's columns.
+    sa.Column("settings", sa.JSON, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Index("ix_checkpoints_agent", "agent_id", "id"),
+)
+
+# Steps taken out of a session (edited, deleted, retried from, restored
+# past): kept whole, with when and why, so that nothing is lost.
+step_archive = sa.Table(
+    "step_archive",
+    metadata,
+    sa.Column("archive_id", sa.Uuid, primary_key=True),
+    sa.Column("archived_at", UtcDateTime, nullable=False),
+    sa.Column("reason", sa.String(32), nullable=False),
+    *[sa.Column(c.name, c.type, nullable=c.nullable) for c in steps.columns],
+    sa.Index("ix_step_archive_session", "session_id", "sequence"),
+)
+
+tasks = sa.Table(
+    "tasks",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("agent_id", sa.Uuid, nullable=False),
+    sa.Column("session_id", sa.Uuid, nullable=False),
+    sa.Column("input", sa.Text, nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("last_error", sa.Text, nullable=False),
+    sa.Column("result", sa.Text, nullable=False),
+    # Empty when the submitter gave none; else unique per agent.
+    sa.Column("request_id", sa.String(128), nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("started_at", UtcDateTime, nullable=True),
+    sa.Column("ended_at", UtcDateTime, nullable=True),
+    sa.Column("retry_at", UtcDateTime, nullable=True),
+    sa.Column("run_id", sa.Uuid, nullable=True),
+    sa.Index("ix_tasks_agent", "agent_id", "id"),
+    # The queue: per agent and status, by priority then arrival. The next
+    # task is the first entry of an index range (see `SqlAgentStore.next_task`).
+    sa.Index("ix_tasks_queue", "agent_id", "status", "priority", "created_at", "id"),
+    sa.Index(
+        "uq_tasks_agent_request",
+        "agent_id",
+        "request_id",
+        unique=True,
+        sqlite_where=sa.text("request_id != ''"),
+        postgresql_where=sa.text("request_id != ''"),
+    ),
 )

@@ -23,6 +23,9 @@ class AgentState(enum.StrEnum):
     IDLE = "idle"
     RUNNING = "running"
     ERROR = "error"
+    # Set by a person: what arrives waits until resumed (or started again).
+    PAUSED = "paused"
+    TERMINATED = "terminated"
 
 
 class RunStatus(enum.StrEnum):
@@ -31,6 +34,7 @@ class RunStatus(enum.StrEnum):
     FAILED = "failed"
     ITERATION_LIMIT = "iteration_limit"
     BUDGET_EXHAUSTED = "budget_exhausted"
+    INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +54,7 @@ class Agent:
     last_error: str = ""
     tokens_used: int = 0
     token_budget: int = 0
-    # Each agent has one session (its thread of steps) for now: its main thread.
+    # The main session (thread of steps): where new messages and tasks go.
     session_id: uuid.UUID = field(default_factory=uuid.uuid4)
 
 
@@ -77,10 +81,66 @@ class Step:
     message: ChatMessage
     metrics: StepMetrics
     created_at: datetime
+    # Cut short by an interrupt: what was streamed until then.
+    interrupted: bool = False
 
     @property
     def role(self) -> Role:
         return self.message.role
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A thread of an agent's steps; a fork remembers where it came from."""
+
+    id: uuid.UUID
+    agent_id: uuid.UUID
+    created_at: datetime
+    forked_from: uuid.UUID | None = None
+    forked_at_sequence: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """An agent's settings and its session's steps up to `sequence`, named."""
+
+    id: uuid.UUID
+    agent_id: uuid.UUID
+    name: str
+    session_id: uuid.UUID
+    sequence: int
+    settings: Agent
+    created_at: datetime
+
+
+class TaskStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"  # a retry is due at retry_at
+    CANCELLED = "cancelled"
+    DEAD = "dead"
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """Work submitted to an agent; it runs in its turn, serially with the agent's other work."""
+
+    id: uuid.UUID
+    agent_id: uuid.UUID
+    session_id: uuid.UUID
+    input: str
+    status: TaskStatus
+    created_at: datetime
+    priority: int = 0
+    attempts: int = 0
+    last_error: str = ""
+    result: str = ""
+    request_id: str = ""
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    retry_at: datetime | None = None
+    run_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +193,35 @@ class StateChanged:
     error: str = ""
 
 
-AgentEvent = RunStarted | RunEnded | StepStarted | StepDelta | StepCompleted | StateChanged
+@dataclass(frozen=True, slots=True)
+class TaskChanged:
+    task: Task
+
+
+@dataclass(frozen=True, slots=True)
+class MainSessionChanged:
+    session: Session
+
+
+@dataclass(frozen=True, slots=True)
+class StepsRewritten:
+    """Steps after `after_sequence` of a session were edited, archived or added by a person."""
+
+    session_id: uuid.UUID
+    after_sequence: int
+
+
+AgentEvent = (
+    RunStarted
+    | RunEnded
+    | StepStarted
+    | StepDelta
+    | StepCompleted
+    | StateChanged
+    | TaskChanged
+    | MainSessionChanged
+    | StepsRewritten
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,12 @@ from agentim.runtime.v1 import runtime_pb2 as pb
 from agentim.runtime.v1 import runtime_pb2_grpc
 from services.common.identity import Principal, principal_from_metadata
 from services.runtime.entrypoints import mappers
+from services.runtime.entrypoints.history_rpcs import HistoryRpcs
+from services.runtime.entrypoints.task_rpcs import TaskRpcs
 from services.runtime.service_layer.agents import AgentDraft, AgentService
+from services.runtime.service_layer.history import HistoryService
+from services.runtime.service_layer.lifecycle import LifecycleService
+from services.runtime.service_layer.tasks import TaskService
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any
@@ -26,11 +31,22 @@ def _draft(value: pb.Agent) -> AgentDraft:
     )
 
 
-class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
-    """Thin translation between the wire and `AgentService`."""
+class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServicer):
+    """Thin translation between the wire and the use cases."""
 
-    def __init__(self, service: AgentService, *, service_token: str | None) -> None:
+    def __init__(
+        self,
+        service: AgentService,
+        *,
+        history: HistoryService,
+        tasks: TaskService,
+        lifecycle: LifecycleService,
+        service_token: str | None,
+    ) -> None:
         self._service = service
+        self._lifecycle = lifecycle
+        self._history = history
+        self._tasks = tasks
         self._service_token = service_token
 
     def _caller(self, context: Context) -> Principal | None:
@@ -97,6 +113,7 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
             after_sequence=request.after_sequence,
             page_size=request.page_size,
             run_id=request.run_id,
+            session_id=request.session_id,
         )
         return pb.ListStepsResponse(steps=[mappers.step(s) for s in steps], has_more=more)
 
@@ -128,3 +145,33 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
                 yield pb.WatchAgentsResponse(event=mappers.event(emitted))
         finally:
             await events.aclose()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def StartAgent(self, request: pb.StartAgentRequest, context: Context) -> pb.StartAgentResponse:
+        agent = await self._lifecycle.start(self._caller(context), request.agent_id)
+        return pb.StartAgentResponse(agent=mappers.agent(agent))
+
+    async def PauseAgent(self, request: pb.PauseAgentRequest, context: Context) -> pb.PauseAgentResponse:
+        agent = await self._lifecycle.pause(self._caller(context), request.agent_id)
+        return pb.PauseAgentResponse(agent=mappers.agent(agent))
+
+    async def ResumeAgent(self, request: pb.ResumeAgentRequest, context: Context) -> pb.ResumeAgentResponse:
+        agent = await self._lifecycle.resume(self._caller(context), request.agent_id)
+        return pb.ResumeAgentResponse(agent=mappers.agent(agent))
+
+    async def InterruptAgent(
+        self, request: pb.InterruptAgentRequest, context: Context
+    ) -> pb.InterruptAgentResponse:
+        agent = await self._lifecycle.interrupt(self._caller(context), request.agent_id)
+        return pb.InterruptAgentResponse(agent=mappers.agent(agent))
+
+    async def TerminateAgent(
+        self, request: pb.TerminateAgentRequest, context: Context
+    ) -> pb.TerminateAgentResponse:
+        agent = await self._lifecycle.terminate(
+            self._caller(context),
+            request.agent_id,
+            clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
+        )
+        return pb.TerminateAgentResponse(agent=mappers.agent(agent))

@@ -11,22 +11,31 @@ from services.runtime.domain import llm
 from services.runtime.domain.model import (
     Agent,
     AgentState,
+    Checkpoint,
     Emitted,
+    MainSessionChanged,
     Run,
     RunEnded,
     RunStarted,
     RunStatus,
+    Session,
     StateChanged,
     Step,
     StepCompleted,
     StepDelta,
+    StepsRewritten,
     StepStarted,
+    Task,
+    TaskChanged,
+    TaskStatus,
 )
 
 AGENT_STATES = {
     AgentState.IDLE: pb.AGENT_STATE_IDLE,
     AgentState.RUNNING: pb.AGENT_STATE_RUNNING,
     AgentState.ERROR: pb.AGENT_STATE_ERROR,
+    AgentState.PAUSED: pb.AGENT_STATE_PAUSED,
+    AgentState.TERMINATED: pb.AGENT_STATE_TERMINATED,
 }
 ROLES = {
     llm.Role.SYSTEM: pb.STEP_ROLE_SYSTEM,
@@ -40,6 +49,7 @@ RUN_STATUSES = {
     RunStatus.FAILED: pb.RUN_STATUS_FAILED,
     RunStatus.ITERATION_LIMIT: pb.RUN_STATUS_ITERATION_LIMIT,
     RunStatus.BUDGET_EXHAUSTED: pb.RUN_STATUS_BUDGET_EXHAUSTED,
+    RunStatus.INTERRUPTED: pb.RUN_STATUS_INTERRUPTED,
 }
 
 
@@ -84,6 +94,7 @@ def agent(a: Agent) -> pb.Agent:
         token_budget=a.token_budget,
         create_time=timestamp(a.created_at),
         update_time=timestamp(a.updated_at),
+        main_session_id=str(a.session_id),
     )
 
 
@@ -111,6 +122,7 @@ def step(s: Step) -> pb.Step:
             tool_duration_ms=metrics.tool_duration_ms,
         ),
         create_time=timestamp(s.created_at),
+        interrupted=s.interrupted,
     )
 
 
@@ -156,4 +168,73 @@ def event(e: Emitted) -> pb.AgentEvent:
             out.step_completed.CopyFrom(step(s))
         case StateChanged(state=state, error=error):
             out.state_changed.CopyFrom(pb.AgentStateChanged(state=AGENT_STATES[state], error=error))
+        case MainSessionChanged(session=s):
+            out.main_session_changed.CopyFrom(session(s, main=True))
+        case StepsRewritten(session_id=session_id, after_sequence=after_sequence):
+            out.steps_rewritten.CopyFrom(
+                pb.StepsRewritten(session_id=str(session_id), after_sequence=after_sequence)
+            )
+        case TaskChanged(task=t):
+            out.task_changed.CopyFrom(task(t))
+    return out
+
+
+def session(s: Session, *, main: bool, step_count: int = 0) -> pb.Session:
+    return pb.Session(
+        id=str(s.id),
+        agent_id=str(s.agent_id),
+        main=main,
+        forked_from_session_id=str(s.forked_from) if s.forked_from else "",
+        forked_at_sequence=s.forked_at_sequence,
+        step_count=step_count,
+        create_time=timestamp(s.created_at),
+    )
+
+
+def checkpoint(c: Checkpoint) -> pb.Checkpoint:
+    return pb.Checkpoint(
+        id=str(c.id),
+        agent_id=str(c.agent_id),
+        name=c.name,
+        session_id=str(c.session_id),
+        sequence=c.sequence,
+        settings=agent(c.settings),
+        create_time=timestamp(c.created_at),
+    )
+
+
+TASK_STATUSES = {
+    TaskStatus.QUEUED: pb.TASK_STATUS_QUEUED,
+    TaskStatus.RUNNING: pb.TASK_STATUS_RUNNING,
+    TaskStatus.SUCCEEDED: pb.TASK_STATUS_SUCCEEDED,
+    TaskStatus.FAILED: pb.TASK_STATUS_FAILED,
+    TaskStatus.CANCELLED: pb.TASK_STATUS_CANCELLED,
+    TaskStatus.DEAD: pb.TASK_STATUS_DEAD,
+}
+
+
+def task(t: Task, *, position: int = 0) -> pb.Task:
+    """A task; `position` (tasks ahead of it) matters while it is QUEUED."""
+    out = pb.Task(
+        id=str(t.id),
+        agent_id=str(t.agent_id),
+        session_id=str(t.session_id),
+        input=t.input,
+        status=TASK_STATUSES[t.status],
+        priority=t.priority,
+        position=position,
+        attempts=t.attempts,
+        last_error=t.last_error,
+        result=t.result,
+        request_id=t.request_id,
+        create_time=timestamp(t.created_at),
+        run_id=str(t.run_id) if t.run_id else "",
+    )
+    for field, value in (
+        (out.start_time, t.started_at),
+        (out.end_time, t.ended_at),
+        (out.retry_time, t.retry_at),
+    ):
+        if value is not None:
+            field.CopyFrom(timestamp(value))
     return out

@@ -18,10 +18,13 @@ from services.runtime.domain.llm import ModelSettings
 from services.runtime.domain.model import (
     Agent,
     Emitted,
+    MainSessionChanged,
     Run,
+    Session,
     Step,
     StepCompleted,
     StepDelta,
+    StepsRewritten,
     StepStarted,
     merge_deltas,
 )
@@ -51,6 +54,10 @@ class NotAuthenticated(errors.Unauthenticated):
 
 
 class RequestReused(errors.AlreadyExists):
+    pass
+
+
+class SessionNotFound(errors.NotFound):
     pass
 
 
@@ -208,6 +215,8 @@ class AgentService:
             found = await self._store.find_request(caller, request_id)
             assert found is not None
             return await self._replayed(found, fingerprint, request_id)
+        # Its main session; stored after the agent, which a replay returns without this.
+        await self._store.add_session(Session(id=agent.session_id, agent_id=agent.id, created_at=now))
         self._supervisor.add(agent)
         return agent
 
@@ -299,15 +308,29 @@ class AgentService:
         return runs[:limit], str(runs[limit - 1].id) if len(runs) > limit else ""
 
     async def list_steps(
-        self, principal: Principal | None, agent_id: str, *, after_sequence: int, page_size: int, run_id: str
+        self,
+        principal: Principal | None,
+        agent_id: str,
+        *,
+        after_sequence: int,
+        page_size: int,
+        run_id: str,
+        session_id: str = "",
     ) -> tuple[list[Step], bool]:
+        """Steps of the agent's main session, or of `session_id` (one of its sessions)."""
         agent = await self._visible(principal, agent_id)
         if after_sequence < 0:
             raise InvalidAgentRequest("after_sequence must not be negative")
         limit = self._limit(page_size)
         run = _parse_id(run_id, "run_id") if run_id else None
+        session = agent.session_id
+        if session_id:
+            session = _parse_id(session_id, "session_id")
+            found = await self._store.get_session(session)
+            if session != agent.session_id and (found is None or found.agent_id != agent.id):
+                raise SessionNotFound(f"session {session} of agent {agent.id} not found")
         steps = await self._store.list_steps(
-            agent.session_id, after_sequence=after_sequence, limit=limit + 1, run_id=run
+            session, after_sequence=after_sequence, limit=limit + 1, run_id=run
         )
         return steps[:limit], len(steps) > limit
 
@@ -344,6 +367,12 @@ class AgentService:
                         yield delta
             async for emitted in events:
                 event = emitted.event
+                # Steps rewritten (retry, restore) or another main session:
+                # the steps to come are numbered from there, not after `sent`.
+                if isinstance(event, StepsRewritten):
+                    sent = min(sent, event.after_sequence)
+                elif isinstance(event, MainSessionChanged):
+                    sent = event.session.forked_at_sequence
                 if isinstance(event, StepCompleted) and event.step.sequence <= sent:
                     continue
                 if isinstance(event, StepDelta | StepStarted) and event.sequence <= sent:

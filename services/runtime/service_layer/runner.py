@@ -1,12 +1,18 @@
 """The resident loop of one agent.
 
 An idle runner awaits an event and costs nothing. Woken (by a message in one
-of its groups, or by a Wake call), it reads all its unread messages, and if
-any calls for an answer it starts a run: stream a completion, execute the
-tool calls it asks for (concurrently, results in call order), read what
-arrived meanwhile, and call the model again, until the model stops; then it
-answers in the chat that woke it. Every step is stored the moment it
-completes and streamed live while it forms.
+of its groups, a task, or a Wake call), it takes the oldest work waiting:
+its unread messages or its next queued task. A run streams a completion,
+executes the tool calls it asks for (concurrently, results in call order),
+reads what arrived meanwhile, and calls the model again, until the model
+stops; then it answers in the chat that woke it (or finishes the task).
+Every step is stored the moment it completes and streamed live while it forms.
+
+People stay in charge: a paused agent finishes its step and waits; an
+interrupt cuts the run at once, keeping what was streamed as an interrupted
+step and answering every tool call (a cancelled result where it never ran),
+so that the history stays valid for any model; resuming goes on from the
+last step.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
@@ -31,12 +37,21 @@ from services.runtime.domain.etiquette import (
     should_answer,
     split_reply,
 )
+from services.runtime.domain.lifecycle import (
+    CANCELLED_RESULT,
+    Next,
+    interrupted_message,
+    resume_point,
+    unanswered_calls,
+)
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
+    CompletionAssembler,
     CompletionRequest,
     LLMError,
     Role,
+    ToolCall,
 )
 from services.runtime.domain.model import (
     Agent,
@@ -53,12 +68,15 @@ from services.runtime.domain.model import (
     StepDelta,
     StepMetrics,
     StepStarted,
+    Task,
+    TaskStatus,
 )
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMError, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.store import AgentStore
-from services.runtime.service_layer.tools import SubAgentFactory, ToolContext, ToolRegistry
+from services.runtime.service_layer.tools import SubAgentFactory, ToolContext, ToolOutcome, ToolRegistry
+from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
 
@@ -149,23 +167,47 @@ class RunnerEnv:
     # How many runners may ask the IM for their unread messages at once.
     reads: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
     history: HistoryCache = field(default_factory=HistoryCache)
+    tasks: TaskQueue | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Cut:
+    """Why the run in flight is being cut short, and the state it leaves the agent in
+    (None: as the run would have; a cancelled task)."""
+
+    reason: str
+    state: AgentState | None
 
 
 class AgentRunner:
-    """One agent's serial loop. `start()` it, `wake()` it, `stop()` it."""
+    """One agent's serial loop. `start()` it, `wake()` it, `stop()` it; the
+    lifecycle methods (`pause`, `resume`, `interrupt`, `terminate`,
+    `start_again`) are the people's controls."""
 
     def __init__(self, agent: Agent, env: RunnerEnv) -> None:
         self.agent = agent
         self._env = env
         self._wake = asyncio.Event()
         self._steps: list[Step] | None = None
+        # The session the run in flight works in (the main one unless a task names another).
+        self._session_id = agent.session_id
         # Read positions to move once the messages read are stored as steps.
         self._pending_reads: dict[uuid.UUID, uuid.UUID] = {}
         self._task: asyncio.Task[None] | None = None
         self._retry = False
+        self._continue = False
         self._unreachable = 0
         # Steps made but not yet stored (numbered after the last stored one).
         self._unstored = 0
+        # The run in flight, and what is being cut short in it.
+        self._current: asyncio.Task[None] | None = None
+        self._cut: _Cut | None = None
+        self._pause_requested = False
+        self._running_task: Task | None = None
+        self._streaming: tuple[int, CompletionAssembler] | None = None
+        self._tool_outcomes: dict[str, ToolOutcome] = {}
+        self._retry_timer: asyncio.TimerHandle | None = None
+        self._begun = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -174,18 +216,22 @@ class AgentRunner:
         (which may have arrived while the runtime was down)."""
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name=f"agent-{self.agent.id}")
+            if self.agent.state is AgentState.RUNNING:
+                # The runtime stopped during a run: go on from its last step.
+                self._continue = True
+                look = True
             if look:
                 self.wake()
 
     def wake(self, *, retry: bool = False) -> None:
-        """Makes the runner read its unread messages; `retry` also retries a
-        failed run (an agent in ERROR), which new messages alone do too."""
+        """Makes the runner look for work; `retry` also retries a failed run
+        (an agent in ERROR), which new messages alone do too."""
         self._retry = self._retry or retry
         self.idle.clear()
         self._wake.set()
 
     def update(self, agent: Agent) -> None:
-        """New settings take effect from the next completion."""
+        """New settings (or a new main session) take effect from the next completion."""
         self.agent = replace(
             agent,
             state=self.agent.state,
@@ -193,13 +239,85 @@ class AgentRunner:
             tokens_used=self.agent.tokens_used,
         )
 
+    def forget_history(self) -> None:
+        """The stored steps changed under the runner (a person edited them):
+        the next run reads them again."""
+        self._env.history.take(self.agent.id)
+        if self._current is None:
+            self._steps = None
+
+    def continue_from_history(self) -> None:
+        """Makes the runner go on from its last step: call the model after
+        input, or run the tool calls still without results."""
+        self._continue = True
+        self.wake()
+
     async def stop(self) -> None:
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
         self._env.history.take(self.agent.id)
+
+    # -- the people's controls (the caller checks the transition) --------------
+
+    async def pause(self) -> None:
+        """PAUSED now if idle; a run goes on to its next step boundary first."""
+        if self._current is not None:
+            self._pause_requested = True
+            return
+        await self._set_state(AgentState.PAUSED, "")
+
+    async def resume(self) -> None:
+        """Back to work: what was cut short goes on, then what waits."""
+        self._pause_requested = False
+        await self._set_state(AgentState.IDLE, "")
+        self.continue_from_history()
+
+    async def interrupt(self) -> None:
+        """Cuts the run in flight at once and pauses."""
+        await self._cut_run(_Cut("interrupted by a person", AgentState.PAUSED))
+        if self.agent.state is not AgentState.PAUSED:
+            await self._set_state(AgentState.PAUSED, "")
+
+    async def terminate(self) -> None:
+        """Cuts the run in flight; nothing more until `start_again`."""
+        self._pause_requested = False
+        await self._cut_run(_Cut("terminated by a person", AgentState.TERMINATED))
+        if self.agent.state is not AgentState.TERMINATED:
+            await self._set_state(AgentState.TERMINATED, "")
+
+    async def start_again(self) -> None:
+        await self._set_state(AgentState.IDLE, "")
+        self.wake()
+
+    async def cancel_task(self, task_id: uuid.UUID) -> bool:
+        """Cuts the run of that task if it is the one in flight; False if not."""
+        if self._running_task is None or self._running_task.id != task_id:
+            return False
+        await self._cut_run(_Cut("its task was cancelled", None))
+        return True
+
+    async def _cut_run(self, cut: _Cut) -> None:
+        current = self._current
+        if current is None or current.done():
+            return
+        # A run is cut once it has begun (its run and input stored): the
+        # beginning is one short write, and cutting into it would leave a run
+        # stored as running with nobody to end it.
+        begun = asyncio.ensure_future(self._begun.wait())
+        await asyncio.wait([current, begun], return_when=asyncio.FIRST_COMPLETED)
+        begun.cancel()
+        if current.done():
+            return
+        self._cut = cut
+        current.cancel()
+        # The run records what it had and ends itself; wait for that.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(current)
 
     # -- the loop -------------------------------------------------------------
 
@@ -226,30 +344,119 @@ class AgentRunner:
                 await self._set_state(AgentState.ERROR, f"internal error: {error}")
 
     async def _cycle(self) -> None:
-        resume, self._retry = self._retry and self.agent.state is AgentState.ERROR, False
+        if self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED):
+            return  # what arrives waits for a person
+        resume = self._continue or (self._retry and self.agent.state is AgentState.ERROR)
+        self._retry = self._continue = False
         # One run per cycle: whatever arrives meanwhile wakes the runner again
         # (the loop then comes straight back), so no second look is needed.
         try:
+            if resume:
+                await self._resume()
+                self.wake()  # then what waits
+                return
             messages = await self._take_unread()
-            if messages or resume:
-                if self._steps is None:
-                    self._steps = self._env.history.take(self.agent.id) or await self._load_steps()
-                await self._run(messages)
+            task = await self._next_task(messages)
+            if task is not None:
+                self._pending_reads = {}  # the messages stay unread for the next cycle
+                self.wake()  # then the next task, or the messages
+                await self._in_flight(self._run([], task=task))
+            elif messages:
+                await self._in_flight(self._run(messages))
             else:
                 await self._mark_read()  # nothing to answer: they are read all the same
         except BaseException:
             self._steps = None  # what failed may have left them behind the store
             raise
-        # Idle, the runner itself holds no history; the shared cache may.
-        if self._steps is not None:
-            self._env.history.keep(self.agent.id, self._steps)
-            self._steps = None
+        finally:
+            await self._schedule_retry()
+        self._keep_history()
 
-    async def _load_steps(self) -> list[Step]:
+    def _keep_history(self) -> None:
+        # Idle, the runner itself holds no history; the shared cache may.
+        if self._steps is not None and self._session_id == self.agent.session_id:
+            self._env.history.keep(self.agent.id, self._steps)
+        self._steps = None
+
+    async def _in_flight(self, run: Coroutine[object, object, None]) -> None:
+        """Runs a run as its own task, so that a person can cut it short."""
+        self._begun.clear()
+        self._current = asyncio.create_task(run, name=f"agent-run-{self.agent.id}")
+        try:
+            await asyncio.shield(self._current)
+        except asyncio.CancelledError:
+            if not self._current.done():  # the runner itself is stopping
+                self._current.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._current
+            raise
+        finally:
+            self._current = None
+            self._cut = None
+
+    async def _next_task(self, messages: list[IMMessage]) -> Task | None:
+        """The next task if it came before the oldest unread message."""
+        if self._env.tasks is None:
+            return None
+        task = await self._env.tasks.next_task(self.agent.id, now=self._env.clock())
+        if task is None or (messages and messages[0].sent_at < task.created_at):
+            return None
+        return task
+
+    async def _schedule_retry(self) -> None:
+        if self._env.tasks is None or self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED):
+            return
+        due = await self._env.tasks.next_retry_at(self.agent.id)
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
+        if due is not None:
+            delay = max(0.0, (due - self._env.clock()).total_seconds())
+            self._retry_timer = asyncio.get_running_loop().call_later(delay, self.wake)
+
+    async def _resume(self) -> None:
+        """Goes on from the last step of the main session, if anything is pending."""
+        await self._open_session(self.agent.session_id)
+        assert self._steps is not None
+        stale = await self._env.store.list_runs(self.agent.id, before=None, limit=1)
+        if stale and stale[0].status is RunStatus.RUNNING:
+            # The runtime stopped during this run: it ends here, and a new one
+            # goes on from its last step, unless it was a task's: that task
+            # goes back to the queue and runs again in its turn.
+            ended = replace(
+                stale[0],
+                status=RunStatus.INTERRUPTED,
+                error="the runtime stopped during the run",
+                ended_at=self._env.clock(),
+            )
+            requeued = await self._env.tasks.recover(self.agent.id) if self._env.tasks else []
+            if any(t.run_id == ended.id for t in requeued):
+                await self._record_cut(ended)  # a result for every tool call left without one
+                self.agent = replace(self.agent, state=AgentState.IDLE)
+                await self._env.store.end_run(ended, self.agent)
+                self._emit(RunEnded(ended))
+                self._emit(StateChanged(AgentState.IDLE, ""))
+                return
+            self.agent = replace(self.agent, state=AgentState.IDLE)
+            await self._env.store.end_run(ended, self.agent)
+            self._emit(RunEnded(ended))
+        if resume_point(self._steps) is Next.NOTHING:
+            if self.agent.state is AgentState.RUNNING:
+                await self._set_state(AgentState.IDLE, "")
+            return
+        await self._in_flight(self._run([], resumed=True))
+
+    async def _open_session(self, session_id: uuid.UUID) -> None:
+        if self._steps is None or self._session_id != session_id:
+            self._session_id = session_id
+            cached = self._env.history.take(self.agent.id) if session_id == self.agent.session_id else None
+            self._steps = cached or await self._load_steps(session_id)
+
+    async def _load_steps(self, session_id: uuid.UUID) -> list[Step]:
         steps: list[Step] = []
         while True:
             after = steps[-1].sequence if steps else 0
-            page = await self._env.store.list_steps(self.agent.session_id, after_sequence=after, limit=1000)
+            page = await self._env.store.list_steps(session_id, after_sequence=after, limit=1000)
             steps.extend(page)
             if len(page) < 1000:
                 return steps
@@ -295,53 +502,30 @@ class AgentRunner:
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    async def _run(self, messages: list[IMMessage]) -> None:
-        env, agent = self._env, self.agent
-        run = Run(
-            id=uuid7(),
-            agent_id=agent.id,
-            session_id=agent.session_id,
-            status=RunStatus.RUNNING,
-            trigger_message_ids=tuple(m.id for m in messages),
-            started_at=env.clock(),
-        )
-        # The way to the first completion is short: one write stores the run,
-        # the agent's state and the messages read; read positions move while
-        # the model is already working.
-        was = self.agent.state
-        self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
-        incoming = [self._step(run, await self._incoming(m), StepMetrics()) for m in messages]
-        await env.store.begin_run(run, self.agent, incoming)
-        self._emit(RunStarted(run))
-        if was is not AgentState.RUNNING:
-            self._emit(StateChanged(AgentState.RUNNING, ""))
-        for step in incoming:
-            self._remember(step)
+    async def _run(
+        self, messages: list[IMMessage], *, task: Task | None = None, resumed: bool = False
+    ) -> None:
+        try:
+            run, reply_group = await self._begin(messages, task)
+        except _NotStarted:
+            self._pending_reads = {}  # what was read stays unread for later
+            return
         reading = asyncio.create_task(self._mark_read())
-        reply_group = messages[-1].group_id if messages else self._last_group()
-        status, error = RunStatus.ITERATION_LIMIT, ""
+        status, error, answer = RunStatus.ITERATION_LIMIT, "", ""
         failure: Exception | None = None
         try:
-            for _ in range(env.settings.max_iterations):
-                if self._over_budget():
-                    status = RunStatus.BUDGET_EXHAUSTED
-                    break
-                run = replace(run, iterations=run.iterations + 1)
-                completion = await self._complete(run)
-                if completion.message.tool_calls:
-                    await self._call_tools(run, completion, reply_group)
-                    arrived = await self._take_unread()
-                    if arrived:
-                        run = replace(
-                            run, trigger_message_ids=run.trigger_message_ids + tuple(m.id for m in arrived)
-                        )
-                        reply_group = arrived[-1].group_id
-                        await self._read_in(run, arrived)
-                    continue
-                if completion.message.content and reply_group is not None:
-                    await self._answer(run, reply_group, completion.message.content)
-                status = RunStatus.COMPLETED
-                break
+            run, status, answer = await self._iterate(run, reply_group, resumed=resumed, chat=task is None)
+        except asyncio.CancelledError:
+            cut = self._cut
+            if cut is None:
+                raise  # the runtime is stopping
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            status, error = RunStatus.INTERRUPTED, cut.reason
+            await self._record_cut(run)
+        except _PausedAtBoundary:
+            status, error = RunStatus.INTERRUPTED, "paused by a person"
         except LLMError as llm_failure:
             status, error = RunStatus.FAILED, str(llm_failure)
         except Exception as other:
@@ -351,7 +535,135 @@ class AgentRunner:
             status, error = RunStatus.FAILED, str(other) or type(other).__name__
         finally:
             await reading
-        await self._end_run(replace(run, status=status, error=error, ended_at=env.clock()), failure)
+        ended = replace(run, status=status, error=error, ended_at=self._env.clock())
+        await self._end_run(ended, failure)
+        await self._settle_task(ended, answer)
+
+    async def _begin(self, messages: list[IMMessage], task: Task | None) -> tuple[Run, uuid.UUID | None]:
+        """Stores the new run with its input; returns it and the chat to answer.
+
+        Raises:
+            _NotStarted: a person paused the agent, or cancelled the task,
+                since the work was chosen.
+        """
+        env = self._env
+        if self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED):
+            raise _NotStarted
+        await self._open_session(task.session_id if task is not None else self.agent.session_id)
+        run = Run(
+            id=uuid7(),
+            agent_id=self.agent.id,
+            session_id=self._session_id,
+            status=RunStatus.RUNNING,
+            trigger_message_ids=tuple(m.id for m in messages),
+            started_at=env.clock(),
+        )
+        inputs = [await self._incoming(m) for m in messages]
+        if task is not None:
+            inputs.append(ChatMessage(role=Role.USER, content=f"[task {task.id}] {task.input}"))
+            # Known as running before it is marked so, for a cancel meanwhile.
+            self._running_task = task
+            if env.tasks is not None:
+                task = await env.tasks.started(task, run_id=run.id, at=env.clock())
+                if task.status is not TaskStatus.RUNNING:
+                    self._running_task = None
+                    raise _NotStarted
+            self._running_task = task
+        # The way to the first completion is short: one write stores the run,
+        # the agent's state and the input; read positions move while the model
+        # is already working.
+        was = self.agent.state
+        self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
+        incoming = [self._step(run, message, StepMetrics()) for message in inputs]
+        await env.store.begin_run(run, self.agent, incoming)
+        self._emit(RunStarted(run))
+        if was is not AgentState.RUNNING:
+            self._emit(StateChanged(AgentState.RUNNING, ""))
+        for step in incoming:
+            self._remember(step)
+        self._begun.set()
+        reply_group = messages[-1].group_id if messages else (None if task else self._last_group())
+        return run, reply_group
+
+    async def _iterate(
+        self, run: Run, reply_group: uuid.UUID | None, *, resumed: bool, chat: bool
+    ) -> tuple[Run, RunStatus, str]:
+        """Completions and tool calls until the model answers; returns the run,
+        how it ended and the answer."""
+        if resumed and resume_point(self._steps or []) is Next.RUN_TOOLS:
+            await self._call_tools(run, unanswered_calls(self._steps or []), reply_group)
+        for _ in range(self._env.settings.max_iterations):
+            self._pause_point()
+            if self._over_budget():
+                return run, RunStatus.BUDGET_EXHAUSTED, ""
+            run = replace(run, iterations=run.iterations + 1)
+            completion = await self._complete(run)
+            if completion.message.tool_calls:
+                await self._call_tools(run, completion.message.tool_calls, reply_group)
+                self._pause_point()
+                arrived = await self._take_unread() if chat else []
+                if arrived:
+                    run = replace(
+                        run, trigger_message_ids=run.trigger_message_ids + tuple(m.id for m in arrived)
+                    )
+                    reply_group = arrived[-1].group_id
+                    await self._read_in(run, arrived)
+                continue
+            answer = completion.message.content or ""
+            if answer and reply_group is not None:
+                await self._answer(run, reply_group, answer)
+            return run, RunStatus.COMPLETED, answer
+        return run, RunStatus.ITERATION_LIMIT, ""
+
+    def _pause_point(self) -> None:
+        """A step boundary: where a requested pause takes effect."""
+        if self._pause_requested:
+            self._pause_requested = False
+            raise _PausedAtBoundary
+
+    async def _record_cut(self, run: Run) -> None:
+        """Keeps what the cut run had: the step being streamed, marked
+        interrupted, and a result for every tool call (cancelled where none)."""
+        # The store is the truth: a write may have landed as the run was cut.
+        self._steps = await self._load_steps(self._session_id)
+        self._unstored = 0
+        streaming, self._streaming = self._streaming, None
+        if streaming is not None:
+            sequence, assembler = streaming
+            if not self._steps or self._steps[-1].sequence < sequence:
+                partial = interrupted_message(assembler.message())
+                await self._append(run, partial, StepMetrics(), interrupted=True)
+        outcomes, self._tool_outcomes = self._tool_outcomes, {}
+        for call in unanswered_calls(self._steps):
+            outcome = outcomes.get(call.id)
+            await self._append(
+                run,
+                ChatMessage(
+                    role=Role.TOOL,
+                    content=outcome.content if outcome is not None else CANCELLED_RESULT,
+                    tool_call_id=call.id,
+                    name=call.name,
+                ),
+                StepMetrics(tool_duration_ms=outcome.duration_ms if outcome is not None else 0.0),
+            )
+
+    async def _settle_task(self, run: Run, answer: str) -> None:
+        task, self._running_task = self._running_task, None
+        tasks = self._env.tasks
+        if task is None or tasks is None:
+            return
+        at = self._env.clock()
+        if run.status is RunStatus.COMPLETED:
+            await tasks.succeeded(task, result=answer, at=at)
+        elif run.status is RunStatus.INTERRUPTED and self.agent.state not in (
+            AgentState.PAUSED,
+            AgentState.TERMINATED,
+        ):
+            await tasks.cancelled(task, at=at)
+        elif run.status is RunStatus.INTERRUPTED:
+            await tasks.put_back(task)
+        else:
+            await tasks.failed(task, error=run.error or run.status.value, at=at)
 
     async def _end_run(self, run: Run, failure: Exception | None) -> None:
         agent, error = self.agent, run.error
@@ -364,6 +676,14 @@ class AgentRunner:
             if failure is not None and not isinstance(failure, errors.ServiceError):
                 logger.error("agent %s: run %s failed", agent.id, run.id, exc_info=failure)
             state = AgentState.ERROR
+        elif run.status is RunStatus.INTERRUPTED:
+            cut = self._cut
+            if cut is not None and cut.state is not None:
+                state, error = cut.state, ""
+            elif cut is None:
+                state, error = AgentState.PAUSED, ""  # paused at a step boundary
+            else:
+                state, error = AgentState.IDLE, ""
         else:
             state, error = AgentState.IDLE, ""
         changed = (state, error) != (agent.state, agent.last_error)
@@ -426,12 +746,16 @@ class AgentRunner:
         started = time.perf_counter()
         first_token_ms = 0.0
         completion: Completion | None = None
+        # What has streamed so far, kept should a person cut the step short.
+        assembler = CompletionAssembler()
+        self._streaming = (sequence, assembler)
         async for item in env.llm.stream(request):
             if isinstance(item, Completion):
                 completion = item
                 continue
             if not first_token_ms:
                 first_token_ms = (time.perf_counter() - started) * 1000
+            assembler.add(item)
             self._emit(StepDelta(sequence, item))
         if completion is None:
             raise LLMError("the model's stream ended without a completion")
@@ -445,6 +769,7 @@ class AgentRunner:
             model=completion.model,
         )
         await self._append(run, completion.message, metrics, sequence=sequence)
+        self._streaming = None
         if usage is not None:
             self.agent = replace(
                 self.agent, tokens_used=self.agent.tokens_used + usage.input_tokens + usage.output_tokens
@@ -463,13 +788,20 @@ class AgentRunner:
         )
         return f"{identity}\n\n{agent.system_prompt}".strip()
 
-    async def _call_tools(self, run: Run, completion: Completion, reply_group: uuid.UUID | None) -> None:
+    async def _call_tools(self, run: Run, calls: tuple[ToolCall, ...], reply_group: uuid.UUID | None) -> None:
         env = self._env
         context = ToolContext(
             agent=self.agent, im=env.im, trigger_group_id=reply_group, create_sub_agent=env.create_sub_agent
         )
-        calls = completion.message.tool_calls
-        outcomes = await asyncio.gather(*[env.tools.execute(context, call) for call in calls])
+
+        async def execute(call: ToolCall) -> ToolOutcome:
+            outcome = await env.tools.execute(context, call)
+            # Kept should the run be cut before the results are stored.
+            self._tool_outcomes[call.id] = outcome
+            return outcome
+
+        outcomes = await asyncio.gather(*[execute(call) for call in calls])
+        self._tool_outcomes = {}
         for call, outcome in zip(calls, outcomes, strict=True):
             await self._append(
                 run,
@@ -481,7 +813,15 @@ class AgentRunner:
         assert self._steps is not None
         return self._steps[-1].sequence + 1 if self._steps else 1
 
-    def _step(self, run: Run, message: ChatMessage, metrics: StepMetrics, *, sequence: int = 0) -> Step:
+    def _step(
+        self,
+        run: Run,
+        message: ChatMessage,
+        metrics: StepMetrics,
+        *,
+        sequence: int = 0,
+        interrupted: bool = False,
+    ) -> Step:
         """A new step after the last one (or at `sequence`); not stored yet."""
         if not sequence:
             sequence = self._next_sequence() + self._unstored
@@ -489,12 +829,13 @@ class AgentRunner:
         return Step(
             id=uuid7(),
             agent_id=self.agent.id,
-            session_id=self.agent.session_id,
+            session_id=self._session_id,
             run_id=run.id,
             sequence=sequence,
             message=message,
             metrics=metrics,
             created_at=self._env.clock(),
+            interrupted=interrupted,
         )
 
     def _remember(self, step: Step) -> None:
@@ -505,9 +846,15 @@ class AgentRunner:
         self._emit(StepCompleted(step))
 
     async def _append(
-        self, run: Run, message: ChatMessage, metrics: StepMetrics, *, sequence: int = 0
+        self,
+        run: Run,
+        message: ChatMessage,
+        metrics: StepMetrics,
+        *,
+        sequence: int = 0,
+        interrupted: bool = False,
     ) -> Step:
-        step = self._step(run, message, metrics, sequence=sequence)
+        step = self._step(run, message, metrics, sequence=sequence, interrupted=interrupted)
         await self._env.store.append_step(step)
         self._remember(step)
         return step
@@ -522,3 +869,11 @@ class AgentRunner:
 
     def _emit(self, event: AgentEvent) -> None:
         self._env.hub.publish(Emitted(self.agent.id, self._env.clock(), event))
+
+
+class _PausedAtBoundary(Exception):
+    """A pause requested during a run takes effect at a step boundary."""
+
+
+class _NotStarted(Exception):
+    """The work chosen is not to be done after all (paused, or the task cancelled)."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import abc
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from datetime import datetime
 
-from services.runtime.domain.model import Agent, Run, Step
+from services.runtime.domain.model import Agent, Checkpoint, Run, Session, Step, Task, TaskStatus
 
 
 class DuplicateStep(Exception):
@@ -117,6 +118,134 @@ class AgentStore(abc.ABC):
     @abc.abstractmethod
     async def last_sequence(self, session_id: uuid.UUID) -> int:
         """The sequence number of the session's last step (0 if none)."""
+
+    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+
+    @abc.abstractmethod
+    async def add_session(self, session: Session) -> None:
+        """Stores a new (empty) session; one already stored is left as it is."""
+
+    @abc.abstractmethod
+    async def get_session(self, session_id: uuid.UUID) -> Session | None: ...
+
+    @abc.abstractmethod
+    async def list_sessions(self, agent_id: uuid.UUID) -> list[tuple[Session, int]]:
+        """An agent's sessions, oldest first, each with its number of steps."""
+
+    @abc.abstractmethod
+    async def set_main_session(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
+        """Makes the session the agent's main one (`Agent.session_id`)."""
+
+    @abc.abstractmethod
+    async def fork_session(self, session: Session) -> int:
+        """Stores `session` (or, stored already and empty, marks it forked)
+        with copies of the steps of `session.forked_from` up to
+        `session.forked_at_sequence`, together; returns how many were copied.
+
+        The copies get new ids and the new session's agent; they keep their
+        sequence numbers, runs, times and everything else.
+        """
+
+    @abc.abstractmethod
+    async def edit_step(self, step_id: uuid.UUID, content: str, *, at: datetime) -> bool:
+        """Archives the step as it is (reason "edited") and replaces its
+        content, together; False if there is no such step."""
+
+    @abc.abstractmethod
+    async def archive_steps(
+        self,
+        session_id: uuid.UUID,
+        *,
+        reason: str,
+        at: datetime,
+        sequences: Sequence[int] = (),
+        after_sequence: int | None = None,
+    ) -> int:
+        """Moves steps of a session to the archive (with `reason`) together:
+        those numbered `sequences`, and every one after `after_sequence` if
+        given. Returns how many moved."""
+
+    @abc.abstractmethod
+    async def archived_steps(self, session_id: uuid.UUID) -> list[tuple[str, Step]]:
+        """A session's archived steps with why they were archived, in the order archived."""
+
+    @abc.abstractmethod
+    async def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Stores a checkpoint with its agent's settings (name, role, system
+        prompt, model, tools, token budget)."""
+
+    @abc.abstractmethod
+    async def get_checkpoint(self, checkpoint_id: uuid.UUID) -> Checkpoint | None:
+        """The checkpoint; its `settings` are its agent as stored now with the
+        checkpoint's settings in place (None if the agent is gone)."""
+
+    @abc.abstractmethod
+    async def list_checkpoints(
+        self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int
+    ) -> list[Checkpoint]:
+        """An agent's checkpoints, newest first, older than a checkpoint id."""
+
+    @abc.abstractmethod
+    async def restore_checkpoint(self, checkpoint: Checkpoint, *, at: datetime) -> int:
+        """Archives (reason "restored") the steps of the checkpoint's session
+        after its sequence number and makes that session the agent's main
+        one, together; returns how many steps were archived. (The settings
+        go back through `update_agent`.)"""
+
+    # -- Tasks (TaskService) --
+
+    @abc.abstractmethod
+    async def add_task(self, task: Task) -> Task:
+        """Stores a new task, unless its agent has one with the same non-empty
+        request_id: returns the stored task, `task` or the one recorded first
+        (also when concurrent calls race)."""
+
+    @abc.abstractmethod
+    async def get_task(self, task_id: uuid.UUID) -> Task | None: ...
+
+    @abc.abstractmethod
+    async def find_task(self, agent_id: uuid.UUID, request_id: str) -> Task | None:
+        """The agent's task submitted with that (non-empty) request_id, if any."""
+
+    @abc.abstractmethod
+    async def list_tasks(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Task]:
+        """An agent's tasks, newest first, older than a task id."""
+
+    @abc.abstractmethod
+    async def next_task(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
+        """The head of the agent's queue: among its QUEUED tasks and the FAILED
+        ones whose retry is due by `now`, the highest priority, then the oldest
+        (by created_at, then id)."""
+
+    @abc.abstractmethod
+    async def tasks_ahead(self, task: Task, *, now: datetime) -> int:
+        """How many tasks `next_task` would serve before `task`."""
+
+    @abc.abstractmethod
+    async def next_retry_at(self, agent_id: uuid.UUID) -> datetime | None:
+        """The earliest retry_at of the agent's FAILED tasks (None: none)."""
+
+    @abc.abstractmethod
+    async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+        """Stores the task's progress (status, attempts, last error, result,
+        times, run) if its stored status is still one of `expected`: a
+        compare-and-set, so that of two racing changes one wins. Returns
+        whether it was stored."""
+
+    @abc.abstractmethod
+    async def cancel_waiting_tasks(self, agent_id: uuid.UUID, *, at: datetime) -> list[Task]:
+        """Marks every QUEUED or FAILED task of the agent CANCELLED (ended
+        `at`), together; returns them as now stored."""
+
+    @abc.abstractmethod
+    async def requeue_running_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+        """Puts the agent's RUNNING tasks back to QUEUED, their attempt not
+        counted (a runtime stopped while running them); returns them as now stored."""
+
+    @abc.abstractmethod
+    async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
+        """(tasks QUEUED or FAILED, tasks RUNNING, the mean of started_at -
+        created_at in milliseconds over the tasks that started, 0 if none)."""
 
     # IM watch cursors
 

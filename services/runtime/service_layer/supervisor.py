@@ -6,10 +6,12 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from dataclasses import replace
 
 from services.runtime.domain.model import Agent, AgentState
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import AgentRunner, RunnerEnv
+from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,11 @@ class Supervisor:
         self._cursors: dict[uuid.UUID, str] = {}
         self._save_delay = cursor_save_delay
         self._savers: dict[uuid.UUID, asyncio.Task[None]] = {}
+
+    def use_tasks(self, tasks: TaskQueue) -> None:
+        """Gives the runners their task queue (which needs the supervisor
+        itself, hence after construction); before `start`."""
+        self._env = replace(self._env, tasks=tasks)
 
     async def start(self) -> int:
         """Starts a runner for every stored agent; returns how many."""

@@ -5,7 +5,9 @@
 // Environment: AGENTIM_UI_URL (required), CHROMIUM (default /usr/bin/chromium),
 // AGENTIM_ARTIFACTS (screenshots; default artifacts/browser).
 //
-// It prints one line per step and exits 0 when every step passed.
+// It prints one line per step and exits 0 when every step passed. Calls it
+// makes the server refuse on purpose are listed in `expectedRefusals`;
+// any other console error fails it.
 
 import { mkdirSync } from "node:fs";
 import path from "node:path";
@@ -44,6 +46,8 @@ const started = Date.now();
 const log = (text) => console.log(`[${((Date.now() - started) / 1000).toFixed(1)}s] ${text}`);
 const dialogs = [];
 const problems = [];
+// Calls the test makes the server refuse on purpose: Chromium logs each refused fetch as a console error.
+const expectedRefusals = [];
 
 function watch(page, name) {
   page.setDefaultTimeout(TIMEOUT);
@@ -55,6 +59,8 @@ function watch(page, name) {
   page.on("console", (message) => {
     if (message.type() !== "error") return;
     const text = message.text();
+    const url = message.location().url || "";
+    if (text.startsWith("Failed to load resource") && expectedRefusals.some((pattern) => pattern.test(url))) return;
     // A refused inline script or style (CSP) is what hostile content would cause; count it too.
     problems.push(`${name}: console error: ${text}`);
   });
@@ -292,6 +298,148 @@ try {
     await messageFrom(page, "Ada", "[click me](javascript:alert(3))").waitFor();
     await shot(page, "07-hostile-inert");
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
+  });
+
+  // Agent control (issue 5), on an agent of its own so that nothing else wakes it.
+  const panel = page.locator(testid("agent-panel"));
+  const stateIs = (label) => page.locator(`${testid("agent-state")}[data-state="${label}"]`).waitFor();
+  const stepWith = (role, text) => panel.locator(`${testid("step")}[data-role="${role}"][data-live="false"]`).filter({ hasText: text });
+
+  await step("pause an agent: a message waits; edit a step and add a note; resume and it answers", async () => {
+    // A tab in the background gets few animation frames: the panel draws, and Playwright clicks, on frames.
+    await page.bringToFront();
+    await switchTo(page, "Ada");
+    await createAgent(page, "cora", "planner");
+    await page.locator(testid("agent-chat")).click();
+    await page.locator(testid("chat-title")).filter({ hasText: "cora" }).waitFor();
+    await send(page, "What is the plan?");
+    await messageFrom(page, "cora", "You said: What is the plan?").waitFor();
+    await stateIs("idle");
+
+    await panel.locator(testid("agent-pause")).click();
+    await stateIs("paused");
+    await panel.locator(testid("paused-bar")).waitFor();
+    await send(page, "Are you still there?");
+    await messageFrom(page, "Ada", "Are you still there?").waitFor();
+
+    // Edit the first input; an empty text is refused with the server's reason.
+    expectedRefusals.push(/\/v1\/agents\/[^/]+\/steps\/1$/);
+    await stepWith("user", "What is the plan?").locator(testid("step-edit")).click();
+    const edit = page.locator(testid("edit-step-dialog"));
+    await edit.locator(testid("edit-step-content")).fill("");
+    await edit.locator(testid("edit-step-dialog-submit")).click();
+    await edit.locator(testid("form-error")).filter({ hasText: "must not be empty" }).waitFor();
+    await edit.locator(testid("edit-step-content")).fill("What is the new plan?");
+    await edit.locator(testid("edit-step-dialog-submit")).click();
+    await edit.waitFor({ state: "detached" });
+    await stepWith("user", "What is the new plan?").waitFor();
+
+    await panel.locator(testid("add-note")).click();
+    const note = page.locator(testid("note-dialog"));
+    await note.locator(testid("note-role")).selectOption("STEP_ROLE_SYSTEM");
+    await note.locator(testid("note-content")).fill("Keep answers short.");
+    await note.locator(testid("note-dialog-submit")).click();
+    await note.waitFor({ state: "detached" });
+    await stepWith("system", "Keep answers short.").waitFor();
+    // Still paused: the message sent meanwhile has had no answer.
+    if (await messageFrom(page, "cora", "Are you still there").count()) throw new Error("a paused agent answered");
+    await shot(page, "08-paused-and-edited");
+
+    await panel.locator(testid("agent-resume")).click();
+    // It goes on from its corrected context first (the model echoes the edited input), then answers what waited.
+    await stepWith("assistant", "You said: What is the new plan?").waitFor();
+    await messageFrom(page, "cora", "You said: Are you still there?").waitFor();
+    await stepWith("assistant", "You said: Are you still there?").waitFor();
+    await stateIs("idle");
+    await shot(page, "09-resumed");
+  });
+
+  await step("fork from a step into a new session, which becomes the main thread", async () => {
+    const activity = panel.locator(testid("agent-activity"));
+    const original = await activity.getAttribute("data-main-session");
+    if (!original) throw new Error("the activity does not name its session");
+    await stepWith("user", "Are you still there?").locator(testid("step-fork")).click();
+    const dialog = page.locator(testid("fork-dialog"));
+    await dialog.locator(testid("fork-session")).check();
+    await dialog.locator(testid("fork-dialog-submit")).click();
+    await dialog.waitFor({ state: "detached" });
+    await panel.locator(`${testid("agent-activity")}:not([data-main-session="${original}"])`).waitFor();
+    // The copy keeps the steps up to the fork point (#5, the question), and answers it again there.
+    await stepWith("user", "Are you still there?").waitFor();
+    await panel.locator(`${testid("step")}[data-role="assistant"][data-sequence="6"]`).filter({ hasText: "You said: Are you still there?" }).waitFor();
+    await stateIs("idle");
+    await panel.locator(testid("agent-tab-sessions")).click();
+    await panel.locator(`${testid("session")}[data-main="true"][data-forked-from="${original}"]`).locator(testid("session-main")).waitFor();
+    const first = panel.locator(`${testid("session")}[data-session-id="${original}"][data-main="false"]`);
+    await shot(page, "10-forked-session");
+    // And back: the original thread made main again.
+    await first.locator(testid("session-set-main")).click();
+    await panel.locator(`${testid("session")}[data-session-id="${original}"][data-main="true"]`).waitFor();
+    await panel.locator(testid("agent-tab-activity")).click();
+    await panel.locator(`${testid("agent-activity")}[data-main-session="${original}"]`).waitFor();
+  });
+
+  await step("a checkpoint is created and listed", async () => {
+    await panel.locator(testid("agent-tab-checkpoints")).click();
+    await panel.locator(testid("checkpoint-name")).fill("before the tasks");
+    await panel.locator(testid("checkpoint-create")).click();
+    await panel.locator(`${testid("checkpoint")}[data-name="before the tasks"]`).waitFor();
+  });
+
+  await step("the queue: tasks wait while paused, one is cancelled, the other runs", async () => {
+    await panel.locator(testid("agent-pause")).click();
+    await stateIs("paused");
+    await panel.locator(testid("agent-tab-queue")).click();
+    for (const input of ["First task", "Second task"]) {
+      await panel.locator(testid("task-input")).fill(input);
+      await panel.locator(testid("task-submit")).click();
+      await panel.locator(`${testid("task")}[data-status="TASK_STATUS_QUEUED"]`).filter({ hasText: input }).waitFor();
+    }
+    const second = panel.locator(testid("task")).filter({ hasText: "Second task" });
+    await second.locator(testid("task-position")).filter({ hasText: "position 2" }).waitFor();
+    await panel.locator(testid("queue-stats")).filter({ hasText: "2 queued" }).waitFor();
+    await second.locator(testid("task-cancel")).click();
+    await panel.locator(`${testid("task")}[data-status="TASK_STATUS_CANCELLED"]`).filter({ hasText: "Second task" }).waitFor();
+    await shot(page, "11-queue-paused");
+    await panel.locator(testid("agent-resume")).click();
+    const first = panel.locator(`${testid("task")}[data-status="TASK_STATUS_SUCCEEDED"]`).filter({ hasText: "First task" });
+    await first.locator(testid("task-result")).filter({ hasText: "You said" }).waitFor();
+    await panel.locator(testid("queue-stats")).filter({ hasText: "0 queued" }).waitFor();
+    await shot(page, "12-queue-done");
+    await stateIs("idle");
+  });
+
+  await step("restoring the checkpoint takes the task's steps out of the context", async () => {
+    await panel.locator(testid("agent-tab-activity")).click();
+    await stepWith("user", "First task").waitFor();
+    await panel.locator(testid("agent-tab-checkpoints")).click();
+    await panel.locator(`${testid("checkpoint")}[data-name="before the tasks"]`).locator(testid("checkpoint-restore")).click();
+    await page.locator(testid("restore-dialog-submit")).click();
+    await page.locator(testid("restore-dialog")).waitFor({ state: "detached" });
+    await panel.locator(testid("agent-tab-activity")).click();
+    await stepWith("user", "Are you still there?").waitFor();
+    await stepWith("user", "First task").first().waitFor({ state: "detached" });
+  });
+
+  await step("terminate (keeping the queue), then start again; a refused control shows why", async () => {
+    await panel.locator(testid("agent-terminate")).click();
+    const dialog = page.locator(testid("terminate-dialog"));
+    await dialog.locator(testid("terminate-keep")).check();
+    await dialog.locator(testid("terminate-dialog-submit")).click();
+    await stateIs("terminated");
+    await panel.locator(testid("agent-tab-activity")).click();
+    await panel.locator(testid("terminated-bar")).waitFor();
+    // A terminated agent does nothing: retrying from a step is refused, and the dialog says why.
+    expectedRefusals.push(/\/v1\/agents\/[^/]+\/steps\/\d+:retry$/);
+    await stepWith("user", "Are you still there?").locator(testid("step-retry")).click();
+    const retry = page.locator(testid("retry-dialog"));
+    await retry.locator(testid("retry-dialog-submit")).click();
+    await retry.locator(testid("form-error")).filter({ hasText: "TERMINATED" }).waitFor();
+    await shot(page, "13-refused-while-terminated");
+    await page.keyboard.press("Escape");
+    await retry.waitFor({ state: "detached" });
+    await panel.locator(testid("agent-start")).click();
+    await stateIs("idle");
   });
 
   await step("no script error and no refused content in either tab", async () => {

@@ -35,6 +35,10 @@ class _AgentStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AgentState
     """In a run."""
     AGENT_STATE_ERROR: _AgentState.ValueType  # 3
     """Stopped by repeated failures of its LLM endpoint; a wake retries."""
+    AGENT_STATE_PAUSED: _AgentState.ValueType  # 4
+    """Paused by a person: what arrives waits for ResumeAgent."""
+    AGENT_STATE_TERMINATED: _AgentState.ValueType  # 5
+    """Terminated by a person: handles nothing until StartAgent."""
 
 class AgentState(_AgentState, metaclass=_AgentStateEnumTypeWrapper):
     """What an agent is doing."""
@@ -47,7 +51,75 @@ AGENT_STATE_RUNNING: AgentState.ValueType  # 2
 """In a run."""
 AGENT_STATE_ERROR: AgentState.ValueType  # 3
 """Stopped by repeated failures of its LLM endpoint; a wake retries."""
+AGENT_STATE_PAUSED: AgentState.ValueType  # 4
+"""Paused by a person: what arrives waits for ResumeAgent."""
+AGENT_STATE_TERMINATED: AgentState.ValueType  # 5
+"""Terminated by a person: handles nothing until StartAgent."""
 Global___AgentState: _TypeAlias = AgentState  # noqa: Y015
+
+class _TaskStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_STATUS_UNSPECIFIED: _TaskStatus.ValueType  # 0
+    """Not set."""
+    TASK_STATUS_QUEUED: _TaskStatus.ValueType  # 1
+    """Waiting for its turn."""
+    TASK_STATUS_RUNNING: _TaskStatus.ValueType  # 2
+    """Being worked on."""
+    TASK_STATUS_SUCCEEDED: _TaskStatus.ValueType  # 3
+    """Done."""
+    TASK_STATUS_FAILED: _TaskStatus.ValueType  # 4
+    """Failed; it will be retried at retry_time."""
+    TASK_STATUS_CANCELLED: _TaskStatus.ValueType  # 5
+    """Cancelled by a person (or by terminating with the queue cleared)."""
+    TASK_STATUS_DEAD: _TaskStatus.ValueType  # 6
+    """Failed more often than allowed; last_error says why."""
+
+class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper):
+    """Where a task is."""
+
+TASK_STATUS_UNSPECIFIED: TaskStatus.ValueType  # 0
+"""Not set."""
+TASK_STATUS_QUEUED: TaskStatus.ValueType  # 1
+"""Waiting for its turn."""
+TASK_STATUS_RUNNING: TaskStatus.ValueType  # 2
+"""Being worked on."""
+TASK_STATUS_SUCCEEDED: TaskStatus.ValueType  # 3
+"""Done."""
+TASK_STATUS_FAILED: TaskStatus.ValueType  # 4
+"""Failed; it will be retried at retry_time."""
+TASK_STATUS_CANCELLED: TaskStatus.ValueType  # 5
+"""Cancelled by a person (or by terminating with the queue cleared)."""
+TASK_STATUS_DEAD: TaskStatus.ValueType  # 6
+"""Failed more often than allowed; last_error says why."""
+Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
+
+class _QueuePolicy:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _QueuePolicyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueuePolicy.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    QUEUE_POLICY_UNSPECIFIED: _QueuePolicy.ValueType  # 0
+    """Not set: keep."""
+    QUEUE_POLICY_KEEP: _QueuePolicy.ValueType  # 1
+    """Keep them for when the agent is started again."""
+    QUEUE_POLICY_CLEAR: _QueuePolicy.ValueType  # 2
+    """Cancel them."""
+
+class QueuePolicy(_QueuePolicy, metaclass=_QueuePolicyEnumTypeWrapper):
+    """What terminating does with the agent's queued tasks."""
+
+QUEUE_POLICY_UNSPECIFIED: QueuePolicy.ValueType  # 0
+"""Not set: keep."""
+QUEUE_POLICY_KEEP: QueuePolicy.ValueType  # 1
+"""Keep them for when the agent is started again."""
+QUEUE_POLICY_CLEAR: QueuePolicy.ValueType  # 2
+"""Cancel them."""
+Global___QueuePolicy: _TypeAlias = QueuePolicy  # noqa: Y015
 
 class _StepRole:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -99,6 +171,8 @@ class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.V
     """Cut off by the iteration limit."""
     RUN_STATUS_BUDGET_EXHAUSTED: _RunStatus.ValueType  # 5
     """Cut off by the agent's token budget."""
+    RUN_STATUS_INTERRUPTED: _RunStatus.ValueType  # 6
+    """Interrupted by a person, or its task cancelled."""
 
 class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper):
     """How a run ended (or that it has not)."""
@@ -115,6 +189,8 @@ RUN_STATUS_ITERATION_LIMIT: RunStatus.ValueType  # 4
 """Cut off by the iteration limit."""
 RUN_STATUS_BUDGET_EXHAUSTED: RunStatus.ValueType  # 5
 """Cut off by the agent's token budget."""
+RUN_STATUS_INTERRUPTED: RunStatus.ValueType  # 6
+"""Interrupted by a person, or its task cancelled."""
 Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 
 @_typing.final
@@ -181,6 +257,7 @@ class Agent(_message.Message):
     TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    MAIN_SESSION_ID_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -203,6 +280,8 @@ class Agent(_message.Message):
     """Tokens used so far (input plus output)."""
     token_budget: _builtins.int
     """Token budget; 0 for the runtime's default."""
+    main_session_id: _builtins.str
+    """The session that new messages and tasks go to."""
     @_builtins.property
     def model(self) -> Global___ModelSettings:
         """Model settings."""
@@ -237,10 +316,11 @@ class Agent(_message.Message):
         token_budget: _builtins.int = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
+        main_session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "id", b"id", "last_error", b"last_error", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -341,6 +421,7 @@ class Step(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     METRICS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    INTERRUPTED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     agent_id: _builtins.str
@@ -350,7 +431,9 @@ class Step(_message.Message):
     run_id: _builtins.str
     """The run it was made in."""
     sequence: _builtins.int
-    """Gap-free position in the session, from 1."""
+    """Position in the session, from 1, in order (a step a person deleted
+    leaves a gap).
+    """
     role: Global___StepRole.ValueType
     """Chat role."""
     content: _builtins.str
@@ -361,6 +444,8 @@ class Step(_message.Message):
     """The call this step answers (tool steps)."""
     name: _builtins.str
     """The tool's name (tool steps)."""
+    interrupted: _builtins.bool
+    """Cut short by InterruptAgent: what was streamed until then."""
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """Tool calls (assistant steps)."""
@@ -389,10 +474,11 @@ class Step(_message.Message):
         name: _builtins.str = ...,
         metrics: Global___StepMetrics | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        interrupted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "metrics", b"metrics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "create_time", b"create_time", "id", b"id", "metrics", b"metrics", "name", b"name", "reasoning", b"reasoning", "role", b"role", "run_id", b"run_id", "sequence", b"sequence", "session_id", b"session_id", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "create_time", b"create_time", "id", b"id", "interrupted", b"interrupted", "metrics", b"metrics", "name", b"name", "reasoning", b"reasoning", "role", b"role", "run_id", b"run_id", "sequence", b"sequence", "session_id", b"session_id", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -851,6 +937,7 @@ class ListStepsRequest(_message.Message):
     AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Agent id."""
     after_sequence: _builtins.int
@@ -859,6 +946,8 @@ class ListStepsRequest(_message.Message):
     """Maximum results; the service caps it."""
     run_id: _builtins.str
     """Only the steps of this run; empty for all."""
+    session_id: _builtins.str
+    """The session; empty for the agent's main session."""
     def __init__(
         self,
         *,
@@ -866,10 +955,11 @@ class ListStepsRequest(_message.Message):
         after_sequence: _builtins.int = ...,
         page_size: _builtins.int = ...,
         run_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "agent_id", b"agent_id", "page_size", b"page_size", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "agent_id", b"agent_id", "page_size", b"page_size", "run_id", b"run_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -949,6 +1039,9 @@ class AgentEvent(_message.Message):
     STEP_DELTA_FIELD_NUMBER: _builtins.int
     STEP_COMPLETED_FIELD_NUMBER: _builtins.int
     STATE_CHANGED_FIELD_NUMBER: _builtins.int
+    TASK_CHANGED_FIELD_NUMBER: _builtins.int
+    MAIN_SESSION_CHANGED_FIELD_NUMBER: _builtins.int
+    STEPS_REWRITTEN_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent."""
     @_builtins.property
@@ -979,6 +1072,20 @@ class AgentEvent(_message.Message):
     def state_changed(self) -> Global___AgentStateChanged:
         """The agent's state changed."""
 
+    @_builtins.property
+    def task_changed(self) -> Global___Task:
+        """A task entered the queue, started, finished, failed, died or was cancelled."""
+
+    @_builtins.property
+    def main_session_changed(self) -> Global___Session:
+        """The agent's main session changed."""
+
+    @_builtins.property
+    def steps_rewritten(self) -> Global___StepsRewritten:
+        """Steps of the main session were changed by a person, retried or
+        restored: a watcher should reload them after this sequence number.
+        """
+
     def __init__(
         self,
         *,
@@ -990,16 +1097,45 @@ class AgentEvent(_message.Message):
         step_delta: Global___StepDelta | None = ...,
         step_completed: Global___Step | None = ...,
         state_changed: Global___AgentStateChanged | None = ...,
+        task_changed: Global___Task | None = ...,
+        main_session_changed: Global___Session | None = ...,
+        steps_rewritten: Global___StepsRewritten | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "main_session_changed", b"main_session_changed", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started", "steps_rewritten", b"steps_rewritten", "task_changed", b"task_changed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "event", b"event", "event_time", b"event_time", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "event", b"event", "event_time", b"event_time", "main_session_changed", b"main_session_changed", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started", "steps_rewritten", b"steps_rewritten", "task_changed", b"task_changed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["run_started", "run_ended", "step_started", "step_delta", "step_completed", "state_changed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["run_started", "run_ended", "step_started", "step_delta", "step_completed", "state_changed", "task_changed", "main_session_changed", "steps_rewritten"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___AgentEvent: _TypeAlias = AgentEvent  # noqa: Y015
+
+@_typing.final
+class StepsRewritten(_message.Message):
+    """Steps of the agent's main session were rewritten."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    AFTER_SEQUENCE_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """The session."""
+    after_sequence: _builtins.int
+    """Steps after this sequence number changed (edited, archived or added)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        after_sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_sequence", b"after_sequence", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepsRewritten: _TypeAlias = StepsRewritten  # noqa: Y015
 
 @_typing.final
 class StepStarted(_message.Message):
@@ -1204,3 +1340,1210 @@ class WatchAgentsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchAgentsResponse: _TypeAlias = WatchAgentsResponse  # noqa: Y015
+
+@_typing.final
+class Session(_message.Message):
+    """A thread of an agent's steps."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    MAIN_FIELD_NUMBER: _builtins.int
+    FORKED_FROM_SESSION_ID_FIELD_NUMBER: _builtins.int
+    FORKED_AT_SEQUENCE_FIELD_NUMBER: _builtins.int
+    STEP_COUNT_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Session id."""
+    agent_id: _builtins.str
+    """Its agent."""
+    main: _builtins.bool
+    """Whether new messages and tasks go to it."""
+    forked_from_session_id: _builtins.str
+    """The session it was forked from, if any."""
+    forked_at_sequence: _builtins.int
+    """The last step copied from that session."""
+    step_count: _builtins.int
+    """How many steps it has."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was created."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        main: _builtins.bool = ...,
+        forked_from_session_id: _builtins.str = ...,
+        forked_at_sequence: _builtins.int = ...,
+        step_count: _builtins.int = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "create_time", b"create_time", "forked_at_sequence", b"forked_at_sequence", "forked_from_session_id", b"forked_from_session_id", "id", b"id", "main", b"main", "step_count", b"step_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Session: _TypeAlias = Session  # noqa: Y015
+
+@_typing.final
+class Checkpoint(_message.Message):
+    """A named checkpoint: an agent's steps up to a moment and its settings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Checkpoint id."""
+    agent_id: _builtins.str
+    """Its agent."""
+    name: _builtins.str
+    """Its name."""
+    session_id: _builtins.str
+    """The session checkpointed."""
+    sequence: _builtins.int
+    """Its last step at the time."""
+    @_builtins.property
+    def settings(self) -> Global___Agent:
+        """The agent's settings at the time (name, role, prompt, model, tools, budget)."""
+
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was created."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        settings: Global___Agent | None = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "settings", b"settings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "create_time", b"create_time", "id", b"id", "name", b"name", "sequence", b"sequence", "session_id", b"session_id", "settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
+
+@_typing.final
+class Task(_message.Message):
+    """A unit of work submitted to an agent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CREATE_TIME_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    RETRY_TIME_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Task id."""
+    agent_id: _builtins.str
+    """Its agent."""
+    session_id: _builtins.str
+    """The session it runs in."""
+    input: _builtins.str
+    """What to do: given to the agent as a user step."""
+    status: Global___TaskStatus.ValueType
+    """Where it is."""
+    priority: _builtins.int
+    """Higher runs first among the queued; equal ones in arrival order."""
+    position: _builtins.int
+    """Tasks ahead of it in the queue (QUEUED only; 0 is next)."""
+    attempts: _builtins.int
+    """Attempts made so far."""
+    last_error: _builtins.str
+    """Why the last attempt failed."""
+    result: _builtins.str
+    """The agent's final answer (SUCCEEDED)."""
+    request_id: _builtins.str
+    """The submitter's idempotency key."""
+    run_id: _builtins.str
+    """The run of its last attempt."""
+    @_builtins.property
+    def create_time(self) -> _timestamp_pb2.Timestamp:
+        """When it was submitted."""
+
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When its current or last attempt started."""
+
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp:
+        """When it ended."""
+
+    @_builtins.property
+    def retry_time(self) -> _timestamp_pb2.Timestamp:
+        """When it will be retried (FAILED)."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        input: _builtins.str = ...,
+        status: Global___TaskStatus.ValueType = ...,
+        priority: _builtins.int = ...,
+        position: _builtins.int = ...,
+        attempts: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        result: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        create_time: _timestamp_pb2.Timestamp | None = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        retry_time: _timestamp_pb2.Timestamp | None = ...,
+        run_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "end_time", b"end_time", "retry_time", b"retry_time", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "attempts", b"attempts", "create_time", b"create_time", "end_time", b"end_time", "id", b"id", "input", b"input", "last_error", b"last_error", "position", b"position", "priority", b"priority", "request_id", b"request_id", "result", b"result", "retry_time", b"retry_time", "run_id", b"run_id", "session_id", b"session_id", "start_time", b"start_time", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class StartAgentRequest(_message.Message):
+    """Request for StartAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartAgentRequest: _TypeAlias = StartAgentRequest  # noqa: Y015
+
+@_typing.final
+class StartAgentResponse(_message.Message):
+    """Response for StartAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartAgentResponse: _TypeAlias = StartAgentResponse  # noqa: Y015
+
+@_typing.final
+class PauseAgentRequest(_message.Message):
+    """Request for PauseAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseAgentRequest: _TypeAlias = PauseAgentRequest  # noqa: Y015
+
+@_typing.final
+class PauseAgentResponse(_message.Message):
+    """Response for PauseAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now (PAUSED, or still RUNNING until its step boundary)."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseAgentResponse: _TypeAlias = PauseAgentResponse  # noqa: Y015
+
+@_typing.final
+class ResumeAgentRequest(_message.Message):
+    """Request for ResumeAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeAgentRequest: _TypeAlias = ResumeAgentRequest  # noqa: Y015
+
+@_typing.final
+class ResumeAgentResponse(_message.Message):
+    """Response for ResumeAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeAgentResponse: _TypeAlias = ResumeAgentResponse  # noqa: Y015
+
+@_typing.final
+class InterruptAgentRequest(_message.Message):
+    """Request for InterruptAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterruptAgentRequest: _TypeAlias = InterruptAgentRequest  # noqa: Y015
+
+@_typing.final
+class InterruptAgentResponse(_message.Message):
+    """Response for InterruptAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now (PAUSED)."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InterruptAgentResponse: _TypeAlias = InterruptAgentResponse  # noqa: Y015
+
+@_typing.final
+class TerminateAgentRequest(_message.Message):
+    """Request for TerminateAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    QUEUE_POLICY_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    queue_policy: Global___QueuePolicy.ValueType
+    """Keep or cancel the queued tasks."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        queue_policy: Global___QueuePolicy.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "queue_policy", b"queue_policy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateAgentRequest: _TypeAlias = TerminateAgentRequest  # noqa: Y015
+
+@_typing.final
+class TerminateAgentResponse(_message.Message):
+    """Response for TerminateAgent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now (TERMINATED)."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateAgentResponse: _TypeAlias = TerminateAgentResponse  # noqa: Y015
+
+@_typing.final
+class UpdateStepRequest(_message.Message):
+    """Request for UpdateStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    sequence: _builtins.int
+    """The step's sequence number in the main session."""
+    content: _builtins.str
+    """The new content."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateStepRequest: _TypeAlias = UpdateStepRequest  # noqa: Y015
+
+@_typing.final
+class UpdateStepResponse(_message.Message):
+    """Response for UpdateStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def step(self) -> Global___Step:
+        """The step now."""
+
+    def __init__(
+        self,
+        *,
+        step: Global___Step | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateStepResponse: _TypeAlias = UpdateStepResponse  # noqa: Y015
+
+@_typing.final
+class DeleteStepRequest(_message.Message):
+    """Request for DeleteStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    sequence: _builtins.int
+    """The step's sequence number in the main session."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteStepRequest: _TypeAlias = DeleteStepRequest  # noqa: Y015
+
+@_typing.final
+class DeleteStepResponse(_message.Message):
+    """Response for DeleteStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteStepResponse: _TypeAlias = DeleteStepResponse  # noqa: Y015
+
+@_typing.final
+class AddNoteRequest(_message.Message):
+    """Request for AddNote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    role: Global___StepRole.ValueType
+    """STEP_ROLE_SYSTEM or STEP_ROLE_USER."""
+    content: _builtins.str
+    """The note."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        role: Global___StepRole.ValueType = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddNoteRequest: _TypeAlias = AddNoteRequest  # noqa: Y015
+
+@_typing.final
+class AddNoteResponse(_message.Message):
+    """Response for AddNote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def step(self) -> Global___Step:
+        """The step added."""
+
+    def __init__(
+        self,
+        *,
+        step: Global___Step | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddNoteResponse: _TypeAlias = AddNoteResponse  # noqa: Y015
+
+@_typing.final
+class CreateCheckpointRequest(_message.Message):
+    """Request for CreateCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    name: _builtins.str
+    """A name for it."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateCheckpointRequest: _TypeAlias = CreateCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class CreateCheckpointResponse(_message.Message):
+    """Response for CreateCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint:
+        """The checkpoint."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Global___Checkpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateCheckpointResponse: _TypeAlias = CreateCheckpointResponse  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsRequest(_message.Message):
+    """Request for ListCheckpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    page_size: _builtins.int
+    """Maximum results; the service caps it."""
+    page_token: _builtins.str
+    """From a previous response."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsRequest: _TypeAlias = ListCheckpointsRequest  # noqa: Y015
+
+@_typing.final
+class ListCheckpointsResponse(_message.Message):
+    """Response for ListCheckpoints."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHECKPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty at the end."""
+    @_builtins.property
+    def checkpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Checkpoint]:
+        """Newest first."""
+
+    def __init__(
+        self,
+        *,
+        checkpoints: _abc.Iterable[Global___Checkpoint] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoints", b"checkpoints", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCheckpointsResponse: _TypeAlias = ListCheckpointsResponse  # noqa: Y015
+
+@_typing.final
+class RestoreCheckpointRequest(_message.Message):
+    """Request for RestoreCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    checkpoint_id: _builtins.str
+    """Checkpoint id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        checkpoint_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "checkpoint_id", b"checkpoint_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreCheckpointRequest: _TypeAlias = RestoreCheckpointRequest  # noqa: Y015
+
+@_typing.final
+class RestoreCheckpointResponse(_message.Message):
+    """Response for RestoreCheckpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreCheckpointResponse: _TypeAlias = RestoreCheckpointResponse  # noqa: Y015
+
+@_typing.final
+class ListSessionsRequest(_message.Message):
+    """Request for ListSessions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
+
+@_typing.final
+class ListSessionsResponse(_message.Message):
+    """Response for ListSessions."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
+        """Oldest first."""
+
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___Session] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
+
+@_typing.final
+class SetMainSessionRequest(_message.Message):
+    """Request for SetMainSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    session_id: _builtins.str
+    """Session id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetMainSessionRequest: _TypeAlias = SetMainSessionRequest  # noqa: Y015
+
+@_typing.final
+class SetMainSessionResponse(_message.Message):
+    """Response for SetMainSession."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetMainSessionResponse: _TypeAlias = SetMainSessionResponse  # noqa: Y015
+
+@_typing.final
+class RetryFromStepRequest(_message.Message):
+    """Request for RetryFromStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    sequence: _builtins.int
+    """The first step to archive (in the main session); greater than 1."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryFromStepRequest: _TypeAlias = RetryFromStepRequest  # noqa: Y015
+
+@_typing.final
+class RetryFromStepResponse(_message.Message):
+    """Response for RetryFromStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent now."""
+
+    def __init__(
+        self,
+        *,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryFromStepResponse: _TypeAlias = RetryFromStepResponse  # noqa: Y015
+
+@_typing.final
+class ForkFromStepRequest(_message.Message):
+    """Request for ForkFromStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    NEW_AGENT_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    sequence: _builtins.int
+    """The last step to copy (from the main session)."""
+    new_agent: _builtins.bool
+    """Fork into a new agent with the same settings (and a new IM membership)
+    instead of a new session of this one.
+    """
+    name: _builtins.str
+    """The new agent's name (new_agent only; default: "<name> (fork)")."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        new_agent: _builtins.bool = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "name", b"name", "new_agent", b"new_agent", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkFromStepRequest: _TypeAlias = ForkFromStepRequest  # noqa: Y015
+
+@_typing.final
+class ForkFromStepResponse(_message.Message):
+    """Response for ForkFromStep."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def session(self) -> Global___Session:
+        """The new session."""
+
+    @_builtins.property
+    def agent(self) -> Global___Agent:
+        """The agent it belongs to (the new one with new_agent)."""
+
+    def __init__(
+        self,
+        *,
+        session: Global___Session | None = ...,
+        agent: Global___Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "session", b"session"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkFromStepResponse: _TypeAlias = ForkFromStepResponse  # noqa: Y015
+
+@_typing.final
+class SubmitTaskRequest(_message.Message):
+    """Request for SubmitTask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    INPUT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    input: _builtins.str
+    """What to do."""
+    request_id: _builtins.str
+    """Idempotency key: the same one always returns the same task."""
+    session_id: _builtins.str
+    """The session to run in; empty for the main session."""
+    priority: _builtins.int
+    """Higher runs first among the queued."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        input: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "input", b"input", "priority", b"priority", "request_id", b"request_id", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitTaskRequest: _TypeAlias = SubmitTaskRequest  # noqa: Y015
+
+@_typing.final
+class SubmitTaskResponse(_message.Message):
+    """Response for SubmitTask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> Global___Task:
+        """The task (QUEUED with its position, or already RUNNING)."""
+
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitTaskResponse: _TypeAlias = SubmitTaskResponse  # noqa: Y015
+
+@_typing.final
+class GetTaskRequest(_message.Message):
+    """Request for GetTask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    """Task id."""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTaskRequest: _TypeAlias = GetTaskRequest  # noqa: Y015
+
+@_typing.final
+class GetTaskResponse(_message.Message):
+    """Response for GetTask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> Global___Task:
+        """The task."""
+
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTaskResponse: _TypeAlias = GetTaskResponse  # noqa: Y015
+
+@_typing.final
+class ListTasksRequest(_message.Message):
+    """Request for ListTasks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    page_size: _builtins.int
+    """Maximum results; the service caps it."""
+    page_token: _builtins.str
+    """From a previous response."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTasksRequest: _TypeAlias = ListTasksRequest  # noqa: Y015
+
+@_typing.final
+class ListTasksResponse(_message.Message):
+    """Response for ListTasks."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty at the end."""
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
+        """Newest first."""
+
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___Task] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTasksResponse: _TypeAlias = ListTasksResponse  # noqa: Y015
+
+@_typing.final
+class CancelTaskRequest(_message.Message):
+    """Request for CancelTask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.str
+    """Task id."""
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTaskRequest: _TypeAlias = CancelTaskRequest  # noqa: Y015
+
+@_typing.final
+class CancelTaskResponse(_message.Message):
+    """Response for CancelTask."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def task(self) -> Global___Task:
+        """The task now (CANCELLED)."""
+
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTaskResponse: _TypeAlias = CancelTaskResponse  # noqa: Y015
+
+@_typing.final
+class GetQueueStatsRequest(_message.Message):
+    """Request for GetQueueStats."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Agent id."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQueueStatsRequest: _TypeAlias = GetQueueStatsRequest  # noqa: Y015
+
+@_typing.final
+class GetQueueStatsResponse(_message.Message):
+    """Response for GetQueueStats."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    AVERAGE_WAIT_MS_FIELD_NUMBER: _builtins.int
+    queued: _builtins.int
+    """Tasks waiting (QUEUED or FAILED awaiting a retry)."""
+    running: _builtins.bool
+    """Whether one is running."""
+    average_wait_ms: _builtins.float
+    """Average time from submission to start of the tasks started so far, in ms."""
+    def __init__(
+        self,
+        *,
+        queued: _builtins.int = ...,
+        running: _builtins.bool = ...,
+        average_wait_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["average_wait_ms", b"average_wait_ms", "queued", b"queued", "running", b"running"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQueueStatsResponse: _TypeAlias = GetQueueStatsResponse  # noqa: Y015

@@ -88,6 +88,106 @@ class RuntimeServiceStub:
                 request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.WatchAgentsRequest.SerializeToString,
                 response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.WatchAgentsResponse.FromString,
                 _registered_method=True)
+        self.StartAgent = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/StartAgent',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.StartAgentRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.StartAgentResponse.FromString,
+                _registered_method=True)
+        self.PauseAgent = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/PauseAgent',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.PauseAgentRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.PauseAgentResponse.FromString,
+                _registered_method=True)
+        self.ResumeAgent = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ResumeAgent',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ResumeAgentRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ResumeAgentResponse.FromString,
+                _registered_method=True)
+        self.InterruptAgent = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/InterruptAgent',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.InterruptAgentRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.InterruptAgentResponse.FromString,
+                _registered_method=True)
+        self.TerminateAgent = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/TerminateAgent',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.TerminateAgentRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.TerminateAgentResponse.FromString,
+                _registered_method=True)
+        self.UpdateStep = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/UpdateStep',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.UpdateStepRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.UpdateStepResponse.FromString,
+                _registered_method=True)
+        self.DeleteStep = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/DeleteStep',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.DeleteStepRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.DeleteStepResponse.FromString,
+                _registered_method=True)
+        self.AddNote = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/AddNote',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.AddNoteRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.AddNoteResponse.FromString,
+                _registered_method=True)
+        self.CreateCheckpoint = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/CreateCheckpoint',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CreateCheckpointRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CreateCheckpointResponse.FromString,
+                _registered_method=True)
+        self.ListCheckpoints = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ListCheckpoints',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListCheckpointsRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListCheckpointsResponse.FromString,
+                _registered_method=True)
+        self.RestoreCheckpoint = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/RestoreCheckpoint',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RestoreCheckpointRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RestoreCheckpointResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ListSessions',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.SetMainSession = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/SetMainSession',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SetMainSessionRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SetMainSessionResponse.FromString,
+                _registered_method=True)
+        self.RetryFromStep = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/RetryFromStep',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RetryFromStepRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RetryFromStepResponse.FromString,
+                _registered_method=True)
+        self.ForkFromStep = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ForkFromStep',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ForkFromStepRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ForkFromStepResponse.FromString,
+                _registered_method=True)
+        self.SubmitTask = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/SubmitTask',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SubmitTaskRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SubmitTaskResponse.FromString,
+                _registered_method=True)
+        self.GetTask = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/GetTask',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetTaskRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetTaskResponse.FromString,
+                _registered_method=True)
+        self.ListTasks = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ListTasks',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListTasksRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListTasksResponse.FromString,
+                _registered_method=True)
+        self.CancelTask = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/CancelTask',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CancelTaskRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CancelTaskResponse.FromString,
+                _registered_method=True)
+        self.GetQueueStats = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/GetQueueStats',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -168,6 +268,172 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartAgent(self, request, context):
+        """Lifecycle. Every change is an event on the agent's stream; a transition
+        the agent's state does not allow is FAILED_PRECONDITION.
+
+        Starts a TERMINATED agent again: it becomes IDLE and handles what waits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseAgent(self, request, context):
+        """Pauses an agent at its next step boundary; messages and tasks that
+        arrive meanwhile wait for ResumeAgent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeAgent(self, request, context):
+        """Resumes a PAUSED agent: it goes on from its last step, then with what waits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InterruptAgent(self, request, context):
+        """Cancels the LLM call or tools in flight at once, keeps what was streamed
+        as an interrupted step (every tool call gets a result), and pauses.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TerminateAgent(self, request, context):
+        """Terminates an agent: the run in flight is cancelled and its queue kept
+        or cleared; it handles nothing until StartAgent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateStep(self, request, context):
+        """Human intervention in a PAUSED agent's main session.
+
+        Replaces the content of a step (the original is archived).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteStep(self, request, context):
+        """Removes a step (archived, not lost); later steps keep their numbers, so
+        a session's sequence may have gaps. An assistant step with tool calls
+        takes its results along; a tool result alone cannot be removed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddNote(self, request, context):
+        """Adds a note to the agent's context: a system or user step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateCheckpoint(self, request, context):
+        """Checkpoints: an agent's steps up to a moment and its settings.
+
+        Creates a named checkpoint of the agent as it is now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCheckpoints(self, request, context):
+        """Lists an agent's checkpoints, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestoreCheckpoint(self, request, context):
+        """Restores a checkpoint: the agent's settings and main session go back to
+        it; the steps after it are archived, not destroyed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """Sessions: threads of steps. New messages and tasks go to the main one
+        unless they name another.
+
+        Lists an agent's sessions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetMainSession(self, request, context):
+        """Makes a session the agent's main session (an event on its stream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetryFromStep(self, request, context):
+        """Retry and fork.
+
+        Archives the steps from a sequence number on and continues from the
+        last kept step: after a user or tool step the model is called; after an
+        assistant step with tool calls, they are executed first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkFromStep(self, request, context):
+        """Copies the steps up to a sequence number into a new session of the
+        agent (or of a new agent with the same settings) and continues there;
+        the original is untouched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitTask(self, request, context):
+        """The task queue: per agent, tasks and message-triggered runs execute one
+        at a time, in arrival order (higher priority first).
+
+        Submits a task: it starts at once when the agent is idle, else it is
+        queued. The same request_id always returns the same task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTask(self, request, context):
+        """Gets a task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTasks(self, request, context):
+        """Lists an agent's tasks, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelTask(self, request, context):
+        """Cancels a queued or running task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQueueStats(self, request, context):
+        """An agent's queue length and average waiting time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +486,106 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.WatchAgents,
                     request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.WatchAgentsRequest.FromString,
                     response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.WatchAgentsResponse.SerializeToString,
+            ),
+            'StartAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartAgent,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.StartAgentRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.StartAgentResponse.SerializeToString,
+            ),
+            'PauseAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseAgent,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.PauseAgentRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.PauseAgentResponse.SerializeToString,
+            ),
+            'ResumeAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeAgent,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ResumeAgentRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ResumeAgentResponse.SerializeToString,
+            ),
+            'InterruptAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.InterruptAgent,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.InterruptAgentRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.InterruptAgentResponse.SerializeToString,
+            ),
+            'TerminateAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.TerminateAgent,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.TerminateAgentRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.TerminateAgentResponse.SerializeToString,
+            ),
+            'UpdateStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateStep,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.UpdateStepRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.UpdateStepResponse.SerializeToString,
+            ),
+            'DeleteStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteStep,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.DeleteStepRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.DeleteStepResponse.SerializeToString,
+            ),
+            'AddNote': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddNote,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.AddNoteRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.AddNoteResponse.SerializeToString,
+            ),
+            'CreateCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCheckpoint,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CreateCheckpointRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CreateCheckpointResponse.SerializeToString,
+            ),
+            'ListCheckpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCheckpoints,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListCheckpointsRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListCheckpointsResponse.SerializeToString,
+            ),
+            'RestoreCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreCheckpoint,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RestoreCheckpointRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RestoreCheckpointResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListSessionsRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'SetMainSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetMainSession,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SetMainSessionRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SetMainSessionResponse.SerializeToString,
+            ),
+            'RetryFromStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetryFromStep,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RetryFromStepRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.RetryFromStepResponse.SerializeToString,
+            ),
+            'ForkFromStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkFromStep,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ForkFromStepRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ForkFromStepResponse.SerializeToString,
+            ),
+            'SubmitTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitTask,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SubmitTaskRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.SubmitTaskResponse.SerializeToString,
+            ),
+            'GetTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTask,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetTaskRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetTaskResponse.SerializeToString,
+            ),
+            'ListTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTasks,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListTasksRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListTasksResponse.SerializeToString,
+            ),
+            'CancelTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTask,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CancelTaskRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.CancelTaskResponse.SerializeToString,
+            ),
+            'GetQueueStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueueStats,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +862,546 @@ class RuntimeService:
             '/agentim.runtime.v1.RuntimeService/WatchAgents',
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.WatchAgentsRequest.SerializeToString,
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.WatchAgentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/StartAgent',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.StartAgentRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.StartAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/PauseAgent',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.PauseAgentRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.PauseAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ResumeAgent',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ResumeAgentRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ResumeAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InterruptAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/InterruptAgent',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.InterruptAgentRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.InterruptAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TerminateAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/TerminateAgent',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.TerminateAgentRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.TerminateAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/UpdateStep',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.UpdateStepRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.UpdateStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/DeleteStep',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.DeleteStepRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.DeleteStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddNote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/AddNote',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.AddNoteRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.AddNoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/CreateCheckpoint',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.CreateCheckpointRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.CreateCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCheckpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ListCheckpoints',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListCheckpointsRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListCheckpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/RestoreCheckpoint',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.RestoreCheckpointRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.RestoreCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ListSessions',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListSessionsRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetMainSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/SetMainSession',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.SetMainSessionRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.SetMainSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetryFromStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/RetryFromStep',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.RetryFromStepRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.RetryFromStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkFromStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ForkFromStep',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ForkFromStepRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ForkFromStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/SubmitTask',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.SubmitTaskRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.SubmitTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/GetTask',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetTaskRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ListTasks',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListTasksRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/CancelTask',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.CancelTaskRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.CancelTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueueStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/GetQueueStats',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,6 +59,84 @@ class RuntimeServiceStub:
     """
     WatchAgents: _grpc.UnaryStreamMultiCallable[_runtime_pb2.WatchAgentsRequest, _runtime_pb2.WatchAgentsResponse]
     """Streams the live events of several agents, or of every agent of a workspace."""
+    StartAgent: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.StartAgentRequest, _runtime_pb2.StartAgentResponse]
+    """Lifecycle. Every change is an event on the agent's stream; a transition
+    the agent's state does not allow is FAILED_PRECONDITION.
+
+    Starts a TERMINATED agent again: it becomes IDLE and handles what waits.
+    """
+    PauseAgent: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.PauseAgentRequest, _runtime_pb2.PauseAgentResponse]
+    """Pauses an agent at its next step boundary; messages and tasks that
+    arrive meanwhile wait for ResumeAgent.
+    """
+    ResumeAgent: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ResumeAgentRequest, _runtime_pb2.ResumeAgentResponse]
+    """Resumes a PAUSED agent: it goes on from its last step, then with what waits."""
+    InterruptAgent: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.InterruptAgentRequest, _runtime_pb2.InterruptAgentResponse]
+    """Cancels the LLM call or tools in flight at once, keeps what was streamed
+    as an interrupted step (every tool call gets a result), and pauses.
+    """
+    TerminateAgent: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.TerminateAgentRequest, _runtime_pb2.TerminateAgentResponse]
+    """Terminates an agent: the run in flight is cancelled and its queue kept
+    or cleared; it handles nothing until StartAgent.
+    """
+    UpdateStep: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.UpdateStepRequest, _runtime_pb2.UpdateStepResponse]
+    """Human intervention in a PAUSED agent's main session.
+
+    Replaces the content of a step (the original is archived).
+    """
+    DeleteStep: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.DeleteStepRequest, _runtime_pb2.DeleteStepResponse]
+    """Removes a step (archived, not lost); later steps keep their numbers, so
+    a session's sequence may have gaps. An assistant step with tool calls
+    takes its results along; a tool result alone cannot be removed.
+    """
+    AddNote: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.AddNoteRequest, _runtime_pb2.AddNoteResponse]
+    """Adds a note to the agent's context: a system or user step."""
+    CreateCheckpoint: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.CreateCheckpointRequest, _runtime_pb2.CreateCheckpointResponse]
+    """Checkpoints: an agent's steps up to a moment and its settings.
+
+    Creates a named checkpoint of the agent as it is now.
+    """
+    ListCheckpoints: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListCheckpointsRequest, _runtime_pb2.ListCheckpointsResponse]
+    """Lists an agent's checkpoints, newest first."""
+    RestoreCheckpoint: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.RestoreCheckpointRequest, _runtime_pb2.RestoreCheckpointResponse]
+    """Restores a checkpoint: the agent's settings and main session go back to
+    it; the steps after it are archived, not destroyed.
+    """
+    ListSessions: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListSessionsRequest, _runtime_pb2.ListSessionsResponse]
+    """Sessions: threads of steps. New messages and tasks go to the main one
+    unless they name another.
+
+    Lists an agent's sessions.
+    """
+    SetMainSession: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.SetMainSessionRequest, _runtime_pb2.SetMainSessionResponse]
+    """Makes a session the agent's main session (an event on its stream)."""
+    RetryFromStep: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.RetryFromStepRequest, _runtime_pb2.RetryFromStepResponse]
+    """Retry and fork.
+
+    Archives the steps from a sequence number on and continues from the
+    last kept step: after a user or tool step the model is called; after an
+    assistant step with tool calls, they are executed first.
+    """
+    ForkFromStep: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ForkFromStepRequest, _runtime_pb2.ForkFromStepResponse]
+    """Copies the steps up to a sequence number into a new session of the
+    agent (or of a new agent with the same settings) and continues there;
+    the original is untouched.
+    """
+    SubmitTask: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.SubmitTaskRequest, _runtime_pb2.SubmitTaskResponse]
+    """The task queue: per agent, tasks and message-triggered runs execute one
+    at a time, in arrival order (higher priority first).
+
+    Submits a task: it starts at once when the agent is idle, else it is
+    queued. The same request_id always returns the same task.
+    """
+    GetTask: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.GetTaskRequest, _runtime_pb2.GetTaskResponse]
+    """Gets a task."""
+    ListTasks: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListTasksRequest, _runtime_pb2.ListTasksResponse]
+    """Lists an agent's tasks, newest first."""
+    CancelTask: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.CancelTaskRequest, _runtime_pb2.CancelTaskResponse]
+    """Cancels a queued or running task."""
+    GetQueueStats: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.GetQueueStatsRequest, _runtime_pb2.GetQueueStatsResponse]
+    """An agent's queue length and average waiting time."""
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -91,6 +169,84 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     """
     WatchAgents: _aio.UnaryStreamMultiCallable[_runtime_pb2.WatchAgentsRequest, _runtime_pb2.WatchAgentsResponse]  # type: ignore[assignment]
     """Streams the live events of several agents, or of every agent of a workspace."""
+    StartAgent: _aio.UnaryUnaryMultiCallable[_runtime_pb2.StartAgentRequest, _runtime_pb2.StartAgentResponse]  # type: ignore[assignment]
+    """Lifecycle. Every change is an event on the agent's stream; a transition
+    the agent's state does not allow is FAILED_PRECONDITION.
+
+    Starts a TERMINATED agent again: it becomes IDLE and handles what waits.
+    """
+    PauseAgent: _aio.UnaryUnaryMultiCallable[_runtime_pb2.PauseAgentRequest, _runtime_pb2.PauseAgentResponse]  # type: ignore[assignment]
+    """Pauses an agent at its next step boundary; messages and tasks that
+    arrive meanwhile wait for ResumeAgent.
+    """
+    ResumeAgent: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ResumeAgentRequest, _runtime_pb2.ResumeAgentResponse]  # type: ignore[assignment]
+    """Resumes a PAUSED agent: it goes on from its last step, then with what waits."""
+    InterruptAgent: _aio.UnaryUnaryMultiCallable[_runtime_pb2.InterruptAgentRequest, _runtime_pb2.InterruptAgentResponse]  # type: ignore[assignment]
+    """Cancels the LLM call or tools in flight at once, keeps what was streamed
+    as an interrupted step (every tool call gets a result), and pauses.
+    """
+    TerminateAgent: _aio.UnaryUnaryMultiCallable[_runtime_pb2.TerminateAgentRequest, _runtime_pb2.TerminateAgentResponse]  # type: ignore[assignment]
+    """Terminates an agent: the run in flight is cancelled and its queue kept
+    or cleared; it handles nothing until StartAgent.
+    """
+    UpdateStep: _aio.UnaryUnaryMultiCallable[_runtime_pb2.UpdateStepRequest, _runtime_pb2.UpdateStepResponse]  # type: ignore[assignment]
+    """Human intervention in a PAUSED agent's main session.
+
+    Replaces the content of a step (the original is archived).
+    """
+    DeleteStep: _aio.UnaryUnaryMultiCallable[_runtime_pb2.DeleteStepRequest, _runtime_pb2.DeleteStepResponse]  # type: ignore[assignment]
+    """Removes a step (archived, not lost); later steps keep their numbers, so
+    a session's sequence may have gaps. An assistant step with tool calls
+    takes its results along; a tool result alone cannot be removed.
+    """
+    AddNote: _aio.UnaryUnaryMultiCallable[_runtime_pb2.AddNoteRequest, _runtime_pb2.AddNoteResponse]  # type: ignore[assignment]
+    """Adds a note to the agent's context: a system or user step."""
+    CreateCheckpoint: _aio.UnaryUnaryMultiCallable[_runtime_pb2.CreateCheckpointRequest, _runtime_pb2.CreateCheckpointResponse]  # type: ignore[assignment]
+    """Checkpoints: an agent's steps up to a moment and its settings.
+
+    Creates a named checkpoint of the agent as it is now.
+    """
+    ListCheckpoints: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListCheckpointsRequest, _runtime_pb2.ListCheckpointsResponse]  # type: ignore[assignment]
+    """Lists an agent's checkpoints, newest first."""
+    RestoreCheckpoint: _aio.UnaryUnaryMultiCallable[_runtime_pb2.RestoreCheckpointRequest, _runtime_pb2.RestoreCheckpointResponse]  # type: ignore[assignment]
+    """Restores a checkpoint: the agent's settings and main session go back to
+    it; the steps after it are archived, not destroyed.
+    """
+    ListSessions: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListSessionsRequest, _runtime_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """Sessions: threads of steps. New messages and tasks go to the main one
+    unless they name another.
+
+    Lists an agent's sessions.
+    """
+    SetMainSession: _aio.UnaryUnaryMultiCallable[_runtime_pb2.SetMainSessionRequest, _runtime_pb2.SetMainSessionResponse]  # type: ignore[assignment]
+    """Makes a session the agent's main session (an event on its stream)."""
+    RetryFromStep: _aio.UnaryUnaryMultiCallable[_runtime_pb2.RetryFromStepRequest, _runtime_pb2.RetryFromStepResponse]  # type: ignore[assignment]
+    """Retry and fork.
+
+    Archives the steps from a sequence number on and continues from the
+    last kept step: after a user or tool step the model is called; after an
+    assistant step with tool calls, they are executed first.
+    """
+    ForkFromStep: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ForkFromStepRequest, _runtime_pb2.ForkFromStepResponse]  # type: ignore[assignment]
+    """Copies the steps up to a sequence number into a new session of the
+    agent (or of a new agent with the same settings) and continues there;
+    the original is untouched.
+    """
+    SubmitTask: _aio.UnaryUnaryMultiCallable[_runtime_pb2.SubmitTaskRequest, _runtime_pb2.SubmitTaskResponse]  # type: ignore[assignment]
+    """The task queue: per agent, tasks and message-triggered runs execute one
+    at a time, in arrival order (higher priority first).
+
+    Submits a task: it starts at once when the agent is idle, else it is
+    queued. The same request_id always returns the same task.
+    """
+    GetTask: _aio.UnaryUnaryMultiCallable[_runtime_pb2.GetTaskRequest, _runtime_pb2.GetTaskResponse]  # type: ignore[assignment]
+    """Gets a task."""
+    ListTasks: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListTasksRequest, _runtime_pb2.ListTasksResponse]  # type: ignore[assignment]
+    """Lists an agent's tasks, newest first."""
+    CancelTask: _aio.UnaryUnaryMultiCallable[_runtime_pb2.CancelTaskRequest, _runtime_pb2.CancelTaskResponse]  # type: ignore[assignment]
+    """Cancels a queued or running task."""
+    GetQueueStats: _aio.UnaryUnaryMultiCallable[_runtime_pb2.GetQueueStatsRequest, _runtime_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
+    """An agent's queue length and average waiting time."""
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """RuntimeService owns agents: resident loops that wake on IM messages, think
@@ -180,5 +336,203 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_runtime_pb2.WatchAgentsResponse], _abc.AsyncIterator[_runtime_pb2.WatchAgentsResponse]]:
         """Streams the live events of several agents, or of every agent of a workspace."""
+
+    @_abc_1.abstractmethod
+    def StartAgent(
+        self,
+        request: _runtime_pb2.StartAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.StartAgentResponse, _abc.Awaitable[_runtime_pb2.StartAgentResponse]]:
+        """Lifecycle. Every change is an event on the agent's stream; a transition
+        the agent's state does not allow is FAILED_PRECONDITION.
+
+        Starts a TERMINATED agent again: it becomes IDLE and handles what waits.
+        """
+
+    @_abc_1.abstractmethod
+    def PauseAgent(
+        self,
+        request: _runtime_pb2.PauseAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.PauseAgentResponse, _abc.Awaitable[_runtime_pb2.PauseAgentResponse]]:
+        """Pauses an agent at its next step boundary; messages and tasks that
+        arrive meanwhile wait for ResumeAgent.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeAgent(
+        self,
+        request: _runtime_pb2.ResumeAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ResumeAgentResponse, _abc.Awaitable[_runtime_pb2.ResumeAgentResponse]]:
+        """Resumes a PAUSED agent: it goes on from its last step, then with what waits."""
+
+    @_abc_1.abstractmethod
+    def InterruptAgent(
+        self,
+        request: _runtime_pb2.InterruptAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.InterruptAgentResponse, _abc.Awaitable[_runtime_pb2.InterruptAgentResponse]]:
+        """Cancels the LLM call or tools in flight at once, keeps what was streamed
+        as an interrupted step (every tool call gets a result), and pauses.
+        """
+
+    @_abc_1.abstractmethod
+    def TerminateAgent(
+        self,
+        request: _runtime_pb2.TerminateAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.TerminateAgentResponse, _abc.Awaitable[_runtime_pb2.TerminateAgentResponse]]:
+        """Terminates an agent: the run in flight is cancelled and its queue kept
+        or cleared; it handles nothing until StartAgent.
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateStep(
+        self,
+        request: _runtime_pb2.UpdateStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.UpdateStepResponse, _abc.Awaitable[_runtime_pb2.UpdateStepResponse]]:
+        """Human intervention in a PAUSED agent's main session.
+
+        Replaces the content of a step (the original is archived).
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteStep(
+        self,
+        request: _runtime_pb2.DeleteStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.DeleteStepResponse, _abc.Awaitable[_runtime_pb2.DeleteStepResponse]]:
+        """Removes a step (archived, not lost); later steps keep their numbers, so
+        a session's sequence may have gaps. An assistant step with tool calls
+        takes its results along; a tool result alone cannot be removed.
+        """
+
+    @_abc_1.abstractmethod
+    def AddNote(
+        self,
+        request: _runtime_pb2.AddNoteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.AddNoteResponse, _abc.Awaitable[_runtime_pb2.AddNoteResponse]]:
+        """Adds a note to the agent's context: a system or user step."""
+
+    @_abc_1.abstractmethod
+    def CreateCheckpoint(
+        self,
+        request: _runtime_pb2.CreateCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.CreateCheckpointResponse, _abc.Awaitable[_runtime_pb2.CreateCheckpointResponse]]:
+        """Checkpoints: an agent's steps up to a moment and its settings.
+
+        Creates a named checkpoint of the agent as it is now.
+        """
+
+    @_abc_1.abstractmethod
+    def ListCheckpoints(
+        self,
+        request: _runtime_pb2.ListCheckpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ListCheckpointsResponse, _abc.Awaitable[_runtime_pb2.ListCheckpointsResponse]]:
+        """Lists an agent's checkpoints, newest first."""
+
+    @_abc_1.abstractmethod
+    def RestoreCheckpoint(
+        self,
+        request: _runtime_pb2.RestoreCheckpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.RestoreCheckpointResponse, _abc.Awaitable[_runtime_pb2.RestoreCheckpointResponse]]:
+        """Restores a checkpoint: the agent's settings and main session go back to
+        it; the steps after it are archived, not destroyed.
+        """
+
+    @_abc_1.abstractmethod
+    def ListSessions(
+        self,
+        request: _runtime_pb2.ListSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ListSessionsResponse, _abc.Awaitable[_runtime_pb2.ListSessionsResponse]]:
+        """Sessions: threads of steps. New messages and tasks go to the main one
+        unless they name another.
+
+        Lists an agent's sessions.
+        """
+
+    @_abc_1.abstractmethod
+    def SetMainSession(
+        self,
+        request: _runtime_pb2.SetMainSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.SetMainSessionResponse, _abc.Awaitable[_runtime_pb2.SetMainSessionResponse]]:
+        """Makes a session the agent's main session (an event on its stream)."""
+
+    @_abc_1.abstractmethod
+    def RetryFromStep(
+        self,
+        request: _runtime_pb2.RetryFromStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.RetryFromStepResponse, _abc.Awaitable[_runtime_pb2.RetryFromStepResponse]]:
+        """Retry and fork.
+
+        Archives the steps from a sequence number on and continues from the
+        last kept step: after a user or tool step the model is called; after an
+        assistant step with tool calls, they are executed first.
+        """
+
+    @_abc_1.abstractmethod
+    def ForkFromStep(
+        self,
+        request: _runtime_pb2.ForkFromStepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ForkFromStepResponse, _abc.Awaitable[_runtime_pb2.ForkFromStepResponse]]:
+        """Copies the steps up to a sequence number into a new session of the
+        agent (or of a new agent with the same settings) and continues there;
+        the original is untouched.
+        """
+
+    @_abc_1.abstractmethod
+    def SubmitTask(
+        self,
+        request: _runtime_pb2.SubmitTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.SubmitTaskResponse, _abc.Awaitable[_runtime_pb2.SubmitTaskResponse]]:
+        """The task queue: per agent, tasks and message-triggered runs execute one
+        at a time, in arrival order (higher priority first).
+
+        Submits a task: it starts at once when the agent is idle, else it is
+        queued. The same request_id always returns the same task.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTask(
+        self,
+        request: _runtime_pb2.GetTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.GetTaskResponse, _abc.Awaitable[_runtime_pb2.GetTaskResponse]]:
+        """Gets a task."""
+
+    @_abc_1.abstractmethod
+    def ListTasks(
+        self,
+        request: _runtime_pb2.ListTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ListTasksResponse, _abc.Awaitable[_runtime_pb2.ListTasksResponse]]:
+        """Lists an agent's tasks, newest first."""
+
+    @_abc_1.abstractmethod
+    def CancelTask(
+        self,
+        request: _runtime_pb2.CancelTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.CancelTaskResponse, _abc.Awaitable[_runtime_pb2.CancelTaskResponse]]:
+        """Cancels a queued or running task."""
+
+    @_abc_1.abstractmethod
+    def GetQueueStats(
+        self,
+        request: _runtime_pb2.GetQueueStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.GetQueueStatsResponse, _abc.Awaitable[_runtime_pb2.GetQueueStatsResponse]]:
+        """An agent's queue length and average waiting time."""
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,78 @@
+"""People's controls of an agent: start, pause, resume, interrupt, terminate."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+from services.common.identity import Principal
+from services.runtime.domain.lifecycle import Control, check_control
+from services.runtime.domain.model import Agent
+from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.runner import AgentRunner
+from services.runtime.service_layer.supervisor import Supervisor
+
+# Cancels an agent's queued tasks; returns how many.
+QueueClearer = Callable[[uuid.UUID], Awaitable[int]]
+
+
+class LifecycleService:
+    """Checks each control against the agent's live state and applies it
+    through its runner; every change is an event on the agent's stream.
+
+    Controls of one process are applied one at a time, so that two people
+    pausing and terminating at once see a consistent order.
+    """
+
+    def __init__(
+        self, *, agents: AgentService, supervisor: Supervisor, clear_queue: QueueClearer | None = None
+    ) -> None:
+        self._agents = agents
+        self._supervisor = supervisor
+        self._clear_queue = clear_queue
+        self._lock = asyncio.Lock()
+
+    async def _runner(self, principal: Principal | None, agent_id: str) -> AgentRunner:
+        agent = await self._agents.get_agent(principal, agent_id)
+        runner = self._supervisor.runner(agent.id)
+        if runner is None:  # deleted meanwhile
+            raise ValueError(f"agent {agent.id} has no runner")
+        return runner
+
+    async def start(self, principal: Principal | None, agent_id: str) -> Agent:
+        async with self._lock:
+            runner = await self._runner(principal, agent_id)
+            check_control(Control.START, runner.agent.state)
+            await runner.start_again()
+            return runner.agent
+
+    async def pause(self, principal: Principal | None, agent_id: str) -> Agent:
+        async with self._lock:
+            runner = await self._runner(principal, agent_id)
+            check_control(Control.PAUSE, runner.agent.state)
+            await runner.pause()
+            return runner.agent
+
+    async def resume(self, principal: Principal | None, agent_id: str) -> Agent:
+        async with self._lock:
+            runner = await self._runner(principal, agent_id)
+            check_control(Control.RESUME, runner.agent.state)
+            await runner.resume()
+            return runner.agent
+
+    async def interrupt(self, principal: Principal | None, agent_id: str) -> Agent:
+        async with self._lock:
+            runner = await self._runner(principal, agent_id)
+            check_control(Control.INTERRUPT, runner.agent.state)
+            await runner.interrupt()
+            return runner.agent
+
+    async def terminate(self, principal: Principal | None, agent_id: str, *, clear_queue: bool) -> Agent:
+        async with self._lock:
+            runner = await self._runner(principal, agent_id)
+            check_control(Control.TERMINATE, runner.agent.state)
+            await runner.terminate()
+            if clear_queue and self._clear_queue is not None:
+                await self._clear_queue(runner.agent.id)
+            return runner.agent

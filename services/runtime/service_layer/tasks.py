@@ -1,0 +1,412 @@
+"""The per-agent task queue (issue 5): submission (idempotent), ordering,
+retries with backoff, cancellation and statistics.
+
+A submitted task is QUEUED. The agent's runner takes the head of the queue
+(`next_task`) in its turn and reports through the `TaskQueue` port:
+`started` (RUNNING, one more attempt), then `succeeded` (SUCCEEDED),
+`failed` (FAILED with a retry due after a backoff, or DEAD once out of
+attempts), `put_back` (QUEUED again: the run was interrupted, the attempt
+does not count) or `cancelled` (CANCELLED). Every change of status is a
+`TaskChanged` event on the agent's stream. Each change is a compare-and-set
+on the stored status, so that a person cancelling and the runner starting or
+ending the same task never both win.
+
+A TERMINATED or PAUSED agent still accepts tasks: they wait in its queue
+until it is started or resumed (or are cancelled by terminating it with
+its queue cleared, `clear_queue`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
+
+from uuid_utils.compat import uuid7
+
+from services.common import errors
+from services.common.identity import Principal
+from services.runtime.domain.model import Agent, Emitted, Task, TaskChanged, TaskStatus
+from services.runtime.service_layer.agents import AgentNotFound, AgentService
+from services.runtime.service_layer.hub import AgentHub
+from services.runtime.service_layer.store import AgentStore
+from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.work import TaskQueue
+
+logger = logging.getLogger(__name__)
+
+# In the queue: waiting for the first attempt, or for a retry.
+WAITING = (TaskStatus.QUEUED, TaskStatus.FAILED)
+MAX_REQUEST_ID_CHARS = 128  # the width of tasks.request_id
+
+
+class InvalidTaskRequest(errors.InvalidArgument):
+    pass
+
+
+class TaskNotFound(errors.NotFound):
+    pass
+
+
+class SessionNotFound(errors.NotFound):
+    pass
+
+
+class TaskRequestReused(errors.AlreadyExists):
+    pass
+
+
+class TaskAlreadyEnded(errors.FailedPrecondition):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How failed tasks are retried.
+
+    After its n-th failed attempt a task waits `base_seconds * 2**(n-1)`
+    (at most `max_seconds`), less up to half of that at random so that
+    tasks which failed together do not all come back at once. The
+    `max_attempts`-th failure is final: the task is DEAD.
+    """
+
+    max_attempts: int = 3
+    base_seconds: float = 5.0
+    max_seconds: float = 300.0
+
+    def delay(self, attempts: int, jitter: float) -> timedelta:
+        """The wait after `attempts` failed attempts; `jitter` is in [0, 1)."""
+        full = min(self.max_seconds, self.base_seconds * 2 ** max(0, attempts - 1))
+        return timedelta(seconds=full * (1 - jitter / 2))
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A task and, while it is QUEUED, how many tasks are ahead of it."""
+
+    task: Task
+    position: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """An agent's queue: tasks waiting (QUEUED or FAILED awaiting a retry),
+    whether one is running, and the mean wait from submission to start."""
+
+    queued: int
+    running: bool
+    average_wait_ms: float
+
+
+class TaskService(TaskQueue):
+    """The use cases of SubmitTask, GetTask, ListTasks, CancelTask and
+    GetQueueStats, and the queue the agents' runners take their tasks from.
+
+    Args:
+        retry: how failed tasks are retried.
+        max_input_bytes: the largest task input (UTF-8).
+        max_page_size: the largest page of ListTasks.
+        cancel_wait_seconds: how long CancelTask waits for the runner to cut
+            a running task short before answering with the task as it is.
+        jitter: a source of numbers in [0, 1) for the retry backoff.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        supervisor: Supervisor,
+        hub: AgentHub,
+        agents: AgentService,
+        clock: Callable[[], datetime],
+        retry: RetryPolicy | None = None,
+        max_input_bytes: int = 64 * 1024,
+        max_page_size: int = 200,
+        cancel_wait_seconds: float = 10.0,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        self._store = store
+        self._supervisor = supervisor
+        self._hub = hub
+        self._agents = agents
+        self._clock = clock
+        self._retry = retry or RetryPolicy()
+        self._max_input_bytes = max_input_bytes
+        self._max_page = max_page_size
+        self._cancel_wait = cancel_wait_seconds
+        self._jitter = jitter
+        # Running tasks a person cancelled: however their run ends (short of
+        # succeeding), they end CANCELLED, never retried.
+        self._cancelling: set[uuid.UUID] = set()
+        # Set when a running task stops running (CancelTask waits for it).
+        self._stopped: dict[uuid.UUID, asyncio.Event] = {}
+
+    # -- the RPCs -------------------------------------------------------------
+
+    async def submit_task(
+        self,
+        principal: Principal | None,
+        agent_id: str,
+        *,
+        text: str,
+        request_id: str = "",
+        session_id: str = "",
+        priority: int = 0,
+    ) -> Placed:
+        """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
+        agent = await self._agents.get_agent(principal, agent_id)
+        if not text.strip():
+            raise InvalidTaskRequest("input is required")
+        size = len(text.encode())
+        if size > self._max_input_bytes:
+            raise InvalidTaskRequest(f"input is {size} bytes; the limit is {self._max_input_bytes}")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidTaskRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
+        session = await self._session_of(agent, session_id)
+        asked = (text, priority, session if session_id else None)
+        if request_id:
+            found = await self._store.find_task(agent.id, request_id)
+            if found is not None:
+                return await self._placed(_replayed(found, asked))
+        task = Task(
+            id=uuid7(),
+            agent_id=agent.id,
+            session_id=session,
+            input=text,
+            status=TaskStatus.QUEUED,
+            created_at=self._clock(),
+            priority=priority,
+            request_id=request_id,
+        )
+        stored = await self._store.add_task(task)
+        if stored.id != task.id:  # a concurrent call with the request_id got there first
+            return await self._placed(_replayed(stored, asked))
+        self._publish(stored)
+        runner = self._supervisor.runner(agent.id)
+        if runner is not None:
+            runner.wake()
+        return await self._placed(stored)
+
+    async def get_task(self, principal: Principal | None, task_id: str) -> Placed:
+        return await self._placed(await self._visible(principal, task_id))
+
+    async def list_tasks(
+        self, principal: Principal | None, agent_id: str, *, page_size: int, page_token: str
+    ) -> tuple[list[Placed], str]:
+        """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
+        agent = await self._agents.get_agent(principal, agent_id)
+        if page_size < 0:
+            raise InvalidTaskRequest("page_size must not be negative")
+        limit = min(page_size or 50, self._max_page)
+        before = _parse_id(page_token, "page_token") if page_token else None
+        tasks = await self._store.list_tasks(agent.id, before=before, limit=limit + 1)
+        page = [await self._placed(t) for t in tasks[:limit]]
+        return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
+
+    async def cancel_task(self, principal: Principal | None, task_id: str) -> Placed:
+        """Cancels a waiting task at once; asks the runner to cut a running one short.
+
+        Raises:
+            TaskAlreadyEnded: it succeeded, died or was cancelled already.
+        """
+        task = await self._visible(principal, task_id)
+        while True:
+            if task.status in WAITING:
+                ended = replace(task, status=TaskStatus.CANCELLED, ended_at=self._clock(), retry_at=None)
+                if await self._store.update_task(ended, expected=WAITING):
+                    self._publish(ended)
+                    return Placed(ended)
+            elif task.status is TaskStatus.RUNNING:
+                return Placed(await self._cancel_running(task))
+            else:
+                raise TaskAlreadyEnded(
+                    f"task {task.id} is {task.status.value}:"
+                    " only queued, failed or running tasks can be cancelled"
+                )
+            # Its status changed meanwhile (the runner started it): look again.
+            task = await self._reread(task)
+
+    async def queue_stats(self, principal: Principal | None, agent_id: str) -> QueueStats:
+        agent = await self._agents.get_agent(principal, agent_id)
+        waiting, running, average = await self._store.queue_stats(agent.id)
+        return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
+
+    async def clear_queue(self, agent_id: uuid.UUID) -> int:
+        """Cancels every waiting (QUEUED or FAILED) task of the agent, as
+        terminating it with QUEUE_POLICY_CLEAR does; returns how many."""
+        ended = await self._store.cancel_waiting_tasks(agent_id, at=self._clock())
+        for task in ended:
+            self._publish(task)
+        return len(ended)
+
+    # -- the runner's port (TaskQueue) ------------------------------------------
+
+    async def next_task(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
+        return await self._store.next_task(agent_id, now=now)
+
+    async def next_retry_at(self, agent_id: uuid.UUID) -> datetime | None:
+        return await self._store.next_retry_at(agent_id)
+
+    async def started(self, task: Task, *, run_id: uuid.UUID, at: datetime) -> Task:
+        """Marks it RUNNING (one more attempt). If it is no longer waiting (a
+        person cancelled it since `next_task`), returns it as stored, not
+        RUNNING: the runner must then not run it."""
+        current = await self._reread(task)
+        if current.status in WAITING:
+            running = replace(
+                current,
+                status=TaskStatus.RUNNING,
+                attempts=current.attempts + 1,
+                started_at=at,
+                ended_at=None,
+                retry_at=None,
+                run_id=run_id,
+            )
+            if await self._store.update_task(running, expected=WAITING):
+                self._publish(running)
+                return running
+            current = await self._reread(current)
+        logger.info("task %s is %s: not started", current.id, current.status.value)
+        return current
+
+    async def succeeded(self, task: Task, *, result: str, at: datetime) -> None:
+        await self._end(task, lambda t: replace(t, status=TaskStatus.SUCCEEDED, result=result, ended_at=at))
+
+    async def failed(self, task: Task, *, error: str, at: datetime) -> None:
+        def outcome(t: Task) -> Task:
+            if t.id in self._cancelling:
+                return replace(t, status=TaskStatus.CANCELLED, last_error=error, ended_at=at)
+            if t.attempts >= self._retry.max_attempts:
+                return replace(t, status=TaskStatus.DEAD, last_error=error, ended_at=at, retry_at=None)
+            delay = self._retry.delay(t.attempts, self._jitter())
+            return replace(t, status=TaskStatus.FAILED, last_error=error, retry_at=at + delay)
+
+        await self._end(task, outcome)
+
+    async def put_back(self, task: Task) -> None:
+        def outcome(t: Task) -> Task:
+            if t.id in self._cancelling:
+                return replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock())
+            return replace(t, status=TaskStatus.QUEUED, attempts=max(0, t.attempts - 1), retry_at=None)
+
+        await self._end(task, outcome)
+
+    async def recover(self, agent_id: uuid.UUID) -> list[Task]:
+        requeued = await self._store.requeue_running_tasks(agent_id)
+        for task in requeued:
+            self._publish(task)
+        return requeued
+
+    async def cancelled(self, task: Task, *, at: datetime) -> None:
+        await self._end(task, lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None))
+
+    # -- helpers ------------------------------------------------------------------
+
+    async def _visible(self, principal: Principal | None, task_id: str) -> Task:
+        """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
+        wanted = _parse_id(task_id, "task_id")
+        task = await self._store.get_task(wanted)
+        try:
+            # Asked even for a missing task: an unauthenticated caller learns nothing.
+            await self._agents.get_agent(principal, str(task.agent_id if task else uuid.UUID(int=0)))
+        except AgentNotFound:
+            task = None
+        if task is None:
+            raise TaskNotFound(f"task {wanted} not found")
+        return task
+
+    async def _session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
+        if not session_id:
+            return agent.session_id
+        wanted = _parse_id(session_id, "session_id")
+        if wanted != agent.session_id:
+            session = await self._store.get_session(wanted)
+            if session is None or session.agent_id != agent.id:
+                raise SessionNotFound(f"session {wanted} of agent {agent.id} not found")
+        return wanted
+
+    async def _placed(self, task: Task) -> Placed:
+        if task.status is not TaskStatus.QUEUED:
+            return Placed(task)
+        return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
+
+    async def _reread(self, task: Task) -> Task:
+        return await self._store.get_task(task.id) or task
+
+    async def _cancel_running(self, task: Task) -> Task:
+        self._cancelling.add(task.id)
+        stopped = self._stopped.setdefault(task.id, asyncio.Event())
+        runner = self._supervisor.runner(task.agent_id)
+        # AgentRunner.cancel_task cuts the task's run short; the runner then
+        # reports it `cancelled`. (Guarded until every runner has it.)
+        cancel = getattr(runner, "cancel_task", None)
+        outcome = cancel(task.id) if cancel is not None else None
+        if inspect.isawaitable(outcome):
+            outcome = await outcome
+        if runner is None or outcome is False:
+            # Nobody here runs it (a run lost with its process): end it now.
+            await self._end(
+                task,
+                lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock()),
+                quiet=True,
+            )
+        elif cancel is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), self._cancel_wait)
+        return await self._reread(task)
+
+    async def _end(
+        self,
+        task: Task,
+        outcome: Callable[[Task], Task],
+        *,
+        quiet: bool = False,
+    ) -> None:
+        """Moves a running task on to `outcome(stored task)` (compare-and-set)."""
+        current = await self._reread(task)
+        changed = outcome(current)
+        if not await self._store.update_task(changed, expected=(TaskStatus.RUNNING,)):
+            if not quiet:
+                logger.warning("task %s is no longer running: not marked %s", task.id, changed.status.value)
+            return
+        self._cancelling.discard(task.id)
+        stopped = self._stopped.pop(task.id, None)
+        if stopped is not None:
+            stopped.set()
+        self._publish(changed)
+
+    def _publish(self, task: Task) -> None:
+        self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)))
+
+
+def _replayed(found: Task, asked: tuple[str, int, uuid.UUID | None]) -> Task:
+    """The task a request_id was used for, if it was asked for the same thing."""
+    text, priority, session = asked
+    differs = [
+        name
+        for name, same in (
+            ("input", found.input == text),
+            ("priority", found.priority == priority),
+            ("session_id", session is None or found.session_id == session),
+        )
+        if not same
+    ]
+    if differs:
+        raise TaskRequestReused(
+            f"request_id {found.request_id!r} was already used for task {found.id} of this agent"
+            f" with another {' and '.join(differs)}"
+        )
+    return found
+
+
+def _parse_id(value: str, field: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(value)
+    except ValueError:
+        raise InvalidTaskRequest(f"{field} is not a valid id: {value[:64]!r}") from None
