@@ -91,7 +91,10 @@ def build(settings: Settings) -> RuntimeApp:
         default_base_url=settings.llm_base_url,
     )
     hub = AgentHub()
-    tools = default_registry(timeout_seconds=settings.tool_timeout_seconds)
+    tools = default_registry(
+        timeout_seconds=settings.tool_timeout_seconds,
+        ask_human_timeout_seconds=settings.ask_human_timeout_seconds,
+    )
     services: list[AgentService] = []
 
     async def create_sub_agent(parent: Agent, name: str, role: str, system_prompt: str) -> Agent:

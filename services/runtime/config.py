@@ -29,6 +29,7 @@ class Settings:
     agent_chatter_limit: int
     token_budget: int
     tool_timeout_seconds: float
+    ask_human_timeout_seconds: float
     max_reply_bytes: int
     history_cache_steps: int
     max_task_input_bytes: int
@@ -72,6 +73,7 @@ class Settings:
             agent_chatter_limit=env.integer("RUNTIME_AGENT_CHATTER_LIMIT", 20, minimum=1),
             token_budget=env.integer("RUNTIME_TOKEN_BUDGET", 1_000_000, minimum=1),
             tool_timeout_seconds=env.number("TOOL_TIMEOUT_SECONDS", 60.0, minimum=0.01),
+            ask_human_timeout_seconds=env.number("ASK_HUMAN_TIMEOUT_SECONDS", 3600.0, minimum=0.01),
             max_reply_bytes=env.integer("RUNTIME_MAX_REPLY_BYTES", 64 * 1024, minimum=64),
             history_cache_steps=env.integer("RUNTIME_HISTORY_CACHE_STEPS", 20_000, minimum=0),
             max_task_input_bytes=env.integer("RUNTIME_MAX_TASK_INPUT_BYTES", 64 * 1024, minimum=1),

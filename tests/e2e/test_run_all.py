@@ -17,9 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def readme_example() -> str:
-    match = re.search(r"From Python[^\n]*\n\n```python\n(.*?)```", README.read_text(), re.S)
-    assert match is not None, "the README has lost its Python example"
+def readme_example(lead: str = "From Python") -> str:
+    """The README's Python example after the paragraph starting with `lead`."""
+    match = re.search(re.escape(lead) + r"[^\n]*\n\n```python\n(.*?)```", README.read_text(), re.S)
+    assert match is not None, f"the README has lost its Python example after {lead!r}"
     return match.group(1)
 
 
@@ -79,6 +80,15 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
         )
         assert ran.returncode == 0, ran.stderr
         assert "You said: hello!" in ran.stdout
+        control = readme_example("Pausing an agent, correcting it and handing it work")
+        control = control.replace("127.0.0.1:50051", im_line.split()[4])
+        control = control.replace("127.0.0.1:50052", runtime_line.split()[4])
+        ran = subprocess.run(
+            [sys.executable, "-c", control], check=False, capture_output=True, text=True, timeout=60
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert ran.stdout.splitlines()[0] == "True True"
+        assert ran.stdout.splitlines()[1].startswith("done: ") and "summarise the week" in ran.stdout
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:

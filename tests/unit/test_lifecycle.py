@@ -34,7 +34,7 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tools import Tool, ToolContext
+from services.runtime.service_layer.tools import Tool, ToolContext, ToolRegistry, default_registry
 from tests.unit.runtime_fakes import Script
 from tests.unit.test_runner import WAIT, Harness, harness
 
@@ -315,3 +315,68 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         assert [m.content for m in h.im.in_group(chat.id)][-1] == "recovered"
         assert h.store.agents[ada.id].state is AgentState.IDLE
         await fresh.aclose()
+
+
+def noting_sends(h: Harness, prefix: str) -> asyncio.Event:
+    """An event set once the agents send a message starting with `prefix`."""
+    sent_it = asyncio.Event()
+    send = h.im.send_message
+
+    async def noting(*args: Any, **kwargs: Any) -> Any:
+        sent = await send(*args, **kwargs)
+        if sent.content.startswith(prefix):
+            sent_it.set()
+        return sent
+
+    h.im.send_message = noting  # type: ignore[method-assign]
+    return sent_it
+
+
+async def test_ask_human_keeps_the_agent_busy_until_a_person_answers() -> None:
+    question = json.dumps({"question": "Which branch shall I deploy?"})
+    async for h, _control in lifecycle_harness(
+        Script(tool_calls=[("ask_human", question)]), Script(content="Deploying main.")
+    ):
+        ada = await h.agent(tools=("ask_human",))
+        bea = await h.agent("bea")  # not in the chat: it only speaks up in it
+        chat = h.im.group("", h.human, ada.member_id)
+        asked = noting_sends(h, "Which branch")
+        h.im.post(h.human, chat.id, "@ada deploy please", mentions=[ada.member_id])
+        await asyncio.wait_for(asked.wait(), WAIT)
+        runner = h.supervisor.runner(ada.id)
+        assert runner is not None and runner.agent.state is AgentState.RUNNING
+        # Another agent's message is no answer; a person's is.
+        h.im.post(bea.member_id, chat.id, "I think develop")
+        await asyncio.sleep(0.01)
+        assert runner.agent.state is AgentState.RUNNING and len(h.llm.requests) == 1
+        h.im.post(h.human, chat.id, "main")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        steps = h.store.steps[ada.session_id]
+        tool_result = next(s for s in steps if s.role is Role.TOOL)
+        assert tool_result.message.content == f"answer from member_id={h.human}: main"
+        assert [m.content for m in h.im.in_group(chat.id)][-1] == "Deploying main."
+        assert len([r for r in h.store.runs.values() if r.agent_id == ada.id]) == 1
+        assert len(h.llm.requests) == 2, "the answer was the tool's result, not a new run"
+
+
+async def test_a_tool_may_have_its_own_time_limit() -> None:
+    async def forever(context: ToolContext, arguments: dict[str, Any]) -> str:
+        await asyncio.Event().wait()
+        return "never"
+
+    registry = ToolRegistry(
+        [Tool(ToolSpec("wait", "waits", {"type": "object"}), forever, timeout_seconds=0.01)],
+        timeout_seconds=60,
+    )
+    async for h in harness():
+        ada = await h.agent()
+        context = ToolContext(
+            agent=ada, im=h.im, trigger_group_id=None, create_sub_agent=h.service.create_child
+        )
+        outcome = await asyncio.wait_for(registry.execute(context, ToolCall("c1", "wait", "{}")), WAIT)
+        assert outcome.content == "error: wait did not finish within 0.01 s"
+        ask = await default_registry(ask_human_timeout_seconds=5).execute(
+            context, ToolCall("c2", "ask_human", json.dumps({"question": "?"}))
+        )
+        assert ask.content == "error: nobody can be asked from here"

@@ -208,6 +208,8 @@ class AgentRunner:
         self._tool_outcomes: dict[str, ToolOutcome] = {}
         self._retry_timer: asyncio.TimerHandle | None = None
         self._begun = asyncio.Event()
+        # Tools waiting for a person's answer in a group: (group, after message) -> answer.
+        self._reply_waiters: dict[tuple[uuid.UUID, uuid.UUID], asyncio.Future[IMMessage]] = {}
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -245,6 +247,22 @@ class AgentRunner:
         self._env.history.take(self.agent.id)
         if self._current is None:
             self._steps = None
+
+    def on_message(self, message: IMMessage, *, from_person: bool) -> None:
+        """A message in one of the agent's groups: the answer a tool may be waiting for."""
+        if not from_person:
+            return
+        for (group_id, after), waiter in list(self._reply_waiters.items()):
+            if group_id == message.group_id and message.id > after and not waiter.done():
+                waiter.set_result(message)
+
+    async def _wait_for_reply(self, group_id: uuid.UUID, after: uuid.UUID) -> IMMessage:
+        waiter: asyncio.Future[IMMessage] = asyncio.get_running_loop().create_future()
+        self._reply_waiters[(group_id, after)] = waiter
+        try:
+            return await waiter
+        finally:
+            self._reply_waiters.pop((group_id, after), None)
 
     def continue_from_history(self) -> None:
         """Makes the runner go on from its last step: call the model after
@@ -791,7 +809,11 @@ class AgentRunner:
     async def _call_tools(self, run: Run, calls: tuple[ToolCall, ...], reply_group: uuid.UUID | None) -> None:
         env = self._env
         context = ToolContext(
-            agent=self.agent, im=env.im, trigger_group_id=reply_group, create_sub_agent=env.create_sub_agent
+            agent=self.agent,
+            im=env.im,
+            trigger_group_id=reply_group,
+            create_sub_agent=env.create_sub_agent,
+            wait_for_reply=self._wait_for_reply,
         )
 
         async def execute(call: ToolCall) -> ToolOutcome:

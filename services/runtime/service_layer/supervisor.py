@@ -127,9 +127,11 @@ class Supervisor:
     def _route(self, event: IMEvent) -> None:
         message = event.message
         self._env.guard.observe(message.group_id, from_agent=self.is_agent(message.sender_id))
+        from_person = not self.is_agent(message.sender_id)
         for member_id in event.member_ids:
             runner = self._by_member.get(member_id)
             if runner is not None and member_id != message.sender_id:
+                runner.on_message(message, from_person=from_person)
                 runner.wake()
 
     def _save_cursor_soon(self, workspace_id: uuid.UUID) -> None:

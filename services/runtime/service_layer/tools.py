@@ -20,6 +20,8 @@ from services.runtime.domain.model import Agent
 from services.runtime.service_layer.im_port import IMGroup, IMMember, IMMessage, IMPort
 
 SubAgentFactory = Callable[[Agent, str, str, str], Awaitable[Agent]]
+# Waits for the first message a person sends to a group after a message.
+ReplyWaiter = Callable[[uuid.UUID, uuid.UUID], Awaitable[IMMessage]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,7 @@ class ToolContext:
     im: IMPort
     trigger_group_id: uuid.UUID | None
     create_sub_agent: SubAgentFactory
+    wait_for_reply: ReplyWaiter | None = None
 
 
 ToolFunction = Callable[[ToolContext, dict[str, Any]], Awaitable[str]]
@@ -39,6 +42,8 @@ ToolFunction = Callable[[ToolContext, dict[str, Any]], Awaitable[str]]
 class Tool:
     spec: ToolSpec
     run: ToolFunction
+    # Longest it may run; None: the registry's limit.
+    timeout_seconds: float | None = None
 
 
 class ToolError(Exception):
@@ -97,10 +102,11 @@ class ToolRegistry:
             return f"error: the arguments are not valid JSON ({error})"
         if not isinstance(arguments, dict):
             return "error: the arguments must be a JSON object"
+        timeout = tool.timeout_seconds or self._timeout
         try:
-            return await asyncio.wait_for(tool.run(context, arguments), self._timeout)
+            return await asyncio.wait_for(tool.run(context, arguments), timeout)
         except TimeoutError:
-            return f"error: {call.name} did not finish within {self._timeout:g} s"
+            return f"error: {call.name} did not finish within {timeout:g} s"
         except (ToolError, ServiceError) as error:
             return f"error: {error}"
         except (KeyError, TypeError, ValueError) as error:
@@ -108,6 +114,18 @@ class ToolRegistry:
 
 
 # -- built-in tools ---------------------------------------------------------------
+
+
+async def ask_human(context: ToolContext, arguments: dict[str, Any]) -> str:
+    """Posts the question and waits, the agent busy meanwhile, for a person's answer."""
+    if context.wait_for_reply is None:
+        raise ToolError("nobody can be asked from here")
+    group_id = _id(arguments.get("group_id") or context.trigger_group_id, "group_id")
+    asked = await context.im.send_message(context.agent.member_id, group_id, _text(arguments, "question"))
+    reply = await context.wait_for_reply(group_id, asked.id)
+    # Read here as the tool's result: it must not wake the agent again.
+    await context.im.mark_read(context.agent.member_id, group_id, reply.id)
+    return f"answer from member_id={reply.sender_id}: {reply.content}"
 
 
 def _text(arguments: dict[str, Any], name: str) -> str:
@@ -272,5 +290,18 @@ BUILT_IN_TOOLS = (
 )
 
 
-def default_registry(*, timeout_seconds: float = 60.0) -> ToolRegistry:
-    return ToolRegistry(BUILT_IN_TOOLS, timeout_seconds=timeout_seconds)
+def default_registry(
+    *, timeout_seconds: float = 60.0, ask_human_timeout_seconds: float = 3600.0
+) -> ToolRegistry:
+    """The built-in tools; `ask_human` may wait longer than the others."""
+    asking = Tool(
+        ToolSpec(
+            "ask_human",
+            "Ask the people of a group a question (by default the chat you are answering) and wait for"
+            " the first answer a person sends there.",
+            _schema({"question": _STRING, "group_id": _STRING}, ["question"]),
+        ),
+        ask_human,
+        timeout_seconds=ask_human_timeout_seconds,
+    )
+    return ToolRegistry((*BUILT_IN_TOOLS, asking), timeout_seconds=timeout_seconds)
