@@ -12,7 +12,12 @@ server process serves every agent of the benchmark:
   written to the socket;
 - `bench-paced-<n>-<rate>`: n one-character content deltas at `rate` per
   second (0: as fast as the socket takes them), then a last delta
-  `[<first ns>,<last ns>]`: when the server wrote the first and the last.
+  `[<first ns>,<last ns>]`: when the server wrote the first and the last;
+- `bench-stall-<n>-<tag>`: the first n requests naming this model stream one
+  content delta `stalled`, then a `.` every STALL_TICK_S seconds (so that no
+  idle timeout fires) until the client goes away: they never end by
+  themselves. Later requests get the short answer of `bench-short` at once.
+  The count is per model name, so a new tag starts a new count.
 
 Anything else gets HTTP 400. Run as `python -m bench.llm_server`; it prints
 `fake OpenAI server listening on HOST:PORT` and stops on SIGTERM or SIGINT.
@@ -25,6 +30,7 @@ import json
 import re
 import signal
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +39,8 @@ from tests.fake_openai import FakeOpenAI, Received, Reply, chunk, error_body, us
 
 _TIMED = re.compile(r"bench-timed-(\d+)-(\d+)")
 _PACED = re.compile(r"bench-paced-(\d+)-(\d+)")
+_STALL = re.compile(r"bench-stall-(\d+)-[\w.-]+")
+STALL_TICK_S = 5.0
 # Paced deltas are written at most this many at a time between drains.
 _BATCH = 64
 
@@ -66,8 +74,18 @@ _TAIL = (
 )
 
 
+@dataclass
+class StalledReply(Reply):
+    """A reply that streams one delta, then keeps the stream open until the client leaves."""
+
+
 class BenchLLMServer(FakeOpenAI):
     """`FakeOpenAI` whose replies follow the request's model instead of a script."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Requests seen per `bench-stall-*` model name.
+        self._stalls: Counter[str] = Counter()
 
     async def _read_request(self, reader: asyncio.StreamReader) -> Received | None:
         request = await super()._read_request(reader)
@@ -75,7 +93,14 @@ class BenchLLMServer(FakeOpenAI):
             arrived = time.monotonic_ns()
             # Nothing reads the recorded requests here: keep memory flat.
             self.requests.clear()
-            self.script(self._reply(str(request.body.get("model", "")), arrived))
+            model = str(request.body.get("model", ""))
+            if stall := _STALL.fullmatch(model):
+                self._stalls[model] += 1
+                if self._stalls[model] <= int(stall[1]):
+                    self.script(StalledReply())
+                    return request
+                model = "bench-short"
+            self.script(self._reply(model, arrived))
         return request
 
     @staticmethod
@@ -99,6 +124,8 @@ class BenchLLMServer(FakeOpenAI):
     async def _respond(
         self, reply: Reply, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
+        if isinstance(reply, StalledReply):
+            return await self._stall(reader, writer)
         if not isinstance(reply, StreamedReply):
             return await super()._respond(reply, reader, writer)
         writer.write(_HEAD)
@@ -112,6 +139,20 @@ class BenchLLMServer(FakeOpenAI):
         writer.write(_TAIL)
         await writer.drain()
         return True
+
+    @staticmethod
+    async def _stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        writer.write(_HEAD + _sse(chunk(content="stalled")))
+        await writer.drain()
+        while True:
+            try:
+                received = await asyncio.wait_for(reader.read(1024), STALL_TICK_S)
+            except TimeoutError:
+                writer.write(_sse(chunk(content=".")))
+                await writer.drain()
+                continue
+            if not received:
+                return False  # the client went away (or was killed)
 
     @staticmethod
     async def _paced(reply: StreamedReply, writer: asyncio.StreamWriter) -> None:

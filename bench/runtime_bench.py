@@ -64,7 +64,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -320,9 +320,19 @@ async def _stop(process: asyncio.subprocess.Process, name: str) -> int:
 
 @contextlib.asynccontextmanager
 async def running(
-    name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path, cwd: Path
+    name: str,
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    log_path: Path,
+    cwd: Path,
+    exit_codes: Container[int] = (0,),
 ) -> AsyncIterator[Service]:
-    """Starts a server, waits for its `listening on` line, and always SIGTERMs it (timing the stop)."""
+    """Starts a server, waits for its `listening on` line, and always SIGTERMs it (timing the stop).
+
+    An exit status outside `exit_codes` is reported (a benchmark that kills
+    the server itself expects -9).
+    """
     with log_path.open("ab") as log:
         spawned_at = time.perf_counter()
         process = await asyncio.create_subprocess_exec(
@@ -367,7 +377,7 @@ async def running(
                 drainer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await drainer
-            if code != 0:
+            if code not in exit_codes:
                 print(f"warning: {name} exited with status {code}; see {log_path}", file=sys.stderr)
 
 
@@ -1842,8 +1852,8 @@ def render_section(
     return "\n".join(lines).rstrip() + "\n"
 
 
-def update_doc(path: Path, section: str) -> None:
-    """Replaces (or appends) this benchmark's section, keeping the file's other sections."""
+def update_doc(path: Path, section: str, title: str = SECTION) -> None:
+    """Replaces (or appends) the section headed `title`, keeping the file's other sections."""
     text = (
         path.read_text()
         if path.exists()
@@ -1852,11 +1862,11 @@ def update_doc(path: Path, section: str) -> None:
             "benchmark script and regenerated when the script runs again.\n"
         )
     )
-    start = text.find(SECTION)
+    start = text.find(title)
     if start < 0:
         text = text.rstrip() + "\n\n" + section
     else:
-        following = re.compile(r"^## ", re.MULTILINE).search(text, start + len(SECTION))
+        following = re.compile(r"^## ", re.MULTILINE).search(text, start + len(title))
         rest = text[following.start() :] if following else ""
         text = text[:start] + section + ("\n" + rest if rest else "")
     path.write_text(text)

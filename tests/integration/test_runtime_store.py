@@ -907,3 +907,13 @@ async def test_queue_stats(store: SqlAgentStore) -> None:
     waiting, running, average = await store.queue_stats(agent_id)
     assert (waiting, running) == (2, 1)
     assert average == pytest.approx(2000.0, abs=1.0)
+
+
+async def test_many_tasks_with_request_ids_keep_using_the_unique_index(store: SqlAgentStore) -> None:
+    # PostgreSQL plans a prepared statement generically after five runs on a
+    # connection; ON CONFLICT must still find the partial unique index then.
+    agent_id = uuid7()
+    first = [await store.add_task(make_task(agent_id, request_id=f"r-{i}")) for i in range(12)]
+    assert len({t.id for t in first}) == 12
+    again = [await store.add_task(make_task(agent_id, request_id=f"r-{i}")) for i in range(12)]
+    assert [t.id for t in again] == [t.id for t in first]

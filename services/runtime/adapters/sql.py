@@ -766,7 +766,10 @@ def _checkpoint(row: sa.Row[Any], agent: Agent) -> Checkpoint:
 
 _WAITING = [TaskStatus.QUEUED.value, TaskStatus.FAILED.value]
 # The partial unique index uq_tasks_agent_request covers the tasks with a request_id.
-_has_request = tasks.c.request_id != ""
+# Written out, not bound: PostgreSQL matches ON CONFLICT to the partial index
+# uq_tasks_agent_request only when it sees the literal (a bound "" works for
+# a prepared statement's first five runs, until its plan turns generic).
+_has_request = sa.text("request_id != ''")
 
 
 def _retry_due(now: datetime) -> sa.ColumnElement[bool]:
