@@ -146,6 +146,14 @@ class TaskService(TaskQueue):
         self._cancelling: set[uuid.UUID] = set()
         # Set when a running task stops running (CancelTask waits for it).
         self._stopped: dict[uuid.UUID, asyncio.Event] = {}
+        # Agents known to have no waiting task / no pending retry, so that a
+        # runner looking for work (at every message) costs no query. Anything
+        # that may add one forgets the agent here. The tasks of an agent are
+        # submitted and run through the process that runs it.
+        self._none_waiting: set[uuid.UUID] = set()
+        self._no_retries: set[uuid.UUID] = set()
+        # Bumped by each forgetting: an answer read before one is not kept.
+        self._changes: dict[uuid.UUID, int] = {}
 
     # -- the RPCs -------------------------------------------------------------
 
@@ -184,6 +192,7 @@ class TaskService(TaskQueue):
             priority=priority,
             request_id=request_id,
         )
+        self._forget(agent.id)
         stored = await self._store.add_task(task)
         if stored.id != task.id:  # a concurrent call with the request_id got there first
             return await self._placed(_replayed(stored, asked))
@@ -248,10 +257,31 @@ class TaskService(TaskQueue):
     # -- the runner's port (TaskQueue) ------------------------------------------
 
     async def next_task(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
-        return await self._store.next_task(agent_id, now=now)
+        if agent_id in self._none_waiting:
+            return None
+        seen = self._changes.get(agent_id, 0)
+        task = await self._store.next_task(agent_id, now=now)
+        if (
+            task is None
+            and await self.next_retry_at(agent_id) is None
+            and seen == self._changes.get(agent_id, 0)
+        ):
+            self._none_waiting.add(agent_id)
+        return task
 
     async def next_retry_at(self, agent_id: uuid.UUID) -> datetime | None:
-        return await self._store.next_retry_at(agent_id)
+        if agent_id in self._no_retries:
+            return None
+        seen = self._changes.get(agent_id, 0)
+        due = await self._store.next_retry_at(agent_id)
+        if due is None and seen == self._changes.get(agent_id, 0):
+            self._no_retries.add(agent_id)
+        return due
+
+    def _forget(self, agent_id: uuid.UUID) -> None:
+        self._changes[agent_id] = self._changes.get(agent_id, 0) + 1
+        self._none_waiting.discard(agent_id)
+        self._no_retries.discard(agent_id)
 
     async def started(self, task: Task, *, run_id: uuid.UUID, at: datetime) -> Task:
         """Marks it RUNNING (one more attempt). If it is no longer waiting (a
@@ -299,6 +329,8 @@ class TaskService(TaskQueue):
 
     async def recover(self, agent_id: uuid.UUID) -> list[Task]:
         requeued = await self._store.requeue_running_tasks(agent_id)
+        if requeued:
+            self._forget(agent_id)
         for task in requeued:
             self._publish(task)
         return requeued
@@ -376,6 +408,8 @@ class TaskService(TaskQueue):
                 logger.warning("task %s is no longer running: not marked %s", task.id, changed.status.value)
             return
         self._cancelling.discard(task.id)
+        if changed.status in WAITING:
+            self._forget(task.agent_id)
         stopped = self._stopped.pop(task.id, None)
         if stopped is not None:
             stopped.set()
