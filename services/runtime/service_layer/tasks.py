@@ -192,8 +192,9 @@ class TaskService(TaskQueue):
             priority=priority,
             request_id=request_id,
         )
-        self._forget(agent.id)
         stored = await self._store.add_task(task)
+        # After the write: a look that began before it sees this and keeps nothing.
+        self._forget(agent.id)
         if stored.id != task.id:  # a concurrent call with the request_id got there first
             return await self._placed(_replayed(stored, asked))
         self._publish(stored)
