@@ -1,4 +1,4 @@
-"""A Node.js client (tests/e2e/node/) against the IM service run as a real process."""
+"""Node.js clients (tests/e2e/node/) against the IM and runtime services run as real processes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -35,15 +38,40 @@ def _count(output: str, name: str) -> int:
     return int(match[1]) if match else -1
 
 
+@contextmanager
+def running_runtime(env: dict[str, str], im_address: str) -> Iterator[str]:
+    """`python -m services.runtime serve` (offline model) beside the IM; yields its address."""
+    env = {**env, "IM_ADDRESS": im_address, "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0", "LOG_LEVEL": "WARNING"}
+    subprocess.run([sys.executable, "-m", "services.runtime", "migrate"], cwd=ROOT, env=env, check=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.runtime", "serve"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("runtime service listening on "), line
+        yield line.split()[4]
+        process.terminate()
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_node_client_uses_the_im_service_then_the_server_stops_gracefully(tmp_path: Path) -> None:
     node = _node()
     env = im_environment(tmp_path)
     migrate_im(env)
-    with running_im(env, tmp_path / "im.log") as im:
+    with running_im(env, tmp_path / "im.log") as im, running_runtime(env, im.address) as runtime:
         result = subprocess.run(
             [node, "--test", "--test-reporter=tap", str(NODE_TESTS)],
             cwd=ROOT,
-            env={**os.environ, "IM_ADDRESS": im.address},
+            env={**os.environ, "IM_ADDRESS": im.address, "RUNTIME_ADDRESS": runtime},
             capture_output=True,
             text=True,
             timeout=120,
