@@ -69,7 +69,7 @@ import sqlalchemy as sa
 from agentim.im.v1 import im_pb2_grpc
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from bench.im_bench import BenchError, code_version, exclusive_postgres
+from bench.im_bench import BenchError, exclusive_postgres
 from bench.runtime_bench import (
     CALL_TIMEOUT_S,
     CREATE_CONCURRENCY,
@@ -98,11 +98,11 @@ from bench.runtime_bench import (
     ms,
     new_workspace,
     p,
+    run_and_record,
     run_command,
     running,
     send,
     snapshot_sources,
-    update_doc,
     wait_quiet,
 )
 
@@ -1111,22 +1111,15 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join([".venv/bin/python -m bench.control_bench", *arguments])
-    started = time.perf_counter()
-    try:
-        results, version = asyncio.run(run(options))
-    except BenchError as error:
-        raise SystemExit(f"benchmark failed: {error}") from None
-    elapsed = time.perf_counter() - started
-    # Other people may commit while this runs: say so if HEAD moved.
-    section = render_section(results, options, command, (version, code_version()), elapsed)
-    print()
-    print(section)
-    if options.write_doc:
-        update_doc(DOC, section, SECTION)
-        print(f"updated {DOC.relative_to(ROOT)}")
-    print(f"total time {elapsed:.0f} s")
+    run_and_record(
+        "bench.control_bench",
+        argv,
+        lambda: run(options),
+        render=render_section,
+        options=options,
+        write_doc=options.write_doc,
+        title=SECTION,
+    )
 
 
 if __name__ == "__main__":

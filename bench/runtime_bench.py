@@ -64,7 +64,16 @@ import tarfile
 import tempfile
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Container,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -1970,20 +1979,42 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
+    run_and_record(
+        "bench.runtime_bench",
+        argv,
+        lambda: run(options),
+        render=render_section,
+        options=options,
+        write_doc=options.write_doc,
+        title=SECTION,
+    )
+
+
+def run_and_record(
+    module: str,
+    argv: Sequence[str] | None,
+    bench: Callable[[], Coroutine[Any, Any, tuple[Any, str]]],
+    *,
+    render: Callable[..., str],
+    options: Any,
+    write_doc: bool,
+    title: str,
+) -> None:
+    """Runs a benchmark, prints its section and writes it to docs/benchmarks.md under `title`."""
     arguments = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join([".venv/bin/python -m bench.runtime_bench", *arguments])
+    command = " ".join([f".venv/bin/python -m {module}", *arguments])
     started = time.perf_counter()
     try:
-        results, version = asyncio.run(run(options))
+        results, version = asyncio.run(bench())
     except BenchError as error:
         raise SystemExit(f"benchmark failed: {error}") from None
     elapsed = time.perf_counter() - started
     # Other people may commit while this runs: say so if HEAD moved.
-    section = render_section(results, options, command, (version, code_version()), elapsed)
+    section = render(results, options, command, (version, code_version()), elapsed)
     print()
     print(section)
-    if options.write_doc:
-        update_doc(DOC, section)
+    if write_doc:
+        update_doc(DOC, section, title)
         print(f"updated {DOC.relative_to(ROOT)}")
     print(f"total time {elapsed:.0f} s")
 
