@@ -14,7 +14,7 @@ PY_DIRS := services gateway tests scripts bench
 export AGENTIM_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: run test install system-deps gen check-gen lint typecheck buf-lint buf-breaking \
-	compose-config pytest bench clean
+	compose-config pytest faults bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -101,6 +101,11 @@ pytest: install
 	$(BIN)/pytest -q
 
 test: install check-gen lint typecheck buf-lint buf-breaking pytest
+
+# The fault suite (tests/faults/, also part of `make test`) with every fault
+# repeated more often; its figures go to docs/reliability.md.
+faults: install
+	FAULTS_LONG=1 $(BIN)/pytest -q -s tests/faults
 
 # The whole system (IM service, agent runtime) on the embedded default:
 # SQLite under $(AGENTIM_DATA_DIR), in-process signals, the offline model
