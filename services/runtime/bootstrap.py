@@ -97,8 +97,10 @@ def build(settings: Settings) -> RuntimeApp:
     )
     services: list[AgentService] = []
 
-    async def create_sub_agent(parent: Agent, name: str, role: str, system_prompt: str) -> Agent:
-        return await services[0].create_child(parent, name, role, system_prompt)
+    async def create_sub_agent(
+        parent: Agent, name: str, role: str, system_prompt: str, request_id: str
+    ) -> Agent:
+        return await services[0].create_child(parent, name, role, system_prompt, request_id=request_id)
 
     env = RunnerEnv(
         store=store,

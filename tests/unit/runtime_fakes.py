@@ -6,7 +6,7 @@ import asyncio
 import collections
 import functools
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
@@ -22,7 +22,17 @@ from services.runtime.domain.llm import (
     ToolCallDelta,
     Usage,
 )
-from services.runtime.domain.model import Agent, Checkpoint, Run, Session, Step, Task, TaskStatus
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Checkpoint,
+    Run,
+    RunStatus,
+    Session,
+    Step,
+    Task,
+    TaskStatus,
+)
 from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, DuplicateStep
@@ -49,6 +59,7 @@ class FakeIM(IMPort):
         # Raised (once each, in order) by the next SendMessage calls.
         self.send_failures: list[Exception] = []
         self._sent_requests: dict[str, IMMessage] = {}
+        self._created_groups: dict[str, IMGroup] = {}
         self.unread_reads: collections.Counter[uuid.UUID] = collections.Counter()  # by member
         self.members: dict[uuid.UUID, IMMember] = {}
         self.groups: dict[uuid.UUID, IMGroup] = {}
@@ -171,8 +182,15 @@ class FakeIM(IMPort):
     async def list_groups(self, as_member: uuid.UUID) -> list[IMGroup]:
         return [g for g in self.groups.values() if as_member in g.member_ids]
 
-    async def create_group(self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID]) -> IMGroup:
-        return self.group(name, as_member, *member_ids)
+    async def create_group(
+        self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID], *, request_id: str = ""
+    ) -> IMGroup:
+        if request_id and request_id in self._created_groups:
+            return self._created_groups[request_id]
+        group = self.group(name, as_member, *member_ids)
+        if request_id:
+            self._created_groups[request_id] = group
+        return group
 
     async def list_messages(
         self, as_member: uuid.UUID, group_id: uuid.UUID, *, limit: int = 50, before: uuid.UUID | None = None
@@ -273,6 +291,7 @@ class InMemoryAgentStore(AgentStore):
         self.runs: dict[uuid.UUID, Run] = {}
         self.steps: dict[uuid.UUID, list[Step]] = {}
         self.cursors: dict[uuid.UUID, str] = {}
+        self.marks: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}  # (agent, group) -> message
         self._history = _History()
 
     async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
@@ -523,14 +542,22 @@ class InMemoryAgentStore(AgentStore):
         self.tasks.update((t.id, t) for t in cancelled)
         return cancelled
 
-    async def requeue_running_tasks(self, agent_id: uuid.UUID) -> list[Task]:
-        requeued = [
-            replace(t, status=TaskStatus.QUEUED, attempts=max(0, t.attempts - 1), retry_at=None)
-            for t in self.tasks.values()
-            if t.agent_id == agent_id and t.status is TaskStatus.RUNNING
+    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[tuple[Task, Run | None]]:
+        return [
+            (t, self.runs.get(t.run_id) if t.run_id is not None else None)
+            for t in sorted(self.tasks.values(), key=lambda t: t.id)
+            if t.status is TaskStatus.RUNNING and (agent_id is None or t.agent_id == agent_id)
         ]
-        self.tasks.update((t.id, t) for t in requeued)
-        return requeued
+
+    async def end_stale_runs(self, *, error: str, at: datetime) -> int:
+        stale = [
+            r
+            for r in self.runs.values()
+            if r.status is RunStatus.RUNNING and self.agents[r.agent_id].state is not AgentState.RUNNING
+        ]
+        for run in stale:
+            self.runs[run.id] = replace(run, status=RunStatus.INTERRUPTED, error=error, ended_at=at)
+        return len(stale)
 
     async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
         mine = [t for t in self.tasks.values() if t.agent_id == agent_id]
@@ -550,7 +577,11 @@ class InMemoryAgentStore(AgentStore):
     async def save_progress(self, agent: Agent) -> None:
         stored = self.agents[agent.id]
         self.agents[agent.id] = replace(
-            stored, state=agent.state, last_error=agent.last_error, tokens_used=agent.tokens_used
+            stored,
+            state=agent.state,
+            last_error=agent.last_error,
+            tokens_used=agent.tokens_used,
+            pause_pending=agent.pause_pending,
         )
 
     async def delete_agent(self, agent_id: uuid.UUID) -> None:
@@ -571,10 +602,39 @@ class InMemoryAgentStore(AgentStore):
         return found[:limit]
 
     async def append_step(self, step: Step) -> None:
-        steps = self.steps.setdefault(step.session_id, [])
-        if any(s.sequence == step.sequence for s in steps):
-            raise DuplicateStep(str(step.sequence))
-        steps.append(step)
+        await self.append_input(step.agent_id, [step], {})
+
+    async def begin_run(
+        self,
+        run: Run,
+        agent: Agent,
+        steps: Sequence[Step],
+        *,
+        read_marks: Mapping[uuid.UUID, uuid.UUID] | None = None,
+    ) -> None:
+        self._check_new(steps)
+        await self.add_run(run)
+        await self.save_progress(agent)
+        await self.append_input(agent.id, steps, read_marks or {})
+
+    async def append_input(
+        self, agent_id: uuid.UUID, steps: Sequence[Step], read_marks: Mapping[uuid.UUID, uuid.UUID]
+    ) -> None:
+        self._check_new(steps)
+        for step in steps:
+            self.steps.setdefault(step.session_id, []).append(step)
+        for group_id, message_id in read_marks.items():
+            key = (agent_id, group_id)
+            if message_id > self.marks.get(key, uuid.UUID(int=0)):
+                self.marks[key] = message_id
+
+    def _check_new(self, steps: Sequence[Step]) -> None:
+        for step in steps:
+            if any(s.sequence == step.sequence for s in self.steps.get(step.session_id, [])):
+                raise DuplicateStep(str(step.sequence))
+
+    async def read_marks(self, agent_id: uuid.UUID) -> dict[uuid.UUID, uuid.UUID]:
+        return {group: message for (agent, group), message in self.marks.items() if agent == agent_id}
 
     async def list_steps(
         self, session_id: uuid.UUID, *, after_sequence: int, limit: int, run_id: uuid.UUID | None = None

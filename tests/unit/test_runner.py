@@ -77,8 +77,8 @@ async def harness(
     clock = FakeClock()
     services: list[AgentService] = []
 
-    async def create_child(parent: Agent, name: str, role: str, prompt: str) -> Agent:
-        return await services[0].create_child(parent, name, role, prompt)
+    async def create_child(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
+        return await services[0].create_child(parent, name, role, prompt, request_id=request_id)
 
     tools = default_registry(timeout_seconds=5)
     env = RunnerEnv(

@@ -83,7 +83,7 @@ async def make_queue(*, run_tasks: bool = False, **options: object) -> AsyncIter
     await supervisor.aclose()
 
 
-async def _no_children(parent: Agent, name: str, role: str, prompt: str) -> Agent:
+async def _no_children(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
     raise AssertionError("no sub-agents here")
 
 

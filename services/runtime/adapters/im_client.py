@@ -283,10 +283,14 @@ class GrpcIM(IMPort):
                 break
         return groups
 
-    async def create_group(self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID]) -> IMGroup:
+    async def create_group(
+        self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID], *, request_id: str = ""
+    ) -> IMGroup:
         response = await self._call(
             self._stub.CreateGroup,
-            im_pb2.CreateGroupRequest(name=name, member_ids=[str(m) for m in member_ids]),
+            im_pb2.CreateGroupRequest(
+                name=name, member_ids=[str(m) for m in member_ids], request_id=request_id
+            ),
             as_member=as_member,
         )
         return _group(response.group)

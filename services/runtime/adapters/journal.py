@@ -19,8 +19,9 @@ from __future__ import annotations
 import abc
 import json
 import sqlite3
-from collections.abc import Sequence
-from dataclasses import dataclass
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from services.common.batching import NaturalBatcher
 from services.common.sql import SqlDatabase, SqliteWorker, sqlite_time
@@ -31,12 +32,19 @@ from services.runtime.service_layer.store import DuplicateStep
 
 @dataclass(frozen=True, slots=True)
 class Write:
-    """What one runner writes at once; every part is optional."""
+    """What one runner writes at once; every part is optional.
+
+    `read_marks` (group id -> message id, of `marks_of`'s agent) move that
+    agent's read marks forward (never back), together with the steps the
+    messages became.
+    """
 
     new_run: Run | None = None
     ended_run: Run | None = None
     progress: Agent | None = None
     steps: Sequence[Step] = ()
+    marks_of: uuid.UUID | None = None
+    read_marks: Mapping[uuid.UUID, uuid.UUID] = field(default_factory=dict)
 
 
 class Journal(abc.ABC):
@@ -155,7 +163,19 @@ class SqliteJournal(Journal):
             if write.progress is not None:
                 agent = write.progress
                 conn.execute(
-                    _SQLITE_PROGRESS, (agent.state.value, agent.last_error, agent.tokens_used, agent.id.hex)
+                    _SQLITE_PROGRESS,
+                    (
+                        agent.state.value,
+                        agent.last_error,
+                        agent.tokens_used,
+                        agent.pause_pending,
+                        agent.id.hex,
+                    ),
+                )
+            if write.marks_of is not None:
+                conn.executemany(
+                    _SQLITE_MARK_READ,
+                    [(write.marks_of.hex, g.hex, m.hex) for g, m in write.read_marks.items()],
                 )
             return True
         finally:
@@ -183,7 +203,15 @@ VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
 _SQLITE_END_RUN = """
 UPDATE runs SET status = ?, trigger_message_ids = ?, iterations = ?, error = ?, ended_at = ? WHERE id = ?
 """
-_SQLITE_PROGRESS = "UPDATE agents SET state = ?, last_error = ?, tokens_used = ? WHERE id = ?"
+_SQLITE_PROGRESS = (
+    "UPDATE agents SET state = ?, last_error = ?, tokens_used = ?, pause_pending = ? WHERE id = ?"
+)
+# 32 lower-case hex digits compare as the ids do (UUIDv7: by time).
+_SQLITE_MARK_READ = """
+INSERT INTO read_marks (agent_id, group_id, message_id) VALUES (?, ?, ?)
+ON CONFLICT (agent_id, group_id) DO UPDATE SET message_id = excluded.message_id
+WHERE excluded.message_id > read_marks.message_id
+"""
 
 
 class PostgresJournal(Journal):
@@ -198,6 +226,12 @@ class PostgresJournal(Journal):
         new_runs = [(i, w.new_run) for i, w in enumerate(batch) if w.new_run is not None]
         ended_runs = [(i, w.ended_run) for i, w in enumerate(batch) if w.ended_run is not None]
         progress = [(i, w.progress) for i, w in enumerate(batch) if w.progress is not None]
+        marks = [
+            (i, w.marks_of, group, message)
+            for i, w in enumerate(batch)
+            if w.marks_of is not None
+            for group, message in w.read_marks.items()
+        ]
         async with self._db.driver_connection() as conn:
             rows = await conn.fetch(
                 _PG_APPLY,
@@ -249,6 +283,13 @@ class PostgresJournal(Journal):
                 [a.tokens_used for _, a in progress],
                 # $43: steps again
                 [s.interrupted for _, s in steps],
+                # $44: progress again
+                [a.pause_pending for _, a in progress],
+                # $45-$48: read marks
+                [i for i, *_ in marks],
+                [agent for _, agent, _, _ in marks],
+                [group for _, _, group, _ in marks],
+                [message for *_, message in marks],
             )
         refused = {int(row["w"]) for row in rows}
         return [index not in refused for index in range(len(batch))]
@@ -313,10 +354,22 @@ ended_runs AS (
 ),
 progress AS (
     UPDATE {SCHEMA}.agents AS a
-    SET state = p.state, last_error = p.last_error, tokens_used = p.tokens_used
-    FROM unnest($38::int[], $39::uuid[], $40::text[], $41::text[], $42::bigint[])
-        AS p(w, id, state, last_error, tokens_used)
+    SET state = p.state, last_error = p.last_error, tokens_used = p.tokens_used,
+        pause_pending = p.pause_pending
+    FROM unnest($38::int[], $39::uuid[], $40::text[], $41::text[], $42::bigint[], $44::bool[])
+        AS p(w, id, state, last_error, tokens_used, pause_pending)
     WHERE a.id = p.id AND p.w NOT IN (SELECT w FROM refused)
+    RETURNING 1
+),
+marked AS (
+    -- One row per (agent, group), the newest message: ON CONFLICT may touch a row once.
+    INSERT INTO {SCHEMA}.read_marks (agent_id, group_id, message_id)
+    SELECT DISTINCT ON (agent_id, group_id) agent_id, group_id, message_id
+    FROM unnest($45::int[], $46::uuid[], $47::uuid[], $48::uuid[]) AS m(w, agent_id, group_id, message_id)
+    WHERE m.w NOT IN (SELECT w FROM refused)
+    ORDER BY agent_id, group_id, message_id DESC
+    ON CONFLICT (agent_id, group_id) DO UPDATE SET message_id = excluded.message_id
+    WHERE excluded.message_id > {SCHEMA}.read_marks.message_id
     RETURNING 1
 )
 SELECT w FROM refused

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import sqlalchemy as sa
@@ -26,6 +27,7 @@ from services.runtime.adapters.tables import (
     agent_requests,
     agents,
     checkpoints,
+    read_marks,
     runs,
     sessions,
     step_archive,
@@ -91,7 +93,23 @@ def _agent_settings(agent: Agent) -> dict[str, Any]:
         "last_error": agent.last_error,
         "tokens_used": agent.tokens_used,
         "token_budget": agent.token_budget,
+        "pause_pending": agent.pause_pending,
     }
+
+
+def agent_row(agent: Agent) -> dict[sa.Column[Any], Any]:
+    """Every column of a new agent's row."""
+    values = {
+        "id": agent.id,
+        "workspace_id": agent.workspace_id,
+        "member_id": agent.member_id,
+        "parent_id": agent.parent_id,
+        "created_at": agent.created_at,
+        "session_id": agent.session_id,
+        "deleted": False,
+        **_agent_settings(agent),
+    }
+    return {agents.c[name]: value for name, value in values.items()}
 
 
 def _update_agent(agent: Agent) -> sa.Update:
@@ -128,6 +146,7 @@ def _agent(row: sa.Row[Any]) -> Agent:
         tokens_used=int(row.tokens_used),
         token_budget=int(row.token_budget),
         session_id=row.session_id,
+        pause_pending=bool(row.pause_pending),
     )
 
 
@@ -142,7 +161,7 @@ def _run_progress(run: Run) -> dict[str, Any]:
     }
 
 
-def _run(row: sa.Row[Any]) -> Run:
+def _run(row: sa.Row[Any] | SimpleNamespace) -> Run:
     return Run(
         id=row.id,
         agent_id=row.agent_id,
@@ -262,18 +281,7 @@ class SqlAgentStore(AgentStore):
                 )
                 if not recorded.rowcount:
                     raise DuplicateAgentRequest(request_id)
-            await conn.execute(
-                agents.insert().values(
-                    id=agent.id,
-                    workspace_id=agent.workspace_id,
-                    member_id=agent.member_id,
-                    parent_id=agent.parent_id,
-                    created_at=agent.created_at,
-                    session_id=agent.session_id,
-                    deleted=False,
-                    **_agent_settings(agent),
-                )
-            )
+            await conn.execute(agents.insert().values(agent_row(agent)))
 
     async def find_request(self, scope: uuid.UUID, request_id: str) -> tuple[str, uuid.UUID] | None:
         rows = await self._rows(
@@ -319,8 +327,23 @@ class SqlAgentStore(AgentStore):
     async def add_run(self, run: Run) -> None:
         await self._write(_insert_run(run))
 
-    async def begin_run(self, run: Run, agent: Agent, steps_: Sequence[Step]) -> None:
-        await self._journal.write(Write(new_run=run, progress=agent, steps=steps_))
+    async def begin_run(
+        self,
+        run: Run,
+        agent: Agent,
+        steps_: Sequence[Step],
+        *,
+        read_marks: Mapping[uuid.UUID, uuid.UUID] | None = None,
+    ) -> None:
+        await self._journal.write(
+            Write(
+                new_run=run,
+                progress=agent,
+                steps=steps_,
+                marks_of=agent.id if read_marks else None,
+                read_marks=read_marks or {},
+            )
+        )
 
     async def update_run(self, run: Run) -> None:
         await self._journal.write(Write(ended_run=run))
@@ -338,6 +361,17 @@ class SqlAgentStore(AgentStore):
 
     async def append_step(self, step: Step) -> None:
         await self._journal.write(Write(steps=(step,)))
+
+    async def append_input(
+        self, agent_id: uuid.UUID, steps_: Sequence[Step], read_marks_: Mapping[uuid.UUID, uuid.UUID]
+    ) -> None:
+        await self._journal.write(Write(steps=steps_, marks_of=agent_id, read_marks=read_marks_))
+
+    async def read_marks(self, agent_id: uuid.UUID) -> dict[uuid.UUID, uuid.UUID]:
+        rows = await self._rows(
+            sa.select(read_marks.c.group_id, read_marks.c.message_id).where(read_marks.c.agent_id == agent_id)
+        )
+        return {row.group_id: row.message_id for row in rows}
 
     async def list_steps(
         self, session_id: uuid.UUID, *, after_sequence: int, limit: int, run_id: uuid.UUID | None = None
@@ -626,15 +660,33 @@ class SqlAgentStore(AgentStore):
             )
             return sorted((_task(r) for r in rows.all()), key=lambda t: t.id)
 
-    async def requeue_running_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[tuple[Task, Run | None]]:
+        run = runs.alias("run")
+        query = (
+            sa.select(tasks, *[c.label(f"r_{c.name}") for c in run.c])
+            .select_from(tasks.outerjoin(run, run.c.id == tasks.c.run_id))
+            .where(tasks.c.status == TaskStatus.RUNNING.value)
+            .order_by(tasks.c.id)
+        )
+        if agent_id is not None:
+            query = query.where(tasks.c.agent_id == agent_id)
+        found: list[tuple[Task, Run | None]] = []
+        for row in await self._rows(query):
+            stored = None
+            if row.r_id is not None:
+                stored = _run(SimpleNamespace(**{c.name: getattr(row, f"r_{c.name}") for c in run.c}))
+            found.append((_task(row), stored))
+        return found
+
+    async def end_stale_runs(self, *, error: str, at: datetime) -> int:
+        idle = sa.select(agents.c.id).where(agents.c.state != AgentState.RUNNING.value)
         async with self._db.transaction() as conn:
-            rows = await conn.execute(
-                tasks.update()
-                .where(tasks.c.agent_id == agent_id, tasks.c.status == TaskStatus.RUNNING.value)
-                .values(status=TaskStatus.QUEUED.value, attempts=tasks.c.attempts - 1, retry_at=None)
-                .returning(*tasks.c)
+            ended = await conn.execute(
+                runs.update()
+                .where(runs.c.status == RunStatus.RUNNING.value, runs.c.agent_id.in_(idle))
+                .values(status=RunStatus.INTERRUPTED.value, error=error, ended_at=at)
             )
-            return sorted((_task(r) for r in rows.all()), key=lambda t: t.id)
+            return int(ended.rowcount)
 
     async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
         if self._db.is_sqlite:

@@ -38,6 +38,7 @@ agents = sa.Table(
     sa.Column("session_id", sa.Uuid, nullable=False),
     # Deleted agents keep their row so that their runs and steps stay readable.
     sa.Column("deleted", sa.Boolean, nullable=False),
+    sa.Column("pause_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Index("ix_agents_workspace", "workspace_id", "id"),
     sa.Index("ix_agents_parent", "parent_id", "id"),
 )
@@ -110,6 +111,17 @@ watch_cursors = sa.Table(
     sa.Column("updated_at", UtcDateTime, nullable=False),
 )
 
+# How far each agent has taken each of its chats' messages as input: written
+# with the steps they became, so that a message is input exactly once even if
+# the IM's read mark (moved after) is lost to a crash.
+read_marks = sa.Table(
+    "read_marks",
+    metadata,
+    sa.Column("agent_id", sa.Uuid, primary_key=True),
+    sa.Column("group_id", sa.Uuid, primary_key=True),
+    sa.Column("message_id", sa.Uuid, nullable=False),
+)
+
 # The threads of an agent's steps; `agents.session_id` names the main one.
 sessions = sa.Table(
     "sessions",
@@ -171,6 +183,13 @@ tasks = sa.Table(
     # The queue: per agent and status, by priority then arrival. The next
     # task is the first entry of an index range (see `SqlAgentStore.next_task`).
     sa.Index("ix_tasks_queue", "agent_id", "status", "priority", "created_at", "id"),
+    # The tasks left running (crash recovery looks for them across all agents).
+    sa.Index(
+        "ix_tasks_running",
+        "agent_id",
+        sqlite_where=sa.text("status = 'running'"),
+        postgresql_where=sa.text("status = 'running'"),
+    ),
     sa.Index(
         "uq_tasks_agent_request",
         "agent_id",

@@ -56,6 +56,8 @@ class Agent:
     token_budget: int = 0
     # The main session (thread of steps): where new messages and tasks go.
     session_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    # Asked to pause during a run: it pauses at the next step boundary or the run's end.
+    pause_pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +193,7 @@ class StepCompleted:
 class StateChanged:
     state: AgentState
     error: str = ""
+    pause_pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)

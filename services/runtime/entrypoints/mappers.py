@@ -95,6 +95,7 @@ def agent(a: Agent) -> pb.Agent:
         create_time=timestamp(a.created_at),
         update_time=timestamp(a.updated_at),
         main_session_id=str(a.session_id),
+        pause_pending=a.pause_pending,
     )
 
 
@@ -166,8 +167,10 @@ def event(e: Emitted) -> pb.AgentEvent:
                     )
         case StepCompleted(step=s):
             out.step_completed.CopyFrom(step(s))
-        case StateChanged(state=state, error=error):
-            out.state_changed.CopyFrom(pb.AgentStateChanged(state=AGENT_STATES[state], error=error))
+        case StateChanged(state=state, error=error, pause_pending=pending):
+            out.state_changed.CopyFrom(
+                pb.AgentStateChanged(state=AGENT_STATES[state], error=error, pause_pending=pending)
+            )
         case MainSessionChanged(session=s):
             out.main_session_changed.CopyFrom(session(s, main=True))
         case StepsRewritten(session_id=session_id, after_sequence=after_sequence):

@@ -163,14 +163,19 @@ class AgentService:
         parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
         return await self._create(caller, workspace, self._check(draft), parent=parent, request_id=request_id)
 
-    async def create_child(self, parent: Agent, name: str, role: str, system_prompt: str) -> Agent:
-        """The create_sub_agent tool: a child with its parent's model and tools."""
+    async def create_child(
+        self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str = ""
+    ) -> Agent:
+        """The create_sub_agent tool: a child with its parent's model and tools
+        (the same child again for a repeated request_id)."""
         draft = self._check(
             AgentDraft(
                 name=name, role=role, system_prompt=system_prompt, model=parent.model, tools=parent.tools
             )
         )
-        return await self._create(parent.member_id, parent.workspace_id, draft, parent=parent, request_id="")
+        return await self._create(
+            parent.member_id, parent.workspace_id, draft, parent=parent, request_id=request_id
+        )
 
     async def _create(
         self,

@@ -116,8 +116,9 @@ class IMPort(abc.ABC):
 
     @abc.abstractmethod
     async def create_group(
-        self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID]
-    ) -> IMGroup: ...
+        self, as_member: uuid.UUID, name: str, member_ids: Sequence[uuid.UUID], *, request_id: str = ""
+    ) -> IMGroup:
+        """Creates a group of the agent and the members; a repeated request_id returns the same group."""
 
     @abc.abstractmethod
     async def list_messages(

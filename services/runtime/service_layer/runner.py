@@ -37,6 +37,7 @@ from services.runtime.domain.etiquette import (
     should_answer,
     split_reply,
 )
+from services.runtime.domain.intents import answer_request_id, tool_request_id
 from services.runtime.domain.lifecycle import (
     CANCELLED_RESULT,
     Next,
@@ -80,6 +81,9 @@ from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
 
+# Why a run that was in flight when its process stopped ended.
+STOPPED_DURING_RUN = "the runtime stopped during the run"
+
 
 @dataclass(frozen=True, slots=True)
 class LoopSettings:
@@ -99,13 +103,24 @@ class Directory:
     def __init__(self, im: IMPort) -> None:
         self._im = im
         self._names: dict[uuid.UUID, str] = {}
+        self._kinds: dict[uuid.UUID, str] = {}
         self._direct: dict[uuid.UUID, bool] = {}
         self._labels: dict[uuid.UUID, str] = {}
 
+    async def _member(self, as_member: uuid.UUID, member_id: uuid.UUID) -> None:
+        member = await self._im.get_member(as_member, member_id)
+        self._names[member_id] = member.display_name
+        self._kinds[member_id] = member.kind
+
     async def name(self, as_member: uuid.UUID, member_id: uuid.UUID) -> str:
         if member_id not in self._names:
-            self._names[member_id] = (await self._im.get_member(as_member, member_id)).display_name
+            await self._member(as_member, member_id)
         return self._names[member_id]
+
+    async def is_person(self, as_member: uuid.UUID, member_id: uuid.UUID) -> bool:
+        if member_id not in self._kinds:
+            await self._member(as_member, member_id)
+        return self._kinds[member_id] == "human"
 
     async def group(self, as_member: uuid.UUID, group_id: uuid.UUID) -> tuple[bool, str]:
         """(is it a direct chat, a label for it)."""
@@ -191,8 +206,14 @@ class AgentRunner:
         self._steps: list[Step] | None = None
         # The session the run in flight works in (the main one unless a task names another).
         self._session_id = agent.session_id
-        # Read positions to move once the messages read are stored as steps.
+        # Read positions to move in the IM once the messages read are stored as steps.
         self._pending_reads: dict[uuid.UUID, uuid.UUID] = {}
+        # How far each group's messages have been taken as input (group -> message
+        # id), as stored with the steps they became; loaded when first needed.
+        # The IM's own read positions follow, and may lag (or be lost to a crash).
+        self._marks: dict[uuid.UUID, uuid.UUID] | None = None
+        # A run whose end could not be stored (the database was away), and its answer.
+        self._unended: tuple[Run, str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._retry = False
         self._continue = False
@@ -202,7 +223,6 @@ class AgentRunner:
         # The run in flight, and what is being cut short in it.
         self._current: asyncio.Task[None] | None = None
         self._cut: _Cut | None = None
-        self._pause_requested = False
         self._running_task: Task | None = None
         self._streaming: tuple[int, CompletionAssembler] | None = None
         self._tool_outcomes: dict[str, ToolOutcome] = {}
@@ -239,6 +259,7 @@ class AgentRunner:
             state=self.agent.state,
             last_error=self.agent.last_error,
             tokens_used=self.agent.tokens_used,
+            pause_pending=self.agent.pause_pending,
         )
 
     def forget_history(self) -> None:
@@ -260,9 +281,25 @@ class AgentRunner:
         waiter: asyncio.Future[IMMessage] = asyncio.get_running_loop().create_future()
         self._reply_waiters[(group_id, after)] = waiter
         try:
+            # Asked again after a restart, the answer may be there already.
+            earlier = await self._reply_in_history(group_id, after)
+            if earlier is not None and not waiter.done():
+                waiter.set_result(earlier)
             return await waiter
         finally:
             self._reply_waiters.pop((group_id, after), None)
+
+    async def _reply_in_history(self, group_id: uuid.UUID, after: uuid.UUID) -> IMMessage | None:
+        member = self.agent.member_id
+        recent = await self._env.im.list_messages(member, group_id, limit=50)
+        for message in recent:
+            if (
+                message.id > after
+                and message.sender_id != member
+                and await self._env.directory.is_person(member, message.sender_id)
+            ):
+                return message
+        return None
 
     def continue_from_history(self) -> None:
         """Makes the runner go on from its last step: call the model after
@@ -283,15 +320,32 @@ class AgentRunner:
     # -- the people's controls (the caller checks the transition) --------------
 
     async def pause(self) -> None:
-        """PAUSED now if idle; a run goes on to its next step boundary first."""
-        if self._current is not None:
-            self._pause_requested = True
+        """PAUSED now if idle; a run goes on to its next step boundary (or its
+        end, if no boundary comes) first, with the pause pending meanwhile."""
+        current = self._current
+        if current is None:
+            await self._set_state(AgentState.PAUSED, "")
             return
-        await self._set_state(AgentState.PAUSED, "")
+        if not self.agent.pause_pending:
+            self.agent = replace(self.agent, pause_pending=True)
+            await self._env.store.save_progress(self.agent)
+            self._emit(StateChanged(self.agent.state, self.agent.last_error, pause_pending=True))
+        # Answer with the state the request leaves: a run that begins is
+        # RUNNING until its boundary; work that does not start is PAUSED now.
+        begun = asyncio.ensure_future(self._begun.wait())
+        await asyncio.wait([current, begun], return_when=asyncio.FIRST_COMPLETED)
+        begun.cancel()
+        if current.done():
+            await self._apply_pending_pause()
+
+    async def _apply_pending_pause(self) -> None:
+        """A pause asked for during work that has ended takes effect now."""
+        if self.agent.pause_pending and (self._current is None or self._current.done()):
+            await self._set_state(AgentState.PAUSED, "")
 
     async def resume(self) -> None:
         """Back to work: what was cut short goes on, then what waits."""
-        self._pause_requested = False
+        self.agent = replace(self.agent, pause_pending=False)
         await self._set_state(AgentState.IDLE, "")
         self.continue_from_history()
 
@@ -303,7 +357,6 @@ class AgentRunner:
 
     async def terminate(self) -> None:
         """Cuts the run in flight; nothing more until `start_again`."""
-        self._pause_requested = False
         await self._cut_run(_Cut("terminated by a person", AgentState.TERMINATED))
         if self.agent.state is not AgentState.TERMINATED:
             await self._set_state(AgentState.TERMINATED, "")
@@ -359,12 +412,19 @@ class AgentRunner:
                 asyncio.get_running_loop().call_later(delay, self.wake)
             except Exception as error:
                 logger.exception("agent %s failed", self.agent.id)
-                await self._set_state(AgentState.ERROR, f"internal error: {error}")
+                # A pause asked for meanwhile still takes effect.
+                state = AgentState.PAUSED if self.agent.pause_pending else AgentState.ERROR
+                await self._set_state(state, f"internal error: {error}")
 
     async def _cycle(self) -> None:
+        if self._unended is not None:
+            await self._end_unended()
+        resume = self._continue or (self._retry and self.agent.state is AgentState.ERROR)
+        if not resume:
+            # (A run cut by a restart applies its pending pause as it ends: see `_resume`.)
+            await self._apply_pending_pause()
         if self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED):
             return  # what arrives waits for a person
-        resume = self._continue or (self._retry and self.agent.state is AgentState.ERROR)
         self._retry = self._continue = False
         # One run per cycle: whatever arrives meanwhile wakes the runner again
         # (the loop then comes straight back), so no second look is needed.
@@ -373,21 +433,28 @@ class AgentRunner:
                 await self._resume()
                 self.wake()  # then what waits
                 return
-            messages = await self._take_unread()
-            task = await self._next_task(messages)
+            taken = await self._take_unread()
+            task = await self._next_task(taken.messages)
             if task is not None:
                 self._pending_reads = {}  # the messages stay unread for the next cycle
                 self.wake()  # then the next task, or the messages
-                await self._in_flight(self._run([], task=task))
-            elif messages:
-                await self._in_flight(self._run(messages))
+                await self._in_flight(self._run(_Taken(), task=task))
+            elif taken.messages:
+                await self._in_flight(self._run(taken))
             else:
-                await self._mark_read()  # nothing to answer: they are read all the same
+                # Nothing to answer: read all the same (no step keeps them, so
+                # reading them again after a crash costs nothing but the look).
+                self._advance_marks(taken.marks)
+                await self._mark_read()
         except BaseException:
             self._steps = None  # what failed may have left them behind the store
             raise
         finally:
             await self._schedule_retry()
+            if self._env.tasks is not None:
+                # Idle now: a task this process left RUNNING (a write lost to
+                # a fault) is settled as its run ended.
+                await self._env.tasks.settle_orphans(self.agent.id)
         self._keep_history()
 
     def _keep_history(self) -> None:
@@ -411,6 +478,8 @@ class AgentRunner:
         finally:
             self._current = None
             self._cut = None
+        # Asked for when no step boundary came (the work did not start, or ended first).
+        await self._apply_pending_pause()
 
     async def _next_task(self, messages: list[IMMessage]) -> Task | None:
         """The next task if it came before the oldest unread message."""
@@ -436,33 +505,62 @@ class AgentRunner:
         """Goes on from the last step of the main session, if anything is pending."""
         await self._open_session(self.agent.session_id)
         assert self._steps is not None
+        task: Task | None = None
         stale = await self._env.store.list_runs(self.agent.id, before=None, limit=1)
         if stale and stale[0].status is RunStatus.RUNNING:
-            # The runtime stopped during this run: it ends here, and a new one
-            # goes on from its last step, unless it was a task's: that task
-            # goes back to the queue and runs again in its turn.
+            # The runtime stopped during this run.
+            run = stale[0]
+            tasks = self._env.tasks
+            task = await tasks.running_task(self.agent.id, run.id) if tasks is not None else None
+            last = self._steps[-1] if self._steps else None
+            answered = last is not None and last.run_id == run.id and _is_answer(last)
+            if last is not None and answered and not self.agent.pause_pending:
+                # It had its answer: what may be missing is its delivery (sent
+                # again with the same key, it arrives once) and its end.
+                self._running_task = task
+                reply_group = None if task is not None else self._last_group()
+                await self._deliver(last, reply_group)
+                completed = replace(run, status=RunStatus.COMPLETED, ended_at=self._env.clock())
+                await self._end_run(completed, None)
+                await self._settle_task(completed, last.message.content or "")
+                return
+            # It ends here, and a new one goes on from its last step (with its
+            # task, if it was a task's): recorded tool calls never run again,
+            # and the ones that did not finish run again with the same keys.
+            paused = self.agent.pause_pending
             ended = replace(
-                stale[0],
+                run,
                 status=RunStatus.INTERRUPTED,
-                error="the runtime stopped during the run",
+                error="paused by a person" if paused else STOPPED_DURING_RUN,
                 ended_at=self._env.clock(),
             )
-            requeued = await self._env.tasks.recover(self.agent.id) if self._env.tasks else []
-            if any(t.run_id == ended.id for t in requeued):
-                await self._record_cut(ended)  # a result for every tool call left without one
-                self.agent = replace(self.agent, state=AgentState.IDLE)
-                await self._env.store.end_run(ended, self.agent)
-                self._emit(RunEnded(ended))
-                self._emit(StateChanged(AgentState.IDLE, ""))
-                return
-            self.agent = replace(self.agent, state=AgentState.IDLE)
+            self.agent = replace(
+                self.agent, state=AgentState.PAUSED if paused else AgentState.IDLE, pause_pending=False
+            )
             await self._env.store.end_run(ended, self.agent)
             self._emit(RunEnded(ended))
+            if paused:
+                # Asked to pause before the runtime stopped: it is paused now.
+                self._emit(StateChanged(AgentState.PAUSED, ""))
+                if task is not None and tasks is not None:
+                    await tasks.put_back(task)
+                return
         if resume_point(self._steps) is Next.NOTHING:
             if self.agent.state is AgentState.RUNNING:
                 await self._set_state(AgentState.IDLE, "")
+            if task is not None and self._env.tasks is not None:
+                await self._env.tasks.put_back(task)
             return
-        await self._in_flight(self._run([], resumed=True))
+        await self._in_flight(self._run(_Taken(), task=task, resumed=True))
+
+    async def _end_unended(self) -> None:
+        """Stores the end of a run that could not be stored when it ended."""
+        assert self._unended is not None
+        run, answer = self._unended
+        await self._env.store.end_run(run, self.agent)
+        self._unended = None
+        self._emit(RunEnded(run))
+        await self._settle_task(run, answer)
 
     async def _open_session(self, session_id: uuid.UUID) -> None:
         if self._steps is None or self._session_id != session_id:
@@ -479,20 +577,26 @@ class AgentRunner:
             if len(page) < 1000:
                 return steps
 
-    async def _take_unread(self) -> list[IMMessage]:
-        """The unread messages that call for an answer; all unread are marked read."""
+    async def _take_unread(self) -> _Taken:
+        """The unread messages that call for an answer and were not taken as
+        input before, and how far each group is then read; the IM is told
+        (`_mark_read`) once they are stored as steps."""
         member = self.agent.member_id
+        if self._marks is None:
+            self._marks = await self._env.store.read_marks(self.agent.id)
         # Bounded: after a restart every agent looks at once, and the IM must not drown.
         async with self._env.reads:
             unread = await self._env.im.get_all_unread(member, limit=self._env.settings.unread_batch)
         if not unread:
-            return []
+            return _Taken()
         if len(unread) >= self._env.settings.unread_batch:
             self.wake()  # a full page: there may be more after it
         latest: dict[uuid.UUID, uuid.UUID] = {}
         relevant: list[IMMessage] = []
         for message in unread:
             latest[message.group_id] = message.id
+            if message.id <= self._marks.get(message.group_id, _NO_MESSAGE):
+                continue  # input already; only the IM's read mark was late (or lost)
             if message.sender_id == member or not self._env.guard.allows(message.group_id):
                 continue
             is_direct, _ = await self._env.directory.group(member, message.group_id)
@@ -504,7 +608,14 @@ class AgentRunner:
             ):
                 relevant.append(message)
         self._pending_reads.update(latest)
-        return relevant
+        return _Taken(relevant, latest)
+
+    def _advance_marks(self, marks: dict[uuid.UUID, uuid.UUID]) -> None:
+        if self._marks is None:
+            return  # not loaded yet: the load will bring these
+        for group_id, message_id in marks.items():
+            if message_id > self._marks.get(group_id, _NO_MESSAGE):
+                self._marks[group_id] = message_id
 
     async def _mark_read(self) -> None:
         pending, self._pending_reads = self._pending_reads, {}
@@ -514,17 +625,16 @@ class AgentRunner:
         )
         for (group, up_to), outcome in zip(pending.items(), outcomes, strict=True):
             if isinstance(outcome, Exception):
-                # Kept for the next try; meanwhile those messages stay unread.
+                # Kept for the next try; meanwhile those messages stay unread
+                # in the IM (the agent's own marks keep them from being input twice).
                 logger.warning("agent %s: marking group %s read failed: %s", self.agent.id, group, outcome)
                 self._pending_reads.setdefault(group, up_to)
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    async def _run(
-        self, messages: list[IMMessage], *, task: Task | None = None, resumed: bool = False
-    ) -> None:
+    async def _run(self, taken: _Taken, *, task: Task | None = None, resumed: bool = False) -> None:
         try:
-            run, reply_group = await self._begin(messages, task)
+            run, reply_group = await self._begin(taken, task, resumed=resumed)
         except _NotStarted:
             self._pending_reads = {}  # what was read stays unread for later
             return
@@ -554,10 +664,17 @@ class AgentRunner:
         finally:
             await reading
         ended = replace(run, status=status, error=error, ended_at=self._env.clock())
-        await self._end_run(ended, failure)
+        try:
+            await self._end_run(ended, failure)
+        except BaseException:
+            # Stored at the next cycle, before anything else (see `_end_unended`).
+            self._unended = (ended, answer)
+            raise
         await self._settle_task(ended, answer)
 
-    async def _begin(self, messages: list[IMMessage], task: Task | None) -> tuple[Run, uuid.UUID | None]:
+    async def _begin(
+        self, taken: _Taken, task: Task | None, *, resumed: bool
+    ) -> tuple[Run, uuid.UUID | None]:
         """Stores the new run with its input; returns it and the chat to answer.
 
         Raises:
@@ -565,8 +682,9 @@ class AgentRunner:
                 since the work was chosen.
         """
         env = self._env
-        if self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED):
+        if self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED) or self.agent.pause_pending:
             raise _NotStarted
+        messages = taken.messages
         await self._open_session(task.session_id if task is not None else self.agent.session_id)
         run = Run(
             id=uuid7(),
@@ -578,22 +696,26 @@ class AgentRunner:
         )
         inputs = [await self._incoming(m) for m in messages]
         if task is not None:
-            inputs.append(ChatMessage(role=Role.USER, content=f"[task {task.id}] {task.input}"))
             # Known as running before it is marked so, for a cancel meanwhile.
             self._running_task = task
             if env.tasks is not None:
-                task = await env.tasks.started(task, run_id=run.id, at=env.clock())
+                if resumed:
+                    task = await env.tasks.continued(task, run_id=run.id)
+                else:
+                    inputs.append(ChatMessage(role=Role.USER, content=f"[task {task.id}] {task.input}"))
+                    task = await env.tasks.started(task, run_id=run.id, at=env.clock())
                 if task.status is not TaskStatus.RUNNING:
                     self._running_task = None
                     raise _NotStarted
             self._running_task = task
         # The way to the first completion is short: one write stores the run,
-        # the agent's state and the input; read positions move while the model
-        # is already working.
+        # the agent's state, the input and how far it was read; the IM's read
+        # positions move while the model is already working.
         was = self.agent.state
         self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
         incoming = [self._step(run, message, StepMetrics()) for message in inputs]
-        await env.store.begin_run(run, self.agent, incoming)
+        await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks)
+        self._advance_marks(taken.marks)
         self._emit(RunStarted(run))
         if was is not AgentState.RUNNING:
             self._emit(StateChanged(AgentState.RUNNING, ""))
@@ -608,35 +730,35 @@ class AgentRunner:
     ) -> tuple[Run, RunStatus, str]:
         """Completions and tool calls until the model answers; returns the run,
         how it ended and the answer."""
-        if resumed and resume_point(self._steps or []) is Next.RUN_TOOLS:
-            await self._call_tools(run, unanswered_calls(self._steps or []), reply_group)
+        steps = self._steps or []
+        if resumed and resume_point(steps) is Next.RUN_TOOLS:
+            await self._call_tools(run, _last_assistant(steps), unanswered_calls(steps), reply_group)
         for _ in range(self._env.settings.max_iterations):
             self._pause_point()
             if self._over_budget():
                 return run, RunStatus.BUDGET_EXHAUSTED, ""
             run = replace(run, iterations=run.iterations + 1)
-            completion = await self._complete(run)
+            completion, said = await self._complete(run)
             if completion.message.tool_calls:
-                await self._call_tools(run, completion.message.tool_calls, reply_group)
+                await self._call_tools(run, said, completion.message.tool_calls, reply_group)
                 self._pause_point()
-                arrived = await self._take_unread() if chat else []
-                if arrived:
+                taken = await self._take_unread() if chat else _Taken()
+                if taken.messages:
+                    arrived = taken.messages
                     run = replace(
                         run, trigger_message_ids=run.trigger_message_ids + tuple(m.id for m in arrived)
                     )
                     reply_group = arrived[-1].group_id
-                    await self._read_in(run, arrived)
+                    await self._read_in(run, taken)
                 continue
             answer = completion.message.content or ""
-            if answer and reply_group is not None:
-                await self._answer(run, reply_group, answer)
+            await self._deliver(said, reply_group)
             return run, RunStatus.COMPLETED, answer
         return run, RunStatus.ITERATION_LIMIT, ""
 
     def _pause_point(self) -> None:
         """A step boundary: where a requested pause takes effect."""
-        if self._pause_requested:
-            self._pause_requested = False
+        if self.agent.pause_pending:
             raise _PausedAtBoundary
 
     async def _record_cut(self, run: Run) -> None:
@@ -704,20 +826,28 @@ class AgentRunner:
                 state, error = AgentState.IDLE, ""
         else:
             state, error = AgentState.IDLE, ""
+        if agent.pause_pending and state is not AgentState.TERMINATED:
+            # Asked to pause during the run, and no step boundary came: it
+            # takes effect as the run ends (why a failed run failed stays on the run).
+            state, error = AgentState.PAUSED, ""
         changed = (state, error) != (agent.state, agent.last_error)
-        self.agent = replace(agent, state=state, last_error=error)
+        self.agent = replace(agent, state=state, last_error=error, pause_pending=False)
         # One write for the run's end and the agent's new state.
         await self._env.store.end_run(run, self.agent)
         self._emit(RunEnded(run))
         if changed:
             self._emit(StateChanged(state, error))
 
-    async def _answer(self, run: Run, group_id: uuid.UUID, content: str) -> None:
-        """Posts the answer, in several messages if it is longer than one may be."""
+    async def _deliver(self, said: Step, group_id: uuid.UUID | None) -> None:
+        """Posts an answer step to the chat, in several messages if it is longer
+        than one may be; each part keyed by the step, so that it arrives once
+        however often this runs."""
+        content = said.message.content or ""
+        if not content or group_id is None:
+            return
         for index, part in enumerate(split_reply(content, self._env.settings.max_reply_bytes)):
-            # Idempotent per part: a send retried after a lost response posts nothing twice.
             await self._env.im.send_message(
-                self.agent.member_id, group_id, part, request_id=f"answer/{run.id}/{index}"
+                self.agent.member_id, group_id, part, request_id=answer_request_id(said.id, index)
             )
 
     def _last_group(self) -> uuid.UUID | None:
@@ -745,13 +875,18 @@ class AgentRunner:
             content=message.content,
         )
 
-    async def _read_in(self, run: Run, messages: list[IMMessage]) -> None:
-        """Adds messages to the context as user steps, then marks them read."""
-        for message in messages:
-            await self._append(run, await self._incoming(message), StepMetrics())
+    async def _read_in(self, run: Run, taken: _Taken) -> None:
+        """Adds messages to the context as user steps (in one write with how
+        far they were read), then marks them read in the IM."""
+        inputs = [await self._incoming(message) for message in taken.messages]
+        steps = [self._step(run, message, StepMetrics()) for message in inputs]
+        await self._env.store.append_input(self.agent.id, steps, taken.marks)
+        self._advance_marks(taken.marks)
+        for step in steps:
+            self._remember(step)
         await self._mark_read()
 
-    async def _complete(self, run: Run) -> Completion:
+    async def _complete(self, run: Run) -> tuple[Completion, Step]:
         env, agent = self._env, self.agent
         assert self._steps is not None
         context = [ChatMessage(role=Role.SYSTEM, content=self._system_prompt())]
@@ -786,13 +921,13 @@ class AgentRunner:
             cached_tokens=usage.cached_tokens if usage else 0,
             model=completion.model,
         )
-        await self._append(run, completion.message, metrics, sequence=sequence)
+        said = await self._append(run, completion.message, metrics, sequence=sequence)
         self._streaming = None
         if usage is not None:
             self.agent = replace(
                 self.agent, tokens_used=self.agent.tokens_used + usage.input_tokens + usage.output_tokens
             )
-        return completion
+        return completion, said
 
     def _system_prompt(self) -> str:
         agent = self.agent
@@ -806,7 +941,10 @@ class AgentRunner:
         )
         return f"{identity}\n\n{agent.system_prompt}".strip()
 
-    async def _call_tools(self, run: Run, calls: tuple[ToolCall, ...], reply_group: uuid.UUID | None) -> None:
+    async def _call_tools(
+        self, run: Run, said: Step, calls: tuple[ToolCall, ...], reply_group: uuid.UUID | None
+    ) -> None:
+        """Runs the tool calls of the assistant step `said`, each keyed by that step and its call id."""
         env = self._env
         context = ToolContext(
             agent=self.agent,
@@ -817,7 +955,8 @@ class AgentRunner:
         )
 
         async def execute(call: ToolCall) -> ToolOutcome:
-            outcome = await env.tools.execute(context, call)
+            keyed = replace(context, request_id=tool_request_id(said.id, call.id))
+            outcome = await env.tools.execute(keyed, call)
             # Kept should the run be cut before the results are stored.
             self._tool_outcomes[call.id] = outcome
             return outcome
@@ -882,15 +1021,36 @@ class AgentRunner:
         return step
 
     async def _set_state(self, state: AgentState, error: str) -> None:
-        if self.agent.state is state and self.agent.last_error == error:
+        """Moves the agent to a state (which ends any pending pause) and stores it."""
+        if (state, error, False) == (self.agent.state, self.agent.last_error, self.agent.pause_pending):
             await self._env.store.save_progress(self.agent)
             return
-        self.agent = replace(self.agent, state=state, last_error=error)
+        self.agent = replace(self.agent, state=state, last_error=error, pause_pending=False)
         await self._env.store.save_progress(self.agent)
         self._emit(StateChanged(state, error))
 
     def _emit(self, event: AgentEvent) -> None:
         self._env.hub.publish(Emitted(self.agent.id, self._env.clock(), event))
+
+
+_NO_MESSAGE = uuid.UUID(int=0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Taken:
+    """Messages taken as input, and how far each group is read with them."""
+
+    messages: list[IMMessage] = field(default_factory=list)
+    marks: dict[uuid.UUID, uuid.UUID] = field(default_factory=dict)
+
+
+def _is_answer(step: Step) -> bool:
+    """An assistant step that calls no tool: the answer of its run."""
+    return step.role is Role.ASSISTANT and not step.message.tool_calls
+
+
+def _last_assistant(steps: list[Step]) -> Step:
+    return next(step for step in reversed(steps) if step.role is Role.ASSISTANT)
 
 
 class _PausedAtBoundary(Exception):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 
 from services.runtime.domain.model import Agent, Checkpoint, Run, Session, Step, Task, TaskStatus
@@ -71,18 +71,21 @@ class AgentStore(abc.ABC):
     @abc.abstractmethod
     async def add_run(self, run: Run) -> None: ...
 
-    async def begin_run(self, run: Run, agent: Agent, steps: Sequence[Step]) -> None:
-        """Stores a new run, the agent's progress and the run's first steps, together.
-
-        This default makes separate calls; an adapter may use one transaction.
+    @abc.abstractmethod
+    async def begin_run(
+        self,
+        run: Run,
+        agent: Agent,
+        steps: Sequence[Step],
+        *,
+        read_marks: Mapping[uuid.UUID, uuid.UUID] | None = None,
+    ) -> None:
+        """Stores a new run, the agent's progress, the run's first steps and
+        the read marks of the messages they came from, in one transaction.
 
         Raises:
-            DuplicateStep: a step's (session, sequence) is taken.
+            DuplicateStep: a step's (session, sequence) is taken (then nothing is stored).
         """
-        await self.add_run(run)
-        await self.save_progress(agent)
-        for step in steps:
-            await self.append_step(step)
 
     @abc.abstractmethod
     async def update_run(self, run: Run) -> None: ...
@@ -108,6 +111,21 @@ class AgentStore(abc.ABC):
         Raises:
             DuplicateStep: its (session, sequence) is taken.
         """
+
+    @abc.abstractmethod
+    async def append_input(
+        self, agent_id: uuid.UUID, steps: Sequence[Step], read_marks: Mapping[uuid.UUID, uuid.UUID]
+    ) -> None:
+        """Stores steps made of messages the agent read, and moves its read
+        marks (group id -> message id) forward to them, in one transaction.
+
+        Raises:
+            DuplicateStep: a step's (session, sequence) is taken (then nothing is stored).
+        """
+
+    @abc.abstractmethod
+    async def read_marks(self, agent_id: uuid.UUID) -> dict[uuid.UUID, uuid.UUID]:
+        """How far the agent has taken each group's messages as input (group id -> message id)."""
 
     @abc.abstractmethod
     async def list_steps(
@@ -238,9 +256,14 @@ class AgentStore(abc.ABC):
         `at`), together; returns them as now stored."""
 
     @abc.abstractmethod
-    async def requeue_running_tasks(self, agent_id: uuid.UUID) -> list[Task]:
-        """Puts the agent's RUNNING tasks back to QUEUED, their attempt not
-        counted (a runtime stopped while running them); returns them as now stored."""
+    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[tuple[Task, Run | None]]:
+        """The RUNNING tasks (of one agent, or of all), each with its run
+        (None if that run was never stored)."""
+
+    @abc.abstractmethod
+    async def end_stale_runs(self, *, error: str, at: datetime) -> int:
+        """Ends INTERRUPTED (with `error`) every run still RUNNING whose agent
+        is not: nobody will go on with those. Returns how many."""
 
     @abc.abstractmethod
     async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from services.runtime.domain.model import Agent, AgentState
 from services.runtime.service_layer.im_port import IMEvent
-from services.runtime.service_layer.runner import AgentRunner, RunnerEnv
+from services.runtime.service_layer.runner import STOPPED_DURING_RUN, AgentRunner, RunnerEnv
 from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,20 @@ class Supervisor:
         self._env = replace(self._env, tasks=tasks)
 
     async def start(self) -> int:
-        """Starts a runner for every stored agent; returns how many."""
-        agents = await self._env.store.all_agents()
+        """Starts a runner for every stored agent; returns how many.
+
+        First it settles what the last process may have left half-done: runs
+        left RUNNING by an agent that is not (nobody goes on with them) end
+        INTERRUPTED, and tasks left RUNNING by a run that is gone or ended are
+        settled (`TaskQueue.settle_orphans`); runs of RUNNING agents are their
+        runners' to go on with.
+        """
+        store = self._env.store
+        stale = await store.end_stale_runs(error=STOPPED_DURING_RUN, at=self._env.clock())
+        orphans = await self._env.tasks.settle_orphans() if self._env.tasks is not None else []
+        if stale or orphans:
+            logger.info("settled %d runs and %d tasks left running by the last process", stale, len(orphans))
+        agents = await store.all_agents()
         self._cursors = await self._env.store.watch_cursors()
         for agent in agents:
             # An idle agent of a workspace with a saved cursor waits for the

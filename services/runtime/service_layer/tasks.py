@@ -32,7 +32,8 @@ from uuid_utils.compat import uuid7
 
 from services.common import errors
 from services.common.identity import Principal
-from services.runtime.domain.model import Agent, Emitted, Task, TaskChanged, TaskStatus
+from services.runtime.domain.llm import Role
+from services.runtime.domain.model import Agent, Emitted, Run, RunStatus, Task, TaskChanged, TaskStatus
 from services.runtime.service_layer.agents import AgentNotFound, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.store import AgentStore
@@ -154,6 +155,9 @@ class TaskService(TaskQueue):
         self._no_retries: set[uuid.UUID] = set()
         # Bumped by each forgetting: an answer read before one is not kept.
         self._changes: dict[uuid.UUID, int] = {}
+        # Agents with a task this process marked RUNNING and has not yet seen
+        # ended: only those can have an orphan once their runner is idle.
+        self._unsettled: set[uuid.UUID] = set()
 
     # -- the RPCs -------------------------------------------------------------
 
@@ -299,6 +303,7 @@ class TaskService(TaskQueue):
                 retry_at=None,
                 run_id=run_id,
             )
+            self._unsettled.add(task.agent_id)
             if await self._store.update_task(running, expected=WAITING):
                 self._publish(running)
                 return running
@@ -306,35 +311,79 @@ class TaskService(TaskQueue):
         logger.info("task %s is %s: not started", current.id, current.status.value)
         return current
 
+    async def running_task(self, agent_id: uuid.UUID, run_id: uuid.UUID) -> Task | None:
+        found = await self._store.running_tasks(agent_id)
+        return next((task for task, _ in found if task.run_id == run_id), None)
+
+    async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
+        moved = replace(task, run_id=run_id)
+        self._unsettled.add(task.agent_id)
+        if await self._store.update_task(moved, expected=(TaskStatus.RUNNING,)):
+            self._publish(moved)
+            return moved
+        return await self._reread(task)
+
+    async def settle_orphans(self, agent_id: uuid.UUID | None = None) -> list[Task]:
+        if agent_id is not None and agent_id not in self._unsettled:
+            return []
+        settled: list[Task] = []
+        left_running = False
+        for task, run in await self._store.running_tasks(agent_id):
+            if run is not None and run.status is RunStatus.RUNNING:
+                left_running = True
+                continue
+            outcome = await self._orphan_outcome(run)
+            if await self._end(task, outcome, quiet=True):
+                settled.append(task)
+                logger.info(
+                    "task %s was left running by a run that %s; now settled",
+                    task.id,
+                    "was never stored" if run is None else f"ended {run.status.value}",
+                )
+        if agent_id is not None and not left_running:
+            self._unsettled.discard(agent_id)
+        return settled
+
+    async def _orphan_outcome(self, run: Run | None) -> Callable[[Task], Task]:
+        """How a task ends whose run is gone (None) or ended without settling it."""
+        at = self._clock()
+        if run is None or run.status is RunStatus.INTERRUPTED:
+            return self._put_back_outcome
+        if run.status is RunStatus.COMPLETED:
+            answer = await self._answer_of(run)
+            return lambda t: replace(t, status=TaskStatus.SUCCEEDED, result=answer, ended_at=at)
+        error = run.error or run.status.value
+        return lambda t: self._failure_outcome(t, error, at)
+
+    async def _answer_of(self, run: Run) -> str:
+        """The last thing the model said in a run: its answer."""
+        steps = await self._store.list_steps(run.session_id, after_sequence=0, limit=100_000, run_id=run.id)
+        said = [s for s in steps if s.role is Role.ASSISTANT]
+        if not said:
+            return ""
+        return said[-1].message.content or ""
+
     async def succeeded(self, task: Task, *, result: str, at: datetime) -> None:
         await self._end(task, lambda t: replace(t, status=TaskStatus.SUCCEEDED, result=result, ended_at=at))
 
     async def failed(self, task: Task, *, error: str, at: datetime) -> None:
-        def outcome(t: Task) -> Task:
-            if t.id in self._cancelling:
-                return replace(t, status=TaskStatus.CANCELLED, last_error=error, ended_at=at)
-            if t.attempts >= self._retry.max_attempts:
-                return replace(t, status=TaskStatus.DEAD, last_error=error, ended_at=at, retry_at=None)
-            delay = self._retry.delay(t.attempts, self._jitter())
-            return replace(t, status=TaskStatus.FAILED, last_error=error, retry_at=at + delay)
+        await self._end(task, lambda t: self._failure_outcome(t, error, at))
 
-        await self._end(task, outcome)
+    def _failure_outcome(self, t: Task, error: str, at: datetime) -> Task:
+        if t.id in self._cancelling:
+            return replace(t, status=TaskStatus.CANCELLED, last_error=error, ended_at=at)
+        if t.attempts >= self._retry.max_attempts:
+            return replace(t, status=TaskStatus.DEAD, last_error=error, ended_at=at, retry_at=None)
+        delay = self._retry.delay(t.attempts, self._jitter())
+        return replace(t, status=TaskStatus.FAILED, last_error=error, retry_at=at + delay)
 
     async def put_back(self, task: Task) -> None:
-        def outcome(t: Task) -> Task:
-            if t.id in self._cancelling:
-                return replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock())
-            return replace(t, status=TaskStatus.QUEUED, attempts=max(0, t.attempts - 1), retry_at=None)
+        await self._end(task, self._put_back_outcome)
 
-        await self._end(task, outcome)
-
-    async def recover(self, agent_id: uuid.UUID) -> list[Task]:
-        requeued = await self._store.requeue_running_tasks(agent_id)
-        if requeued:
-            self._forget(agent_id)
-        for task in requeued:
-            self._publish(task)
-        return requeued
+    def _put_back_outcome(self, t: Task) -> Task:
+        if t.id in self._cancelling:
+            return replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock())
+        return replace(t, status=TaskStatus.QUEUED, attempts=max(0, t.attempts - 1), retry_at=None)
 
     async def cancelled(self, task: Task, *, at: datetime) -> None:
         await self._end(task, lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None))
@@ -400,14 +449,17 @@ class TaskService(TaskQueue):
         outcome: Callable[[Task], Task],
         *,
         quiet: bool = False,
-    ) -> None:
-        """Moves a running task on to `outcome(stored task)` (compare-and-set)."""
+    ) -> bool:
+        """Moves a running task on to `outcome(stored task)` (compare-and-set);
+        False if it was no longer running."""
         current = await self._reread(task)
         changed = outcome(current)
         if not await self._store.update_task(changed, expected=(TaskStatus.RUNNING,)):
             if not quiet:
                 logger.warning("task %s is no longer running: not marked %s", task.id, changed.status.value)
-            return
+            return False
+        # One task runs at a time per agent: this was the one left to settle.
+        self._unsettled.discard(task.agent_id)
         self._cancelling.discard(task.id)
         if changed.status in WAITING:
             self._forget(task.agent_id)
@@ -415,6 +467,7 @@ class TaskService(TaskQueue):
         if stopped is not None:
             stopped.set()
         self._publish(changed)
+        return True
 
     def _publish(self, task: Task) -> None:
         self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)))

@@ -19,20 +19,28 @@ from services.runtime.domain.llm import ToolCall, ToolSpec
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.im_port import IMGroup, IMMember, IMMessage, IMPort
 
-SubAgentFactory = Callable[[Agent, str, str, str], Awaitable[Agent]]
+# (parent, name, role, system prompt, request_id) -> the new agent (the same one for a repeated request_id).
+SubAgentFactory = Callable[[Agent, str, str, str, str], Awaitable[Agent]]
 # Waits for the first message a person sends to a group after a message.
 ReplyWaiter = Callable[[uuid.UUID, uuid.UUID], Awaitable[IMMessage]]
 
 
 @dataclass(frozen=True, slots=True)
 class ToolContext:
-    """What a tool may act on: the calling agent, the IM, the chat that woke it."""
+    """What a tool may act on: the calling agent, the IM, the chat that woke it.
+
+    `request_id` is the idempotency key of this call's side effect (see
+    `services.runtime.domain.intents`): a tool passes it with every write it
+    makes (a tool making several derives one per write), so that running the
+    same call again after a crash does nothing twice.
+    """
 
     agent: Agent
     im: IMPort
     trigger_group_id: uuid.UUID | None
     create_sub_agent: SubAgentFactory
     wait_for_reply: ReplyWaiter | None = None
+    request_id: str = ""
 
 
 ToolFunction = Callable[[ToolContext, dict[str, Any]], Awaitable[str]]
@@ -121,7 +129,9 @@ async def ask_human(context: ToolContext, arguments: dict[str, Any]) -> str:
     if context.wait_for_reply is None:
         raise ToolError("nobody can be asked from here")
     group_id = _id(arguments.get("group_id") or context.trigger_group_id, "group_id")
-    asked = await context.im.send_message(context.agent.member_id, group_id, _text(arguments, "question"))
+    asked = await context.im.send_message(
+        context.agent.member_id, group_id, _text(arguments, "question"), request_id=context.request_id
+    )
     reply = await context.wait_for_reply(group_id, asked.id)
     # Read here as the tool's result: it must not wake the agent again.
     await context.im.mark_read(context.agent.member_id, group_id, reply.id)
@@ -177,7 +187,11 @@ async def send_message(context: ToolContext, arguments: dict[str, Any]) -> str:
     group_id = _id(arguments.get("group_id") or context.trigger_group_id, "group_id")
     mentions = [_id(m, "mentions") for m in arguments.get("mentions", [])]
     sent = await context.im.send_message(
-        context.agent.member_id, group_id, _text(arguments, "content"), mentions=mentions
+        context.agent.member_id,
+        group_id,
+        _text(arguments, "content"),
+        mentions=mentions,
+        request_id=context.request_id,
     )
     return f"sent message {sent.id} to group {group_id}"
 
@@ -187,7 +201,9 @@ async def send_direct_message(context: ToolContext, arguments: dict[str, Any]) -
     if member.id == context.agent.member_id:
         raise ToolError("that is you; name someone else")
     group = await context.im.get_or_create_direct_group(context.agent.member_id, member.id)
-    sent = await context.im.send_message(context.agent.member_id, group.id, _text(arguments, "content"))
+    sent = await context.im.send_message(
+        context.agent.member_id, group.id, _text(arguments, "content"), request_id=context.request_id
+    )
     return f"sent message {sent.id} to {member.display_name} (direct chat {group.id})"
 
 
@@ -220,7 +236,10 @@ async def create_group(context: ToolContext, arguments: dict[str, Any]) -> str:
         raise ToolError("'members' must be a non-empty list of names or member ids")
     members = [await _find_member(context, str(w)) for w in who]
     group = await context.im.create_group(
-        context.agent.member_id, _text(arguments, "name"), [m.id for m in members]
+        context.agent.member_id,
+        _text(arguments, "name"),
+        [m.id for m in members],
+        request_id=context.request_id,
     )
     return f"created group {group.name!r} (group_id={group.id})"
 
@@ -231,6 +250,7 @@ async def create_sub_agent(context: ToolContext, arguments: dict[str, Any]) -> s
         _text(arguments, "name"),
         str(arguments.get("role", "")),
         str(arguments.get("system_prompt", "")),
+        context.request_id,
     )
     return f"created agent {child.name!r} (agent_id={child.id}, member_id={child.member_id})"
 

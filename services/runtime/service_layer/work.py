@@ -42,9 +42,23 @@ class TaskQueue(abc.ABC):
         this attempt not counted, to run again when the agent resumes."""
 
     @abc.abstractmethod
-    async def recover(self, agent_id: uuid.UUID) -> list[Task]:
-        """After a restart: the tasks left RUNNING go back to the queue (their
-        attempt not counted); returns them."""
+    async def running_task(self, agent_id: uuid.UUID, run_id: uuid.UUID) -> Task | None:
+        """The agent's RUNNING task that the run works on, if any."""
+
+    @abc.abstractmethod
+    async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
+        """A RUNNING task goes on in another run (the one it ran in was cut by a
+        restart), its attempt not counted again; returns it as stored (not
+        RUNNING if a person cancelled it meanwhile: then it must not run)."""
+
+    @abc.abstractmethod
+    async def settle_orphans(self, agent_id: uuid.UUID | None = None) -> list[Task]:
+        """Settles the RUNNING tasks (of one agent, or of every agent) whose run
+        is gone or ended, as a crash between the two writes leaves them: one
+        whose run was never stored goes back to the queue, its attempt not
+        counted; one whose run ended ends as that run did. Tasks whose run is
+        still RUNNING are its runner's. For one agent this costs nothing
+        unless this process may have left one behind. Returns those settled."""
 
     @abc.abstractmethod
     async def cancelled(self, task: Task, *, at: datetime) -> None:

@@ -258,6 +258,7 @@ class Agent(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     MAIN_SESSION_ID_FIELD_NUMBER: _builtins.int
+    PAUSE_PENDING_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -282,6 +283,11 @@ class Agent(_message.Message):
     """Token budget; 0 for the runtime's default."""
     main_session_id: _builtins.str
     """The session that new messages and tasks go to."""
+    pause_pending: _builtins.bool
+    """A person asked it to pause during a run: it pauses at the run's next
+    step boundary, or when the run ends if none comes (state stays RUNNING
+    until then).
+    """
     @_builtins.property
     def model(self) -> Global___ModelSettings:
         """Model settings."""
@@ -317,10 +323,11 @@ class Agent(_message.Message):
         create_time: _timestamp_pb2.Timestamp | None = ...,
         update_time: _timestamp_pb2.Timestamp | None = ...,
         main_session_id: _builtins.str = ...,
+        pause_pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1247,19 +1254,25 @@ class AgentStateChanged(_message.Message):
 
     STATE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PAUSE_PENDING_FIELD_NUMBER: _builtins.int
     state: Global___AgentState.ValueType
     """The new state."""
     error: _builtins.str
     """Why (ERROR)."""
+    pause_pending: _builtins.bool
+    """A pause is pending (see Agent.pause_pending): sent when a pause is
+    requested during a run, with state RUNNING.
+    """
     def __init__(
         self,
         *,
         state: Global___AgentState.ValueType = ...,
         error: _builtins.str = ...,
+        pause_pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pause_pending", b"pause_pending", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1606,7 +1619,9 @@ class PauseAgentResponse(_message.Message):
     AGENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def agent(self) -> Global___Agent:
-        """The agent now (PAUSED, or still RUNNING until its step boundary)."""
+        """The agent now: PAUSED, or RUNNING with pause_pending until the run's
+        next step boundary (or its end).
+        """
 
     def __init__(
         self,
