@@ -38,6 +38,7 @@ from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMMessage
 from services.runtime.service_layer.lifecycle import LifecycleService
+from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tasks import TaskService
@@ -141,7 +142,9 @@ def build(
     clock: FakeClock,
     human: uuid.UUID,
     lineage: list[System],
+    model: LLM | None = None,
 ) -> System:
+    """The services over the store and IM; `model` (if given) answers instead of `llm`."""
     tools = default_registry(timeout_seconds=5)
     holder: list[AgentService] = []
 
@@ -151,7 +154,7 @@ def build(
     env = RunnerEnv(
         store=store,
         im=im,
-        llm=llm,
+        llm=model or llm,
         tools=tools,
         hub=hub,
         guard=ChatterGuard(20),
@@ -172,8 +175,12 @@ def build(
 
 
 @contextlib.asynccontextmanager
-async def system(*scripts: Script) -> AsyncIterator[System]:
-    im, store, hub, clock = GatedIM(), InMemoryAgentStore(), AgentHub(), FakeClock()
+async def system(
+    *scripts: Script, im: GatedIM | None = None, model: LLM | None = None
+) -> AsyncIterator[System]:
+    """The runtime's services over a new store and `im` (a `GatedIM` by default)."""
+    im = im or GatedIM()
+    store, hub, clock = InMemoryAgentStore(), AgentHub(), FakeClock()
     first = build(
         im,
         llm=ScriptedLLM(*scripts),
@@ -182,6 +189,7 @@ async def system(*scripts: Script) -> AsyncIterator[System]:
         clock=clock,
         human=im.human("alice").id,
         lineage=[],
+        model=model,
     )
     yield first
     await first.lineage[-1].supervisor.aclose()
