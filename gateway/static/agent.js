@@ -163,7 +163,9 @@ function makeHost(mine) {
 function applyAgent(p, agent) {
   const before = p.agent;
   p.agent = { ...before, ...agent };
+  // The service says when a pause is pending (whoever asked for it); it ends with the run's state change.
   if (p.agent.state !== "AGENT_STATE_RUNNING") p.pauseRequested = false;
+  else if (p.agent.pausePending) p.pauseRequested = true;
   // A copy: the app updates its agents in place, and the panel compares before and after.
   p.ctx.upsertAgent({ ...p.agent });
   drawHead();
@@ -304,7 +306,8 @@ function onEvent(event) {
     p.lastCompleted = Math.max(p.lastCompleted, seq);
     schedule(seq);
   } else if (event.stateChanged) {
-    applyAgent(p, { state: event.stateChanged.state, lastError: event.stateChanged.error || "" });
+    const changed = event.stateChanged;
+    applyAgent(p, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending) });
   } else if (event.taskChanged) {
     p.view?.onTask?.(event.taskChanged);
   } else if (event.mainSessionChanged) {

@@ -474,3 +474,33 @@ async def test_a_pause_pending_when_the_runtime_stopped_takes_effect_after_the_r
         (run,) = s.store.runs.values()
         assert (run.status, run.error) == (RunStatus.INTERRUPTED, "paused by a person")
         assert s.llm.requests == [] and not s.store.agents[ada.id].pause_pending
+
+
+class EndFailsOnce(InMemoryAgentStore):
+    """A store whose first write of a run's end is lost to a database outage."""
+
+    failed = False
+
+    async def end_run(self, run: Run, agent: Agent) -> None:
+        if run.status is not RunStatus.RUNNING and not self.failed:
+            self.failed = True
+            raise errors.Unavailable("the database is unavailable")
+        await super().end_run(run, agent)
+
+
+async def test_a_run_whose_end_could_not_be_stored_is_ended_at_the_next_cycle() -> None:
+    async with system(Script(content="done")) as s:
+        await s.supervisor.aclose()
+        store = EndFailsOnce()
+        fresh = build(
+            s.im, llm=s.llm, store=store, hub=s.hub, clock=s.clock, human=s.human, lineage=s.lineage
+        )
+        ada = await fresh.agent()
+        placed = await fresh.tasks.submit_task(fresh.me, str(ada.id), text="do it")
+        await until(lambda: store.failed, "the first end was lost")
+        fresh.supervisor.runner(ada.id).wake()  # type: ignore[union-attr]
+        await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
+        (run,) = store.runs.values()
+        assert run.status is RunStatus.COMPLETED, "the run is not left RUNNING"
+        assert store.agents[ada.id].state is AgentState.IDLE
+        assert len(s.llm.requests) == 1, "it did not run again"
