@@ -152,7 +152,7 @@ async def test_a_runtime_killed_mid_run_goes_on_from_the_last_step_without_repea
         assert steps.steps[-1].content == "Told Bob."
         runs = await second.stub.ListRuns(rpb.ListRunsRequest(agent_id=agent.id), metadata=world.md(0))
         statuses = [r.status for r in reversed(runs.runs)]
-        assert statuses == [rpb.RUN_STATUS_INTERRUPTED, rpb.RUN_STATUS_COMPLETED]
+        assert statuses == [rpb.RUN_STATUS_COMPLETED], "the run the process died in went on"
         got = await second.stub.GetAgent(rpb.GetAgentRequest(agent_id=agent.id), metadata=world.md(0))
         assert got.agent.state == rpb.AGENT_STATE_IDLE
         # The resumed completion was sent the whole stored history, the tool result included.

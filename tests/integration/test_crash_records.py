@@ -62,13 +62,15 @@ async def test_running_tasks_come_with_their_runs_or_none(store: SqlAgentStore) 
     elsewhere = make_task(uuid7(), status=TaskStatus.RUNNING, run_id=uuid7())
     for task in (with_run, without, queued, elsewhere):
         await store.add_task(task)
-    found = {task.id: found_run for task, found_run in await store.running_tasks(agent.id)}
+    found = {f.task.id: f for f in await store.running_tasks(agent.id)}
     assert set(found) == {with_run.id, without.id}
-    assert found[without.id] is None
-    stored_run = found[with_run.id]
+    assert found[without.id].run is None
+    stored_run = found[with_run.id].run
     assert stored_run is not None and (stored_run.id, stored_run.status) == (run.id, RunStatus.RUNNING)
-    every = {task.id for task, _ in await store.running_tasks()}
-    assert {with_run.id, without.id, elsewhere.id} <= every and queued.id not in every
+    assert {f.agent_state for f in found.values()} == {AgentState.RUNNING}
+    every = {f.task.id: f for f in await store.running_tasks()}
+    assert every[elsewhere.id].agent_state is None, "no such agent"
+    assert {with_run.id, without.id, elsewhere.id} <= set(every) and queued.id not in every
 
 
 async def test_runs_left_running_by_agents_that_are_not_are_ended(store: SqlAgentStore) -> None:

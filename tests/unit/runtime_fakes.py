@@ -35,7 +35,12 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
-from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, DuplicateStep
+from services.runtime.service_layer.store import (
+    AgentStore,
+    DuplicateAgentRequest,
+    DuplicateStep,
+    TaskInFlight,
+)
 
 
 class FakeClock:
@@ -542,9 +547,15 @@ class InMemoryAgentStore(AgentStore):
         self.tasks.update((t.id, t) for t in cancelled)
         return cancelled
 
-    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[tuple[Task, Run | None]]:
+    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[TaskInFlight]:
         return [
-            (t, self.runs.get(t.run_id) if t.run_id is not None else None)
+            TaskInFlight(
+                t,
+                self.runs.get(t.run_id) if t.run_id is not None else None,
+                self.agents[t.agent_id].state
+                if t.agent_id in self.agents and t.agent_id not in self.deleted
+                else None,
+            )
             for t in sorted(self.tasks.values(), key=lambda t: t.id)
             if t.status is TaskStatus.RUNNING and (agent_id is None or t.agent_id == agent_id)
         ]

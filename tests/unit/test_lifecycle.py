@@ -309,9 +309,8 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         await asyncio.sleep(0)
         await asyncio.wait_for(runner.idle.wait(), WAIT)
         assert executed == ["missing"], "the call whose result was recorded does not run again"
-        runs = list(h.store.runs.values())
-        assert runs[0].status is RunStatus.INTERRUPTED and "runtime stopped" in runs[0].error
-        assert runs[-1].status is RunStatus.COMPLETED
+        (run,) = h.store.runs.values()
+        assert run.status is RunStatus.COMPLETED, "the run the runtime stopped in goes on"
         assert [m.content for m in h.im.in_group(chat.id)][-1] == "recovered"
         assert h.store.agents[ada.id].state is AgentState.IDLE
         await fresh.aclose()

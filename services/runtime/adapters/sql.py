@@ -48,7 +48,7 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
+from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, TaskInFlight
 
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
 _WRITE = "runtime_write"
@@ -660,22 +660,24 @@ class SqlAgentStore(AgentStore):
             )
             return sorted((_task(r) for r in rows.all()), key=lambda t: t.id)
 
-    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[tuple[Task, Run | None]]:
+    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[TaskInFlight]:
         run = runs.alias("run")
+        live = sa.and_(agents.c.id == tasks.c.agent_id, _live)
         query = (
-            sa.select(tasks, *[c.label(f"r_{c.name}") for c in run.c])
-            .select_from(tasks.outerjoin(run, run.c.id == tasks.c.run_id))
+            sa.select(tasks, agents.c.state.label("agent_state"), *[c.label(f"r_{c.name}") for c in run.c])
+            .select_from(tasks.outerjoin(run, run.c.id == tasks.c.run_id).outerjoin(agents, live))
             .where(tasks.c.status == TaskStatus.RUNNING.value)
             .order_by(tasks.c.id)
         )
         if agent_id is not None:
             query = query.where(tasks.c.agent_id == agent_id)
-        found: list[tuple[Task, Run | None]] = []
+        found: list[TaskInFlight] = []
         for row in await self._rows(query):
             stored = None
             if row.r_id is not None:
                 stored = _run(SimpleNamespace(**{c.name: getattr(row, f"r_{c.name}") for c in run.c}))
-            found.append((_task(row), stored))
+            state = AgentState(row.agent_state) if row.agent_state is not None else None
+            found.append(TaskInFlight(_task(row), stored, state))
         return found
 
     async def end_stale_runs(self, *, error: str, at: datetime) -> int:

@@ -356,10 +356,15 @@ class AgentRunner:
             await self._set_state(AgentState.PAUSED, "")
 
     async def terminate(self) -> None:
-        """Cuts the run in flight; nothing more until `start_again`."""
+        """Cuts the run in flight; nothing more until `start_again`. A task
+        left RUNNING by a pause goes back to the queue, as a cut one does."""
         await self._cut_run(_Cut("terminated by a person", AgentState.TERMINATED))
         if self.agent.state is not AgentState.TERMINATED:
             await self._set_state(AgentState.TERMINATED, "")
+            tasks = self._env.tasks
+            found = await tasks.running_task(self.agent.id) if tasks is not None else None
+            if found is not None and tasks is not None:
+                await tasks.put_back(found.task)
 
     async def start_again(self) -> None:
         await self._set_state(AgentState.IDLE, "")
@@ -430,7 +435,11 @@ class AgentRunner:
         # (the loop then comes straight back), so no second look is needed.
         try:
             if resume:
-                await self._resume()
+                try:
+                    await self._resume()
+                except BaseException:
+                    self._continue = True  # what was pending still is: the next cycle tries again
+                    raise
                 self.wake()  # then what waits
                 return
             taken = await self._take_unread()
@@ -451,7 +460,7 @@ class AgentRunner:
             raise
         finally:
             await self._schedule_retry()
-            if self._env.tasks is not None:
+            if self._env.tasks is not None and not self._paused():
                 # Idle now: a task this process left RUNNING (a write lost to
                 # a fault) is settled as its run ended.
                 await self._env.tasks.settle_orphans(self.agent.id)
@@ -502,56 +511,54 @@ class AgentRunner:
             self._retry_timer = asyncio.get_running_loop().call_later(delay, self.wake)
 
     async def _resume(self) -> None:
-        """Goes on from the last step of the main session, if anything is pending."""
+        """Goes on from the last step of the main session, if anything is pending:
+        the run the runtime stopped in, or what a pause or interrupt cut short
+        (with its task, if it was a task's)."""
         await self._open_session(self.agent.session_id)
         assert self._steps is not None
-        task: Task | None = None
+        tasks = self._env.tasks
+        found = await tasks.running_task(self.agent.id) if tasks is not None else None
         stale = await self._env.store.list_runs(self.agent.id, before=None, limit=1)
         if stale and stale[0].status is RunStatus.RUNNING:
-            # The runtime stopped during this run.
-            run = stale[0]
-            tasks = self._env.tasks
-            task = await tasks.running_task(self.agent.id, run.id) if tasks is not None else None
-            last = self._steps[-1] if self._steps else None
-            answered = last is not None and last.run_id == run.id and _is_answer(last)
-            if last is not None and answered and not self.agent.pause_pending:
-                # It had its answer: what may be missing is its delivery (sent
-                # again with the same key, it arrives once) and its end.
-                self._running_task = task
-                reply_group = None if task is not None else self._last_group()
-                await self._deliver(last, reply_group)
-                completed = replace(run, status=RunStatus.COMPLETED, ended_at=self._env.clock())
-                await self._end_run(completed, None)
-                await self._settle_task(completed, last.message.content or "")
-                return
-            # It ends here, and a new one goes on from its last step (with its
-            # task, if it was a task's): recorded tool calls never run again,
-            # and the ones that did not finish run again with the same keys.
-            paused = self.agent.pause_pending
-            ended = replace(
-                run,
-                status=RunStatus.INTERRUPTED,
-                error="paused by a person" if paused else STOPPED_DURING_RUN,
-                ended_at=self._env.clock(),
-            )
-            self.agent = replace(
-                self.agent, state=AgentState.PAUSED if paused else AgentState.IDLE, pause_pending=False
-            )
-            await self._env.store.end_run(ended, self.agent)
-            self._emit(RunEnded(ended))
-            if paused:
-                # Asked to pause before the runtime stopped: it is paused now.
-                self._emit(StateChanged(AgentState.PAUSED, ""))
-                if task is not None and tasks is not None:
-                    await tasks.put_back(task)
-                return
+            await self._go_on_after_restart(stale[0], found.task if found is not None else None)
+            return
+        task: Task | None = None
+        if found is not None and tasks is not None:
+            if found.run is not None and found.run.status is RunStatus.INTERRUPTED:
+                task = found.task  # paused or interrupted: it goes on below
+            else:
+                # Its run ended (or never began) and the task was not settled.
+                await tasks.settle_as_run_ended(found)
         if resume_point(self._steps) is Next.NOTHING:
             if self.agent.state is AgentState.RUNNING:
                 await self._set_state(AgentState.IDLE, "")
-            if task is not None and self._env.tasks is not None:
-                await self._env.tasks.put_back(task)
+            if task is not None and tasks is not None:
+                await tasks.put_back(task)
             return
         await self._in_flight(self._run(_Taken(), task=task, resumed=True))
+
+    async def _go_on_after_restart(self, run: Run, task: Task | None) -> None:
+        """The runtime stopped during `run`: it goes on, in the same run and with
+        its task, from its last stored step. Recorded tool calls never run
+        again; those cut short run again with the same keys, so their effects
+        happen once."""
+        self._running_task = task
+        last = self._steps[-1] if self._steps else None
+        if self.agent.pause_pending:
+            # Asked to pause before the runtime stopped: the pause takes effect now.
+            ended = replace(run, status=RunStatus.INTERRUPTED, error="paused by a person")
+            await self._end_run(replace(ended, ended_at=self._env.clock()), None)
+            await self._settle_task(ended, "")
+            return
+        if last is not None and last.run_id == run.id and _is_answer(last):
+            # It had its answer: what may be missing is its delivery (sent
+            # again with the same key, it arrives once) and its end.
+            await self._deliver(last, None if task is not None else self._last_group())
+            completed = replace(run, status=RunStatus.COMPLETED, ended_at=self._env.clock())
+            await self._end_run(completed, None)
+            await self._settle_task(completed, last.message.content or "")
+            return
+        await self._in_flight(self._run(_Taken(), task=task, resumed=True, going_on=run))
 
     async def _end_unended(self) -> None:
         """Stores the end of a run that could not be stored when it ended."""
@@ -632,9 +639,21 @@ class AgentRunner:
             elif isinstance(outcome, BaseException):
                 raise outcome
 
-    async def _run(self, taken: _Taken, *, task: Task | None = None, resumed: bool = False) -> None:
+    async def _run(
+        self,
+        taken: _Taken,
+        *,
+        task: Task | None = None,
+        resumed: bool = False,
+        going_on: Run | None = None,
+    ) -> None:
+        """A run: a new one (`_begin`), or `going_on` with a stored one."""
         try:
-            run, reply_group = await self._begin(taken, task, resumed=resumed)
+            if going_on is None:
+                run, reply_group = await self._begin(taken, task, resumed=resumed)
+            else:
+                run, reply_group = going_on, None if task is not None else self._last_group()
+                self._begun.set()
         except _NotStarted:
             self._pending_reads = {}  # what was read stays unread for later
             return
@@ -642,7 +661,11 @@ class AgentRunner:
         status, error, answer = RunStatus.ITERATION_LIMIT, "", ""
         failure: Exception | None = None
         try:
+            if task is not None and self._running_task is None:
+                raise _TaskGone
             run, status, answer = await self._iterate(run, reply_group, resumed=resumed, chat=task is None)
+        except _TaskGone:
+            status, error = RunStatus.INTERRUPTED, "its task was cancelled"
         except asyncio.CancelledError:
             cut = self._cut
             if cut is None:
@@ -698,12 +721,9 @@ class AgentRunner:
         if task is not None:
             # Known as running before it is marked so, for a cancel meanwhile.
             self._running_task = task
-            if env.tasks is not None:
-                if resumed:
-                    task = await env.tasks.continued(task, run_id=run.id)
-                else:
-                    inputs.append(ChatMessage(role=Role.USER, content=f"[task {task.id}] {task.input}"))
-                    task = await env.tasks.started(task, run_id=run.id, at=env.clock())
+            if env.tasks is not None and not resumed:
+                inputs.append(ChatMessage(role=Role.USER, content=f"[task {task.id}] {task.input}"))
+                task = await env.tasks.started(task, run_id=run.id, at=env.clock())
                 if task.status is not TaskStatus.RUNNING:
                     self._running_task = None
                     raise _NotStarted
@@ -721,6 +741,12 @@ class AgentRunner:
             self._emit(StateChanged(AgentState.RUNNING, ""))
         for step in incoming:
             self._remember(step)
+        if task is not None and resumed and env.tasks is not None:
+            # Moved to this run only now that it is stored: a restart in
+            # between still finds the task (the agent's RUNNING one) and goes on.
+            task = await env.tasks.continued(task, run_id=run.id)
+            if task.status is not TaskStatus.RUNNING:
+                self._running_task = None  # a person cancelled it meanwhile: `_run` ends here
         self._begun.set()
         reply_group = messages[-1].group_id if messages else (None if task else self._last_group())
         return run, reply_group
@@ -795,13 +821,12 @@ class AgentRunner:
         at = self._env.clock()
         if run.status is RunStatus.COMPLETED:
             await tasks.succeeded(task, result=answer, at=at)
-        elif run.status is RunStatus.INTERRUPTED and self.agent.state not in (
-            AgentState.PAUSED,
-            AgentState.TERMINATED,
-        ):
-            await tasks.cancelled(task, at=at)
-        elif run.status is RunStatus.INTERRUPTED:
+        elif run.status is RunStatus.INTERRUPTED and self.agent.state is AgentState.PAUSED:
+            pass  # it stays RUNNING: resuming goes on with it where it was cut
+        elif run.status is RunStatus.INTERRUPTED and self.agent.state is AgentState.TERMINATED:
             await tasks.put_back(task)
+        elif run.status is RunStatus.INTERRUPTED:
+            await tasks.cancelled(task, at=at)
         else:
             await tasks.failed(task, error=run.error or run.status.value, at=at)
 
@@ -858,6 +883,9 @@ class AgentRunner:
                 with contextlib.suppress(ValueError):
                     return uuid.UUID(content.split("group_id=", 1)[1][:36])
         return None
+
+    def _paused(self) -> bool:
+        return self.agent.state is AgentState.PAUSED
 
     def _over_budget(self) -> bool:
         budget = self.agent.token_budget or self._env.settings.default_token_budget
@@ -1055,6 +1083,10 @@ def _last_assistant(steps: list[Step]) -> Step:
 
 class _PausedAtBoundary(Exception):
     """A pause requested during a run takes effect at a step boundary."""
+
+
+class _TaskGone(Exception):
+    """The task a run was to go on with was cancelled meanwhile."""
 
 
 class _NotStarted(Exception):

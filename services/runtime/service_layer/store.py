@@ -9,9 +9,10 @@ from __future__ import annotations
 import abc
 import uuid
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
-from services.runtime.domain.model import Agent, Checkpoint, Run, Session, Step, Task, TaskStatus
+from services.runtime.domain.model import Agent, AgentState, Checkpoint, Run, Session, Step, Task, TaskStatus
 
 
 class DuplicateStep(Exception):
@@ -20,6 +21,16 @@ class DuplicateStep(Exception):
 
 class DuplicateAgentRequest(Exception):
     """The request_id was recorded first by a concurrent call."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInFlight:
+    """A RUNNING task, the run it was last in (None: never stored) and its
+    agent's state (None: the agent was deleted)."""
+
+    task: Task
+    run: Run | None
+    agent_state: AgentState | None
 
 
 class AgentStore(abc.ABC):
@@ -256,9 +267,8 @@ class AgentStore(abc.ABC):
         `at`), together; returns them as now stored."""
 
     @abc.abstractmethod
-    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[tuple[Task, Run | None]]:
-        """The RUNNING tasks (of one agent, or of all), each with its run
-        (None if that run was never stored)."""
+    async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[TaskInFlight]:
+        """The RUNNING tasks (of one agent, or of all), with their runs and agents' states."""
 
     @abc.abstractmethod
     async def end_stale_runs(self, *, error: str, at: datetime) -> int:

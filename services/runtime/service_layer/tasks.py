@@ -33,10 +33,19 @@ from uuid_utils.compat import uuid7
 from services.common import errors
 from services.common.identity import Principal
 from services.runtime.domain.llm import Role
-from services.runtime.domain.model import Agent, Emitted, Run, RunStatus, Task, TaskChanged, TaskStatus
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Emitted,
+    Run,
+    RunStatus,
+    Task,
+    TaskChanged,
+    TaskStatus,
+)
 from services.runtime.service_layer.agents import AgentNotFound, AgentService
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.store import AgentStore
+from services.runtime.service_layer.store import AgentStore, TaskInFlight
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.work import TaskQueue
 
@@ -311,9 +320,11 @@ class TaskService(TaskQueue):
         logger.info("task %s is %s: not started", current.id, current.status.value)
         return current
 
-    async def running_task(self, agent_id: uuid.UUID, run_id: uuid.UUID) -> Task | None:
+    async def running_task(self, agent_id: uuid.UUID) -> TaskInFlight | None:
         found = await self._store.running_tasks(agent_id)
-        return next((task for task, _ in found if task.run_id == run_id), None)
+        if found:
+            self._unsettled.add(agent_id)
+        return found[-1] if found else None
 
     async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
         moved = replace(task, run_id=run_id)
@@ -323,24 +334,32 @@ class TaskService(TaskQueue):
             return moved
         return await self._reread(task)
 
+    async def settle_as_run_ended(self, found: TaskInFlight) -> bool:
+        run = found.run
+        if run is not None and run.status is RunStatus.RUNNING:
+            return False
+        if not await self._end(found.task, await self._orphan_outcome(run), quiet=True):
+            return False
+        logger.info(
+            "task %s was left running by a run that %s; now settled",
+            found.task.id,
+            "was never stored" if run is None else f"ended {run.status.value}",
+        )
+        return True
+
     async def settle_orphans(self, agent_id: uuid.UUID | None = None) -> list[Task]:
         if agent_id is not None and agent_id not in self._unsettled:
             return []
         settled: list[Task] = []
-        left_running = False
-        for task, run in await self._store.running_tasks(agent_id):
-            if run is not None and run.status is RunStatus.RUNNING:
-                left_running = True
-                continue
-            outcome = await self._orphan_outcome(run)
-            if await self._end(task, outcome, quiet=True):
-                settled.append(task)
-                logger.info(
-                    "task %s was left running by a run that %s; now settled",
-                    task.id,
-                    "was never stored" if run is None else f"ended {run.status.value}",
-                )
-        if agent_id is not None and not left_running:
+        kept = False
+        for found in await self._store.running_tasks(agent_id):
+            if found.agent_state in (AgentState.RUNNING, AgentState.PAUSED):
+                kept = True  # its agent goes on with it, after a restart or when resumed
+            elif await self.settle_as_run_ended(found):
+                settled.append(found.task)
+            else:
+                kept = True
+        if agent_id is not None and not kept:
             self._unsettled.discard(agent_id)
         return settled
 

@@ -8,6 +8,7 @@ import uuid
 from datetime import datetime
 
 from services.runtime.domain.model import Task
+from services.runtime.service_layer.store import TaskInFlight
 
 
 class TaskQueue(abc.ABC):
@@ -42,23 +43,33 @@ class TaskQueue(abc.ABC):
         this attempt not counted, to run again when the agent resumes."""
 
     @abc.abstractmethod
-    async def running_task(self, agent_id: uuid.UUID, run_id: uuid.UUID) -> Task | None:
-        """The agent's RUNNING task that the run works on, if any."""
+    async def running_task(self, agent_id: uuid.UUID) -> TaskInFlight | None:
+        """The agent's RUNNING task (at most one: an agent works on one thing
+        at a time), with the run it was last in: the task a run cut by a
+        restart, a pause or an interrupt goes on with."""
 
     @abc.abstractmethod
     async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
-        """A RUNNING task goes on in another run (the one it ran in was cut by a
-        restart), its attempt not counted again; returns it as stored (not
-        RUNNING if a person cancelled it meanwhile: then it must not run)."""
+        """A RUNNING task goes on in another run (the one it was in was paused
+        or interrupted), its attempt not counted again; returns it as stored
+        (not RUNNING if a person cancelled it meanwhile: then it must not run)."""
+
+    @abc.abstractmethod
+    async def settle_as_run_ended(self, found: TaskInFlight) -> bool:
+        """Ends a RUNNING task as the run it was in ended (SUCCEEDED with its
+        answer, FAILED or DEAD with its error; back in the queue, its attempt
+        not counted, if the run was never stored or was interrupted). False
+        if its run is still RUNNING (then nothing changes) or the task is no
+        longer RUNNING."""
 
     @abc.abstractmethod
     async def settle_orphans(self, agent_id: uuid.UUID | None = None) -> list[Task]:
-        """Settles the RUNNING tasks (of one agent, or of every agent) whose run
-        is gone or ended, as a crash between the two writes leaves them: one
-        whose run was never stored goes back to the queue, its attempt not
-        counted; one whose run ended ends as that run did. Tasks whose run is
-        still RUNNING are its runner's. For one agent this costs nothing
-        unless this process may have left one behind. Returns those settled."""
+        """Settles (`settle_as_run_ended`) the RUNNING tasks of one agent, or
+        of every agent, that nobody goes on with, as a crash between two
+        writes leaves them: those of agents neither RUNNING (a restart goes on
+        with their run) nor PAUSED (resuming goes on with it). For one agent
+        this costs nothing unless this process may have left one behind.
+        Returns those settled."""
 
     @abc.abstractmethod
     async def cancelled(self, task: Task, *, at: datetime) -> None:
