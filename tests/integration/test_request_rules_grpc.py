@@ -194,3 +194,38 @@ async def test_an_unknown_member_gets_the_same_answer(im: RunningIM) -> None:
         im.stub.SendMessage(im_pb2.SendMessageRequest(content=NUL), metadata=as_member("nobody"))
     )
     assert (code, details) == invalid("content")
+
+
+# --- what the fuzz (tests/faults/test_fuzz.py) found past the shared rules ------------
+
+
+async def test_a_cursor_past_64_bits_is_malformed_not_an_overflow(im: RunningIM) -> None:
+    world = await make_world(im.stub, people=1)
+    for cursor in (str(2**63), "9" * 19):
+        watch = im.stub.WatchEvents(im_pb2.WatchEventsRequest(after_cursor=cursor), metadata=world.md(0))
+        code, details = await refusal(watch.read())
+        assert (code, details) == (grpc.StatusCode.INVALID_ARGUMENT, f"after_cursor is malformed: {cursor!r}")
+    # The largest 64-bit cursor is well-formed, only ahead of the workspace's events.
+    watch = im.stub.WatchEvents(im_pb2.WatchEventsRequest(after_cursor=str(2**63 - 1)), metadata=world.md(0))
+    code, details = await refusal(watch.read())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is ahead of this workspace's events" in details
+
+
+async def test_an_agents_request_id_is_the_runtimes_to_check(
+    im: RunningIM, runtime_on: RunningRuntime
+) -> None:
+    world = await make_world(im.stub, people=1)
+    md = world.md(0)
+    stub = runtime_on.stub
+    # Within the limit, even where the IM member's marked request_id would not be.
+    long_enough = "r" * 125
+    first = (
+        await stub.CreateAgent(rpb.CreateAgentRequest(name="a", request_id=long_enough), metadata=md)
+    ).agent
+    again = (
+        await stub.CreateAgent(rpb.CreateAgentRequest(name="a", request_id=long_enough), metadata=md)
+    ).agent
+    assert again.id == first.id and again.member_id == first.member_id
+    assert await refusal(
+        stub.CreateAgent(rpb.CreateAgentRequest(name="a", request_id="r" * 129), metadata=md)
+    ) == (grpc.StatusCode.INVALID_ARGUMENT, "request_id is limited to 128 characters")
