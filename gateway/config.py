@@ -23,6 +23,8 @@ class Settings:
         cors_origins: origins allowed to call from a browser page served
             elsewhere; `*` allows any; empty: same-origin only.
         max_body_bytes: largest request body.
+        upstream_max_message_bytes: largest request the services take (their
+            `GRPC_MAX_MESSAGE_BYTES`); a larger one is 413 without a call.
         call_timeout_seconds: deadline of every unary call upstream (and of
             opening a stream).
         heartbeat_seconds: idle time after which an SSE stream gets a `: ping`.
@@ -40,6 +42,7 @@ class Settings:
     runtime_address: str
     cors_origins: tuple[str, ...]
     max_body_bytes: int
+    upstream_max_message_bytes: int
     call_timeout_seconds: float
     heartbeat_seconds: float
     sse_retry_ms: int
@@ -71,6 +74,7 @@ class Settings:
             runtime_address=env.address("RUNTIME_ADDRESS", "127.0.0.1:50052"),
             cors_origins=origins,
             max_body_bytes=env.integer("GATEWAY_MAX_BODY_BYTES", 1024 * 1024, minimum=1024),
+            upstream_max_message_bytes=env.integer("GRPC_MAX_MESSAGE_BYTES", 1024 * 1024, minimum=1024),
             call_timeout_seconds=env.number("GATEWAY_CALL_TIMEOUT_SECONDS", 10.0, minimum=0.01),
             heartbeat_seconds=env.number("GATEWAY_SSE_HEARTBEAT_SECONDS", 15.0, minimum=0.01),
             sse_retry_ms=env.integer("GATEWAY_SSE_RETRY_MS", 3000, minimum=0),

@@ -5,11 +5,14 @@ Every error the gateway answers has the body
 whether it comes from an upstream service or from the gateway itself (bad
 JSON, unknown path, missing token...). The mapping follows grpc-gateway's,
 with FAILED_PRECONDITION as 400 (the request cannot succeed in the current
-state; retrying it as is will not help) and CANCELLED folded into 500.
+state; retrying it as is will not help), CANCELLED folded into 500, and
+RESOURCE_EXHAUSTED for a message over gRPC's size limit as 413 (quotas and
+full groups stay 429).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpc
@@ -31,6 +34,10 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
 }
 
 
+# What gRPC (C core) says when a message exceeds a size limit, on either side.
+_OVER_SIZE = re.compile(r"^(?:SERVER: )?(?:Received|Sent) message larger than max")
+
+
 def http_status(code: grpc.StatusCode) -> int:
     """The HTTP status for a gRPC status code (500 for any other)."""
     return HTTP_STATUS.get(code, 500)
@@ -50,6 +57,10 @@ class HttpError(Exception):
 
     @classmethod
     def from_grpc(cls, code: grpc.StatusCode, details: str | None) -> HttpError:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _OVER_SIZE.search(details or ""):
+            # gRPC's own size limit (the service's, or this channel's): the
+            # request is too large, not a quota to wait for.
+            return cls(413, code.name, "the request is larger than the services accept")
         return cls(http_status(code), code.name, details or code.name.replace("_", " ").lower())
 
     def body(self) -> dict[str, Any]:
@@ -79,3 +90,11 @@ def method_not_allowed(allowed: tuple[str, ...]) -> HttpError:
 
 def too_large(limit: int) -> HttpError:
     return HttpError(413, "RESOURCE_EXHAUSTED", f"request body larger than {limit} bytes")
+
+
+def too_large_upstream(size: int, limit: int) -> HttpError:
+    return HttpError(
+        413,
+        "RESOURCE_EXHAUSTED",
+        f"the request is {size} bytes as protobuf; the services take at most {limit}",
+    )

@@ -26,6 +26,7 @@ from gateway.errors import (
     method_not_allowed,
     not_found,
     too_large,
+    too_large_upstream,
     unauthenticated,
 )
 from gateway.routes import (
@@ -39,7 +40,9 @@ from gateway.routes import (
 )
 from gateway.transcoding import build_request, dumps, message_json
 from gateway.upstream import Metadata, Upstreams
+from services.common.errors import InvalidArgument
 from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
+from services.common.request_rules import check_request
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,21 @@ _HTTP_STATUS_NAMES = {
     405: "UNIMPLEMENTED",
     413: "RESOURCE_EXHAUSTED",
     429: "RESOURCE_EXHAUSTED",
+}
+
+# The web UI's policy (also in its page's meta tag, where browsers ignore
+# frame-ancestors), sent on every response: an API answer or an error page
+# rendered in a browser gets no more rights than the UI.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self';"
+    " font-src 'self'; base-uri 'none'; form-action 'none'; object-src 'none'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CONTENT_SECURITY_POLICY,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    # For browsers that predate frame-ancestors.
+    "X-Frame-Options": "DENY",
 }
 
 PLACEHOLDER_PAGE = """<!doctype html>
@@ -109,6 +127,7 @@ class Gateway:
             middlewares=[self._errors, self._preflight],
         )
         app.on_response_prepare.append(self._cors_headers)
+        app.on_response_prepare.append(self._security_headers)
         app.on_shutdown.append(self._on_shutdown)
         app.router.add_get("/", self._index)
         app.router.add_get("/static/{path:.+}", self._static)
@@ -170,6 +189,10 @@ class Gateway:
         if origin is not None and self._origins and self._allowed_origin(origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers.add("Vary", "Origin")
+
+    async def _security_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        for name, value in SECURITY_HEADERS.items():
+            response.headers.setdefault(name, value)
 
     async def _on_shutdown(self, app: web.Application) -> None:
         """Ends every SSE stream: clients reconnect (elsewhere) with Last-Event-ID."""
@@ -255,6 +278,17 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             raise too_large(limit) from None
 
+    def _check(self, message: Any) -> None:
+        """Refuses what the services would refuse before any call: the rules every
+        request obeys (400) and the services' size limit (413, not the 429 of a quota)."""
+        try:
+            check_request(message)
+        except InvalidArgument as error:
+            raise bad_request(error.message) from None
+        size = message.ByteSize()
+        if size > self._settings.upstream_max_message_bytes:
+            raise too_large_upstream(size, self._settings.upstream_max_message_bytes)
+
     async def _unary(self, request: web.Request, match: Matched, metadata: Metadata) -> web.Response:
         route = match.route
         body: bytes | None = None
@@ -266,6 +300,7 @@ class Gateway:
         message = build_request(
             self._upstreams.new_request(route), body=body, query=query, path_params=match.path_params
         )
+        self._check(message)
         try:
             response = await self._upstreams.unary(route, message, metadata)
         except grpc.aio.AioRpcError as error:
@@ -281,6 +316,7 @@ class Gateway:
             path_params=match.path_params,
             skip=(SSE_MEMBER_PARAM, SSE_TOKEN_PARAM),
         )
+        self._check(message)
         start = int(getattr(message, "after_sequence", 0)) if route.resume is Resume.STEP_SEQUENCE else 0
         last_event_id = request.headers.get("Last-Event-ID", "").strip()
         if last_event_id and route.resume is not Resume.NONE:

@@ -28,6 +28,10 @@ from services.im import bootstrap
 from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from services.im.config import Settings
+from services.runtime.adapters import migrate as runtime_migrate
+from services.runtime.adapters.sql import Database as RuntimeDatabase
+from services.runtime.adapters.sql import SqlAgentStore
+from services.runtime.adapters.tables import SCHEMA as RUNTIME_SCHEMA
 
 POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("AGENTIM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -187,3 +191,43 @@ async def make_world(
 async def next_event(stream: Any, within: float = 5.0) -> im_pb2.WatchEventsResponse:
     event: im_pb2.WatchEventsResponse = await asyncio.wait_for(stream.read(), within)
     return event
+
+
+# The runtime's database
+
+# PostgreSQL URLs whose runtime schema this session has re-created.
+_prepared: set[str] = set()
+
+
+async def _migrated(url: str) -> None:
+    database = RuntimeDatabase(url)
+    try:
+        await runtime_migrate.upgrade(database)
+    finally:
+        await database.aclose()
+
+
+@pytest.fixture
+async def runtime_url(database_url: str, tmp_path: Path) -> str:
+    """A migrated runtime database of each kind that `database_url` offers."""
+    if database_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'runtime.db'}"
+        await _migrated(url)
+        return url
+    if database_url not in _prepared:
+        database = RuntimeDatabase(database_url)
+        try:
+            async with database.engine.begin() as conn:
+                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {RUNTIME_SCHEMA} CASCADE"))
+        finally:
+            await database.aclose()
+        await _migrated(database_url)
+        _prepared.add(database_url)
+    return database_url
+
+
+@pytest.fixture
+async def store(runtime_url: str) -> AsyncIterator[SqlAgentStore]:
+    store = SqlAgentStore(RuntimeDatabase(runtime_url))
+    yield store
+    await store.aclose()

@@ -1,8 +1,9 @@
 """One way to build, run and stop a gRPC server, for every service.
 
 A `GrpcServer` adds standard health checking (reflecting real readiness),
-optional server reflection, the error-mapping interceptor, request size
-limits and refusal of a port that is already taken. With `stop_on_signals`,
+optional server reflection, the error-mapping interceptor, the request rules
+every service shares (`request_rules`), request size limits and refusal of a
+port that is already taken. With `stop_on_signals`,
 `serve_until` serves until SIGTERM or SIGINT, then reports NOT_SERVING, drains in-flight
 calls for a grace period, cancels what is left and runs the owners'
 clean-up callbacks.
@@ -21,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection as grpc_reflection
 
-from services.common.interceptors import ErrorMappingInterceptor
+from services.common.interceptors import ErrorMappingInterceptor, RequestRulesInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class GrpcServer:
         self._cleanups = list(cleanups)
         self._stopped = False
         self._server = grpc.aio.server(
-            interceptors=[ErrorMappingInterceptor(), *interceptors],
+            # Error mapping first: it turns the rules' refusals into statuses.
+            interceptors=[ErrorMappingInterceptor(), RequestRulesInterceptor(), *interceptors],
             options=[
                 # Without this a second server silently shares the port.
                 ("grpc.so_reuseport", 0),

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import asyncpg
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
@@ -167,6 +168,30 @@ def _alembic_config(migrations: Path, connection: Connection) -> Config:
     config.set_main_option("script_location", str(migrations))
     config.attributes["connection"] = connection
     return config
+
+
+_DATABASE_UNAVAILABLE = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,  # the connection is closed or in a bad state
+    asyncpg.PostgresConnectionError,  # class 08
+    asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, cancelled
+    asyncpg.exceptions.InsufficientResourcesError,  # class 53: disk full, too many connections
+    sqlite3.OperationalError,  # locked, disk I/O, cannot open
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+    sa.exc.TimeoutError,  # no pooled connection came in time
+)
+
+
+def database_unavailable(error: Exception) -> bool:
+    """Whether a failure is the database's own (unreachable, shutting down, out of
+    resources, locked) rather than caused by what a statement tried to store.
+
+    Batched writers fail a whole batch at once on these, instead of splitting
+    it to find an item at fault (see `services.common.batching`).
+    """
+    return isinstance(error, _DATABASE_UNAVAILABLE)
 
 
 def sqlite_time(value: datetime) -> str:

@@ -27,28 +27,34 @@ def instruction(token: str, to: str) -> str:
 
 
 def decide(messages: Sequence[Mapping[str, Any]]) -> tuple[list[tuple[str, str]], str]:
-    """(the (token, name) pairs to send now, the answer if nothing is left to send)."""
+    """(the (token, name) pairs to send now, the answer if nothing is left to send).
+
+    Instructions that came since the model last spoke are acted on first (also
+    when they arrived during a tool round); once nothing new is asked, it answers.
+    """
     since: list[Mapping[str, Any]] = []
     for message in reversed(messages):
         if message.get("role") == "assistant":
             break
         since.append(message)
     since.reverse()
-    if any(m.get("role") == "tool" for m in since):
-        sent = [
-            json.loads(call["function"]["arguments"])["content"]
-            for m in messages
-            if m.get("role") == "assistant"
-            for call in m.get("tool_calls") or []
-        ]
-        return [], f"done {sent[-1]}" if sent else "done"
     wanted = [
         (match[1], match[2])
         for m in since
         if m.get("role") == "user"
         for match in INSTRUCTION.finditer(str(m.get("content") or ""))
     ]
-    return wanted, "" if wanted else "ok"
+    if wanted:
+        return wanted, ""
+    sent = [
+        json.loads(call["function"]["arguments"])["content"]
+        for m in messages
+        if m.get("role") == "assistant"
+        for call in m.get("tool_calls") or []
+    ]
+    if any(m.get("role") == "tool" for m in since) and sent:
+        return [], f"done {sent[-1]}"
+    return [], "ok"
 
 
 class DecidingLLM(FakeOpenAI):

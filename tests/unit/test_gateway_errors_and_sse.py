@@ -41,6 +41,21 @@ def test_grpc_codes_map_to_http_statuses(code: grpc.StatusCode, status: int) -> 
     assert error.body() == {"error": {"code": status, "status": code.name, "message": "what happened"}}
 
 
+@pytest.mark.parametrize(
+    "details",
+    [
+        "Received message larger than max (2097229 vs. 1048576)",
+        "SERVER: Received message larger than max (5 vs. 4)",
+        "Sent message larger than max (9 vs. 8)",
+    ],
+)
+def test_a_message_over_grpcs_size_limit_is_413_not_429(details: str) -> None:
+    error = HttpError.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+    assert (error.code, error.status) == (413, "RESOURCE_EXHAUSTED")
+    full = HttpError.from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "a group may have at most 500 members")
+    assert full.code == 429
+
+
 def test_an_error_without_details_still_says_something() -> None:
     assert HttpError.from_grpc(grpc.StatusCode.NOT_FOUND, "").message == "not found"
 

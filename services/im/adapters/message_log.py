@@ -22,7 +22,7 @@ from typing import Any
 import asyncpg
 
 from services.common.batching import NaturalBatcher
-from services.common.sql import sqlite_time
+from services.common.sql import database_unavailable, sqlite_time
 from services.im.adapters import codec
 from services.im.adapters.sql import Database
 from services.im.adapters.tables import SCHEMA
@@ -49,7 +49,7 @@ class SqliteMessageLog(MessageLog):
         self._db = database
         self._transactional = TransactionalMessageLog(database.transaction)
         self._batcher: NaturalBatcher[tuple[Message, datetime], int | None] = NaturalBatcher(
-            self._append_batch, max_batch=max_batch
+            self._append_batch, max_batch=max_batch, not_about_items=database_unavailable
         )
 
     async def access(
@@ -147,7 +147,7 @@ class PostgresMessageLog(MessageLog):
     def __init__(self, database: Database, *, max_batch: int = 256) -> None:
         self._db = database
         self._batcher: NaturalBatcher[tuple[Message, datetime], int | None] = NaturalBatcher(
-            self._append_batch, max_batch=max_batch
+            self._append_batch, max_batch=max_batch, not_about_items=database_unavailable
         )
 
     async def access(

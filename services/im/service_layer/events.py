@@ -445,10 +445,14 @@ class Watch:
         self._subscription.unsubscribe()
 
 
+# Sequences are 64-bit signed integers in the database.
+MAX_CURSOR = 2**63 - 1
+
+
 def parse_cursor(cursor: str) -> int | None:
     if not cursor:
         return None
     # isdigit() alone admits characters int() refuses, such as "²".
-    if not (cursor.isascii() and cursor.isdigit()) or len(cursor) > 19:
+    if not (cursor.isascii() and cursor.isdigit()) or len(cursor) > 19 or int(cursor) > MAX_CURSOR:
         raise InvalidRequest(f"after_cursor is malformed: {cursor[:40]!r}")
     return int(cursor)

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.batching import NaturalBatcher
-from services.common.sql import SqlDatabase, SqliteWorker, sqlite_time
+from services.common.sql import SqlDatabase, SqliteWorker, database_unavailable, sqlite_time
 from services.runtime.adapters.tables import SCHEMA
 from services.runtime.domain.model import Agent, Run, Step
 from services.runtime.service_layer.store import DuplicateStep
@@ -51,7 +51,9 @@ class Journal(abc.ABC):
     """Applies runners' writes, each atomically."""
 
     def __init__(self, *, max_batch: int = 256) -> None:
-        self._batcher: NaturalBatcher[Write, bool] = NaturalBatcher(self._apply, max_batch=max_batch)
+        self._batcher: NaturalBatcher[Write, bool] = NaturalBatcher(
+            self._apply, max_batch=max_batch, not_about_items=database_unavailable
+        )
 
     async def write(self, write: Write) -> None:
         """Stores the write, all of it or (raising) none of it.

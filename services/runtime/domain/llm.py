@@ -8,8 +8,9 @@ these, and the context of a completion is the ordered steps, unconverted.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.common import errors
@@ -196,6 +197,63 @@ class CompletionAssembler:
             reasoning=self.reasoning or None,
             tool_calls=calls,
         )
+
+
+# Text no database stores: NUL (PostgreSQL's text refuses it) and UTF-16
+# surrogates (not UTF-8). A model may emit either, as "\u0000" or "\ud800"
+# in its JSON, and a tool may return either.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def storable_text(text: str) -> str:
+    """`text` as any database stores it: NUL and lone surrogates become U+FFFD.
+
+    A high and a low surrogate side by side (a character split where a
+    stream was cut into pieces) become the character they encode.
+    """
+    if _UNSTORABLE.search(text) is None:
+        return text
+    paired = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return paired.replace("\x00", REPLACEMENT_CHARACTER)
+
+
+def _storable_or_none(text: str | None) -> str | None:
+    return None if text is None else storable_text(text)
+
+
+def storable_message(message: ChatMessage) -> ChatMessage:
+    """The message with every text field made storable (`storable_text`)."""
+    texts = (message.content, message.reasoning, message.tool_call_id, message.name)
+    calls = message.tool_calls
+    if not any(t is not None and _UNSTORABLE.search(t) for t in texts) and not any(
+        _UNSTORABLE.search(c.id + c.name + c.arguments) for c in calls
+    ):
+        return message
+    return replace(
+        message,
+        content=_storable_or_none(message.content),
+        reasoning=_storable_or_none(message.reasoning),
+        tool_calls=tuple(
+            ToolCall(storable_text(c.id), storable_text(c.name), storable_text(c.arguments)) for c in calls
+        ),
+        tool_call_id=_storable_or_none(message.tool_call_id),
+        name=_storable_or_none(message.name),
+    )
+
+
+def storable_delta(delta: Delta) -> Delta:
+    """A streamed piece with its text made storable, as the step it builds will be."""
+    match delta:
+        case ContentDelta(text=text):
+            return delta if _UNSTORABLE.search(text) is None else ContentDelta(storable_text(text))
+        case ReasoningDelta(text=text):
+            return delta if _UNSTORABLE.search(text) is None else ReasoningDelta(storable_text(text))
+        case ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments):
+            return ToolCallDelta(
+                index, _storable_or_none(call_id), _storable_or_none(name), storable_text(arguments)
+            )
+    return delta
 
 
 class LLMError(errors.ServiceError):

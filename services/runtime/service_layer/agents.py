@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 MAX_NAME_CHARS = 200
 MAX_PROMPT_CHARS = 100_000
+MAX_REQUEST_ID_CHARS = 128  # the width of agent_requests.request_id, and of the IM's request ids
 UPDATABLE = {"name", "role", "system_prompt", "model", "tools", "token_budget"}
 
 
@@ -160,6 +161,8 @@ class AgentService:
         caller, workspace = await self._workspace_of(principal)
         if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
             raise AgentNotFound(f"workspace {workspace_id} not found")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidAgentRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
         parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
         return await self._create(caller, workspace, self._check(draft), parent=parent, request_id=request_id)
 
@@ -194,7 +197,7 @@ class AgentService:
             if found is not None:
                 return await self._replayed(found, fingerprint, request_id)
         member = await self._im.create_agent_member(
-            workspace, draft.name, request_id=f"agent:{request_id}" if request_id else ""
+            workspace, draft.name, request_id=_member_request_id(request_id)
         )
         now = self._clock()
         agent = Agent(
@@ -419,3 +422,14 @@ def _parse_id(value: str, field: str) -> uuid.UUID:
         return uuid.UUID(value)
     except ValueError:
         raise InvalidAgentRequest(f"{field} is not a valid id: {value[:64]!r}") from None
+
+
+def _member_request_id(request_id: str) -> str:
+    """The request_id of the agent's IM member: the agent's, marked, within the IM's width."""
+    if not request_id:
+        return ""
+    marked = f"agent:{request_id}"
+    if len(marked) <= MAX_REQUEST_ID_CHARS:
+        return marked
+    # Too long once marked: its digest, as unique and as stable.
+    return f"agent#{hashlib.sha256(request_id.encode()).hexdigest()}"

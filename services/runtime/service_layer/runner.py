@@ -53,6 +53,9 @@ from services.runtime.domain.llm import (
     LLMError,
     Role,
     ToolCall,
+    storable_delta,
+    storable_message,
+    storable_text,
 )
 from services.runtime.domain.model import (
     Agent,
@@ -686,7 +689,8 @@ class AgentRunner:
             status, error = RunStatus.FAILED, str(other) or type(other).__name__
         finally:
             await reading
-        ended = replace(run, status=status, error=error, ended_at=self._env.clock())
+        # An error's text may quote the endpoint's answer: stored like a step's.
+        ended = replace(run, status=status, error=storable_text(error), ended_at=self._env.clock())
         try:
             await self._end_run(ended, failure)
         except BaseException:
@@ -936,10 +940,16 @@ class AgentRunner:
                 continue
             if not first_token_ms:
                 first_token_ms = (time.perf_counter() - started) * 1000
-            assembler.add(item)
-            self._emit(StepDelta(sequence, item))
+            # Watchers see what the stored step will hold.
+            delta = storable_delta(item)
+            assembler.add(delta)
+            self._emit(StepDelta(sequence, delta))
         if completion is None:
             raise LLMError("the model's stream ended without a completion")
+        # What the model said is stored, answered and reused as it is stored.
+        completion = replace(
+            completion, message=storable_message(completion.message), model=storable_text(completion.model)
+        )
         usage = completion.usage
         metrics = StepMetrics(
             duration_ms=(time.perf_counter() - started) * 1000,
@@ -1021,7 +1031,9 @@ class AgentRunner:
             session_id=self._session_id,
             run_id=run.id,
             sequence=sequence,
-            message=message,
+            # Model output, tool results and incoming messages alike: no
+            # text a client did not send may fail the write.
+            message=storable_message(message),
             metrics=metrics,
             created_at=self._env.clock(),
             interrupted=interrupted,
