@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -51,6 +52,26 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None and not inspect.isasyncgenfunction(handler.unary_stream):
+            # A stream handler may also be a coroutine that writes with
+            # context.write (as the library's health Watch is).
+            inner_writer = handler.unary_stream
+
+            async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                try:
+                    await inner_writer(request, context)
+                except ServiceError as error:
+                    await _abort_for(error, context, method)
+                except Exception as error:
+                    if _is_abort(error):
+                        raise
+                    await _abort_for(error, context, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                writer,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

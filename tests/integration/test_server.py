@@ -40,6 +40,14 @@ async def test_health_reports_serving_for_the_im_service(im: RunningIM) -> None:
     assert await health_of(im.address, "agentim.im.v1.IMService") == SERVING
 
 
+async def test_health_can_be_watched(im: RunningIM) -> None:
+    async with grpc.aio.insecure_channel(im.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        first = await asyncio.wait_for(watch.read(), 5)
+        watch.cancel()
+    assert first.status == SERVING
+
+
 async def test_health_follows_database_readiness(tmp_path: Path) -> None:
     running = await start_im(f"sqlite:///{tmp_path / 'im.db'}")
     try:
