@@ -28,6 +28,9 @@ from services.im import bootstrap
 from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from services.im.config import Settings
+from services.runtime.adapters import migrate as runtime_migrate
+from services.runtime.adapters.sql import Database as RuntimeDatabase
+from services.runtime.adapters.tables import SCHEMA as RUNTIME_SCHEMA
 
 POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("AGENTIM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -75,6 +78,41 @@ async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return url
     await _prepare_postgres()
     return POSTGRES_URL
+
+
+# PostgreSQL URLs whose runtime schema this session has re-created.
+_runtime_prepared: set[str] = set()
+
+
+async def _runtime_migrated(url: str) -> None:
+    database = RuntimeDatabase(url)
+    try:
+        await runtime_migrate.upgrade(database)
+    finally:
+        await database.aclose()
+
+
+@pytest.fixture
+async def runtime_url(database_url: str, tmp_path: Path) -> str:
+    """A migrated runtime database of each kind that `database_url` offers.
+
+    PostgreSQL tests share the `runtime` schema (dropped, re-created and
+    migrated once per session, as the IM's is) and use fresh ids.
+    """
+    if database_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'runtime.db'}"
+        await _runtime_migrated(url)
+        return url
+    if database_url not in _runtime_prepared:
+        database = RuntimeDatabase(database_url)
+        try:
+            async with database.engine.begin() as conn:
+                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {RUNTIME_SCHEMA} CASCADE"))
+        finally:
+            await database.aclose()
+        await _runtime_migrated(database_url)
+        _runtime_prepared.add(database_url)
+    return database_url
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,36 +37,6 @@ from services.runtime.domain.model import (
     TaskStatus,
 )
 from services.runtime.service_layer.store import DuplicateAgentRequest, DuplicateStep
-
-# PostgreSQL URLs whose runtime schema this session has re-created.
-_prepared: set[str] = set()
-
-
-async def _migrated(url: str) -> None:
-    database = Database(url)
-    try:
-        await migrate.upgrade(database)
-    finally:
-        await database.aclose()
-
-
-@pytest.fixture
-async def runtime_url(database_url: str, tmp_path: Path) -> str:
-    """A migrated runtime database of each kind that `database_url` offers."""
-    if database_url.startswith("sqlite"):
-        url = f"sqlite:///{tmp_path / 'runtime.db'}"
-        await _migrated(url)
-        return url
-    if database_url not in _prepared:
-        database = Database(database_url)
-        try:
-            async with database.engine.begin() as conn:
-                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-        finally:
-            await database.aclose()
-        await _migrated(database_url)
-        _prepared.add(database_url)
-    return database_url
 
 
 @pytest.fixture
