@@ -87,6 +87,16 @@ The API is served under <code>/v1</code>; its description is at <a href="/openap
 """
 
 
+def shutting_down() -> HttpError:
+    """What a stream ended (or refused) because the gateway is stopping says."""
+    return HttpError(
+        503,
+        "UNAVAILABLE",
+        "the gateway is shutting down; reconnect to resume after the last event received"
+        " (EventSource does so by itself, with Last-Event-ID)",
+    )
+
+
 def error_response(error: HttpError) -> web.Response:
     return web.Response(
         text=dumps(error.body()), status=error.code, content_type=_JSON, headers=error.headers
@@ -195,7 +205,8 @@ class Gateway:
             response.headers.setdefault(name, value)
 
     async def _on_shutdown(self, app: web.Application) -> None:
-        """Ends every SSE stream: clients reconnect (elsewhere) with Last-Event-ID."""
+        """Ends every SSE stream with an UNAVAILABLE `error` event; clients reconnect
+        (elsewhere) with Last-Event-ID."""
         self.shutting_down = True
         for stop in list(self._streams):
             if not stop.done():
@@ -308,6 +319,9 @@ class Gateway:
         return web.Response(text=message_json(response), content_type=_JSON)
 
     async def _stream(self, request: web.Request, match: Matched, metadata: Metadata) -> web.StreamResponse:
+        if self.shutting_down:
+            # On a connection kept alive: it would outlive the streams just ended.
+            raise shutting_down()
         route = match.route
         message = build_request(
             self._upstreams.new_request(route),
@@ -407,6 +421,9 @@ class Gateway:
                         return
                     await response.write(ids.encode(item))
                 elif stop.done():
+                    # Said, not just dropped: EventSource reconnects (to another
+                    # replica, or this one once it is back) with Last-Event-ID.
+                    await response.write(sse.error_frame(shutting_down()))
                     return
                 elif ends_at is None or loop.time() < ends_at:
                     await response.write(sse.PING)

@@ -81,6 +81,41 @@ async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return POSTGRES_URL
 
 
+# PostgreSQL URLs whose runtime schema this session has re-created.
+_runtime_prepared: set[str] = set()
+
+
+async def _runtime_migrated(url: str) -> None:
+    database = RuntimeDatabase(url)
+    try:
+        await runtime_migrate.upgrade(database)
+    finally:
+        await database.aclose()
+
+
+@pytest.fixture
+async def runtime_url(database_url: str, tmp_path: Path) -> str:
+    """A migrated runtime database of each kind that `database_url` offers.
+
+    PostgreSQL tests share the `runtime` schema (dropped, re-created and
+    migrated once per session, as the IM's is) and use fresh ids.
+    """
+    if database_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'runtime.db'}"
+        await _runtime_migrated(url)
+        return url
+    if database_url not in _runtime_prepared:
+        database = RuntimeDatabase(database_url)
+        try:
+            async with database.engine.begin() as conn:
+                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {RUNTIME_SCHEMA} CASCADE"))
+        finally:
+            await database.aclose()
+        await _runtime_migrated(database_url)
+        _runtime_prepared.add(database_url)
+    return database_url
+
+
 @pytest.fixture
 async def redis_url() -> str:
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
@@ -193,37 +228,7 @@ async def next_event(stream: Any, within: float = 5.0) -> im_pb2.WatchEventsResp
     return event
 
 
-# The runtime's database
-
-# PostgreSQL URLs whose runtime schema this session has re-created.
-_prepared: set[str] = set()
-
-
-async def _migrated(url: str) -> None:
-    database = RuntimeDatabase(url)
-    try:
-        await runtime_migrate.upgrade(database)
-    finally:
-        await database.aclose()
-
-
-@pytest.fixture
-async def runtime_url(database_url: str, tmp_path: Path) -> str:
-    """A migrated runtime database of each kind that `database_url` offers."""
-    if database_url.startswith("sqlite"):
-        url = f"sqlite:///{tmp_path / 'runtime.db'}"
-        await _migrated(url)
-        return url
-    if database_url not in _prepared:
-        database = RuntimeDatabase(database_url)
-        try:
-            async with database.engine.begin() as conn:
-                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {RUNTIME_SCHEMA} CASCADE"))
-        finally:
-            await database.aclose()
-        await _migrated(database_url)
-        _prepared.add(database_url)
-    return database_url
+# The runtime's store
 
 
 @pytest.fixture

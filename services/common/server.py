@@ -4,9 +4,18 @@ A `GrpcServer` adds standard health checking (reflecting real readiness),
 optional server reflection, the error-mapping interceptor, the request rules
 every service shares (`request_rules`), request size limits and refusal of a
 port that is already taken. With `stop_on_signals`,
-`serve_until` serves until SIGTERM or SIGINT, then reports NOT_SERVING, drains in-flight
-calls for a grace period, cancels what is left and runs the owners'
-clean-up callbacks.
+`serve_until` serves until SIGTERM or SIGINT, then stops gracefully, in
+this order (`GrpcServer.stop`), all within the grace period:
+
+1. health reports NOT_SERVING (Watch streams hear it, then end UNAVAILABLE);
+2. calls arriving from now on are held back, to be refused with UNAVAILABLE
+   (see `ShutdownGate`): they never reach a handler;
+3. the owners' closers end their long-lived streams with UNAVAILABLE;
+4. the calls in flight finish (drain), and the calls clients had already
+   sent arrive (settle);
+5. grpc's own shutdown sends GOAWAY and closes the port; the held-back
+   calls are refused; whatever still runs past the grace is cancelled;
+6. the owners' clean-ups stop background work and close pools, in order.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection as grpc_reflection
 
-from services.common.interceptors import ErrorMappingInterceptor, RequestRulesInterceptor
+from services.common.interceptors import ErrorMappingInterceptor, RequestRulesInterceptor, ShutdownGate
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +40,13 @@ Registrar = Callable[[grpc.aio.Server], None]
 Cleanup = Callable[[], Awaitable[None]]
 
 _PROBE_TIMEOUT_S = 2.0
+# After the grace, grpc's own shutdown still gets this long: held-back calls
+# are refused in it (instead of cut off), and nothing else is left by then.
+_FINAL_GRACE_S = 0.5
+HEALTH_METHODS = "/grpc.health.v1.Health/"
+STOPPING_MESSAGE = (
+    "the server is shutting down; retry the call (another replica, or this one once it is back, will answer)"
+)
 
 
 class ReadinessHealthServicer(HealthServicer):
@@ -45,6 +61,9 @@ class ReadinessHealthServicer(HealthServicer):
         self._service_names = ["", *service_names]
         self._probe = probe
         self._shutting_down = False
+        # Bumped at every status change; Watch streams wait on it.
+        self._version = 0
+        self._changes = asyncio.Condition()
 
     async def refresh(self) -> bool:
         if self._shutting_down:
@@ -67,9 +86,39 @@ class ReadinessHealthServicer(HealthServicer):
         await self.refresh()
         return await super().Check(request, context)
 
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        await super().set(service, status)
+        await self._changed()
+
     async def enter_graceful_shutdown(self) -> None:
         self._shutting_down = True
         await super().enter_graceful_shutdown()
+        await self._changed()
+
+    async def _changed(self) -> None:
+        async with self._changes:
+            self._version += 1
+            self._changes.notify_all()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        """Sends the service's status and every change; at shutdown NOT_SERVING, then UNAVAILABLE.
+
+        The library's Watch never ends: at shutdown it would hold the server
+        for the whole grace period and then be cut off with CANCELLED.
+        """
+        sent: int | None = None
+        seen = -1
+        while True:
+            async with self._changes:
+                while self._version == seen:
+                    await self._changes.wait()
+                seen = self._version
+            status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != sent:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                sent = status
+            if self._shutting_down:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING_MESSAGE)
 
 
 class GrpcServer:
@@ -85,8 +134,13 @@ class GrpcServer:
         max_message_bytes: limit of a request (and a response) in bytes.
         grace_seconds: how long shutdown lets in-flight calls finish.
         closers: awaited when shutdown begins, before draining: they end
-            long-lived streams so that draining need not wait for them.
-        cleanups: awaited after the server stopped, in order (close pools...).
+            long-lived streams (with UNAVAILABLE) so that draining need not
+            wait for them.
+        cleanups: awaited after the server stopped, in order: stop
+            background work, then close pools and channels.
+        settle_seconds: how long no call may arrive before grpc's own
+            shutdown begins (calls clients have sent meanwhile are then held
+            back and refused, not cancelled by grpc).
     """
 
     def __init__(
@@ -102,15 +156,20 @@ class GrpcServer:
         closers: Sequence[Cleanup] = (),
         cleanups: Sequence[Cleanup] = (),
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        settle_seconds: float = 0.05,
     ) -> None:
         self._address = address
         self._grace = grace_seconds
+        self._settle = settle_seconds
         self._closers = list(closers)
         self._cleanups = list(cleanups)
+        self._serving = False
         self._stopped = False
+        # Outermost, so that a refused call reaches nothing else.
+        self.gate = ShutdownGate(message=STOPPING_MESSAGE, exempt=[HEALTH_METHODS])
         self._server = grpc.aio.server(
-            # Error mapping first: it turns the rules' refusals into statuses.
-            interceptors=[ErrorMappingInterceptor(), RequestRulesInterceptor(), *interceptors],
+            # Error mapping before the rules: it turns their refusals into statuses.
+            interceptors=[self.gate, ErrorMappingInterceptor(), RequestRulesInterceptor(), *interceptors],
             options=[
                 # Without this a second server silently shares the port.
                 ("grpc.so_reuseport", 0),
@@ -140,17 +199,40 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {self._address}: the port is taken or the address is invalid")
         await self._server.start()
+        self._serving = True
         await self.health.refresh()
         return self.port
 
     async def stop(self) -> None:
-        """Reports NOT_SERVING, drains calls for the grace period, then cleans up. Idempotent."""
+        """Stops gracefully in the order the module describes, then cleans up. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._grace
         await self.health.enter_graceful_shutdown()
+        self.gate.close()
         await _run_all(self._closers)
-        await self._server.stop(self._grace)
+        if self._serving:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.gate.drained()
+                    await self.gate.settled(self._settle)
+            except TimeoutError:
+                if self.gate.active:
+                    logger.warning(
+                        "%d calls still in flight after the %.1f s grace are cancelled",
+                        self.gate.active,
+                        self._grace,
+                    )
+        stopping = asyncio.ensure_future(self._server.stop(max(deadline - loop.time(), _FINAL_GRACE_S)))
+        # grpc's shutdown sends GOAWAY in its first step; only then are the
+        # held-back calls refused, so that their clients retry elsewhere.
+        await asyncio.sleep(0)
+        self.gate.release()
+        await stopping
+        if self.gate.refused:
+            logger.info("%d calls that arrived while stopping were refused", self.gate.refused)
         await _run_all(self._cleanups)
 
     async def serve_until(self, stop: asyncio.Event) -> None:

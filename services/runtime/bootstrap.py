@@ -159,8 +159,11 @@ def build(settings: Settings) -> RuntimeApp:
         reflection=settings.reflection,
         max_message_bytes=settings.max_message_bytes,
         grace_seconds=settings.shutdown_grace_seconds,
-        closers=[close_hub, supervisor.aclose],
-        cleanups=[llm.aclose, im.aclose, store.aclose, database.aclose],
+        # Runners (and their IM watches) stop only once the calls in flight
+        # have drained, since those calls use them; a run cut short resumes
+        # at the next start, as after a crash.
+        closers=[close_hub],
+        cleanups=[supervisor.aclose, llm.aclose, im.aclose, store.aclose, database.aclose],
     )
     return RuntimeApp(
         settings=settings,

@@ -181,6 +181,9 @@ async def test_killing_the_runtime_mid_run_repeats_and_loses_nothing(
         started = time.monotonic()
         counters = await settle(work)
         settled_in = time.monotonic() - started
+        # Gone from the (maybe shared) database, so that no later runtime starts them.
+        for agent in work.agents:
+            await work.call(work.runtime.DeleteAgent, rpb.DeleteAgentRequest(agent_id=agent.id))
         await channel.close()
 
     summary = (

@@ -237,16 +237,6 @@ async def test_events_committed_elsewhere_are_read_not_skipped(im_factory: Any) 
     stream.cancel()
 
 
-async def test_shutdown_ends_streams_cleanly(im_factory: Any) -> None:
-    im: RunningIM = await im_factory()
-    world = await make_world(im.stub, people=1)
-    stream = im.stub.WatchEvents(im_pb2.WatchEventsRequest(), metadata=world.md(0))
-    await asyncio.wait_for(stream.wait_for_connection(), 5)
-    await asyncio.wait_for(im.app.stop(), 10)
-    assert await stream.read() == grpc.aio.EOF
-    assert await stream.code() == grpc.StatusCode.OK
-
-
 async def test_replicas_share_events_through_redis(
     database_url: str, redis_url: str, im_factory: Any
 ) -> None:
@@ -289,3 +279,20 @@ async def test_redis_outage_loses_no_event(database_url: str, redis_url: str, im
     )
     assert (await next_event(resumed)).message_created.message.id == sent.id
     resumed.cancel()
+
+
+async def test_a_stopping_im_ends_watches_unavailable_saying_which_cursor_to_resume_after(
+    im: RunningIM,
+) -> None:
+    world = await make_world(im.stub, people=2)
+    group = await make_group(im, world, 1)
+    stream = im.stub.WatchEvents(im_pb2.WatchEventsRequest(), metadata=world.md(1))
+    await asyncio.wait_for(stream.wait_for_connection(), 5)
+    await send(im, world, 0, group.id, "before the stop")
+    last = (await read_n(stream, 1))[-1]
+    await im.app.stop()
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        await next_event(stream)
+    # UNAVAILABLE, which clients retry, and not a normal end, which says the stream is complete.
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert f"after_cursor={last.cursor} " in (ended.value.details() or "")

@@ -406,11 +406,16 @@ async def test_heartbeats_keep_idle_streams_open_and_disconnects_free_them(stack
         await app.stop()
 
 
-async def test_shutdown_ends_open_streams(stack: Stack) -> None:
+async def test_shutdown_ends_open_streams_with_an_unavailable_error_event(stack: Stack) -> None:
     app, api = await stack.gateway_with()
     ada = (await people(stack.api, 1)).ids[0]
     async with sse(stack.http, f"{api.base}/v1/events", headers={"X-Member-Id": ada}) as stream:
         stopping = asyncio.ensure_future(app.stop())
+        # Said, so that the client knows to reconnect, not just dropped.
+        ended = await stream.next()
+        assert ended is not None and ended.kind == "error", ended
+        assert ended.json["error"]["status"] == "UNAVAILABLE" and ended.json["error"]["code"] == 503
+        assert "Last-Event-ID" in ended.json["error"]["message"]
         assert await stream.next() is None
         await asyncio.wait_for(stopping, WAIT)
 

@@ -20,6 +20,7 @@ from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database
 from services.runtime.config import Settings
 from tests.conftest import RunningIM, World, as_member, make_world
+from tests.holding_proxy import HoldingProxy
 
 WAIT = 10.0
 
@@ -122,6 +123,76 @@ async def test_a_person_messages_an_agent_and_watches_it_answer(
     assert steps.steps[1].reasoning and steps.steps[1].metrics.model == "offline"
     runs = await runtime.stub.ListRuns(rpb.ListRunsRequest(agent_id=ada.id), metadata=world.md(0))
     assert [r.status for r in runs.runs] == [rpb.RUN_STATUS_COMPLETED]
+
+
+async def _end_of(stream: Any) -> grpc.aio.AioRpcError:
+    """Reads a stream to its end, which must be an error; returns it."""
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        while await asyncio.wait_for(stream.read(), WAIT) is not grpc.aio.EOF:
+            pass
+    return ended.value
+
+
+async def test_a_stopping_runtime_ends_agent_watches_unavailable_saying_where_to_resume(
+    im: RunningIM, tmp_path: Path
+) -> None:
+    runtime = await start_runtime(im.address, tmp_path / "runtime.db")
+    try:
+        world = await make_world(im.stub, people=1)
+        ada = await create_agent(runtime, world, "ada")
+        chat = await direct_chat(im, world, ada.member_id)
+        watch = runtime.stub.WatchAgent(rpb.WatchAgentRequest(agent_id=ada.id), metadata=world.md(0))
+        everyone = runtime.stub.WatchAgents(rpb.WatchAgentsRequest(), metadata=world.md(0))
+        await asyncio.wait_for(watch.wait_for_connection(), WAIT)
+        await asyncio.wait_for(everyone.wait_for_connection(), WAIT)
+        await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=chat.id, content="hi"), metadata=world.md(0)
+        )
+        completed = 0
+        while (response := await asyncio.wait_for(watch.read(), WAIT)).event.WhichOneof(
+            "event"
+        ) != "run_ended":
+            if response.event.WhichOneof("event") == "step_completed":
+                completed = response.event.step_completed.sequence
+        assert completed > 0
+        await runtime.app.stop()
+        ends = [await _end_of(stream) for stream in (watch, everyone)]
+        # UNAVAILABLE, which clients retry, and not a normal end, which says the stream is complete.
+        assert [e.code() for e in ends] == [grpc.StatusCode.UNAVAILABLE] * 2
+        assert f"after_sequence={completed} " in (ends[0].details() or "")
+    finally:
+        await stop_runtime(runtime)
+
+
+def runtime_tasks() -> list[asyncio.Task[Any]]:
+    """The runtime's long-lived tasks still running: runners, IM watches, cursor savers."""
+    names = ("agent-", "im-watch-", "cursor-saver-")
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith(names) and not t.done()]
+
+
+async def test_an_agent_created_while_the_runtime_stops_is_stopped_with_the_others(
+    im: RunningIM, tmp_path: Path
+) -> None:
+    proxy = HoldingProxy(im.address)
+    runtime = await start_runtime(await proxy.start(), tmp_path / "runtime.db")
+    try:
+        world = await make_world(im.stub, people=1)
+        proxy.hold()
+        # In flight: the runtime waits for the IM to create the agent's member
+        # (the runtime has sent nothing else to the IM: it has no agent yet).
+        creating = asyncio.ensure_future(create_agent(runtime, world, "late"))
+        await asyncio.wait_for(proxy.held.wait(), WAIT)
+        stopping = asyncio.ensure_future(runtime.app.stop())
+        await asyncio.sleep(0.1)  # what shutdown does before draining is done by now
+        proxy.release()
+        late = await asyncio.wait_for(creating, WAIT)
+        await asyncio.wait_for(stopping, WAIT)
+        assert late.name == "late"
+        # Its runner, started by the call the stop let finish, was stopped too.
+        assert runtime_tasks() == []
+    finally:
+        await stop_runtime(runtime)
+        await proxy.aclose()
 
 
 async def test_an_agent_messages_another_agent_which_answers(im: RunningIM, runtime: RunningRuntime) -> None:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,14 @@ async def health_of(address: str, service: str = "") -> int:
 async def test_health_reports_serving_for_the_im_service(im: RunningIM) -> None:
     assert await health_of(im.address) == SERVING
     assert await health_of(im.address, "agentim.im.v1.IMService") == SERVING
+
+
+async def test_health_can_be_watched(im: RunningIM) -> None:
+    async with grpc.aio.insecure_channel(im.address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        first = await asyncio.wait_for(watch.read(), 5)
+        watch.cancel()
+    assert first.status == SERVING
 
 
 async def test_health_follows_database_readiness(tmp_path: Path) -> None:
@@ -138,6 +147,96 @@ async def test_shutdown_reports_not_serving_and_drains_in_flight_calls() -> None
         await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
     await channel.close()
     await server.stop()  # idempotent
+
+
+def _recording_registrar(handled: list[bytes], started: asyncio.Event) -> Any:
+    """`test.Slow/Sleep`: records each request; b"slow" takes half a second."""
+
+    async def sleep(request: bytes, context: Any) -> bytes:
+        handled.append(request)
+        started.set()
+        if request == b"slow":
+            await asyncio.sleep(0.5)
+        return b"done"
+
+    handler = grpc.method_handlers_generic_handler(
+        "test.Slow", {"Sleep": grpc.unary_unary_rpc_method_handler(sleep)}
+    )
+    return lambda server: server.add_generic_rpc_handlers((handler,))
+
+
+async def _always_ready() -> bool:
+    return True
+
+
+async def _timed(call: Any) -> tuple[float, Any]:
+    """Awaits a call; returns when it ended and its result (or its error)."""
+    try:
+        result = await call
+    except grpc.aio.AioRpcError as error:
+        result = error
+    return time.monotonic(), result
+
+
+async def test_a_call_arriving_while_stopping_is_refused_unavailable_after_the_drain_and_never_run() -> None:
+    handled: list[bytes] = []
+    started = asyncio.Event()
+    server = GrpcServer(
+        address="127.0.0.1:0",
+        registrars=[_recording_registrar(handled, started)],
+        service_names=["test.Slow"],
+        readiness=_always_ready,
+        grace_seconds=5,
+    )
+    port = await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        sleep = channel.unary_unary("/test.Slow/Sleep")
+        slow = asyncio.ensure_future(_timed(sleep(b"slow", timeout=5)))
+        await asyncio.wait_for(started.wait(), 5)
+        stopping = asyncio.ensure_future(server.stop())
+        # Health answers while the server drains, and it says why.
+        check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert check.status == NOT_SERVING
+        late = asyncio.ensure_future(_timed(sleep(b"late", timeout=5)))
+        # A deadline shorter than the drain: refused in time, not DEADLINE_EXCEEDED.
+        hurried = asyncio.ensure_future(_timed(sleep(b"hurried", timeout=0.3)))
+        (slow_ended, slow_result), (late_ended, refused), (_, hurried_refused) = await asyncio.gather(
+            slow, late, hurried
+        )
+        await asyncio.wait_for(stopping, 5)
+    assert slow_result == b"done", "the call in flight was cut off"
+    for error in (refused, hurried_refused):
+        assert isinstance(error, grpc.aio.AioRpcError)
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+        assert "shutting down" in (error.details() or ""), error
+    # Held back while the call in flight drained (then grpc's shutdown sent
+    # GOAWAY, so that its client's next call goes elsewhere), and never run.
+    assert late_ended >= slow_ended
+    assert handled == [b"slow"]
+
+
+async def test_health_watch_hears_not_serving_then_ends_unavailable_at_shutdown() -> None:
+    server = GrpcServer(
+        address="127.0.0.1:0",
+        registrars=[],
+        service_names=["test.Slow"],
+        readiness=_always_ready,
+        grace_seconds=5,
+    )
+    port = await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="test.Slow"))
+        first = await asyncio.wait_for(watch.read(), 5)
+        assert first.status == SERVING
+        began = time.monotonic()
+        stopping = asyncio.ensure_future(server.stop())
+        assert (await asyncio.wait_for(watch.read(), 5)).status == NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(watch.read(), 5)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        await asyncio.wait_for(stopping, 5)
+    # The watch did not hold the server for its whole grace period.
+    assert time.monotonic() - began < 2
 
 
 async def test_client_channels_give_unary_calls_a_deadline() -> None:

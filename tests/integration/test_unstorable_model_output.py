@@ -57,13 +57,16 @@ async def test_nul_and_lone_surrogates_from_the_model_are_stored_as_replacement_
             ]
         ),
     )
-    runtime = await start_runtime_on(im.address, runtime_url, OPENAI_BASE_URL=llm.url, OPENAI_MODEL="fake")
+    # Only this agent talks to the scripted server (its own base_url): agents
+    # other tests left in a shared database use the offline model.
+    runtime = await start_runtime_on(im.address, runtime_url)
     try:
         world = await make_world(im.stub, people=1)
         md = world.md(0)
+        model = rpb.ModelSettings(model="fake", base_url=llm.url)
         agent = (
             await runtime.stub.CreateAgent(
-                rpb.CreateAgentRequest(name="echo", tools=["list_groups"]), metadata=md
+                rpb.CreateAgentRequest(name="echo", tools=["list_groups"], model=model), metadata=md
             )
         ).agent
         chat = await direct_chat(im, world, agent.member_id)

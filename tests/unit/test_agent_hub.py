@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
 
 from services.runtime.domain.llm import ContentDelta, ReasoningDelta, Role, ToolCallDelta
 from services.runtime.domain.model import Emitted, StepDelta, StepStarted, merge_deltas
-from services.runtime.service_layer.hub import AgentHub, WatcherFellBehind
+from services.runtime.service_layer.hub import AgentHub, HubClosed, WatcherFellBehind
 
 AGENT = uuid.uuid4()
 AT = datetime(2026, 1, 1, tzinfo=UTC)
@@ -18,6 +19,15 @@ AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 def delta(text: str) -> Emitted:
     return Emitted(AGENT, AT, StepDelta(1, ContentDelta(text)))
+
+
+async def until_closed(events: AsyncIterator[Emitted]) -> list[Emitted]:
+    """Everything a watch delivers before the hub's closing ends it (with `HubClosed`)."""
+    got: list[Emitted] = []
+    with pytest.raises(HubClosed, match="shutting down"):
+        async for emitted in events:
+            got.append(emitted)
+    return got
 
 
 async def test_a_watcher_gets_what_happens_after_it_joined_with_the_step_in_flight() -> None:
@@ -28,7 +38,7 @@ async def test_a_watcher_gets_what_happens_after_it_joined_with_the_step_in_flig
     hub.publish(delta("b"))
     hub.publish(Emitted(uuid.uuid4(), AT, StepDelta(1, ContentDelta("another agent"))))
     hub.close()
-    got = [e async for e in watcher.events()]
+    got = await asyncio.wait_for(until_closed(watcher.events()), 1)
     assert [f.deltas for f in flights] == [[delta("a")]]
     assert got == [delta("b")]
 
@@ -43,6 +53,19 @@ async def test_a_watcher_that_falls_behind_is_ended_with_an_error_not_silently()
         await asyncio.wait_for(anext(events), 1)
     hub.publish(delta("e"))  # it no longer receives anything
     assert not hub._watchers
+
+
+async def test_closing_ends_every_watch_with_an_error_and_nothing_follows_it() -> None:
+    hub = AgentHub()
+    watcher, _ = hub.watch([AGENT])
+    hub.publish(delta("a"))
+    hub.close()
+    # Runners go on until the calls in flight have drained: their events go nowhere.
+    hub.publish(delta("b"))
+    assert await asyncio.wait_for(until_closed(watcher.events()), 1) == [delta("a")]
+    with pytest.raises(HubClosed):
+        hub.watch(None)
+    hub.close()  # idempotent
 
 
 def test_consecutive_fragments_of_a_step_are_merged_and_nothing_else() -> None:
@@ -81,7 +104,7 @@ async def test_a_watcher_behind_the_model_gets_fewer_longer_deltas_with_the_same
         hub.publish(delta(text))
     hub.publish(Emitted(AGENT, AT, StepStarted(uuid.uuid4(), 2, Role.ASSISTANT)))
     hub.close()
-    rest = [e async for e in events]
+    rest = await asyncio.wait_for(until_closed(events), 1)
     assert first == delta("a")
     assert rest[0].event == StepDelta(1, ContentDelta("bcdef"))
     assert isinstance(rest[1].event, StepStarted) and len(rest) == 2

@@ -113,7 +113,10 @@ class EventHub:
             if tail is None:
                 last = await self.last_sequence(workspace_id)
                 if self._closed:
-                    raise ShuttingDown("the IM service is shutting down; reconnect to another replica")
+                    raise ShuttingDown(
+                        "the IM service is shutting down; watch again (another replica, or this one"
+                        " once it is back, will answer)"
+                    )
                 tail = _Tail(self, workspace_id, last)
                 self._tails[workspace_id] = tail
         start = tail.last_sequence if after is None else after
@@ -131,7 +134,7 @@ class EventHub:
             tail.stop()
 
     async def aclose(self) -> None:
-        """Ends every subscription and stops every tail. Idempotent."""
+        """Ends every subscription (with `ShuttingDown`) and stops every tail. Idempotent."""
         self._closed = True
         tails = list(self._tails.values())
         self._tails.clear()
@@ -270,7 +273,11 @@ class Subscription:
             self.hub._unsubscribe(self)
 
     async def events(self) -> AsyncGenerator[RecordedEvent, None]:
-        """Yields events in sequence order until the hub closes; unsubscribes at the end."""
+        """Yields events in sequence order; unsubscribes at the end.
+
+        Raises:
+            ShuttingDown: the hub closed (its message says where to resume).
+        """
         try:
             while True:
                 if self._catch_up:
@@ -278,7 +285,7 @@ class Subscription:
                     target = self.tail.last_sequence
                     self._catch_up = False
                     self._drop_backlog()
-                    while self.delivered < target:
+                    while self.delivered < target and not self._closed:
                         batch = await self.hub.read(
                             self.tail.workspace_id, after=self.delivered, up_to=target
                         )
@@ -289,7 +296,12 @@ class Subscription:
                             yield recorded
                 item = await self._queue.get()
                 if item is _CLOSED:
-                    return
+                    # Only the hub closes: the service is stopping. The client
+                    # resumes elsewhere from the last event of this stream.
+                    raise ShuttingDown(
+                        "the IM service is shutting down; watch again with"
+                        f" after_cursor={self.delivered} to resume with nothing missed"
+                    )
                 if item is _OVERFLOWED:
                     continue
                 assert isinstance(item, list)

@@ -28,7 +28,7 @@ from services.runtime.domain.model import (
     StepStarted,
     merge_deltas,
 )
-from services.runtime.service_layer.hub import AgentHub, InFlight, Watcher
+from services.runtime.service_layer.hub import AgentHub, HubClosed, InFlight, Watcher
 from services.runtime.service_layer.im_port import IMPort
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
 from services.runtime.service_layer.supervisor import Supervisor
@@ -356,6 +356,8 @@ class AgentService:
         self, agent: Agent, watcher: Watcher, flights: list[InFlight], after_sequence: int, live_only: bool
     ) -> AsyncGenerator[Emitted, None]:
         sent = after_sequence
+        # The last step this watch delivered whole: where its client resumes.
+        whole = after_sequence
         events = watcher.events()
         try:
             if not live_only:
@@ -363,7 +365,7 @@ class AgentService:
                     page = await self._store.list_steps(agent.session_id, after_sequence=sent, limit=500)
                     for step in page:
                         yield Emitted(agent.id, step.created_at, StepCompleted(step))
-                        sent = step.sequence
+                        sent = whole = step.sequence
                     if len(page) < 500:
                         break
             for flight in flights:
@@ -379,13 +381,21 @@ class AgentService:
                 # the steps to come are numbered from there, not after `sent`.
                 if isinstance(event, StepsRewritten):
                     sent = min(sent, event.after_sequence)
+                    whole = min(whole, event.after_sequence)
                 elif isinstance(event, MainSessionChanged):
-                    sent = event.session.forked_at_sequence
+                    sent = whole = event.session.forked_at_sequence
                 if isinstance(event, StepCompleted) and event.step.sequence <= sent:
                     continue
                 if isinstance(event, StepDelta | StepStarted) and event.sequence <= sent:
                     continue
                 yield emitted
+                if isinstance(event, StepCompleted):
+                    whole = event.step.sequence
+        except HubClosed:
+            raise HubClosed(
+                f"the runtime is shutting down; watch again with after_sequence={whole} to resume"
+                " with nothing missed"
+            ) from None
         finally:
             await events.aclose()
 

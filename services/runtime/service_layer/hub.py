@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted, Unavailable
 from services.runtime.domain.model import (
     Emitted,
     RunEnded,
@@ -41,6 +41,11 @@ class WatcherFellBehind(ResourceExhausted):
     silently, so that the client knows to resume from its last step."""
 
 
+class HubClosed(Unavailable):
+    """The runtime is shutting down: every watch ends with this error (which
+    clients retry), never silently, so that the client knows to watch again."""
+
+
 class Watcher:
     """One watcher's queue of live events; bounded so a stuck reader cannot grow it forever."""
 
@@ -49,11 +54,14 @@ class Watcher:
         self.agent_ids = agent_ids
         self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max_backlog)
         self.overflowed = False
+        self._closed = False
 
     def wants(self, agent_id: uuid.UUID) -> bool:
         return self.agent_ids is None or agent_id in self.agent_ids
 
     def put(self, item: object) -> None:
+        if self._closed:
+            return  # nothing may follow the end of the queue
         try:
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
@@ -66,6 +74,9 @@ class Watcher:
             self._hub.unwatch(self)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         while True:
             try:
                 self._queue.put_nowait(_CLOSED)
@@ -74,7 +85,12 @@ class Watcher:
                 self._queue.get_nowait()
 
     async def events(self) -> AsyncGenerator[Emitted, None]:
-        """Live events until the hub closes; raises `WatcherFellBehind` on overflow."""
+        """Live events until the hub closes.
+
+        Raises:
+            WatcherFellBehind: the queue overflowed.
+            HubClosed: the hub closed (the runtime is shutting down).
+        """
         try:
             while True:
                 waiting = [await self._queue.get()]
@@ -93,7 +109,10 @@ class Watcher:
                             f"this watch fell more than {self._queue.maxsize} events behind and was ended;"
                             " watch again with after_sequence set to the last step received"
                         )
-                    return
+                    raise HubClosed(
+                        "the runtime is shutting down; watch again (another replica, or this one once it"
+                        " is back, will answer)"
+                    )
         finally:
             self._hub.unwatch(self)
 
@@ -105,6 +124,7 @@ class AgentHub:
         self._watchers: set[Watcher] = set()
         self._in_flight: dict[uuid.UUID, InFlight] = {}
         self._max_backlog = max_backlog
+        self._closed = False
 
     def publish(self, emitted: Emitted) -> None:
         event = emitted.event
@@ -125,7 +145,12 @@ class AgentHub:
 
         Both are taken at once, so the watcher's queue holds exactly what
         happens after the in-flight snapshot.
+
+        Raises:
+            HubClosed: the hub is closed.
         """
+        if self._closed:
+            raise HubClosed("the runtime is shutting down; watch again (another replica will answer)")
         wanted = frozenset(agent_ids) if agent_ids is not None else None
         watcher = Watcher(self, wanted, self._max_backlog)
         self._watchers.add(watcher)
@@ -140,6 +165,8 @@ class AgentHub:
         self._watchers.discard(watcher)
 
     def close(self) -> None:
-        """Ends every watch (shutdown)."""
-        for watcher in list(self._watchers):
+        """Ends every watch with `HubClosed` and refuses new ones (shutdown). Idempotent."""
+        self._closed = True
+        for watcher in self._watchers:
             watcher.close()
+        self._watchers.clear()
