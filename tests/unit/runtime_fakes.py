@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
+from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -267,6 +268,8 @@ class ScriptedLLM(LLM):
 
 class InMemoryAgentStore(AgentStore):
     def __init__(self) -> None:
+        # Method name -> how many of its next calls find the database down.
+        self.outages: collections.Counter[str] = collections.Counter()
         self.agents: dict[uuid.UUID, Agent] = {}
         self.deleted: set[uuid.UUID] = set()
         self.requests: dict[tuple[uuid.UUID, str], tuple[str, uuid.UUID]] = {}
@@ -547,7 +550,13 @@ class InMemoryAgentStore(AgentStore):
     async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
         self.cursors.update(cursors)
 
+    def _database(self, method: str) -> None:
+        if self.outages[method] > 0:
+            self.outages[method] -= 1
+            raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
+
     async def save_progress(self, agent: Agent) -> None:
+        self._database("save_progress")
         stored = self.agents[agent.id]
         self.agents[agent.id] = replace(
             stored, state=agent.state, last_error=agent.last_error, tokens_used=agent.tokens_used
@@ -557,9 +566,11 @@ class InMemoryAgentStore(AgentStore):
         self.deleted.add(agent_id)
 
     async def add_run(self, run: Run) -> None:
+        self._database("add_run")
         self.runs[run.id] = run
 
     async def update_run(self, run: Run) -> None:
+        self._database("update_run")
         self.runs[run.id] = run
 
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
@@ -571,6 +582,7 @@ class InMemoryAgentStore(AgentStore):
         return found[:limit]
 
     async def append_step(self, step: Step) -> None:
+        self._database("append_step")
         steps = self.steps.setdefault(step.session_id, [])
         if any(s.sequence == step.sequence for s in steps):
             raise DuplicateStep(str(step.sequence))

@@ -193,10 +193,15 @@ class AgentRunner:
         self._session_id = agent.session_id
         # Read positions to move once the messages read are stored as steps.
         self._pending_reads: dict[uuid.UUID, uuid.UUID] = {}
+        # Read positions of messages stored as steps that the IM has not
+        # marked read yet (it was unreachable): not to be read in again.
+        self._unmarked: dict[uuid.UUID, uuid.UUID] = {}
         self._task: asyncio.Task[None] | None = None
         self._retry = False
         self._continue = False
         self._unreachable = 0
+        # Why the run in flight was cut short by a dependency's outage ("" if it was not).
+        self._outage = ""
         # Steps made but not yet stored (numbered after the last stored one).
         self._unstored = 0
         # The run in flight, and what is being cut short in it.
@@ -352,7 +357,11 @@ class AgentRunner:
                 raise
             except errors.Unavailable as error:
                 # A dependency (the IM, the database) is away: not the agent's
-                # fault. Look again later; the wait doubles up to a minute.
+                # fault. Look again later; the wait doubles up to a minute. A
+                # run it cut short is then resumed as after a crash.
+                if self.agent.state is AgentState.RUNNING:
+                    self._continue = True
+                    self._outage = str(error)
                 self._unreachable += 1
                 delay = min(60.0, 0.5 * 2 ** (self._unreachable - 1))
                 logger.warning("agent %s: %s; trying again in %.1f s", self.agent.id, error, delay)
@@ -437,32 +446,57 @@ class AgentRunner:
         await self._open_session(self.agent.session_id)
         assert self._steps is not None
         stale = await self._env.store.list_runs(self.agent.id, before=None, limit=1)
+        outage, self._outage = self._outage, ""
         if stale and stale[0].status is RunStatus.RUNNING:
-            # The runtime stopped during this run: it ends here, and a new one
-            # goes on from its last step, unless it was a task's: that task
-            # goes back to the queue and runs again in its turn.
+            cut = stale[0]
+            # The runtime stopped (or a dependency went away) during this run:
+            # it ends here, and a new one goes on from its last step, unless it
+            # was a task's: that task goes back to the queue and runs again in
+            # its turn. A run that had its answer ends with the answer posted.
             ended = replace(
-                stale[0],
+                cut,
                 status=RunStatus.INTERRUPTED,
-                error="the runtime stopped during the run",
+                error=f"cut short: {outage}" if outage else "the runtime stopped during the run",
+                # Its progress was stored only at its beginning: one completion per assistant step.
+                iterations=sum(1 for s in self._steps if s.run_id == cut.id and s.role is Role.ASSISTANT),
                 ended_at=self._env.clock(),
             )
+            idle = replace(self.agent, state=AgentState.IDLE)
             requeued = await self._env.tasks.recover(self.agent.id) if self._env.tasks else []
             if any(t.run_id == ended.id for t in requeued):
                 await self._record_cut(ended)  # a result for every tool call left without one
-                self.agent = replace(self.agent, state=AgentState.IDLE)
-                await self._env.store.end_run(ended, self.agent)
+                await self._env.store.end_run(ended, idle)
+                self.agent = idle
                 self._emit(RunEnded(ended))
                 self._emit(StateChanged(AgentState.IDLE, ""))
                 return
-            self.agent = replace(self.agent, state=AgentState.IDLE)
-            await self._env.store.end_run(ended, self.agent)
+            if await self._post_unsent_answer(ended):
+                ended = replace(ended, status=RunStatus.COMPLETED, error="")
+            await self._env.store.end_run(ended, idle)
+            self.agent = idle
             self._emit(RunEnded(ended))
         if resume_point(self._steps) is Next.NOTHING:
             if self.agent.state is AgentState.RUNNING:
                 await self._set_state(AgentState.IDLE, "")
             return
         await self._in_flight(self._run([], resumed=True))
+
+    async def _post_unsent_answer(self, run: Run) -> bool:
+        """Posts the answer a cut-short run had formed, if that is its last step.
+
+        The answer may have been posted already (the cut came after): the
+        request ids are the run's, so the IM keeps each part once.
+        """
+        steps = self._steps or []
+        last = steps[-1] if steps else None
+        if last is None or last.run_id != run.id or last.role is not Role.ASSISTANT:
+            return False
+        answer = last.message.content or ""
+        group_id = self._last_group()
+        if last.message.tool_calls or not answer or group_id is None:
+            return False
+        await self._answer(run, group_id, answer)
+        return True
 
     async def _open_session(self, session_id: uuid.UUID) -> None:
         if self._steps is None or self._session_id != session_id:
@@ -493,6 +527,9 @@ class AgentRunner:
         relevant: list[IMMessage] = []
         for message in unread:
             latest[message.group_id] = message.id
+            unmarked = self._unmarked.get(message.group_id)
+            if unmarked is not None and message.id <= unmarked:
+                continue  # in the history already; only marking it read failed
             if message.sender_id == member or not self._env.guard.allows(message.group_id):
                 continue
             is_direct, _ = await self._env.directory.group(member, message.group_id)
@@ -517,8 +554,11 @@ class AgentRunner:
                 # Kept for the next try; meanwhile those messages stay unread.
                 logger.warning("agent %s: marking group %s read failed: %s", self.agent.id, group, outcome)
                 self._pending_reads.setdefault(group, up_to)
+                self._unmarked[group] = max(up_to, self._unmarked.get(group, up_to))
             elif isinstance(outcome, BaseException):
                 raise outcome
+            elif self._unmarked.get(group, up_to) <= up_to:
+                self._unmarked.pop(group, None)
 
     async def _run(
         self, messages: list[IMMessage], *, task: Task | None = None, resumed: bool = False
@@ -528,6 +568,10 @@ class AgentRunner:
         except _NotStarted:
             self._pending_reads = {}  # what was read stays unread for later
             return
+        except errors.Unavailable:
+            self._pending_reads = {}
+            self._running_task = None
+            raise
         reading = asyncio.create_task(self._mark_read())
         status, error, answer = RunStatus.ITERATION_LIMIT, "", ""
         failure: Exception | None = None
@@ -546,6 +590,12 @@ class AgentRunner:
             status, error = RunStatus.INTERRUPTED, "paused by a person"
         except LLMError as llm_failure:
             status, error = RunStatus.FAILED, str(llm_failure)
+        except errors.Unavailable:
+            # The database or the IM is away: nothing is wrong with the agent
+            # or the run, which stays as stored (RUNNING) for the loop to
+            # resume once the dependency is back.
+            self._running_task = None
+            raise
         except Exception as other:
             # The IM refused or lost the answer, a tool's port broke...: the
             # run ends FAILED, never left RUNNING.
@@ -705,9 +755,12 @@ class AgentRunner:
         else:
             state, error = AgentState.IDLE, ""
         changed = (state, error) != (agent.state, agent.last_error)
-        self.agent = replace(agent, state=state, last_error=error)
-        # One write for the run's end and the agent's new state.
-        await self._env.store.end_run(run, self.agent)
+        # One write for the run's end and the agent's new state. Until it is
+        # stored the agent stays RUNNING here too, so that a failed write
+        # leads to resuming the run, not to forgetting it.
+        ended = replace(agent, state=state, last_error=error)
+        await self._env.store.end_run(run, ended)
+        self.agent = ended
         self._emit(RunEnded(run))
         if changed:
             self._emit(StateChanged(state, error))
@@ -885,8 +938,9 @@ class AgentRunner:
         if self.agent.state is state and self.agent.last_error == error:
             await self._env.store.save_progress(self.agent)
             return
-        self.agent = replace(self.agent, state=state, last_error=error)
-        await self._env.store.save_progress(self.agent)
+        changed = replace(self.agent, state=state, last_error=error)
+        await self._env.store.save_progress(changed)  # the state here follows the store's
+        self.agent = changed
         self._emit(StateChanged(state, error))
 
     def _emit(self, event: AgentEvent) -> None:
