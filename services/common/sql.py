@@ -9,8 +9,9 @@ Every way into the database here raises `DependencyUnavailable` (an
 connection, a locked or unreadable SQLite file (see `services.common.outages`).
 A PostgreSQL connection that broke never goes back to the pool as if alive,
 and one found closed is replaced when it is taken from the pool (a local
-check, no round trip); an idempotent read whose connection broke under it
-goes again once on another (`retry_read`).
+check, no round trip); once one is found broken, every connection opened
+before is replaced as it is taken. An idempotent read whose connection
+broke under it goes again once on another (`retry_read`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import logging
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -166,13 +168,17 @@ class SqlDatabase:
             )
         self.engine: AsyncEngine = create_async_engine(self.url, **options)
         self.write_lock = asyncio.Lock()
+        # Pooled connections opened before this moment are suspect: one of
+        # their generation was found broken (see `_connection_lost`).
+        self._suspect_before = 0.0
         if self.is_sqlite:
             configure_sqlite(
                 self.engine, write_option=write_option, busy_timeout_seconds=busy_timeout_seconds
             )
         else:
-            event.listen(self.engine.sync_engine, "checkout", _refuse_closed_connection)
-            event.listen(self.engine.sync_engine, "handle_error", _lost_connections_are_disconnects)
+            event.listen(self.engine.sync_engine, "connect", _note_opening)
+            event.listen(self.engine.sync_engine, "checkout", self._refuse_dead_connection)
+            event.listen(self.engine.sync_engine, "handle_error", self._lost_connections_are_disconnects)
 
     @contextlib.asynccontextmanager
     async def driver_connection(self) -> AsyncIterator[Any]:
@@ -196,8 +202,41 @@ class SqlDatabase:
                     closed = getattr(driver, "is_closed", None)
                     outage = unavailable_error(error, dependency=DATABASE)
                     if (closed is not None and closed()) or (outage is not None and outage.connection_lost):
+                        self._connection_lost()
                         await conn.invalidate(error)
                     raise
+
+    def _connection_lost(self) -> None:
+        # When the server goes away, all the pooled connections of that time
+        # usually go with it, and the driver sees each one's end a moment
+        # apart: replace them all rather than hand out the next dead one. (It
+        # is also what SQLAlchemy does for the disconnects it sees.)
+        self._suspect_before = time.monotonic()
+
+    def _refuse_dead_connection(
+        self, _dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
+    ) -> None:
+        # A pooled connection whose server went away (terminated, restarted)
+        # is closed by the driver as soon as the event loop sees the socket
+        # close. Asking the driver costs no round trip, unlike pool_pre_ping;
+        # the pool then opens a fresh connection in its place.
+        driver = record.driver_connection
+        if driver is not None and driver.is_closed():
+            self._connection_lost()
+            raise exc.DisconnectionError("the pooled connection was closed by the server")
+        if record.info.get("opened_at", 0.0) < self._suspect_before:
+            raise exc.DisconnectionError("the pooled connection is as old as one that broke")
+
+    def _lost_connections_are_disconnects(self, context: ExceptionContext) -> None:
+        # SQLAlchemy's asyncpg dialect sees a disconnect only once the driver
+        # has closed the connection; a connection whose protocol broke first
+        # (the server's termination notice read before the socket closed)
+        # would go back to the pool.
+        outage = unavailable_error(context.original_exception, dependency=DATABASE)
+        if outage is not None and outage.connection_lost:
+            context.is_disconnect = True
+        if context.is_disconnect:
+            self._connection_lost()
 
     async def retry_read(self, read: Callable[[], Awaitable[T]]) -> T:
         """Runs an idempotent read, and once more if its connection broke under it.
@@ -226,29 +265,8 @@ class SqlDatabase:
         await self.engine.dispose()
 
 
-def _refuse_closed_connection(
-    _dbapi_connection: Any, record: ConnectionPoolEntry, _proxy: PoolProxiedConnection
-) -> None:
-    # A pooled connection whose server went away (terminated, restarted) is
-    # closed by the driver as soon as the event loop sees the socket close.
-    # Asking the driver costs no round trip, unlike pool_pre_ping; the pool
-    # then opens a fresh connection in its place.
-    driver = record.driver_connection
-    if driver is not None and driver.is_closed():
-        raise exc.DisconnectionError("the pooled connection was closed by the server")
-
-
-def _lost_connections_are_disconnects(context: ExceptionContext) -> None:
-    # SQLAlchemy's asyncpg dialect sees a disconnect only once the driver has
-    # closed the connection; a connection whose protocol broke first (the
-    # server's termination notice read before the socket closed) would go
-    # back to the pool. Each broken connection is dropped on its own: the
-    # others, if dead too, are caught when taken from the pool.
-    outage = unavailable_error(context.original_exception, dependency=DATABASE)
-    if outage is not None and outage.connection_lost:
-        context.is_disconnect = True
-    if context.is_disconnect:
-        context.invalidate_pool_on_disconnect = False
+def _note_opening(_dbapi_connection: Any, record: ConnectionPoolEntry) -> None:
+    record.info["opened_at"] = time.monotonic()
 
 
 async def upgrade_schema(database: SqlDatabase, migrations: Path, revision: str = "head") -> None:
