@@ -202,6 +202,8 @@ class AgentRunner:
         self._unreachable = 0
         # Why the run in flight was cut short by a dependency's outage ("" if it was not).
         self._outage = ""
+        # A task was marked RUNNING and its end may not be stored yet.
+        self._task_unsettled = False
         # Steps made but not yet stored (numbered after the last stored one).
         self._unstored = 0
         # The run in flight, and what is being cut short in it.
@@ -358,8 +360,9 @@ class AgentRunner:
             except errors.Unavailable as error:
                 # A dependency (the IM, the database) is away: not the agent's
                 # fault. Look again later; the wait doubles up to a minute. A
-                # run it cut short is then resumed as after a crash.
-                if self.agent.state is AgentState.RUNNING:
+                # run it cut short (or a task whose end it kept from being
+                # stored) is then resumed as after a crash.
+                if self.agent.state is AgentState.RUNNING or self._task_unsettled:
                     self._continue = True
                     self._outage = str(error)
                 self._unreachable += 1
@@ -445,6 +448,11 @@ class AgentRunner:
         """Goes on from the last step of the main session, if anything is pending."""
         await self._open_session(self.agent.session_id)
         assert self._steps is not None
+        # This runner is the only one to run the agent's tasks, and it runs
+        # none now: a task still RUNNING was cut short with its run, or its
+        # end was never stored. It goes back to the queue.
+        requeued = await self._env.tasks.recover(self.agent.id) if self._env.tasks else []
+        self._task_unsettled = False
         stale = await self._env.store.list_runs(self.agent.id, before=None, limit=1)
         outage, self._outage = self._outage, ""
         if stale and stale[0].status is RunStatus.RUNNING:
@@ -462,7 +470,6 @@ class AgentRunner:
                 ended_at=self._env.clock(),
             )
             idle = replace(self.agent, state=AgentState.IDLE)
-            requeued = await self._env.tasks.recover(self.agent.id) if self._env.tasks else []
             if any(t.run_id == ended.id for t in requeued):
                 await self._record_cut(ended)  # a result for every tool call left without one
                 await self._env.store.end_run(ended, idle)
@@ -489,7 +496,9 @@ class AgentRunner:
         """
         steps = self._steps or []
         last = steps[-1] if steps else None
-        if last is None or last.run_id != run.id or last.role is not Role.ASSISTANT:
+        if not run.trigger_message_ids or last is None or last.run_id != run.id:
+            return False  # only a run that messages started answers in their chat
+        if last.role is not Role.ASSISTANT:
             return False
         answer = last.message.content or ""
         group_id = self._last_group()
@@ -632,9 +641,11 @@ class AgentRunner:
             # Known as running before it is marked so, for a cancel meanwhile.
             self._running_task = task
             if env.tasks is not None:
+                self._task_unsettled = True  # from here, whatever fails, recovery looks at it
                 task = await env.tasks.started(task, run_id=run.id, at=env.clock())
                 if task.status is not TaskStatus.RUNNING:
                     self._running_task = None
+                    self._task_unsettled = False
                     raise _NotStarted
             self._running_task = task
         # The way to the first completion is short: one write stores the run,
@@ -732,6 +743,7 @@ class AgentRunner:
             await tasks.put_back(task)
         else:
             await tasks.failed(task, error=run.error or run.status.value, at=at)
+        self._task_unsettled = False
 
     async def _end_run(self, run: Run, failure: Exception | None) -> None:
         agent, error = self.agent, run.error
