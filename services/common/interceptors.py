@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from services.common.errors import ServiceError
-from services.common.outages import DependencyUnavailable, unavailable_error
+from services.common.outages import describe, unavailable_error
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +19,7 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
     if unavailable is not None:
         # Says which dependency and why; the driver's own words (which may name
         # hosts) go to the log only.
-        cause = (error.__cause__ if isinstance(error, DependencyUnavailable) else None) or error
-        logger.warning("%s: %s (%s)", method, unavailable.message, cause)
+        logger.warning("%s: %s (%s)", method, unavailable.message, describe(error))
         await context.abort(unavailable.code, unavailable.message)
     if isinstance(error, ServiceError):
         await context.abort(error.code, error.message)

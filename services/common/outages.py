@@ -85,6 +85,16 @@ def unavailable_error(error: BaseException, *, dependency: str | None = None) ->
     )
 
 
+def describe(error: BaseException) -> str:
+    """The innermost cause's own words, for the log: the driver's message,
+    without the statement and parameters SQLAlchemy adds (which may hold
+    what people wrote)."""
+    innermost = error
+    for each in _chain(error):
+        innermost = each
+    return str(innermost) or type(innermost).__name__
+
+
 @contextlib.contextmanager
 def as_unavailable(dependency: str) -> Iterator[None]:
     """Raises `DependencyUnavailable` (from the original) for an outage of `dependency`

@@ -37,7 +37,13 @@ from sqlalchemy.engine import Connection, Dialect, ExceptionContext, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection
 
-from services.common.outages import DATABASE, DependencyUnavailable, as_unavailable, unavailable_error
+from services.common.outages import (
+    DATABASE,
+    DependencyUnavailable,
+    as_unavailable,
+    describe,
+    unavailable_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +257,7 @@ class SqlDatabase:
         except DependencyUnavailable as error:
             if not error.connection_lost:
                 raise
-            logger.info("a database read lost its connection (%s); reading again", error.__cause__ or error)
+            logger.info("a database read lost its connection (%s); reading again", describe(error))
         return await read()
 
     async def ping(self) -> bool:

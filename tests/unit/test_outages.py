@@ -16,7 +16,13 @@ from redis.backoff import NoBackoff
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from services.common import errors
-from services.common.outages import DATABASE, DependencyUnavailable, as_unavailable, unavailable_error
+from services.common.outages import (
+    DATABASE,
+    DependencyUnavailable,
+    as_unavailable,
+    describe,
+    unavailable_error,
+)
 
 
 def locked(path: Path) -> sqlite3.OperationalError:
@@ -139,3 +145,17 @@ async def test_a_cancelled_call_is_not_an_outage() -> None:
     with pytest.raises(asyncio.CancelledError) as caught:
         await task
     assert unavailable_error(caught.value) is None
+
+
+async def test_the_log_gets_the_drivers_words_without_the_statement_or_its_parameters(tmp_path: Path) -> None:
+    engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}")
+    try:
+        with pytest.raises(sa.exc.OperationalError) as caught:
+            async with engine.connect() as conn:
+                await conn.execute(
+                    sa.text("INSERT INTO missing VALUES (:secret)"), {"secret": "what ada wrote"}
+                )
+    finally:
+        await engine.dispose()
+    assert "what ada wrote" in str(caught.value), "SQLAlchemy's own text holds the parameters"
+    assert describe(caught.value) == "no such table: missing"

@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from services.common.outages import DATABASE, as_unavailable, unavailable_error
+from services.common.outages import DATABASE, as_unavailable, describe, unavailable_error
 from services.common.sql import SqlDatabase, SqliteWorker, UtcDateTime
 from services.im.adapters import codec
 from services.im.adapters.tables import (
@@ -228,7 +228,7 @@ class SqlTransaction(Transaction):
         except sa.exc.DBAPIError as error:
             if self._write or self._db.is_sqlite or not error.connection_invalidated:
                 raise
-            logger.info("a database read lost its connection (%s); reading again", error.orig)
+            logger.info("a database read lost its connection (%s); reading again", describe(error))
         # SQLAlchemy has invalidated the broken connection; take a new one.
         await self.conn.close()
         self._conn = None
