@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from services.runtime.adapters import migrate as runtime_migrate
 from services.runtime.adapters.sql import Database as RuntimeDatabase
 from services.runtime.adapters.sql import SqlAgentStore
 from services.runtime.adapters.tables import SCHEMA as RUNTIME_SCHEMA
+from tests.faults.harness import RedisProcess
 
 POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("AGENTIM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -117,6 +119,13 @@ async def runtime_url(database_url: str, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+async def postgres_url() -> str:
+    """The migrated PostgreSQL test database, for tests of PostgreSQL alone."""
+    await _prepare_postgres()
+    return POSTGRES_URL
+
+
+@pytest.fixture
 async def redis_url() -> str:
     client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
     try:
@@ -126,6 +135,16 @@ async def redis_url() -> str:
     finally:
         await client.aclose()
     return REDIS_URL
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisProcess]:
+    """A redis-server of this test's own, on a free port, to kill and restart
+    (the shared one is never touched)."""
+    if shutil.which("redis-server") is None:
+        unavailable("redis-server is not installed")
+    with RedisProcess(tmp_path) as server:
+        yield server.start()
 
 
 def settings_for(database_url: str, **overrides: str) -> Settings:

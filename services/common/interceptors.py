@@ -12,12 +12,19 @@ from typing import Any
 import grpc
 
 from services.common.errors import InvalidArgument, ServiceError
+from services.common.outages import describe, unavailable_error
 from services.common.request_rules import MAX_JSON_DEPTH, check_request
 
 logger = logging.getLogger(__name__)
 
 
 async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, method: str) -> None:
+    unavailable = unavailable_error(error)
+    if unavailable is not None:
+        # Says which dependency and why; the driver's own words (which may name
+        # hosts) go to the log only.
+        logger.warning("%s: %s (%s)", method, unavailable.message, describe(error))
+        await context.abort(unavailable.code, unavailable.message)
     if isinstance(error, ServiceError):
         await context.abort(error.code, error.message)
     logger.error("unexpected error in %s", method, exc_info=error)
@@ -25,7 +32,8 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns `ServiceError`s into their gRPC status, and anything else into INTERNAL.
+    """Turns `ServiceError`s into their gRPC status, a dependency's outage (see
+    `services.common.outages`) into UNAVAILABLE, and anything else into INTERNAL.
 
     This is the one place where exceptions become statuses, so servicers stay
     free of try/except.

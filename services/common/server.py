@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +36,8 @@ from services.common.interceptors import ErrorMappingInterceptor, RequestRulesIn
 logger = logging.getLogger(__name__)
 
 ReadinessProbe = Callable[[], Awaitable[bool]]
+# Whether a part of a service works now (a local check, no I/O).
+ComponentProbe = Callable[[], bool]
 Registrar = Callable[[grpc.aio.Server], None]
 Cleanup = Callable[[], Awaitable[None]]
 
@@ -54,12 +56,23 @@ class ReadinessHealthServicer(HealthServicer):
 
     Checking readiness on demand (instead of on a timer) keeps an idle server
     idle; Watch subscribers see every change a Check discovers.
+
+    Components are parts whose failure degrades the service without stopping
+    it (the IM's cross-replica signals): each has its own name (such as
+    `agentim.im.v1.IMService/signals`), SERVING or NOT_SERVING by its probe,
+    while the service itself stays as its readiness probe says.
     """
 
-    def __init__(self, service_names: Sequence[str], probe: ReadinessProbe) -> None:
+    def __init__(
+        self,
+        service_names: Sequence[str],
+        probe: ReadinessProbe,
+        components: Mapping[str, ComponentProbe] | None = None,
+    ) -> None:
         super().__init__()
         self._service_names = ["", *service_names]
         self._probe = probe
+        self._components = dict(components or {})
         self._shutting_down = False
         # Bumped at every status change; Watch streams wait on it.
         self._version = 0
@@ -73,11 +86,11 @@ class ReadinessHealthServicer(HealthServicer):
         except Exception:
             logger.warning("readiness probe failed", exc_info=True)
             ready = False
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = _status(ready)
         for name in self._service_names:
             await self.set(name, status)
+        for name, works in self._components.items():
+            await self.set(name, _status(works()))
         return ready
 
     async def Check(
@@ -121,6 +134,10 @@ class ReadinessHealthServicer(HealthServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, STOPPING_MESSAGE)
 
 
+def _status(up: bool) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType:
+    return health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 class GrpcServer:
     """A gRPC server with health, reflection, limits and graceful shutdown.
 
@@ -130,6 +147,8 @@ class GrpcServer:
         service_names: full names of the services, for health and reflection.
         readiness: probe telling whether the service can do its work
             (for example, its database answers).
+        components: health names of degradable parts, with their probes
+            (see `ReadinessHealthServicer`).
         reflection: whether to serve server reflection.
         max_message_bytes: limit of a request (and a response) in bytes.
         grace_seconds: how long shutdown lets in-flight calls finish.
@@ -150,6 +169,7 @@ class GrpcServer:
         registrars: Sequence[Registrar],
         service_names: Sequence[str],
         readiness: ReadinessProbe,
+        components: Mapping[str, ComponentProbe] | None = None,
         reflection: bool = True,
         max_message_bytes: int = 4 * 1024 * 1024,
         grace_seconds: float = 5.0,
@@ -179,7 +199,7 @@ class GrpcServer:
         )
         for register in registrars:
             register(self._server)
-        self.health = ReadinessHealthServicer(service_names, readiness)
+        self.health = ReadinessHealthServicer(service_names, readiness, components)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         if reflection:
             names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

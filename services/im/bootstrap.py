@@ -21,6 +21,9 @@ from services.im.service_layer.ports import EventSignal
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = im_pb2.DESCRIPTOR.services_by_name["IMService"].full_name
+# Health of the cross-replica event signals: NOT_SERVING while Redis is
+# unreachable (delivery then reads the database at intervals); the service stays SERVING.
+SIGNALS_HEALTH_NAME = f"{SERVICE_NAME}/signals"
 
 
 @dataclass
@@ -53,7 +56,15 @@ def open_database(settings: Settings) -> Database:
 def build(settings: Settings) -> IMApp:
     """Wires the service; connects nothing until `IMApp.start`."""
     database = open_database(settings)
-    signal: EventSignal = RedisSignal(settings.redis_url) if settings.redis_url else InProcessSignal()
+    signal: EventSignal = (
+        RedisSignal(
+            settings.redis_url,
+            reconnect_max_seconds=settings.redis_reconnect_max_seconds,
+            fallback_interval_seconds=settings.redis_fallback_poll_seconds,
+        )
+        if settings.redis_url
+        else InProcessSignal()
+    )
     read_path = open_read_path(database)
     hub = EventHub(log=read_path, signal=signal)
     message_log = open_message_log(database)
@@ -76,6 +87,7 @@ def build(settings: Settings) -> IMApp:
         registrars=[lambda s: im_pb2_grpc.add_IMServiceServicer_to_server(servicer, s)],
         service_names=[SERVICE_NAME],
         readiness=ready,
+        components={SIGNALS_HEALTH_NAME: lambda: not signal.degraded},
         reflection=settings.reflection,
         max_message_bytes=settings.max_message_bytes,
         grace_seconds=settings.shutdown_grace_seconds,

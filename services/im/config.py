@@ -14,6 +14,8 @@ from services.im.domain.rules import Limits
 class Settings:
     database_url: str
     redis_url: str | None
+    redis_fallback_poll_seconds: float
+    redis_reconnect_max_seconds: float
     grpc_address: str
     log_level: str
     reflection: bool
@@ -32,6 +34,8 @@ class Settings:
         settings = cls(
             database_url=env.text("DATABASE_URL", f"sqlite:///{data_dir / 'im.db'}"),
             redis_url=env.optional("REDIS_URL"),
+            redis_fallback_poll_seconds=env.number("IM_REDIS_FALLBACK_POLL_SECONDS", 0.25, minimum=0.01),
+            redis_reconnect_max_seconds=env.number("IM_REDIS_RECONNECT_MAX_SECONDS", 1.0, minimum=0.05),
             grpc_address=env.address("IM_GRPC_ADDRESS", "127.0.0.1:50051"),
             log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
             reflection=env.flag("GRPC_REFLECTION", True),

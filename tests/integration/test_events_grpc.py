@@ -7,11 +7,11 @@ from typing import Any
 
 import grpc
 import pytest
-import redis.asyncio as redis
 
 from agentim.im.v1 import im_pb2
 from services.common.identity import caller_metadata
 from tests.conftest import RunningIM, World, as_member, make_world, next_event
+from tests.faults.harness import RedisProcess
 
 
 async def make_group(im: RunningIM, world: World, *members: int) -> im_pb2.Group:
@@ -252,8 +252,10 @@ async def test_replicas_share_events_through_redis(
     stream.cancel()
 
 
-async def test_redis_outage_loses_no_event(database_url: str, redis_url: str, im_factory: Any) -> None:
-    listening: RunningIM = await im_factory(REDIS_URL=redis_url)
+async def test_redis_outage_loses_no_event(
+    database_url: str, private_redis: RedisProcess, im_factory: Any
+) -> None:
+    listening: RunningIM = await im_factory(REDIS_URL=private_redis.url)
     # A replica whose Redis is down: its messages commit but nobody is signalled.
     cut_off: RunningIM = await im_factory(REDIS_URL="redis://127.0.0.1:1/0")
     world = await make_world(listening.stub, people=2)
@@ -263,12 +265,11 @@ async def test_redis_outage_loses_no_event(database_url: str, redis_url: str, im
     sent = await send(cut_off, world, 0, group.id, "during the outage")
     assert sent.id
 
-    # When the listener's Redis connection comes back, it re-reads every workspace.
-    client = redis.Redis.from_url(redis_url)
-    try:
-        await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")  # type: ignore[no-untyped-call]
-    finally:
-        await client.aclose()
+    # Losing its own Redis connection, the listener reads every workspace (and
+    # does again when the connection comes back). A private Redis: killing the
+    # shared one's subscribers would disturb everyone else's.
+    private_redis.kill()
+    private_redis.start()
     event = await next_event(stream, within=10)
     assert event.message_created.message.id == sent.id
     stream.cancel()

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapp
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
+from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -290,6 +291,8 @@ class ScriptedLLM(LLM):
 
 class InMemoryAgentStore(AgentStore):
     def __init__(self) -> None:
+        # Method name -> how many of its next calls find the database down.
+        self.outages: collections.Counter[str] = collections.Counter()
         self.agents: dict[uuid.UUID, Agent] = {}
         self.deleted: set[uuid.UUID] = set()
         self.requests: dict[tuple[uuid.UUID, str], tuple[str, uuid.UUID]] = {}
@@ -585,7 +588,13 @@ class InMemoryAgentStore(AgentStore):
     async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
         self.cursors.update(cursors)
 
+    def _database(self, method: str) -> None:
+        if self.outages[method] > 0:
+            self.outages[method] -= 1
+            raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
+
     async def save_progress(self, agent: Agent) -> None:
+        self._database("save_progress")
         stored = self.agents[agent.id]
         self.agents[agent.id] = replace(
             stored,
@@ -599,9 +608,11 @@ class InMemoryAgentStore(AgentStore):
         self.deleted.add(agent_id)
 
     async def add_run(self, run: Run) -> None:
+        self._database("add_run")
         self.runs[run.id] = run
 
     async def update_run(self, run: Run) -> None:
+        self._database("update_run")
         self.runs[run.id] = run
 
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
@@ -613,6 +624,7 @@ class InMemoryAgentStore(AgentStore):
         return found[:limit]
 
     async def append_step(self, step: Step) -> None:
+        self._database("append_step")
         await self.append_input(step.agent_id, [step], {})
 
     async def begin_run(

@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 
 from services.common import errors
 from services.common.identity import Principal
+from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
-from services.runtime.domain.model import Agent, Emitted, Session, Task, TaskChanged, TaskStatus
+from services.runtime.domain.model import (
+    Agent,
+    AgentState,
+    Emitted,
+    RunStatus,
+    Session,
+    Task,
+    TaskChanged,
+    TaskStatus,
+)
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
 from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
@@ -578,3 +589,79 @@ async def test_an_agent_known_to_have_no_task_is_not_asked_again_until_one_may_h
         later = await q.submit(ada, "later")
         again = await q.tasks.next_task(ada.id, now=q.clock.now)
         assert again is not None and again.id == later.id
+
+
+def answer_lost(add_task: Callable[[Task], Awaitable[Task]]) -> Callable[[Task], Coroutine[Any, Any, Task]]:
+    """The store's add_task, committing and then losing its connection before it answers."""
+
+    async def committed_but_lost(task: Task) -> Task:
+        await add_task(task)
+        raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
+
+    return committed_but_lost
+
+
+async def test_a_submission_whose_answer_was_lost_still_reaches_the_runner() -> None:
+    async for q in make_queue(run_tasks=True):
+        ada = await q.agent()
+        runner = q.supervisor.runner(ada.id)
+        assert runner is not None
+        await asyncio.wait_for(runner.idle.wait(), WAIT)
+        assert await q.tasks.next_task(ada.id, now=q.clock.now) is None  # known to have none
+        real = q.store.add_task
+        q.store.add_task = answer_lost(real)  # type: ignore[method-assign,assignment]
+        watcher, _ = q.hub.watch([ada.id])
+        with pytest.raises(DependencyUnavailable):
+            await q.submit(ada, "cut", request_id="r1")
+        q.store.add_task = real  # type: ignore[method-assign]
+        retried = await q.submit(ada, "cut", request_id="r1")  # the caller tries again: the same task
+        async with asyncio.timeout(WAIT):
+            async for emitted in watcher.events():
+                event = emitted.event
+                if isinstance(event, TaskChanged) and event.task.status is TaskStatus.SUCCEEDED:
+                    assert event.task.id == retried.id
+                    break
+
+
+class OneTaskWriteFails:
+    """The store's update_task, whose first write to `status` fails: before
+    committing, or (`committed`) after, its answer lost with the connection."""
+
+    def __init__(self, q: Queue, status: TaskStatus, *, committed: bool) -> None:
+        self.real = q.store.update_task
+        self.status = status
+        self.committed = committed
+        self.failed = False
+
+    async def __call__(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+        if self.failed or task.status is not self.status:
+            return await self.real(task, expected=expected)
+        self.failed = True
+        if self.committed:
+            await self.real(task, expected=expected)
+        raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
+
+
+@pytest.mark.parametrize(
+    ("status", "committed"),
+    [(TaskStatus.RUNNING, True), (TaskStatus.RUNNING, False), (TaskStatus.SUCCEEDED, False)],
+)
+async def test_a_task_whose_bookkeeping_the_database_lost_still_runs_to_its_end(
+    status: TaskStatus, committed: bool
+) -> None:
+    async for q in make_queue(run_tasks=True):
+        ada = await q.agent()
+        q.store.update_task = OneTaskWriteFails(q, status, committed=committed)  # type: ignore[method-assign]
+        watcher, _ = q.hub.watch([ada.id])
+        task = await q.submit(ada, "do it")
+        async with asyncio.timeout(WAIT):
+            async for emitted in watcher.events():
+                event = emitted.event
+                if isinstance(event, TaskChanged) and event.task.status is TaskStatus.SUCCEEDED:
+                    assert event.task.id == task.id
+                    break
+        runner = q.supervisor.runner(ada.id)
+        assert runner is not None
+        await asyncio.wait_for(runner.idle.wait(), WAIT)
+        assert q.store.agents[ada.id].state is AgentState.IDLE
+        assert all(r.status is not RunStatus.RUNNING for r in q.store.runs.values())

@@ -153,8 +153,11 @@ class PostgresMessageLog(MessageLog):
     async def access(
         self, group_id: uuid.UUID, member_ids: list[uuid.UUID], reply_to: uuid.UUID | None
     ) -> GroupAccess | None:
-        async with self._db.driver_connection() as conn:
-            rows = await conn.fetch(_ACCESS_SQL, group_id, member_ids, reply_to)
+        async def fetch() -> list[Any]:
+            async with self._db.driver_connection() as conn:
+                return list(await conn.fetch(_ACCESS_SQL, group_id, member_ids, reply_to))
+
+        rows = await self._db.retry_read(fetch)
         if not rows:
             return None
         return GroupAccess(

@@ -308,12 +308,15 @@ class PostgresReadPath(ReadPath):
         self._db = database
 
     async def unread(self, member_id: uuid.UUID, *, limit: int) -> tuple[list[Message], int]:
-        async with self._db.driver_connection() as conn:
-            found = [_pg_message(r) for r in await conn.fetch(_PG_UNREAD, member_id, limit)]
-            if len(found) < limit:
-                return found, len(found)
-            total = await conn.fetchval(_PG_UNREAD_COUNT, member_id)
-        return found, int(total)
+        async def read() -> tuple[list[Message], int]:
+            async with self._db.driver_connection() as conn:
+                found = [_pg_message(r) for r in await conn.fetch(_PG_UNREAD, member_id, limit)]
+                if len(found) < limit:
+                    return found, len(found)
+                total = await conn.fetchval(_PG_UNREAD_COUNT, member_id)
+            return found, int(total)
+
+        return await self._db.retry_read(read)
 
     async def mark_read(
         self, member: Member, group_id: uuid.UUID, up_to: uuid.UUID, at: datetime
@@ -338,8 +341,12 @@ class PostgresReadPath(ReadPath):
         self, workspace_id: uuid.UUID, *, after: int, up_to: int | None, limit: int
     ) -> list[RecordedEvent]:
         bound = _NO_BOUND if up_to is None else up_to
-        async with self._db.driver_connection() as conn:
-            rows = await conn.fetch(_PG_EVENTS, workspace_id, after, bound, limit)
+
+        async def fetch() -> list[Any]:
+            async with self._db.driver_connection() as conn:
+                return list(await conn.fetch(_PG_EVENTS, workspace_id, after, bound, limit))
+
+        rows = await self._db.retry_read(fetch)
         return [
             RecordedEvent(
                 workspace_id=workspace_id,
@@ -352,6 +359,8 @@ class PostgresReadPath(ReadPath):
         ]
 
     async def last_sequence(self, workspace_id: uuid.UUID) -> int:
-        async with self._db.driver_connection() as conn:
-            value = await conn.fetchval(_PG_LAST_SEQUENCE, workspace_id)
-        return int(value or 0)
+        async def fetch() -> Any:
+            async with self._db.driver_connection() as conn:
+                return await conn.fetchval(_PG_LAST_SEQUENCE, workspace_id)
+
+        return int(await self._db.retry_read(fetch) or 0)

@@ -2,7 +2,9 @@
 
 A signal says only "workspace W has events up to N"; receivers read the
 events from the database. Losing a signal delays delivery, never loses an
-event: after Redis comes back, every hub is told to look at every workspace.
+event: while Redis is away every hub reads every workspace at a short
+interval, and after Redis comes back every hub is told to look at every
+workspace once.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import uuid
 from collections.abc import Callable
 
 import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.im.service_layer.ports import EventSignal
 
@@ -52,24 +56,59 @@ class RedisSignal(EventSignal):
     burst of messages costs few Redis calls and a slow or absent Redis never
     slows down the calls that commit events.
 
+    While the subscription is lost (Redis down or unreachable) delivery
+    degrades instead of stopping: every receiver is told to look at every
+    workspace each `fallback_interval_seconds`, which reads the database (the
+    truth) for what other replicas committed. Reconnection tries back off from
+    50 ms to `reconnect_max_seconds`. The outage is logged once as a warning
+    and its end once at INFO; `degraded` says whether one is going on.
+
     Args:
         url: Redis URL.
         channel_prefix: prefix of the per-workspace channels.
         reconnect_max_seconds: cap of the backoff between reconnection tries.
+        fallback_interval_seconds: while Redis is unreachable, how often
+            every workspace is read from the database.
     """
 
     def __init__(
-        self, url: str, *, channel_prefix: str = "agentim:im:events:", reconnect_max_seconds: float = 5.0
+        self,
+        url: str,
+        *,
+        channel_prefix: str = "agentim:im:events:",
+        reconnect_max_seconds: float = 1.0,
+        fallback_interval_seconds: float = 0.25,
     ) -> None:
-        self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        # No retries inside redis-py (by default up to ten, over seconds): a
+        # lost connection must be noticed at once, to fall back to the
+        # database, and reconnecting is paced here.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            socket_keepalive=True,
+            retry=Retry(NoBackoff(), 0),
+        )
         self._prefix = channel_prefix
         self._reconnect_max = reconnect_max_seconds
+        self._fallback_interval = fallback_interval_seconds
         self._local = InProcessSignal()
         self._listener: asyncio.Task[None] | None = None
-        self._subscribed = asyncio.Event()
+        self._tried = asyncio.Event()
         self._pending: dict[uuid.UUID, int] = {}
         self._has_pending = asyncio.Event()
         self._publisher: asyncio.Task[None] | None = None
+        self._subscribed = False
+        # When the current outage began (event loop time); None while subscribed.
+        self._lost_at: float | None = None
+        self._poller: asyncio.Task[None] | None = None
+        # When the fallback reads stop; None: not until Redis is back.
+        self._poll_until: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        """Whether other replicas' signals cannot reach this one (delivery falls back to reading)."""
+        return not self._subscribed
 
     def connect(self, on_signal: Receiver) -> None:
         self._local.connect(on_signal)
@@ -81,10 +120,11 @@ class RedisSignal(EventSignal):
             self._has_pending.set()
 
     async def start(self) -> None:
+        """Subscribes (or, with Redis unreachable, starts the fallback reads); returns after the first try."""
         if self._listener is None:
             self._listener = asyncio.create_task(self._listen(), name="im-redis-signal")
             self._publisher = asyncio.create_task(self._publish_pending(), name="im-redis-publish")
-            await self._subscribed.wait()
+            await self._tried.wait()
 
     async def _publish_pending(self) -> None:
         failures = 0
@@ -102,19 +142,18 @@ class RedisSignal(EventSignal):
                 raise
             except Exception as error:
                 # Keep the newest sequence per workspace and try again later.
+                # The listener reports the outage (once); this would repeat it.
                 failures += 1
                 for workspace_id, sequence in batch.items():
                     if sequence > self._pending.get(workspace_id, 0):
                         self._pending[workspace_id] = sequence
-                delay = min(self._reconnect_max, 0.05 * 2**failures)
-                logger.warning(
-                    "could not publish %d event signals to Redis (%s); again in %.2fs",
-                    len(batch),
-                    error,
-                    delay,
-                )
+                delay = self._backoff(failures)
+                logger.debug("publishing %d signals failed (%s); again in %.2fs", len(batch), error, delay)
                 await asyncio.sleep(delay)
                 self._has_pending.set()
+
+    def _backoff(self, failures: int) -> float:
+        return min(self._reconnect_max, 0.05 * 2 ** min(failures, 16))
 
     async def _listen(self) -> None:
         failures = 0
@@ -122,11 +161,7 @@ class RedisSignal(EventSignal):
             pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.psubscribe(f"{self._prefix}*")
-                self._subscribed.set()
-                if failures:
-                    logger.info("event signals from Redis restored")
-                    # Anything published while we were away is in the database.
-                    await self._local.publish_all()
+                self._restored()
                 failures = 0
                 async for message in pubsub.listen():
                     self._receive(message)
@@ -134,13 +169,48 @@ class RedisSignal(EventSignal):
                 raise
             except Exception as error:
                 failures += 1
-                self._subscribed.set()  # do not hold up start-up: the database still works
-                delay = min(self._reconnect_max, 0.05 * 2**failures)
-                logger.warning("Redis event signals lost (%s); retrying in %.2fs", error, delay)
-                await asyncio.sleep(delay)
+                self._lost(error)
+                await asyncio.sleep(self._backoff(failures))
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _lost(self, error: Exception) -> None:
+        self._subscribed = False
+        self._tried.set()  # do not hold up start-up: the database still works
+        self._poll_until = None
+        if self._lost_at is None:
+            self._lost_at = asyncio.get_running_loop().time()
+            logger.warning(
+                "Redis event signals lost (%s); reading the database every %.0f ms until Redis is back",
+                error or type(error).__name__,
+                self._fallback_interval * 1000,
+            )
+            # Signals on their way when the connection broke are lost.
+            self._local.deliver(None, 0)
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._read_while_degraded(), name="im-redis-fallback")
+
+    def _restored(self) -> None:
+        self._subscribed = True
+        self._tried.set()
+        if self._lost_at is None:
+            return
+        now = asyncio.get_running_loop().time()
+        logger.info("Redis event signals restored after %.1f s", now - self._lost_at)
+        self._lost_at = None
+        # Anything published while we were away is in the database.
+        self._local.deliver(None, 0)
+        # Another replica's publisher may still be in its backoff (at most
+        # reconnect_max) with signals this one would then miss: read on until
+        # it must have published again.
+        self._poll_until = now + self._reconnect_max
+
+    async def _read_while_degraded(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._poll_until is None or loop.time() < self._poll_until:
+            await asyncio.sleep(self._fallback_interval)
+            self._local.deliver(None, 0)
 
     def _receive(self, message: dict[str, object]) -> None:
         channel = message.get("channel")
@@ -155,14 +225,11 @@ class RedisSignal(EventSignal):
             return
         self._local.deliver(workspace_id, sequence)
 
-    async def ping(self) -> bool:
-        return bool(await self._client.ping())
-
     async def aclose(self) -> None:
-        for task in (self._listener, self._publisher):
+        for task in (self._listener, self._publisher, self._poller):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._listener = self._publisher = None
+        self._listener = self._publisher = self._poller = None
         await self._client.aclose()

@@ -6,6 +6,7 @@ port with SQLAlchemy Core statements that run unchanged on both backends.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
@@ -17,6 +18,7 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from services.common.outages import DATABASE, as_unavailable, describe, unavailable_error
 from services.common.sql import SqlDatabase, SqliteWorker, UtcDateTime
 from services.im.adapters import codec
 from services.im.adapters.tables import (
@@ -51,12 +53,20 @@ from services.im.service_layer.ports import (
     Transaction,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class Database(SqlDatabase):
     """The IM's engine (schema `im`); `transaction()` opens a unit of work."""
 
-    def __init__(self, url: str, *, pool_size: int = 16) -> None:
-        super().__init__(url, schema=SCHEMA, write_option="im_write", pool_size=pool_size)
+    def __init__(self, url: str, *, pool_size: int = 16, busy_timeout_seconds: float = 10.0) -> None:
+        super().__init__(
+            url,
+            schema=SCHEMA,
+            write_option="im_write",
+            pool_size=pool_size,
+            busy_timeout_seconds=busy_timeout_seconds,
+        )
         self._sqlite: SqliteWorker | None = None
 
     def transaction(self, *, write: bool = True) -> SqlTransaction:
@@ -133,7 +143,13 @@ def _message_values(message: Message) -> dict[str, Any]:
 
 
 class SqlTransaction(Transaction):
-    """One database transaction on its own connection."""
+    """One database transaction on its own connection.
+
+    Failures that mean the database cannot serve leave it as
+    `DependencyUnavailable`. On PostgreSQL a read transaction is a series of
+    statements that each see committed data (no snapshot to keep), so a
+    statement whose connection broke goes again once on a new connection.
+    """
 
     def __init__(self, database: Database, *, write: bool) -> None:
         self._db = database
@@ -147,7 +163,16 @@ class SqlTransaction(Transaction):
             await self._db.write_lock.acquire()
             self._locked = True
         try:
-            conn = await self._db.engine.connect()
+            with as_unavailable(DATABASE):
+                self._conn = await self._connect()
+        except BaseException:
+            self._release_lock()
+            raise
+        return self
+
+    async def _connect(self) -> AsyncConnection:
+        conn = await self._db.engine.connect()
+        try:
             if self._write:
                 conn = await conn.execution_options(im_write=True)
             elif not self._db.is_sqlite:
@@ -155,10 +180,9 @@ class SqlTransaction(Transaction):
                 conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
             await conn.begin()
         except BaseException:
-            self._release_lock()
+            await conn.close()
             raise
-        self._conn = conn
-        return self
+        return conn
 
     async def __aexit__(
         self,
@@ -166,13 +190,18 @@ class SqlTransaction(Transaction):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            await self.rollback()
-        finally:
-            if self._conn is not None:
-                await self._conn.close()
-                self._conn = None
-            self._release_lock()
+        with as_unavailable(DATABASE):
+            try:
+                await self.rollback()
+            finally:
+                if self._conn is not None:
+                    await self._conn.close()
+                    self._conn = None
+                self._release_lock()
+        if exc is not None:
+            unavailable = unavailable_error(exc, dependency=DATABASE)
+            if unavailable is not None and unavailable is not exc:
+                raise unavailable from exc
 
     def _release_lock(self) -> None:
         if self._locked:
@@ -193,16 +222,29 @@ class SqlTransaction(Transaction):
             self._finished = True
             await self._conn.rollback()
 
+    async def _execute(self, statement: sa.Executable, parameters: Any = None) -> sa.CursorResult[Any]:
+        try:
+            return await self.conn.execute(statement, parameters)
+        except sa.exc.DBAPIError as error:
+            if self._write or self._db.is_sqlite or not error.connection_invalidated:
+                raise
+            logger.info("a database read lost its connection (%s); reading again", describe(error))
+        # SQLAlchemy has invalidated the broken connection; take a new one.
+        await self.conn.close()
+        self._conn = None
+        self._conn = await self._connect()
+        return await self.conn.execute(statement, parameters)
+
     async def _rows(self, statement: sa.Executable) -> Sequence[sa.Row[Any]]:
-        return (await self.conn.execute(statement)).all()
+        return (await self._execute(statement)).all()
 
     # -- workspaces ---------------------------------------------------------
 
     async def add_workspace(self, workspace: Workspace) -> None:
-        await self.conn.execute(
+        await self._execute(
             workspaces.insert().values(id=workspace.id, name=workspace.name, created_at=workspace.created_at)
         )
-        await self.conn.execute(event_counters.insert().values(workspace_id=workspace.id, last_sequence=0))
+        await self._execute(event_counters.insert().values(workspace_id=workspace.id, last_sequence=0))
 
     async def get_workspace(self, workspace_id: uuid.UUID) -> Workspace | None:
         rows = await self._rows(workspaces.select().where(workspaces.c.id == workspace_id))
@@ -221,7 +263,7 @@ class SqlTransaction(Transaction):
     # -- members ------------------------------------------------------------
 
     async def add_member(self, member: Member) -> None:
-        await self.conn.execute(
+        await self._execute(
             members.insert().values(
                 id=member.id,
                 workspace_id=member.workspace_id,
@@ -253,7 +295,7 @@ class SqlTransaction(Transaction):
         return [_member(r) for r in await self._rows(query)]
 
     async def update_member(self, member: Member) -> None:
-        await self.conn.execute(
+        await self._execute(
             members.update()
             .where(members.c.id == member.id)
             .values(display_name=member.display_name, avatar=member.avatar)
@@ -263,7 +305,7 @@ class SqlTransaction(Transaction):
 
     async def add_group(self, group: Group) -> None:
         try:
-            await self.conn.execute(
+            await self._execute(
                 groups.insert().values(
                     id=group.id,
                     workspace_id=group.workspace_id,
@@ -337,13 +379,13 @@ class SqlTransaction(Transaction):
         return await self._groups(await self._rows(query))
 
     async def rename_group(self, group_id: uuid.UUID, name: str) -> None:
-        await self.conn.execute(groups.update().where(groups.c.id == group_id).values(name=name))
+        await self._execute(groups.update().where(groups.c.id == group_id).values(name=name))
 
     async def add_memberships(
         self, group_id: uuid.UUID, member_ids: list[uuid.UUID], joined_at: datetime
     ) -> None:
         if member_ids:
-            await self.conn.execute(
+            await self._execute(
                 memberships.insert(),
                 [
                     {
@@ -357,7 +399,7 @@ class SqlTransaction(Transaction):
             )
 
     async def remove_memberships(self, group_id: uuid.UUID, member_ids: list[uuid.UUID]) -> None:
-        await self.conn.execute(
+        await self._execute(
             memberships.delete().where(
                 memberships.c.group_id == group_id, memberships.c.member_id.in_(member_ids)
             )
@@ -410,10 +452,10 @@ class SqlTransaction(Transaction):
     async def add_message(self, message: Message) -> None:
         insert = _dialect_insert(self._db)(messages).values(**_message_values(message))
         if message.request_id is None:
-            await self.conn.execute(insert)
+            await self._execute(insert)
             return
         # DO NOTHING rather than an IntegrityError, which would abort a PostgreSQL transaction.
-        result = await self.conn.execute(
+        result = await self._execute(
             insert.on_conflict_do_nothing(index_elements=[messages.c.sender_id, messages.c.request_id])
         )
         if not result.rowcount:
@@ -430,7 +472,7 @@ class SqlTransaction(Transaction):
         return _message(rows[0]) if rows else None
 
     async def edit_message(self, message_id: uuid.UUID, content: str, edited_at: datetime) -> None:
-        await self.conn.execute(
+        await self._execute(
             messages.update().where(messages.c.id == message_id).values(content=content, edited_at=edited_at)
         )
 
@@ -472,7 +514,7 @@ class SqlTransaction(Transaction):
     # -- read state ---------------------------------------------------------
 
     async def advance_read(self, group_id: uuid.UUID, member_id: uuid.UUID, up_to: uuid.UUID) -> bool:
-        result = await self.conn.execute(
+        result = await self._execute(
             memberships.update()
             .where(
                 memberships.c.group_id == group_id,
@@ -511,9 +553,7 @@ class SqlTransaction(Transaction):
         found = [_message(r) for r in rows]
         if len(found) < limit:
             return found, len(found)
-        total = (
-            await self.conn.execute(sa.select(sa.func.count()).select_from(query.subquery()))
-        ).scalar_one()
+        total = (await self._execute(sa.select(sa.func.count()).select_from(query.subquery()))).scalar_one()
         return found, int(total)
 
     # -- events and idempotency -----------------------------------------------
@@ -542,16 +582,16 @@ class SqlTransaction(Transaction):
             statement = (
                 events.insert().from_select(columns, values).returning(events.c.sequence).add_cte(taken)
             )
-            return int((await self.conn.execute(statement)).scalar_one())
+            return int((await self._execute(statement)).scalar_one())
         sequence = (
-            await self.conn.execute(
+            await self._execute(
                 event_counters.update()
                 .where(event_counters.c.workspace_id == workspace_id)
                 .values(last_sequence=event_counters.c.last_sequence + 1)
                 .returning(event_counters.c.last_sequence)
             )
         ).scalar_one()
-        await self.conn.execute(
+        await self._execute(
             events.insert().values(
                 workspace_id=workspace_id,
                 sequence=sequence,
@@ -600,7 +640,7 @@ class SqlTransaction(Transaction):
 
     async def last_event_sequence(self, workspace_id: uuid.UUID) -> int:
         value = (
-            await self.conn.execute(
+            await self._execute(
                 sa.select(event_counters.c.last_sequence).where(event_counters.c.workspace_id == workspace_id)
             )
         ).scalar_one_or_none()
@@ -618,7 +658,7 @@ class SqlTransaction(Transaction):
         self, scope: uuid.UUID, request_id: str, fingerprint: str, resource_id: uuid.UUID
     ) -> None:
         try:
-            await self.conn.execute(
+            await self._execute(
                 requests.insert().values(
                     scope=scope,
                     request_id=request_id,

@@ -431,5 +431,11 @@ class EventSignal(abc.ABC):
     async def start(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Starts listening (a no-op for in-process signalling)."""
 
+    @property
+    def degraded(self) -> bool:
+        """Whether signals from other replicas cannot arrive now (delivery then
+        falls back to reading the database at intervals). Never, in-process."""
+        return False
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Stops listening and releases connections. Idempotent."""

@@ -20,6 +20,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 from uuid_utils.compat import uuid7
 
+from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase
 from services.runtime.adapters.journal import Write, open_journal
 from services.runtime.adapters.tables import (
@@ -57,24 +58,35 @@ _WRITE = "runtime_write"
 class Database(SqlDatabase):
     """The runtime's engine (schema `runtime`)."""
 
-    def __init__(self, url: str, *, pool_size: int = 16) -> None:
-        super().__init__(url, schema=SCHEMA, write_option=_WRITE, pool_size=pool_size)
+    def __init__(self, url: str, *, pool_size: int = 16, busy_timeout_seconds: float = 10.0) -> None:
+        super().__init__(
+            url,
+            schema=SCHEMA,
+            write_option=_WRITE,
+            pool_size=pool_size,
+            busy_timeout_seconds=busy_timeout_seconds,
+        )
 
     @contextlib.asynccontextmanager
     async def transaction(self, *, write: bool = True) -> AsyncIterator[AsyncConnection]:
         """A connection in a transaction that commits when the block ends and
-        rolls back if it raises."""
-        async with contextlib.AsyncExitStack() as stack:
-            if self.is_sqlite and write:
-                await stack.enter_async_context(self.write_lock)
-            conn = await stack.enter_async_context(self.engine.connect())
-            if write:
-                conn = await conn.execution_options(**{_WRITE: True})
-            elif not self.is_sqlite:
-                # Reads need no BEGIN/COMMIT round trips; each query sees committed data.
-                conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
-            async with conn.begin():
-                yield conn
+        rolls back if it raises.
+
+        Raises:
+            DependencyUnavailable: the database cannot serve.
+        """
+        with as_unavailable(DATABASE):
+            async with contextlib.AsyncExitStack() as stack:
+                if self.is_sqlite and write:
+                    await stack.enter_async_context(self.write_lock)
+                conn = await stack.enter_async_context(self.engine.connect())
+                if write:
+                    conn = await conn.execution_options(**{_WRITE: True})
+                elif not self.is_sqlite:
+                    # Reads need no BEGIN/COMMIT round trips; each query sees committed data.
+                    conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+                async with conn.begin():
+                    yield conn
 
 
 def _agent_settings(agent: Agent) -> dict[str, Any]:
@@ -253,8 +265,11 @@ class SqlAgentStore(AgentStore):
         return sqlite.insert(table) if self._db.is_sqlite else postgresql.insert(table)
 
     async def _rows(self, statement: sa.Executable) -> Sequence[sa.Row[Any]]:
-        async with self._db.transaction(write=False) as conn:
-            return (await conn.execute(statement)).all()
+        async def read() -> Sequence[sa.Row[Any]]:
+            async with self._db.transaction(write=False) as conn:
+                return (await conn.execute(statement)).all()
+
+        return await self._db.retry_read(read)
 
     async def _write(self, statement: sa.Executable) -> None:
         async with self._db.transaction() as conn:

@@ -413,7 +413,11 @@ class AgentRunner:
                 raise
             except errors.Unavailable as error:
                 # A dependency (the IM, the database) is away: not the agent's
-                # fault. Look again later; the wait doubles up to a minute.
+                # fault. Look again later; the wait doubles up to a minute. A
+                # run it cut short stays as stored and goes on then, as after
+                # a restart.
+                if self.agent.state is AgentState.RUNNING:
+                    self._continue = True
                 self._unreachable += 1
                 delay = min(60.0, 0.5 * 2 ** (self._unreachable - 1))
                 logger.warning("agent %s: %s; trying again in %.1f s", self.agent.id, error, delay)
@@ -651,15 +655,10 @@ class AgentRunner:
         going_on: Run | None = None,
     ) -> None:
         """A run: a new one (`_begin`), or `going_on` with a stored one."""
-        try:
-            if going_on is None:
-                run, reply_group = await self._begin(taken, task, resumed=resumed)
-            else:
-                run, reply_group = going_on, None if task is not None else self._last_group()
-                self._begun.set()
-        except _NotStarted:
-            self._pending_reads = {}  # what was read stays unread for later
+        started = await self._start(taken, task=task, resumed=resumed, going_on=going_on)
+        if started is None:
             return
+        run, reply_group = started
         reading = asyncio.create_task(self._mark_read())
         status, error, answer = RunStatus.ITERATION_LIMIT, "", ""
         failure: Exception | None = None
@@ -682,6 +681,11 @@ class AgentRunner:
             status, error = RunStatus.INTERRUPTED, "paused by a person"
         except LLMError as llm_failure:
             status, error = RunStatus.FAILED, str(llm_failure)
+        except errors.Unavailable:
+            # The database or the IM is away: nothing is wrong with the agent
+            # or the run, which stays as stored (RUNNING) and goes on once the
+            # dependency is back (see `_loop`), with the same keys.
+            raise
         except Exception as other:
             # The IM refused or lost the answer, a tool's port broke...: the
             # run ends FAILED, never left RUNNING.
@@ -698,6 +702,25 @@ class AgentRunner:
             self._unended = (ended, answer)
             raise
         await self._settle_task(ended, answer)
+
+    async def _start(
+        self, taken: _Taken, *, task: Task | None, resumed: bool, going_on: Run | None
+    ) -> tuple[Run, uuid.UUID | None] | None:
+        """The run to work in and the chat to answer; None if the work is not to be done."""
+        try:
+            if going_on is not None:
+                self._begun.set()
+                return going_on, None if task is not None else self._last_group()
+            return await self._begin(taken, task, resumed=resumed)
+        except _NotStarted:
+            self._pending_reads = {}  # what was read stays unread for later
+            return None
+        except errors.Unavailable:
+            # Not begun (nothing stored): what was read stays unread for later,
+            # and a task marked RUNNING meanwhile is settled once the runner is idle.
+            self._pending_reads = {}
+            self._running_task = None
+            raise
 
     async def _begin(
         self, taken: _Taken, task: Task | None, *, resumed: bool
@@ -736,9 +759,11 @@ class AgentRunner:
         # the agent's state, the input and how far it was read; the IM's read
         # positions move while the model is already working.
         was = self.agent.state
-        self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
+        running = replace(self.agent, state=AgentState.RUNNING, last_error="")
         incoming = [self._step(run, message, StepMetrics()) for message in inputs]
-        await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks)
+        await env.store.begin_run(run, running, incoming, read_marks=taken.marks)
+        # The state here follows the store's; what changed meanwhile (a pause asked for) stays.
+        self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
         self._advance_marks(taken.marks)
         self._emit(RunStarted(run))
         if was is not AgentState.RUNNING:
@@ -1065,8 +1090,11 @@ class AgentRunner:
         if (state, error, False) == (self.agent.state, self.agent.last_error, self.agent.pause_pending):
             await self._env.store.save_progress(self.agent)
             return
+        await self._env.store.save_progress(
+            replace(self.agent, state=state, last_error=error, pause_pending=False)
+        )
+        # The state here follows the store's; what changed meanwhile stays.
         self.agent = replace(self.agent, state=state, last_error=error, pause_pending=False)
-        await self._env.store.save_progress(self.agent)
         self._emit(StateChanged(state, error))
 
     def _emit(self, event: AgentEvent) -> None:

@@ -205,16 +205,27 @@ class TaskService(TaskQueue):
             priority=priority,
             request_id=request_id,
         )
-        stored = await self._store.add_task(task)
+        try:
+            stored = await self._store.add_task(task)
+        except errors.Unavailable:
+            # The write may have committed all the same (only its answer was
+            # lost): the caller's retry then finds the task, which the runner
+            # must not miss.
+            self._forget(agent.id)
+            self._wake(agent.id)
+            raise
         # After the write: a look that began before it sees this and keeps nothing.
         self._forget(agent.id)
         if stored.id != task.id:  # a concurrent call with the request_id got there first
             return await self._placed(_replayed(stored, asked))
         self._publish(stored)
-        runner = self._supervisor.runner(agent.id)
+        self._wake(agent.id)
+        return await self._placed(stored)
+
+    def _wake(self, agent_id: uuid.UUID) -> None:
+        runner = self._supervisor.runner(agent_id)
         if runner is not None:
             runner.wake()
-        return await self._placed(stored)
 
     async def get_task(self, principal: Principal | None, task_id: str) -> Placed:
         return await self._placed(await self._visible(principal, task_id))
@@ -473,7 +484,13 @@ class TaskService(TaskQueue):
         False if it was no longer running."""
         current = await self._reread(task)
         changed = outcome(current)
-        if not await self._store.update_task(changed, expected=(TaskStatus.RUNNING,)):
+        try:
+            stored = await self._store.update_task(changed, expected=(TaskStatus.RUNNING,))
+        except errors.Unavailable:
+            if changed.status in WAITING:
+                self._forget(task.agent_id)  # the write may have committed all the same
+            raise
+        if not stored:
             if not quiet:
                 logger.warning("task %s is no longer running: not marked %s", task.id, changed.status.value)
             return False
