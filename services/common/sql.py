@@ -29,7 +29,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-import asyncpg
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
@@ -304,28 +303,15 @@ def _alembic_config(migrations: Path, connection: Connection) -> Config:
     return config
 
 
-_DATABASE_UNAVAILABLE = (
-    OSError,
-    TimeoutError,
-    asyncpg.InterfaceError,  # the connection is closed or in a bad state
-    asyncpg.PostgresConnectionError,  # class 08
-    asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, cancelled
-    asyncpg.exceptions.InsufficientResourcesError,  # class 53: disk full, too many connections
-    sqlite3.OperationalError,  # locked, disk I/O, cannot open
-    sa.exc.OperationalError,
-    sa.exc.InterfaceError,
-    sa.exc.TimeoutError,  # no pooled connection came in time
-)
-
-
 def database_unavailable(error: Exception) -> bool:
     """Whether a failure is the database's own (unreachable, shutting down, out of
-    resources, locked) rather than caused by what a statement tried to store.
+    resources, locked) rather than caused by what a statement tried to store
+    (`services.common.outages` decides).
 
     Batched writers fail a whole batch at once on these, instead of splitting
     it to find an item at fault (see `services.common.batching`).
     """
-    return isinstance(error, _DATABASE_UNAVAILABLE)
+    return unavailable_error(error, dependency=DATABASE) is not None
 
 
 def sqlite_time(value: datetime) -> str:

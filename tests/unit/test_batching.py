@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import tempfile
 
 import asyncpg
 import pytest
@@ -163,6 +164,24 @@ async def test_the_caller_says_which_failures_are_no_items_fault() -> None:
     assert len(poisoned.batches) == 2
 
 
+def locked_sqlite_error() -> sqlite3.OperationalError:
+    """A real "database is locked" (with its SQLite error code), from two connections to one file."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = f"{directory}/locked.db"
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("CREATE TABLE t (x)")
+        holder.execute("BEGIN IMMEDIATE")
+        other = sqlite3.connect(path, isolation_level=None, timeout=0)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as error:
+            return error
+        finally:
+            other.close()
+            holder.close()
+    raise AssertionError("the second writer was not refused")
+
+
 @pytest.mark.parametrize(
     ("error", "unavailable"),
     [
@@ -170,7 +189,7 @@ async def test_the_caller_says_which_failures_are_no_items_fault() -> None:
         (TimeoutError(), True),
         (asyncpg.exceptions.AdminShutdownError(), True),
         (asyncpg.exceptions.ConnectionDoesNotExistError(), True),
-        (sqlite3.OperationalError("database is locked"), True),
+        (locked_sqlite_error(), True),
         (asyncpg.exceptions.CharacterNotInRepertoireError(), False),
         (asyncpg.exceptions.NumericValueOutOfRangeError(), False),
         (sqlite3.IntegrityError(), False),
