@@ -48,41 +48,26 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        if handler.unary_unary is not None:
-            inner_unary = handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                try:
-                    return await inner_unary(request, context)
-                except ServiceError as error:
-                    await _abort_for(error, context, method)
-                except Exception as error:
-                    if _is_abort(error):
-                        raise
-                    await _abort_for(error, context, method)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None and not inspect.isasyncgenfunction(handler.unary_stream):
-            # A stream handler may also be a coroutine that writes with
+        behaviour = handler.unary_unary or handler.unary_stream
+        if behaviour is not None and not inspect.isasyncgenfunction(behaviour):
+            # A unary handler, or a stream handler that writes with
             # context.write (as the library's health Watch is).
-            inner_writer = handler.unary_stream
+            make = (
+                grpc.unary_unary_rpc_method_handler
+                if handler.unary_unary is not None
+                else grpc.unary_stream_rpc_method_handler
+            )
 
-            async def writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+            async def mapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    await inner_writer(request, context)
-                except ServiceError as error:
-                    await _abort_for(error, context, method)
+                    return await behaviour(request, context)
                 except Exception as error:
                     if _is_abort(error):
                         raise
                     await _abort_for(error, context, method)
 
-            return grpc.unary_stream_rpc_method_handler(
-                writer,
+            return make(
+                mapped,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -93,8 +78,6 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for item in inner_stream(request, context):
                         yield item
-                except ServiceError as error:
-                    await _abort_for(error, context, method)
                 except Exception as error:
                     if _is_abort(error):
                         raise

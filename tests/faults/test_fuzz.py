@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
@@ -419,6 +420,8 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
     return known, callers
 
 
+# The long run (`make faults`) sends fifteen times as many requests.
+@pytest.mark.timeout(scaled(120, long=900))
 async def test_no_request_gets_internal_or_unknown(
     im: RunningIM, runtime_on: RunningRuntime, database_url: str
 ) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import tempfile
+from pathlib import Path
 
 import asyncpg
 import pytest
 
 from services.common.batching import BatcherClosed, NaturalBatcher
 from services.common.sql import database_unavailable
+from tests.unit.test_outages import locked
 
 
 class Recorder:
@@ -165,21 +167,8 @@ async def test_the_caller_says_which_failures_are_no_items_fault() -> None:
 
 
 def locked_sqlite_error() -> sqlite3.OperationalError:
-    """A real "database is locked" (with its SQLite error code), from two connections to one file."""
     with tempfile.TemporaryDirectory() as directory:
-        path = f"{directory}/locked.db"
-        holder = sqlite3.connect(path, isolation_level=None)
-        holder.execute("CREATE TABLE t (x)")
-        holder.execute("BEGIN IMMEDIATE")
-        other = sqlite3.connect(path, isolation_level=None, timeout=0)
-        try:
-            other.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as error:
-            return error
-        finally:
-            other.close()
-            holder.close()
-    raise AssertionError("the second writer was not refused")
+        return locked(Path(directory) / "locked.db")
 
 
 @pytest.mark.parametrize(

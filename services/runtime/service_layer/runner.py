@@ -732,7 +732,7 @@ class AgentRunner:
                 since the work was chosen.
         """
         env = self._env
-        if self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED) or self.agent.pause_pending:
+        if self._held_back():
             raise _NotStarted
         messages = taken.messages
         await self._open_session(task.session_id if task is not None else self.agent.session_id)
@@ -758,12 +758,24 @@ class AgentRunner:
         # The way to the first completion is short: one write stores the run,
         # the agent's state, the input and how far it was read; the IM's read
         # positions move while the model is already working.
-        was = self.agent.state
-        running = replace(self.agent, state=AgentState.RUNNING, last_error="")
-        incoming = [self._step(run, message, StepMetrics()) for message in inputs]
-        await env.store.begin_run(run, running, incoming, read_marks=taken.marks)
-        # The state here follows the store's; what changed meanwhile (a pause asked for) stays.
+        if self._held_back():
+            # A person paused or terminated it while the work was being chosen.
+            if task is not None and env.tasks is not None and not resumed:
+                await env.tasks.put_back(task)
+            self._running_task = None
+            raise _NotStarted
+        # RUNNING here before the write (with nothing awaited since the check),
+        # so that a control applied meanwhile sees a run in flight; back as it
+        # was if the write fails.
+        before = self.agent
         self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
+        incoming = [self._step(run, message, StepMetrics()) for message in inputs]
+        try:
+            await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks)
+        except BaseException:
+            self.agent = replace(self.agent, state=before.state, last_error=before.last_error)
+            raise
+        was = before.state
         self._advance_marks(taken.marks)
         self._emit(RunStarted(run))
         if was is not AgentState.RUNNING:
@@ -915,6 +927,10 @@ class AgentRunner:
 
     def _paused(self) -> bool:
         return self.agent.state is AgentState.PAUSED
+
+    def _held_back(self) -> bool:
+        """A person paused or terminated the agent (or asked for a pause): no new run begins."""
+        return self.agent.state in (AgentState.PAUSED, AgentState.TERMINATED) or self.agent.pause_pending
 
     def _over_budget(self) -> bool:
         budget = self.agent.token_budget or self._env.settings.default_token_budget
@@ -1090,11 +1106,20 @@ class AgentRunner:
         if (state, error, False) == (self.agent.state, self.agent.last_error, self.agent.pause_pending):
             await self._env.store.save_progress(self.agent)
             return
-        await self._env.store.save_progress(
-            replace(self.agent, state=state, last_error=error, pause_pending=False)
-        )
-        # The state here follows the store's; what changed meanwhile stays.
+        # Changed here before the write, so that the loop (which checks the
+        # state between its awaits) sees it at once; back as it was if the write fails.
+        before = self.agent
         self.agent = replace(self.agent, state=state, last_error=error, pause_pending=False)
+        try:
+            await self._env.store.save_progress(self.agent)
+        except BaseException:
+            self.agent = replace(
+                self.agent,
+                state=before.state,
+                last_error=before.last_error,
+                pause_pending=before.pause_pending,
+            )
+            raise
         self._emit(StateChanged(state, error))
 
     def _emit(self, event: AgentEvent) -> None:
