@@ -14,12 +14,14 @@ from services.common.server import GrpcServer
 from services.runtime.adapters.im_client import GrpcIM
 from services.runtime.adapters.llm.offline import OfflineModel
 from services.runtime.adapters.llm.openai_provider import OpenAIProvider
+from services.runtime.adapters.memory_client import GrpcMemory
 from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.config import Settings
 from services.runtime.domain.etiquette import ChatterGuard
 from services.runtime.domain.model import Agent
 from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
 from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.lifecycle import LifecycleService
@@ -52,10 +54,14 @@ class RuntimeApp:
     service: AgentService
     server: GrpcServer
 
+    archiver: Archiver | None = None
+
     async def start(self) -> tuple[int, int]:
         """Starts serving and every agent's runner; returns (port, agents started)."""
         port = await self.server.start()
         agents = await self.supervisor.start()
+        if self.archiver is not None:
+            self.archiver.start()
         return port, agents
 
     async def stop(self) -> None:
@@ -90,6 +96,17 @@ def build(settings: Settings) -> RuntimeApp:
         ),
         default_base_url=settings.llm_base_url,
     )
+    # Long-term memory, unless MEMORY_ADDRESS is empty.
+    memory = (
+        GrpcMemory(
+            settings.memory_address,
+            service_token=settings.service_token,
+            deadline_seconds=settings.memory_call_timeout_seconds,
+        )
+        if settings.memory_address
+        else None
+    )
+    archiver = Archiver(store, memory, im, clock=utc_now) if memory is not None else None
     hub = AgentHub()
     tools = default_registry(
         timeout_seconds=settings.tool_timeout_seconds,
@@ -115,10 +132,13 @@ def build(settings: Settings) -> RuntimeApp:
             group_policy=settings.group_policy,
             default_token_budget=settings.token_budget,
             max_reply_bytes=settings.max_reply_bytes,
+            auto_recall=settings.auto_recall,
         ),
         create_sub_agent=create_sub_agent,
         clock=utc_now,
         history=HistoryCache(settings.history_cache_steps),
+        memory=memory,
+        run_ended=archiver.notify if archiver is not None else lambda: None,
     )
     supervisor = Supervisor(env)
     service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now)
@@ -163,7 +183,14 @@ def build(settings: Settings) -> RuntimeApp:
         # have drained, since those calls use them; a run cut short resumes
         # at the next start, as after a crash.
         closers=[close_hub],
-        cleanups=[supervisor.aclose, llm.aclose, im.aclose, store.aclose, database.aclose],
+        cleanups=[
+            supervisor.aclose,
+            *([archiver.stop, memory.aclose] if archiver is not None and memory is not None else []),
+            llm.aclose,
+            im.aclose,
+            store.aclose,
+            database.aclose,
+        ],
     )
     return RuntimeApp(
         settings=settings,
@@ -173,5 +200,6 @@ def build(settings: Settings) -> RuntimeApp:
         hub=hub,
         supervisor=supervisor,
         service=service,
+        archiver=archiver,
         server=server,
     )

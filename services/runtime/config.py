@@ -36,6 +36,9 @@ class Settings:
     task_max_attempts: int
     task_retry_base_seconds: float
     task_retry_max_seconds: float
+    memory_address: str
+    memory_call_timeout_seconds: float
+    auto_recall: int
     llm_api_key: str | None = field(repr=False)
     service_token: str | None = field(repr=False)
 
@@ -80,6 +83,11 @@ class Settings:
             task_max_attempts=env.integer("RUNTIME_TASK_MAX_ATTEMPTS", 3, minimum=1),
             task_retry_base_seconds=env.number("RUNTIME_TASK_RETRY_BASE_SECONDS", 5.0, minimum=0.001),
             task_retry_max_seconds=env.number("RUNTIME_TASK_RETRY_MAX_SECONDS", 300.0, minimum=0.001),
+            # The memory service (run_all and the compose file set it); empty:
+            # no long-term memory (runs are not archived, nothing is recalled).
+            memory_address=env.text("MEMORY_ADDRESS", ""),
+            memory_call_timeout_seconds=env.number("MEMORY_CALL_TIMEOUT_SECONDS", 10.0, minimum=0.01),
+            auto_recall=env.integer("RUNTIME_AUTO_RECALL", 3, minimum=0),
             llm_api_key=env.optional("OPENAI_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
         )

@@ -20,6 +20,7 @@ from services.runtime.domain.llm import (
     Delta,
     FinishReason,
     ReasoningDelta,
+    Role,
     ToolCallDelta,
     Usage,
 )
@@ -36,6 +37,15 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
+from services.runtime.service_layer.memory_port import (
+    Expanded,
+    Memory,
+    MemoryPort,
+    MemoryRefused,
+    MemoryUnavailable,
+    RecallQuery,
+    RunRecord,
+)
 from services.runtime.service_layer.store import (
     AgentStore,
     DuplicateAgentRequest,
@@ -300,6 +310,7 @@ class InMemoryAgentStore(AgentStore):
         self.steps: dict[uuid.UUID, list[Step]] = {}
         self.cursors: dict[uuid.UUID, str] = {}
         self.marks: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}  # (agent, group) -> message
+        self.archived_runs: dict[uuid.UUID, datetime] = {}  # what the memory service has
         self._history = _History()
 
     async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
@@ -386,6 +397,7 @@ class InMemoryAgentStore(AgentStore):
             for index, step in enumerate(session_steps):
                 if step.id == step_id:
                     self.archive.append(("edited", at, step))
+                    self.archived_runs.pop(step.run_id, None)
                     session_steps[index] = replace(step, message=replace(step.message, content=content))
                     return True
         return False
@@ -404,6 +416,7 @@ class InMemoryAgentStore(AgentStore):
         for step in sorted(self.steps.get(session_id, []), key=lambda s: s.sequence):
             if step.sequence in sequences or (after_sequence is not None and step.sequence > after_sequence):
                 self.archive.append((reason, at, step))
+                self.archived_runs.pop(step.run_id, None)
                 moved += 1
             else:
                 kept.append(step)
@@ -563,6 +576,14 @@ class InMemoryAgentStore(AgentStore):
             if t.status is TaskStatus.RUNNING and (agent_id is None or t.agent_id == agent_id)
         ]
 
+    async def unarchived_runs(self, *, limit: int) -> list[Run]:
+        ended = [r for r in self.runs.values() if r.ended_at is not None and r.id not in self.archived_runs]
+        return sorted(ended, key=lambda r: (r.ended_at or r.started_at, r.id))[:limit]
+
+    async def mark_archived(self, run_id: uuid.UUID, *, at: datetime) -> None:
+        self._database("mark_archived")
+        self.archived_runs[run_id] = at
+
     async def end_stale_runs(self, *, error: str, at: datetime) -> int:
         stale = [
             r
@@ -685,3 +706,75 @@ class _History:
 def _queue_order(task: Task) -> tuple[int, datetime, uuid.UUID]:
     """Higher priority first, then arrival."""
     return (-task.priority, task.created_at, task.id)
+
+
+class FakeMemory(MemoryPort):
+    """Long-term memory in a dict: each archived step's text is one memory,
+    found by any word of the query; the audience rule as the service applies it."""
+
+    def __init__(self) -> None:
+        self.records: dict[uuid.UUID, RunRecord] = {}
+        self.archive_calls = 0
+        self.down = False
+        self.refused: set[uuid.UUID] = set()
+        self.recalls: list[tuple[uuid.UUID, tuple[uuid.UUID, ...], RecallQuery]] = []
+        self.changed = asyncio.Event()
+
+    async def archive(self, record: RunRecord) -> None:
+        self.archive_calls += 1
+        if self.down:
+            raise MemoryUnavailable("memory is down")
+        if record.run.id in self.refused:
+            raise MemoryRefused("run refused")
+        self.records[record.run.id] = record
+        self.changed.set()
+
+    def _visible(self, record: RunRecord, chat: uuid.UUID | None, audience: Sequence[uuid.UUID]) -> bool:
+        if chat is None:
+            return True  # a task's: the agent's own
+        members = next((c.member_ids for c in record.conversations if c.group_id == chat), ())
+        return set(audience) <= set(members)
+
+    def _memories(self, agent: Agent, audience: Sequence[uuid.UUID]) -> list[Memory]:
+        found = []
+        for record in self.records.values():
+            if record.agent.id != agent.id:
+                continue
+            for step, chat in record.steps:
+                if self._visible(record, chat, audience) and step.message.content:
+                    found.append(
+                        Memory(
+                            ref=f"{record.run.id}/{step.sequence}/0",
+                            type="response" if step.role is Role.ASSISTANT else "user_message",
+                            text=step.message.content,
+                            score=1.0,
+                            created_at=step.created_at,
+                            group_id=chat,
+                        )
+                    )
+        return found
+
+    async def recall(self, agent: Agent, audience: Sequence[uuid.UUID], query: RecallQuery) -> list[Memory]:
+        self.recalls.append((agent.id, tuple(audience), query))
+        if self.down:
+            raise MemoryUnavailable("memory is down")
+        words = {w.lower() for w in query.text.split() if len(w) > 3}
+        excluded = {str(r) for r in query.exclude_run_ids}
+        return [
+            m
+            for m in self._memories(agent, audience)
+            if m.ref.split("/")[0] not in excluded and words & {w.lower() for w in m.text.split()}
+        ][: query.limit]
+
+    async def expand(
+        self, agent: Agent, audience: Sequence[uuid.UUID], ref: str, *, before: int, after: int
+    ) -> Expanded:
+        memories = [
+            m for m in self._memories(agent, audience) if m.ref.split("/")[0] == ref.split("/", maxsplit=1)[0]
+        ]
+        at = next((i for i, m in enumerate(memories) if m.ref == ref), None)
+        if at is None:
+            raise MemoryRefused(f"no memory {ref}")
+        return Expanded(
+            memories[at], memories[max(0, at - before) : at], memories[at + 1 : at + 1 + after], None
+        )

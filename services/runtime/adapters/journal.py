@@ -147,6 +147,7 @@ class SqliteJournal(Journal):
                         run.iterations,
                         run.error,
                         sqlite_time(run.ended_at) if run.ended_at else None,
+                        run.group_id.hex if run.group_id else None,
                     ),
                 )
             if write.ended_run is not None:
@@ -199,8 +200,8 @@ ON CONFLICT (session_id, sequence) DO NOTHING
 """
 _SQLITE_INSERT_RUN = """
 INSERT INTO runs (id, agent_id, session_id, status, trigger_message_ids, started_at, iterations, error,
-                  ended_at)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+                  ended_at, group_id)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 _SQLITE_END_RUN = """
 UPDATE runs SET status = ?, trigger_message_ids = ?, iterations = ?, error = ?, ended_at = ? WHERE id = ?
@@ -292,6 +293,8 @@ class PostgresJournal(Journal):
                 [agent for _, agent, _, _ in marks],
                 [group for _, _, group, _ in marks],
                 [message for *_, message in marks],
+                # $49: new runs again
+                [r.group_id for _, r in new_runs],
             )
         refused = {int(row["w"]) for row in rows}
         return [index not in refused for index in range(len(batch))]
@@ -334,13 +337,13 @@ inserted_steps AS (
 ),
 inserted_runs AS (
     INSERT INTO {SCHEMA}.runs (id, agent_id, session_id, status, trigger_message_ids, started_at,
-                               iterations, error, ended_at)
+                               iterations, error, ended_at, group_id)
     SELECT id, agent_id, session_id, status, trigger_message_ids::json, started_at, iterations, error,
-           ended_at
+           ended_at, group_id
     FROM unnest($21::int[], $22::uuid[], $23::uuid[], $24::uuid[], $25::text[], $26::text[],
-                $27::timestamptz[], $28::int[], $29::text[], $30::timestamptz[])
+                $27::timestamptz[], $28::int[], $29::text[], $30::timestamptz[], $49::uuid[])
         AS r(w, id, agent_id, session_id, status, trigger_message_ids, started_at, iterations, error,
-             ended_at)
+             ended_at, group_id)
     WHERE w NOT IN (SELECT w FROM refused)
     RETURNING 1
 ),

@@ -134,6 +134,7 @@ def _insert_run(run: Run) -> sa.Insert:
         agent_id=run.agent_id,
         session_id=run.session_id,
         started_at=run.started_at,
+        group_id=run.group_id,
         **_run_progress(run),
     )
 
@@ -184,6 +185,7 @@ def _run(row: sa.Row[Any] | SimpleNamespace) -> Run:
         iterations=int(row.iterations),
         error=row.error,
         ended_at=row.ended_at,
+        group_id=row.group_id,
     )
 
 
@@ -695,6 +697,19 @@ class SqlAgentStore(AgentStore):
             found.append(TaskInFlight(_task(row), stored, state))
         return found
 
+    async def unarchived_runs(self, *, limit: int) -> list[Run]:
+        ended = runs.c.ended_at.is_not(None)
+        query = (
+            runs.select()
+            .where(runs.c.archived_at.is_(None), ended)
+            .order_by(runs.c.ended_at, runs.c.id)
+            .limit(limit)
+        )
+        return [_run(r) for r in await self._rows(query)]
+
+    async def mark_archived(self, run_id: uuid.UUID, *, at: datetime) -> None:
+        await self._write(runs.update().where(runs.c.id == run_id).values(archived_at=at))
+
     async def end_stale_runs(self, *, error: str, at: datetime) -> int:
         idle = sa.select(agents.c.id).where(agents.c.state != AgentState.RUNNING.value)
         async with self._db.transaction() as conn:
@@ -800,6 +815,12 @@ async def _archive(
     )
     if remove:
         await conn.execute(steps.delete().where(steps.c.id.in_([row.id for row in rows])))
+    # Their runs go to memory again, to replace what it has of them.
+    await conn.execute(
+        runs.update()
+        .where(runs.c.id.in_({row.run_id for row in rows}), runs.c.ended_at.is_not(None))
+        .values(archived_at=None)
+    )
     return len(rows)
 
 

@@ -66,7 +66,18 @@ runs = sa.Table(
     sa.Column("iterations", sa.Integer, nullable=False),
     sa.Column("error", sa.Text, nullable=False),
     sa.Column("ended_at", UtcDateTime, nullable=True),
+    # The chat the run answers; None for a task (and for runs from before 0006).
+    sa.Column("group_id", sa.Uuid, nullable=True),
+    # When the memory service got the run. The ended runs without it are the
+    # memory outbox: ending a run queues it in the same write.
+    sa.Column("archived_at", UtcDateTime, nullable=True),
     sa.Index("ix_runs_agent", "agent_id", "id"),
+    sa.Index(
+        "ix_runs_unarchived",
+        "ended_at",
+        sqlite_where=sa.text("archived_at IS NULL AND ended_at IS NOT NULL"),
+        postgresql_where=sa.text("archived_at IS NULL AND ended_at IS NOT NULL"),
+    ),
 )
 
 steps = sa.Table(

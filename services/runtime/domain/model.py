@@ -156,6 +156,8 @@ class Run:
     iterations: int = 0
     error: str = ""
     ended_at: datetime | None = None
+    # The chat it answers; None for a task.
+    group_id: uuid.UUID | None = None
 
 
 # The live stream of an agent. Step snapshots are persisted; deltas are not.

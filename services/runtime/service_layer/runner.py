@@ -30,6 +30,7 @@ from datetime import datetime
 from uuid_utils.compat import uuid7
 
 from services.common import errors
+from services.runtime.domain.conversations import in_conversation, run_conversations
 from services.runtime.domain.etiquette import (
     ChatterGuard,
     GroupPolicy,
@@ -78,8 +79,15 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMError, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
+from services.runtime.service_layer.memory_port import MemoryPort, RecallQuery
 from services.runtime.service_layer.store import AgentStore
-from services.runtime.service_layer.tools import SubAgentFactory, ToolContext, ToolOutcome, ToolRegistry
+from services.runtime.service_layer.tools import (
+    SubAgentFactory,
+    ToolContext,
+    ToolOutcome,
+    ToolRegistry,
+    recalled_note,
+)
 from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
@@ -98,6 +106,10 @@ class LoopSettings:
     unread_batch: int = 200
     # An answer longer than this is sent as several messages (the IM's limit).
     max_reply_bytes: int = 64 * 1024
+    # Memories recalled into a new run from its input (0: none), and how long
+    # recall may take before the run goes on without.
+    auto_recall: int = 3
+    recall_timeout_seconds: float = 3.0
 
 
 class Directory:
@@ -186,6 +198,9 @@ class RunnerEnv:
     reads: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(32))
     history: HistoryCache = field(default_factory=HistoryCache)
     tasks: TaskQueue | None = None
+    # Long-term memory: recall from it, and who to tell that a run ended.
+    memory: MemoryPort | None = None
+    run_ended: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +248,9 @@ class AgentRunner:
         self._begun = asyncio.Event()
         # Tools waiting for a person's answer in a group: (group, after message) -> answer.
         self._reply_waiters: dict[tuple[uuid.UUID, uuid.UUID], asyncio.Future[IMMessage]] = {}
+        # The members of the chat the run in flight answers (who sees what it
+        # recalls); empty for a task, None when they could not be learnt.
+        self._audience: tuple[uuid.UUID, ...] | None = ()
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -560,7 +578,7 @@ class AgentRunner:
         if last is not None and last.run_id == run.id and _is_answer(last):
             # It had its answer: what may be missing is its delivery (sent
             # again with the same key, it arrives once) and its end.
-            await self._deliver(last, None if task is not None else self._last_group())
+            await self._deliver(last, None if task is not None else (run.group_id or self._last_group()))
             completed = replace(run, status=RunStatus.COMPLETED, ended_at=self._env.clock())
             await self._end_run(completed, None)
             await self._settle_task(completed, last.message.content or "")
@@ -591,10 +609,14 @@ class AgentRunner:
             if len(page) < 1000:
                 return steps
 
-    async def _take_unread(self) -> _Taken:
-        """The unread messages that call for an answer and were not taken as
-        input before, and how far each group is then read; the IM is told
-        (`_mark_read`) once they are stored as steps."""
+    async def _take_unread(self, chat: uuid.UUID | None = None) -> _Taken:
+        """The unread messages of one chat that call for an answer and were
+        not taken as input before, and how far each group is then read; the
+        IM is told (`_mark_read`) once they are stored as steps.
+
+        A run answers one chat (`chat`, or the one with the oldest message
+        waiting): the messages of other chats wait for runs of their own,
+        each with its own conversation's context."""
         member = self.agent.member_id
         if self._marks is None:
             self._marks = await self._env.store.read_marks(self.agent.id)
@@ -621,6 +643,14 @@ class AgentRunner:
                 policy=self._env.settings.group_policy,
             ):
                 relevant.append(message)
+        if relevant:
+            chosen = chat if chat is not None else relevant[0].group_id
+            waiting = {m.group_id for m in relevant if m.group_id != chosen}
+            relevant = [m for m in relevant if m.group_id == chosen]
+            for group_id in waiting:
+                del latest[group_id]  # read in its own run
+            if waiting:
+                self.wake()
         self._pending_reads.update(latest)
         return _Taken(relevant, latest)
 
@@ -701,7 +731,43 @@ class AgentRunner:
             # Stored at the next cycle, before anything else (see `_end_unended`).
             self._unended = (ended, answer)
             raise
+        self._env.run_ended()
         await self._settle_task(ended, answer)
+
+    async def _members(self, chat: uuid.UUID | None) -> tuple[uuid.UUID, ...] | None:
+        """Who will see the answer in `chat` (read afresh: someone may have joined)."""
+        if chat is None or self._env.memory is None:
+            return ()
+        try:
+            return (await self._env.im.get_group(self.agent.member_id, chat)).member_ids
+        except IMError as error:
+            # Unknown audience: no recall in this run.
+            logger.warning("agent %s: members of chat %s unknown: %s", self.agent.id, chat, error)
+            return None
+
+    async def _recall(self, run: Run, messages: list[IMMessage], task: Task | None) -> list[ChatMessage]:
+        """The memories most related to the run's input, as an input step of
+        the run (visible and editable like any step), each with its ref; none
+        if memory is slow or away: the run goes on without."""
+        env, limit, audience = self._env, self._env.settings.auto_recall, self._audience
+        if env.memory is None or limit <= 0 or audience is None:
+            return []
+        query = task.input if task is not None else "\n".join(m.content for m in messages)
+        if not query.strip():
+            return []
+        try:
+            found = await asyncio.wait_for(
+                env.memory.recall(
+                    self.agent,
+                    audience,
+                    RecallQuery(text=query[-2000:], limit=limit, exclude_run_ids=(run.id,)),
+                ),
+                env.settings.recall_timeout_seconds,
+            )
+        except (TimeoutError, errors.ServiceError) as error:
+            logger.warning("agent %s: recall skipped: %s", self.agent.id, error)
+            return []
+        return [ChatMessage(role=Role.USER, content=recalled_note(found))] if found else []
 
     async def _start(
         self, taken: _Taken, *, task: Task | None, resumed: bool, going_on: Run | None
@@ -709,8 +775,10 @@ class AgentRunner:
         """The run to work in and the chat to answer; None if the work is not to be done."""
         try:
             if going_on is not None:
+                chat = None if task is not None else (going_on.group_id or self._last_group())
+                self._audience = await self._members(chat)
                 self._begun.set()
-                return going_on, None if task is not None else self._last_group()
+                return going_on, chat
             return await self._begin(taken, task, resumed=resumed)
         except _NotStarted:
             self._pending_reads = {}  # what was read stays unread for later
@@ -743,8 +811,14 @@ class AgentRunner:
             status=RunStatus.RUNNING,
             trigger_message_ids=tuple(m.id for m in messages),
             started_at=env.clock(),
+            group_id=messages[-1].group_id if messages else None,
         )
         inputs = [await self._incoming(m) for m in messages]
+        reply_group = messages[-1].group_id if messages else (None if task else self._last_group())
+        self._audience = await self._members(reply_group)
+        if not resumed:
+            # Before the input: the model reads what it remembers, then what it is asked.
+            inputs[:0] = await self._recall(run, messages, task)
         if task is not None:
             # Known as running before it is marked so, for a cancel meanwhile.
             self._running_task = task
@@ -789,7 +863,6 @@ class AgentRunner:
             if task.status is not TaskStatus.RUNNING:
                 self._running_task = None  # a person cancelled it meanwhile: `_run` ends here
         self._begun.set()
-        reply_group = messages[-1].group_id if messages else (None if task else self._last_group())
         return run, reply_group
 
     async def _iterate(
@@ -809,7 +882,7 @@ class AgentRunner:
             if completion.message.tool_calls:
                 await self._call_tools(run, said, completion.message.tool_calls, reply_group)
                 self._pause_point()
-                taken = await self._take_unread() if chat else _Taken()
+                taken = await self._take_unread(reply_group) if chat and reply_group else _Taken()
                 if taken.messages:
                     arrived = taken.messages
                     run = replace(
@@ -963,7 +1036,8 @@ class AgentRunner:
         env, agent = self._env, self.agent
         assert self._steps is not None
         context = [ChatMessage(role=Role.SYSTEM, content=self._system_prompt())]
-        context += [step.message for step in self._steps]
+        runs = run_conversations(self._steps)
+        context += [step.message for step in in_conversation(self._steps, runs.get(run.id), runs)]
         request = CompletionRequest(
             messages=context, tools=env.tools.specs(agent.tools), settings=agent.model
         )
@@ -1031,6 +1105,8 @@ class AgentRunner:
             trigger_group_id=reply_group,
             create_sub_agent=env.create_sub_agent,
             wait_for_reply=self._wait_for_reply,
+            memory=env.memory if self._audience is not None else None,
+            audience=self._audience or (),
         )
 
         async def execute(call: ToolCall) -> ToolOutcome:

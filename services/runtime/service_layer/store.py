@@ -270,6 +270,17 @@ class AgentStore(abc.ABC):
     async def running_tasks(self, agent_id: uuid.UUID | None = None) -> list[TaskInFlight]:
         """The RUNNING tasks (of one agent, or of all), with their runs and agents' states."""
 
+    # The memory outbox: ended runs not yet archived (ending a run queues it;
+    # changing its steps queues it again).
+
+    @abc.abstractmethod
+    async def unarchived_runs(self, *, limit: int) -> list[Run]:
+        """Ended runs the memory service does not have yet, oldest end first."""
+
+    @abc.abstractmethod
+    async def mark_archived(self, run_id: uuid.UUID, *, at: datetime) -> None:
+        """Records that the memory service has the run as it is now."""
+
     @abc.abstractmethod
     async def end_stale_runs(self, *, error: str, at: datetime) -> int:
         """Ends INTERRUPTED (with `error`) every run still RUNNING whose agent

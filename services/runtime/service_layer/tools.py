@@ -12,12 +12,14 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from services.common.errors import ServiceError
 from services.runtime.domain.llm import ToolCall, ToolSpec
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.im_port import IMGroup, IMMember, IMMessage, IMPort
+from services.runtime.service_layer.memory_port import Memory, MemoryPort, RecallQuery
 
 # (parent, name, role, system prompt, request_id) -> the new agent (the same one for a repeated request_id).
 SubAgentFactory = Callable[[Agent, str, str, str, str], Awaitable[Agent]]
@@ -41,6 +43,9 @@ class ToolContext:
     create_sub_agent: SubAgentFactory
     wait_for_reply: ReplyWaiter | None = None
     request_id: str = ""
+    memory: MemoryPort | None = None
+    # Who will see the answer: the members of the chat it goes to (empty for a task).
+    audience: tuple[uuid.UUID, ...] = ()
 
 
 ToolFunction = Callable[[ToolContext, dict[str, Any]], Awaitable[str]]
@@ -255,6 +260,87 @@ async def create_sub_agent(context: ToolContext, arguments: dict[str, Any]) -> s
     return f"created agent {child.name!r} (agent_id={child.id}, member_id={child.member_id})"
 
 
+MEMORY_TYPES = ("user_message", "reasoning", "tool_call", "tool_result", "response", "summary")
+# A recalled memory's text is cut here in a tool result (expand gives all of it).
+_RECALLED_CHARS = 600
+
+
+def describe_memory(memory: Memory, *, chars: int = _RECALLED_CHARS) -> str:
+    text = memory.text if len(memory.text) <= chars else memory.text[:chars] + "…"
+    tool = f" {memory.tool_name}" if memory.tool_name else ""
+    return f"- ref={memory.ref} ({memory.type}{tool}, {memory.created_at:%Y-%m-%d %H:%M} UTC): {text}"
+
+
+RECALLED_HEADER = (
+    "[memory] Recalled from your earlier runs (cite a ref to point at one; expand(ref) shows more):"
+)
+
+
+def recalled_note(memories: Sequence[Memory]) -> str:
+    """The input step that brings memories recalled at the start of a run."""
+    return "\n".join([RECALLED_HEADER, *(describe_memory(m) for m in memories)])
+
+
+def _memory(context: ToolContext) -> MemoryPort:
+    if context.memory is None:
+        raise ToolError("long-term memory is not available here")
+    return context.memory
+
+
+def _when(arguments: dict[str, Any], name: str) -> datetime | None:
+    value = arguments.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        at = datetime.fromisoformat(str(value))
+    except ValueError:
+        raise ToolError(f"{name!r} must be an ISO 8601 date or time, got {value!r}") from None
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def _count(arguments: dict[str, Any], name: str, default: int, most: int) -> int:
+    value = arguments.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ToolError(f"{name!r} must be a whole number from 0 to {most}")
+    return value
+
+
+async def recall(context: ToolContext, arguments: dict[str, Any]) -> str:
+    """Searches the agent's long-term memory of earlier runs."""
+    types = arguments.get("types") or []
+    if not isinstance(types, list) or any(t not in MEMORY_TYPES for t in types):
+        raise ToolError(f"'types' must be a list of: {', '.join(MEMORY_TYPES)}")
+    query = RecallQuery(
+        text=_text(arguments, "query"),
+        limit=_count(arguments, "limit", 5, 20) or 5,
+        types=tuple(types),
+        since=_when(arguments, "since"),
+        until=_when(arguments, "until"),
+        prefer_recent=bool(arguments.get("prefer_recent", False)),
+    )
+    found = await _memory(context).recall(context.agent, context.audience, query)
+    if not found:
+        return "nothing found in memory"
+    return "\n".join(describe_memory(m) for m in found)
+
+
+async def expand(context: ToolContext, arguments: dict[str, Any]) -> str:
+    """A memory with what came before and after it in its run."""
+    ref = _text(arguments, "ref")
+    expanded = await _memory(context).expand(
+        context.agent,
+        context.audience,
+        ref,
+        before=_count(arguments, "before", 3, 50),
+        after=_count(arguments, "after", 3, 50),
+    )
+    lines = [f"run {expanded.run_id}:"] if expanded.run_id else []
+    lines += [describe_memory(m, chars=4000) for m in expanded.before]
+    lines.append(describe_memory(expanded.focus, chars=4000).replace("- ref=", "> ref=", 1))
+    lines += [describe_memory(m, chars=4000) for m in expanded.after]
+    return "\n".join(lines)
+
+
 def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
@@ -298,6 +384,40 @@ BUILT_IN_TOOLS = (
             _schema({"name": _STRING, "members": {"type": "array", "items": _STRING}}, ["name", "members"]),
         ),
         create_group,
+    ),
+    Tool(
+        ToolSpec(
+            "recall",
+            "Search your long-term memory of earlier runs (any language). Results carry a ref you can"
+            " cite or expand.",
+            _schema(
+                {
+                    "query": _STRING,
+                    "types": {"type": "array", "items": {"type": "string", "enum": list(MEMORY_TYPES)}},
+                    "since": {**_STRING, "description": "ISO 8601 date or time"},
+                    "until": {**_STRING, "description": "ISO 8601 date or time"},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 20},
+                    "prefer_recent": {"type": "boolean"},
+                },
+                ["query"],
+            ),
+        ),
+        recall,
+    ),
+    Tool(
+        ToolSpec(
+            "expand",
+            "Show a memory (by its ref) with what came before and after it in its run.",
+            _schema(
+                {
+                    "ref": _STRING,
+                    "before": {"type": "integer", "minimum": 0, "maximum": 50},
+                    "after": {"type": "integer", "minimum": 0, "maximum": 50},
+                },
+                ["ref"],
+            ),
+        ),
+        expand,
     ),
     Tool(
         ToolSpec(
