@@ -5,6 +5,7 @@ outbox, memories recalled (automatically and with tools) under the audience rule
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from agentim.runtime.v1 import runtime_pb2 as pb
 from services.common.identity import Principal
 from services.runtime.domain.conversations import (
     TASKS,
@@ -22,9 +24,11 @@ from services.runtime.domain.conversations import (
     step_chats,
 )
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy, incoming_message
-from services.runtime.domain.llm import ChatMessage, Role, ToolCall
+from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import Agent, RunStatus, Step, StepMetrics
-from services.runtime.service_layer.agents import AgentDraft, AgentService
+from services.runtime.entrypoints import mappers
+from services.runtime.entrypoints.grpc_servicer import _draft
+from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.memory_port import Memory
@@ -363,3 +367,49 @@ def test_a_recalled_memory_reads_with_its_ref_type_and_time() -> None:
     )
     line = describe_memory(memory)
     assert line.startswith("- ref=r/3/0 (tool_result, 2026-05-01 00:00 UTC): ") and line.endswith("…")
+
+
+async def test_how_much_an_agent_recalls_is_its_own_setting(world: World) -> None:
+    me = Principal(member_id=world.alice)
+    quiet = await world.service.create_agent(me, AgentDraft(name="quiet", auto_recall=0))
+    assert quiet.auto_recall == 0
+    direct = world.im.group("", world.alice, quiet.member_id, direct=True)
+    for text in (f"the vault code is {SECRET}", "which vault code was it?"):
+        world.im.post(world.alice, direct.id, text)
+        await world.settle(quiet)
+        await world.archived()
+    assert world.memory.recalls == []  # it never asked
+    assert not any(
+        (s.message.content or "").startswith(RECALLED_HEADER) for s in world.store.steps[quiet.session_id]
+    )
+    updated = await world.service.update_agent(
+        me, str(quiet.id), AgentDraft(name="", auto_recall=5), ["auto_recall"]
+    )
+    assert updated.auto_recall == 5
+    cleared = await world.service.update_agent(me, str(quiet.id), AgentDraft(name=""), ["auto_recall"])
+    assert cleared.auto_recall is None  # back to the runtime's default
+    for wrong in (-1, 21):
+        with pytest.raises(InvalidAgentRequest, match="auto_recall must be from 0 to 20"):
+            await world.service.create_agent(me, AgentDraft(name="x", auto_recall=wrong))
+
+
+def test_auto_recall_crosses_the_wire_unset_or_set() -> None:
+    unset = pb.Agent(name="a")
+    assert _draft(unset).auto_recall is None
+    assert _draft(pb.Agent(name="a", auto_recall=0)).auto_recall == 0
+    agent = Agent(
+        id=uuid.uuid4(),
+        workspace_id=uuid.uuid4(),
+        member_id=uuid.uuid4(),
+        name="a",
+        role="",
+        system_prompt="",
+        model=ModelSettings(),
+        tools=(),
+        parent_id=None,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        updated_at=datetime(2026, 1, 1, tzinfo=UTC),
+        session_id=uuid.uuid4(),
+    )
+    assert not mappers.agent(agent).HasField("auto_recall")
+    assert mappers.agent(dataclasses.replace(agent, auto_recall=0)).HasField("auto_recall")

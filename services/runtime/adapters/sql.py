@@ -106,6 +106,7 @@ def _agent_settings(agent: Agent) -> dict[str, Any]:
         "tokens_used": agent.tokens_used,
         "token_budget": agent.token_budget,
         "pause_pending": agent.pause_pending,
+        "auto_recall": agent.auto_recall,
     }
 
 
@@ -160,6 +161,7 @@ def _agent(row: sa.Row[Any]) -> Agent:
         token_budget=int(row.token_budget),
         session_id=row.session_id,
         pause_pending=bool(row.pause_pending),
+        auto_recall=row.auto_recall,
     )
 
 
@@ -516,6 +518,7 @@ class SqlAgentStore(AgentStore):
                     },
                     "tools": list(settings.tools),
                     "token_budget": settings.token_budget,
+                    "auto_recall": settings.auto_recall,
                 },
                 created_at=checkpoint.created_at,
             )
@@ -847,6 +850,7 @@ def _checkpoint(row: sa.Row[Any], agent: Agent) -> Checkpoint:
             ),
             tools=tuple(saved["tools"]),
             token_budget=int(saved["token_budget"]),
+            auto_recall=saved.get("auto_recall"),
         ),
         created_at=row.created_at,
     )

@@ -39,6 +39,7 @@ agents = sa.Table(
     # Deleted agents keep their row so that their runs and steps stay readable.
     sa.Column("deleted", sa.Boolean, nullable=False),
     sa.Column("pause_pending", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("auto_recall", sa.Integer, nullable=True),
     sa.Index("ix_agents_workspace", "workspace_id", "id"),
     sa.Index("ix_agents_parent", "parent_id", "id"),
 )

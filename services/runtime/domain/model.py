@@ -58,6 +58,8 @@ class Agent:
     session_id: uuid.UUID = field(default_factory=uuid.uuid4)
     # Asked to pause during a run: it pauses at the next step boundary or the run's end.
     pause_pending: bool = False
+    # Memories recalled at the start of each run; None: the runtime's default.
+    auto_recall: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

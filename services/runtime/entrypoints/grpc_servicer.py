@@ -28,6 +28,7 @@ def _draft(value: pb.Agent) -> AgentDraft:
         model=mappers.model_settings_in(value.model),
         tools=tuple(value.tools),
         token_budget=value.token_budget,
+        auto_recall=value.auto_recall if value.HasField("auto_recall") else None,
     )
 
 
@@ -60,6 +61,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
             model=mappers.model_settings_in(request.model),
             tools=tuple(request.tools),
             token_budget=request.token_budget,
+            auto_recall=request.auto_recall if request.HasField("auto_recall") else None,
         )
         created = await self._service.create_agent(
             self._caller(context),

@@ -96,6 +96,7 @@ def agent(a: Agent) -> pb.Agent:
         update_time=timestamp(a.updated_at),
         main_session_id=str(a.session_id),
         pause_pending=a.pause_pending,
+        auto_recall=a.auto_recall,
     )
 
 

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 MAX_NAME_CHARS = 200
 MAX_PROMPT_CHARS = 100_000
 MAX_REQUEST_ID_CHARS = 128  # the width of agent_requests.request_id, and of the IM's request ids
-UPDATABLE = {"name", "role", "system_prompt", "model", "tools", "token_budget"}
+UPDATABLE = {"name", "role", "system_prompt", "model", "tools", "token_budget", "auto_recall"}
+MAX_AUTO_RECALL = 20
 
 
 class InvalidAgentRequest(errors.InvalidArgument):
@@ -72,6 +73,7 @@ class AgentDraft:
     model: ModelSettings = field(default_factory=ModelSettings)
     tools: tuple[str, ...] = ()
     token_budget: int = 0
+    auto_recall: int | None = None
 
 
 class AgentService:
@@ -147,6 +149,10 @@ class AgentService:
             raise InvalidAgentRequest(f"model.base_url must be an http(s) URL, got {model.base_url[:100]!r}")
         if draft.token_budget < 0:
             raise InvalidAgentRequest("token_budget must not be negative")
+        if draft.auto_recall is not None and not 0 <= draft.auto_recall <= MAX_AUTO_RECALL:
+            raise InvalidAgentRequest(
+                f"auto_recall must be from 0 to {MAX_AUTO_RECALL}, got {draft.auto_recall}"
+            )
         return replace(draft, name=name)
 
     async def create_agent(
@@ -213,6 +219,7 @@ class AgentService:
             created_at=now,
             updated_at=now,
             token_budget=draft.token_budget,
+            auto_recall=draft.auto_recall,
             session_id=uuid7(),
         )
         try:
@@ -271,6 +278,7 @@ class AgentService:
             model=draft.model if "model" in fields else agent.model,
             tools=draft.tools if "tools" in fields else agent.tools,
             token_budget=draft.token_budget if "token_budget" in fields else agent.token_budget,
+            auto_recall=draft.auto_recall if "auto_recall" in fields else agent.auto_recall,
         )
         merged = self._check(merged)
         if merged.name != agent.name:
@@ -283,6 +291,7 @@ class AgentService:
             model=merged.model,
             tools=merged.tools,
             token_budget=merged.token_budget,
+            auto_recall=merged.auto_recall,
             updated_at=self._clock(),
         )
         await self._store.update_agent(updated)

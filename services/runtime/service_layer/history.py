@@ -243,6 +243,7 @@ class HistoryService:
             model=saved.model,
             tools=saved.tools,
             token_budget=saved.token_budget,
+            auto_recall=saved.auto_recall,
         )
         # Through AgentService: checked again, the IM name follows, the runner gets them.
         await self._agents.update_agent(principal, str(agent.id), draft, sorted(UPDATABLE))
@@ -363,6 +364,7 @@ class HistoryService:
             model=agent.model,
             tools=agent.tools,
             token_budget=agent.token_budget,
+            auto_recall=agent.auto_recall,
         )
         parent = str(agent.parent_id) if agent.parent_id else ""
         return await self._agents.create_agent(principal, draft, parent_id=parent)

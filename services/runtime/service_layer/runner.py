@@ -749,7 +749,8 @@ class AgentRunner:
         """The memories most related to the run's input, as an input step of
         the run (visible and editable like any step), each with its ref; none
         if memory is slow or away: the run goes on without."""
-        env, limit, audience = self._env, self._env.settings.auto_recall, self._audience
+        env, audience = self._env, self._audience
+        limit = self.agent.auto_recall if self.agent.auto_recall is not None else env.settings.auto_recall
         if env.memory is None or limit <= 0 or audience is None:
             return []
         query = task.input if task is not None else "\n".join(m.content for m in messages)

@@ -259,6 +259,7 @@ class Agent(_message.Message):
     UPDATE_TIME_FIELD_NUMBER: _builtins.int
     MAIN_SESSION_ID_FIELD_NUMBER: _builtins.int
     PAUSE_PENDING_FIELD_NUMBER: _builtins.int
+    AUTO_RECALL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -287,6 +288,10 @@ class Agent(_message.Message):
     """A person asked it to pause during a run: it pauses at the run's next
     step boundary, or when the run ends if none comes (state stays RUNNING
     until then).
+    """
+    auto_recall: _builtins.int
+    """Memories recalled automatically at the start of each run (0: none);
+    unset for the runtime's default.
     """
     @_builtins.property
     def model(self) -> Global___ModelSettings:
@@ -324,12 +329,15 @@ class Agent(_message.Message):
         update_time: _timestamp_pb2.Timestamp | None = ...,
         main_session_id: _builtins.str = ...,
         pause_pending: _builtins.bool = ...,
+        auto_recall: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__auto_recall: _TypeAlias = _typing.Literal["auto_recall"]  # noqa: Y015
+    _WhichOneofArgType__auto_recall: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__auto_recall) -> _WhichOneofReturnType__auto_recall | None: ...
 
 Global___Agent: _TypeAlias = Agent  # noqa: Y015
 
@@ -566,6 +574,7 @@ class CreateAgentRequest(_message.Message):
     PARENT_ID_FIELD_NUMBER: _builtins.int
     TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    AUTO_RECALL_FIELD_NUMBER: _builtins.int
     workspace_id: _builtins.str
     """The workspace; empty for the caller's."""
     name: _builtins.str
@@ -580,6 +589,10 @@ class CreateAgentRequest(_message.Message):
     """Token budget; 0 for the runtime's default."""
     request_id: _builtins.str
     """Client-chosen id making retries return the first result."""
+    auto_recall: _builtins.int
+    """Memories recalled automatically at the start of each run (0: none, at
+    most 20); unset for the runtime's default.
+    """
     @_builtins.property
     def model(self) -> Global___ModelSettings:
         """Model settings."""
@@ -600,12 +613,15 @@ class CreateAgentRequest(_message.Message):
         parent_id: _builtins.str = ...,
         token_budget: _builtins.int = ...,
         request_id: _builtins.str = ...,
+        auto_recall: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "name", b"name", "parent_id", b"parent_id", "request_id", b"request_id", "role", b"role", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tools", b"tools", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "model", b"model", "name", b"name", "parent_id", b"parent_id", "request_id", b"request_id", "role", b"role", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tools", b"tools", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__auto_recall: _TypeAlias = _typing.Literal["auto_recall"]  # noqa: Y015
+    _WhichOneofArgType__auto_recall: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__auto_recall) -> _WhichOneofReturnType__auto_recall | None: ...
 
 Global___CreateAgentRequest: _TypeAlias = CreateAgentRequest  # noqa: Y015
 
@@ -751,7 +767,9 @@ class UpdateAgentRequest(_message.Message):
 
     @_builtins.property
     def update_mask(self) -> _field_mask_pb2.FieldMask:
-        """Fields to change: name, role, system_prompt, model, tools, token_budget."""
+        """Fields to change: name, role, system_prompt, model, tools, token_budget,
+        auto_recall (cleared: the runtime's default).
+        """
 
     def __init__(
         self,

@@ -1,5 +1,6 @@
-"""Long-term memory: the chat each run answers, and which ended runs the
-memory service has (the outbox is the ended runs not yet archived).
+"""Long-term memory: the chat each run answers, which ended runs the memory
+service has (the outbox is the ended runs not yet archived), and how many
+memories each agent recalls at the start of a run.
 
 Revision ID: 0006
 Revises: 0004
@@ -23,6 +24,8 @@ def _schema() -> str | None:
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("agents", schema=_schema()) as batch:
+        batch.add_column(sa.Column("auto_recall", sa.Integer, nullable=True))
     with op.batch_alter_table("runs", schema=_schema()) as batch:
         batch.add_column(sa.Column("group_id", sa.Uuid, nullable=True))
         batch.add_column(sa.Column("archived_at", UtcDateTime, nullable=True))
@@ -41,3 +44,5 @@ def downgrade() -> None:
     with op.batch_alter_table("runs", schema=_schema()) as batch:
         batch.drop_column("archived_at")
         batch.drop_column("group_id")
+    with op.batch_alter_table("agents", schema=_schema()) as batch:
+        batch.drop_column("auto_recall")
