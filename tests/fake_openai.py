@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,8 @@ class FakeOpenAI:
         self.replies: deque[Reply] = deque()
         self.requests: list[Received] = []
         self.client_left = asyncio.Event()
+        # Answers every request instead of the script, when set.
+        self.responder: Callable[[Received], Reply] | None = None
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -75,7 +77,12 @@ class FakeOpenAI:
         try:
             while (request := await self._read_request(reader)) is not None:
                 self.requests.append(request)
-                reply = self.replies.popleft() if self.replies else Reply(400, body=error_body("unscripted"))
+                if self.responder is not None:
+                    reply = self.responder(request)
+                elif self.replies:
+                    reply = self.replies.popleft()
+                else:
+                    reply = Reply(400, body=error_body("unscripted"))
                 if not await self._respond(reply, reader, writer):
                     break
         except (ConnectionError, asyncio.IncompleteReadError):

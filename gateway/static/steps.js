@@ -15,6 +15,16 @@ const ROLE_NAMES = {
 
 const ROLE_LABELS = { system: "System", user: "Input", assistant: "Assistant", tool: "Tool result" };
 
+const KIND_NAMES = { STEP_KIND_SUMMARY: "summary", STEP_KIND_RECALL: "recall" };
+
+/** The label of a step's head: its kind when it has one of its own, else its role. */
+function stepLabel(step, role) {
+  const kind = KIND_NAMES[step.kind];
+  if (kind === "summary") return `Summary of earlier runs (through #${step.summaryThrough || "?"})`;
+  if (kind === "recall") return "Recalled memories";
+  return role === "tool" && step.name ? `${ROLE_LABELS.tool} · ${step.name}` : ROLE_LABELS[role];
+}
+
 /** A Step-shaped object for a step that has just started streaming. */
 export function startedStep(agentId, started) {
   return {
@@ -85,17 +95,18 @@ export function renderStep(step, { live = false, reasoningOpen, onToggleReasonin
   const head = h(
     "div",
     { class: "step-head" },
-    h("span", { class: "step-role" }, role === "tool" && step.name ? `${ROLE_LABELS.tool} · ${step.name}` : ROLE_LABELS[role]),
+    h("span", { class: "step-role" }, stepLabel(step, role)),
     h("span", { class: "step-seq", title: step.id ? `step ${step.id}` : "" }, `#${step.sequence}`),
     live ? h("span", { class: "step-live", testid: "step-live" }, "streaming…") : null,
     step.interrupted ? h("span", { class: "step-interrupted", testid: "step-interrupted", title: "Cut short by Interrupt: what was streamed until then" }, "interrupted") : null,
     role === "tool" && step.toolCallId ? h("code", { class: "step-call-id" }, step.toolCallId) : null,
     h("span", { class: "step-meta", title: longTime(step.createTime) }, live ? "" : [metricsLine(step), step.createTime ? shortTime(step.createTime) : ""].filter(Boolean).join(" · ")),
   );
+  const kind = KIND_NAMES[step.kind] || "message";
   const el = h("div", {
-    class: `step step-${role}${live ? " is-live" : ""}${step.interrupted ? " is-interrupted" : ""}`,
+    class: `step step-${role}${kind !== "message" ? ` step-kind-${kind}` : ""}${live ? " is-live" : ""}${step.interrupted ? " is-interrupted" : ""}`,
     testid: "step",
-    dataset: { role, sequence: String(step.sequence), live: String(live), interrupted: String(Boolean(step.interrupted)) },
+    dataset: { role, kind, sequence: String(step.sequence), live: String(live), interrupted: String(Boolean(step.interrupted)) },
   }, head);
 
   if (step.reasoning) {

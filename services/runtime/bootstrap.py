@@ -12,6 +12,7 @@ from sqlalchemy.engine import make_url
 from agentim.runtime.v1 import runtime_pb2, runtime_pb2_grpc
 from services.common.server import GrpcServer
 from services.runtime.adapters.im_client import GrpcIM
+from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
 from services.runtime.adapters.llm.offline import OfflineModel
 from services.runtime.adapters.llm.openai_provider import OpenAIProvider
 from services.runtime.adapters.memory_client import GrpcMemory
@@ -133,6 +134,9 @@ def build(settings: Settings) -> RuntimeApp:
             default_token_budget=settings.token_budget,
             max_reply_bytes=settings.max_reply_bytes,
             auto_recall=settings.auto_recall,
+            default_model=settings.llm_model,
+            unconfigured_model=settings.llm_model if settings.llm_base_url else OFFLINE_MODEL,
+            context_tokens=settings.context_tokens,
         ),
         create_sub_agent=create_sub_agent,
         clock=utc_now,

@@ -24,6 +24,7 @@ from services.runtime.domain.llm import (
     Completion,
     CompletionRequest,
     ContentDelta,
+    ContextTooLong,
     Delta,
     FinishReason,
     LLMRejected,
@@ -565,3 +566,60 @@ async def test_aclose_is_idempotent_and_clients_come_back(fake: FakeOpenAI, prov
     _, completion = await collect(provider, user("again"))
 
     assert completion.message.content == "two"
+
+
+# Context too long
+
+
+@pytest.mark.parametrize(
+    ("body", "window", "requested"),
+    [
+        (  # OpenAI
+            {
+                "error": {
+                    "message": "This model's maximum context length is 4096 tokens. However, your messages"
+                    " resulted in 5210 tokens. Please reduce the length of the messages.",
+                    "type": "invalid_request_error",
+                    "param": "messages",
+                    "code": "context_length_exceeded",
+                }
+            },
+            4096,
+            5210,
+        ),
+        (  # llama.cpp's server
+            {
+                "error": {
+                    "code": 400,
+                    "message": "the request exceeds the available context size, try increasing it",
+                    "type": "exceed_context_size_error",
+                    "n_prompt_tokens": 5000,
+                    "n_ctx": 4096,
+                }
+            },
+            4096,
+            5000,
+        ),
+        ({"error": {"message": "prompt is too long: 210000 tokens > 200000 maximum"}}, None, None),
+    ],
+)
+async def test_a_request_over_the_context_window_is_context_too_long_with_its_numbers(
+    fake: FakeOpenAI,
+    provider: OpenAIProvider,
+    body: dict[str, object],
+    window: int | None,
+    requested: int | None,
+) -> None:
+    fake.script(Reply(400, body=body))
+
+    _, error = await deltas_until_error(provider, user("hi"))
+
+    assert isinstance(error, ContextTooLong)
+    assert (error.window, error.requested) == (window, requested)
+    assert len(fake.requests) == 1  # not retried by the adapter: the runtime shrinks first
+
+
+async def test_another_400_is_not_context_too_long(fake: FakeOpenAI, provider: OpenAIProvider) -> None:
+    fake.script(Reply(400, body=error_body("unknown parameter: temperature_x")))
+    _, error = await deltas_until_error(provider, user("hi"))
+    assert isinstance(error, LLMRejected) and not isinstance(error, ContextTooLong)

@@ -128,6 +128,8 @@ class SqliteJournal(Journal):
                         metrics.tool_duration_ms,
                         sqlite_time(step.created_at),
                         step.interrupted,
+                        step.kind.value,
+                        step.summary_through,
                     ),
                 ).rowcount
                 if not inserted:
@@ -194,8 +196,8 @@ class SqliteJournal(Journal):
 _SQLITE_INSERT_STEP = """
 INSERT INTO steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
                    tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
-                   cached_tokens, model, tool_duration_ms, created_at, interrupted)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (session_id, sequence) DO NOTHING
 """
 _SQLITE_INSERT_RUN = """
@@ -295,6 +297,9 @@ class PostgresJournal(Journal):
                 [message for *_, message in marks],
                 # $49: new runs again
                 [r.group_id for _, r in new_runs],
+                # $50-$51: steps again
+                [s.kind.value for _, s in steps],
+                [s.summary_through for _, s in steps],
             )
         refused = {int(row["w"]) for row in rows}
         return [index not in refused for index in range(len(batch))]
@@ -311,10 +316,11 @@ new_steps AS (
     SELECT * FROM unnest($1::int[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::bigint[],
                          $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
                          $13::float8[], $14::float8[], $15::bigint[], $16::bigint[], $17::bigint[],
-                         $18::text[], $19::float8[], $20::timestamptz[], $43::bool[])
+                         $18::text[], $19::float8[], $20::timestamptz[], $43::bool[], $50::text[],
+                         $51::bigint[])
         AS s(w, id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
              tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
-             cached_tokens, model, tool_duration_ms, created_at, interrupted)
+             cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through)
 ),
 refused AS (
     SELECT s.w FROM new_steps s
@@ -327,10 +333,10 @@ inserted_steps AS (
     INSERT INTO {SCHEMA}.steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning,
                                 tool_calls, tool_call_id, name, duration_ms, first_token_ms, input_tokens,
                                 output_tokens, cached_tokens, model, tool_duration_ms, created_at,
-                                interrupted)
+                                interrupted, kind, summary_through)
     SELECT id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls::json,
            tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens, cached_tokens,
-           model, tool_duration_ms, created_at, interrupted
+           model, tool_duration_ms, created_at, interrupted, kind, summary_through
     FROM new_steps WHERE w NOT IN (SELECT w FROM refused)
     ON CONFLICT (session_id, sequence) DO NOTHING
     RETURNING session_id, sequence

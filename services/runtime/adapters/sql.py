@@ -45,6 +45,7 @@ from services.runtime.domain.model import (
     RunStatus,
     Session,
     Step,
+    StepKind,
     StepMetrics,
     Task,
     TaskStatus,
@@ -99,6 +100,7 @@ def _agent_settings(agent: Agent) -> dict[str, Any]:
         "base_url": agent.model.base_url,
         "temperature": agent.model.temperature,
         "max_tokens": agent.model.max_tokens,
+        "context_tokens": agent.model.context_tokens,
         "tools": list(agent.tools),
         "updated_at": agent.updated_at,
         "state": agent.state.value,
@@ -149,7 +151,11 @@ def _agent(row: sa.Row[Any]) -> Agent:
         role=row.role,
         system_prompt=row.system_prompt,
         model=ModelSettings(
-            model=row.model, base_url=row.base_url, temperature=row.temperature, max_tokens=row.max_tokens
+            model=row.model,
+            base_url=row.base_url,
+            temperature=row.temperature,
+            max_tokens=row.max_tokens,
+            context_tokens=row.context_tokens,
         ),
         tools=tuple(row.tools),
         parent_id=row.parent_id,
@@ -214,6 +220,8 @@ def _step_values(step: Step) -> dict[str, Any]:
         "tool_duration_ms": metrics.tool_duration_ms,
         "created_at": step.created_at,
         "interrupted": step.interrupted,
+        "kind": step.kind.value,
+        "summary_through": step.summary_through,
     }
 
 
@@ -245,6 +253,8 @@ def _step(row: sa.Row[Any]) -> Step:
         ),
         created_at=row.created_at,
         interrupted=bool(row.interrupted),
+        kind=StepKind(row.kind),
+        summary_through=int(row.summary_through),
     )
 
 
@@ -515,6 +525,7 @@ class SqlAgentStore(AgentStore):
                         "base_url": settings.model.base_url,
                         "temperature": settings.model.temperature,
                         "max_tokens": settings.model.max_tokens,
+                        "context_tokens": settings.model.context_tokens,
                     },
                     "tools": list(settings.tools),
                     "token_budget": settings.token_budget,
@@ -847,6 +858,7 @@ def _checkpoint(row: sa.Row[Any], agent: Agent) -> Checkpoint:
                 base_url=model["base_url"],
                 temperature=model["temperature"],
                 max_tokens=model["max_tokens"],
+                context_tokens=model.get("context_tokens"),
             ),
             tools=tuple(saved["tools"]),
             token_budget=int(saved["token_budget"]),

@@ -27,6 +27,7 @@ agents = sa.Table(
     sa.Column("base_url", sa.Text, nullable=False),
     sa.Column("temperature", sa.Float, nullable=True),
     sa.Column("max_tokens", sa.Integer, nullable=True),
+    sa.Column("context_tokens", sa.Integer, nullable=True),
     sa.Column("tools", sa.JSON, nullable=False),
     sa.Column("parent_id", sa.Uuid, nullable=True),
     sa.Column("created_at", UtcDateTime, nullable=False),
@@ -106,6 +107,8 @@ steps = sa.Table(
     sa.Column("tool_duration_ms", sa.Float, nullable=False),
     sa.Column("created_at", UtcDateTime, nullable=False),
     sa.Column("interrupted", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("kind", sa.String(16), nullable=False, server_default="message"),
+    sa.Column("summary_through", sa.BigInteger, nullable=False, server_default="0"),
     # A sequence number is written once: a second writer of it is stale. The
     # constraint's index also serves a session's reads in order.
     sa.UniqueConstraint("session_id", "sequence", name="uq_steps_session_sequence"),

@@ -83,6 +83,9 @@ class ModelSettings:
     base_url: str = ""
     temperature: float | None = None
     max_tokens: int | None = None
+    # The model's context window in tokens; None: known by the model's name,
+    # else the runtime's OPENAI_CONTEXT_TOKENS.
+    context_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,3 +269,13 @@ class LLMUnavailable(LLMError, errors.Unavailable):
 
 class LLMRejected(LLMError, errors.FailedPrecondition):
     """The endpoint refused the request itself (bad model, bad key, bad input): retrying will not help."""
+
+
+class ContextTooLong(LLMRejected):
+    """The endpoint refused the request as longer than the model's context
+    window; `window` and `requested` are its numbers when it said them."""
+
+    def __init__(self, message: str, *, window: int | None = None, requested: int | None = None) -> None:
+        super().__init__(message)
+        self.window = window
+        self.requested = requested

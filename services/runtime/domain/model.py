@@ -73,6 +73,14 @@ class StepMetrics:
     tool_duration_ms: float = 0.0
 
 
+class StepKind(enum.StrEnum):
+    MESSAGE = "message"
+    # A summary of earlier runs the model wrote when they left the context.
+    SUMMARY = "summary"
+    # Memories recalled at the start of a run.
+    RECALL = "recall"
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
     """A native chat message in an agent's session, with where and how it came to be."""
@@ -87,6 +95,9 @@ class Step:
     created_at: datetime
     # Cut short by an interrupt: what was streamed until then.
     interrupted: bool = False
+    kind: StepKind = StepKind.MESSAGE
+    # SUMMARY steps: the last sequence of the session the summary covers.
+    summary_through: int = 0
 
     @property
     def role(self) -> Role:

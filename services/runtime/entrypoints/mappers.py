@@ -23,6 +23,7 @@ from services.runtime.domain.model import (
     Step,
     StepCompleted,
     StepDelta,
+    StepKind,
     StepsRewritten,
     StepStarted,
     Task,
@@ -65,6 +66,7 @@ def model_settings_in(value: pb.ModelSettings) -> llm.ModelSettings:
         base_url=value.base_url,
         temperature=value.temperature if value.HasField("temperature") else None,
         max_tokens=value.max_tokens if value.HasField("max_tokens") else None,
+        context_tokens=value.context_tokens if value.HasField("context_tokens") else None,
     )
 
 
@@ -74,6 +76,8 @@ def model_settings(value: llm.ModelSettings) -> pb.ModelSettings:
         out.temperature = value.temperature
     if value.max_tokens is not None:
         out.max_tokens = value.max_tokens
+    if value.context_tokens is not None:
+        out.context_tokens = value.context_tokens
     return out
 
 
@@ -98,6 +102,13 @@ def agent(a: Agent) -> pb.Agent:
         pause_pending=a.pause_pending,
         auto_recall=a.auto_recall,
     )
+
+
+STEP_KINDS = {
+    StepKind.MESSAGE: pb.STEP_KIND_MESSAGE,
+    StepKind.SUMMARY: pb.STEP_KIND_SUMMARY,
+    StepKind.RECALL: pb.STEP_KIND_RECALL,
+}
 
 
 def step(s: Step) -> pb.Step:
@@ -125,6 +136,8 @@ def step(s: Step) -> pb.Step:
         ),
         create_time=timestamp(s.created_at),
         interrupted=s.interrupted,
+        kind=STEP_KINDS[s.kind],
+        summary_through=s.summary_through,
     )
 
 

@@ -41,6 +41,9 @@ MAX_PROMPT_CHARS = 100_000
 MAX_REQUEST_ID_CHARS = 128  # the width of agent_requests.request_id, and of the IM's request ids
 UPDATABLE = {"name", "role", "system_prompt", "model", "tools", "token_budget", "auto_recall"}
 MAX_AUTO_RECALL = 20
+# A window smaller than this cannot hold a system prompt, a message and an answer.
+MIN_CONTEXT_TOKENS = 1024
+MAX_CONTEXT_TOKENS = 10_000_000
 
 
 class InvalidAgentRequest(errors.InvalidArgument):
@@ -145,6 +148,19 @@ class AgentService:
             raise InvalidAgentRequest(f"model.temperature must be between 0 and 2, got {model.temperature}")
         if model.max_tokens is not None and model.max_tokens <= 0:
             raise InvalidAgentRequest(f"model.max_tokens must be positive, got {model.max_tokens}")
+        if (
+            model.context_tokens is not None
+            and not MIN_CONTEXT_TOKENS <= model.context_tokens <= MAX_CONTEXT_TOKENS
+        ):
+            raise InvalidAgentRequest(
+                f"model.context_tokens must be from {MIN_CONTEXT_TOKENS} to {MAX_CONTEXT_TOKENS},"
+                f" got {model.context_tokens}"
+            )
+        if model.context_tokens and model.max_tokens and model.max_tokens > model.context_tokens // 2:
+            raise InvalidAgentRequest(
+                f"model.max_tokens ({model.max_tokens}) must leave room for the context: at most half"
+                f" of model.context_tokens ({model.context_tokens})"
+            )
         if model.base_url and not model.base_url.startswith(("http://", "https://")):
             raise InvalidAgentRequest(f"model.base_url must be an http(s) URL, got {model.base_url[:100]!r}")
         if draft.token_budget < 0:

@@ -23,13 +23,22 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from uuid_utils.compat import uuid7
 
 from services.common import errors
+from services.runtime.domain.context import (
+    Calibration,
+    Fitted,
+    answer_reserve,
+    context_window,
+    fit_context,
+    latest_summary,
+    summary_request,
+)
 from services.runtime.domain.conversations import in_conversation, run_conversations
 from services.runtime.domain.etiquette import (
     ChatterGuard,
@@ -51,9 +60,13 @@ from services.runtime.domain.llm import (
     Completion,
     CompletionAssembler,
     CompletionRequest,
+    ContentDelta,
+    ContextTooLong,
     LLMError,
     Role,
     ToolCall,
+    ToolSpec,
+    Usage,
     storable_delta,
     storable_message,
     storable_text,
@@ -71,6 +84,7 @@ from services.runtime.domain.model import (
     Step,
     StepCompleted,
     StepDelta,
+    StepKind,
     StepMetrics,
     StepStarted,
     Task,
@@ -92,6 +106,10 @@ from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
 
+# When runs must leave the context, enough leave to bring it down to this
+# share of the budget, so that a summary is written now and then, not at every call.
+SUMMARY_HEADROOM = 0.6
+
 # Why a run that was in flight when its process stopped ended.
 STOPPED_DURING_RUN = "the runtime stopped during the run"
 
@@ -110,6 +128,12 @@ class LoopSettings:
     # recall may take before the run goes on without.
     auto_recall: int = 3
     recall_timeout_seconds: float = 3.0
+    # The context window: the model named when an agent names none (with an
+    # endpoint, and without one: the offline model), and the window of a
+    # model whose window is not known (OPENAI_CONTEXT_TOKENS).
+    default_model: str = ""
+    unconfigured_model: str = "offline"
+    context_tokens: int | None = None
 
 
 class Directory:
@@ -251,6 +275,10 @@ class AgentRunner:
         # The members of the chat the run in flight answers (who sees what it
         # recalls); empty for a task, None when they could not be learnt.
         self._audience: tuple[uuid.UUID, ...] | None = ()
+        # How the endpoint's token counts compare with our estimate, and the
+        # estimate of the last request (to learn from a "too long").
+        self._calibration = Calibration()
+        self._last_estimate = 0
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -709,6 +737,11 @@ class AgentRunner:
             await self._record_cut(run)
         except _PausedAtBoundary:
             status, error = RunStatus.INTERRUPTED, "paused by a person"
+        except ContextTooLong as too_long:
+            # Even shrunk, the endpoint would not take it: this run fails, but
+            # the next one starts from a smaller context (the estimate learnt).
+            failure = too_long
+            status, error = RunStatus.FAILED, str(too_long)
         except LLMError as llm_failure:
             status, error = RunStatus.FAILED, str(llm_failure)
         except errors.Unavailable:
@@ -817,9 +850,8 @@ class AgentRunner:
         inputs = [await self._incoming(m) for m in messages]
         reply_group = messages[-1].group_id if messages else (None if task else self._last_group())
         self._audience = await self._members(reply_group)
-        if not resumed:
-            # Before the input: the model reads what it remembers, then what it is asked.
-            inputs[:0] = await self._recall(run, messages, task)
+        # Before the input: the model reads what it remembers, then what it is asked.
+        recalled = await self._recall(run, messages, task) if not resumed else []
         if task is not None:
             # Known as running before it is marked so, for a cancel meanwhile.
             self._running_task = task
@@ -844,7 +876,8 @@ class AgentRunner:
         # was if the write fails.
         before = self.agent
         self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
-        incoming = [self._step(run, message, StepMetrics()) for message in inputs]
+        incoming = [self._step(run, m, StepMetrics(), kind=StepKind.RECALL) for m in recalled]
+        incoming += [self._step(run, message, StepMetrics()) for message in inputs]
         try:
             await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks)
         except BaseException:
@@ -879,7 +912,7 @@ class AgentRunner:
             if self._over_budget():
                 return run, RunStatus.BUDGET_EXHAUSTED, ""
             run = replace(run, iterations=run.iterations + 1)
-            completion, said = await self._complete(run)
+            completion, said = await self._complete_within_window(run)
             if completion.message.tool_calls:
                 await self._call_tools(run, said, completion.message.tool_calls, reply_group)
                 self._pause_point()
@@ -952,6 +985,8 @@ class AgentRunner:
             # answer cannot be given, but nothing is wrong with the agent.
             logger.warning("agent %s: the IM refused its answer: %s", agent.id, error)
             state, error = AgentState.IDLE, ""
+        elif isinstance(failure, ContextTooLong):
+            state, error = AgentState.IDLE, ""  # not the agent's fault; the run says why
         elif run.status is RunStatus.FAILED:
             if failure is not None and not isinstance(failure, errors.ServiceError):
                 logger.error("agent %s: run %s failed", agent.id, run.id, exc_info=failure)
@@ -1033,15 +1068,108 @@ class AgentRunner:
             self._remember(step)
         await self._mark_read()
 
+    async def _complete_within_window(self, run: Run) -> tuple[Completion, Step]:
+        """A completion whose request fits the model's window. An endpoint
+        that still says "too long" teaches the estimate, and the request is
+        made once more, shorter."""
+        try:
+            return await self._complete(run)
+        except ContextTooLong as refused:
+            logger.warning("agent %s: %s; shrinking the context and trying again", self.agent.id, refused)
+            self._calibration.too_long(self._last_estimate, reported=refused.requested, window=refused.window)
+            return await self._complete(run)
+
+    def _window(self) -> tuple[int, int]:
+        """The model's context window and the room kept for the answer."""
+        model, settings = self.agent.model, self._env.settings
+        name = model.model or (settings.default_model if model.base_url else settings.unconfigured_model)
+        window = context_window(name, configured=model.context_tokens, fallback=settings.context_tokens)
+        if self._calibration.window:
+            window = min(window, self._calibration.window)  # the endpoint knows best
+        return window, answer_reserve(window, model.max_tokens)
+
+    def _conversation_steps(self, run: Run) -> list[Step]:
+        assert self._steps is not None
+        runs = run_conversations(self._steps)
+        return in_conversation(self._steps, runs.get(run.id), runs)
+
+    async def _fitted_context(self, run: Run, tools: Sequence[ToolSpec]) -> Fitted:
+        """The request's messages within the budget; runs that must leave
+        and no summary covers yet are summarized first (with room to spare,
+        so that the next runs need no summary of their own)."""
+        window, reserve = self._window()
+        budget = int((window - reserve) / self._calibration.ratio)
+
+        def fit(tokens: int) -> Fitted:
+            return fit_context(
+                system_prompt=self._system_prompt(),
+                steps=self._conversation_steps(run),
+                current_run=run.id,
+                tools=tools,
+                budget=tokens,
+            )
+
+        fitted = fit(budget)
+        if any(step.sequence > fitted.summary_through for step in fitted.left_out):
+            roomy = fit(int(budget * SUMMARY_HEADROOM))
+            leaving = [s for s in roomy.left_out if s.sequence > roomy.summary_through]
+            if leaving and await self._summarize(run, leaving, budget):
+                fitted = fit(budget)
+        self._last_estimate = fitted.estimated
+        return fitted
+
+    async def _summarize(self, run: Run, leaving: list[Step], budget: int) -> bool:
+        """The model writes the rolling summary: the one before and the steps
+        leaving the context, in a SUMMARY step covering them. Whether it could."""
+        assert self._steps is not None
+        previous = latest_summary(self._conversation_steps(run))
+        request = CompletionRequest(
+            messages=summary_request((previous.message.content or "") if previous else "", leaving, budget),
+            settings=self.agent.model,
+        )
+        sequence = self._next_sequence()
+        self._emit(StepStarted(run.id, sequence, Role.SYSTEM))
+        started, assembler = time.perf_counter(), CompletionAssembler()
+        usage: Usage | None = None
+        try:
+            async for item in self._env.llm.stream(request):
+                if isinstance(item, Completion):
+                    usage = item.usage
+                elif isinstance(item, ContentDelta):
+                    delta = storable_delta(item)
+                    assembler.add(delta)
+                    self._emit(StepDelta(sequence, delta))
+        except LLMError as error:
+            logger.warning("agent %s: no summary of the runs leaving its context: %s", self.agent.id, error)
+            return False
+        text = assembler.content.strip()
+        if not text:
+            return False
+        metrics = StepMetrics(
+            duration_ms=(time.perf_counter() - started) * 1000,
+            input_tokens=usage.input_tokens if usage else 0,
+            output_tokens=usage.output_tokens if usage else 0,
+            model=self.agent.model.model,
+        )
+        await self._append(
+            run,
+            ChatMessage(role=Role.SYSTEM, content=text),
+            metrics,
+            sequence=sequence,
+            kind=StepKind.SUMMARY,
+            summary_through=max(step.sequence for step in leaving),
+        )
+        if usage is not None:
+            self.agent = replace(
+                self.agent, tokens_used=self.agent.tokens_used + usage.input_tokens + usage.output_tokens
+            )
+        return True
+
     async def _complete(self, run: Run) -> tuple[Completion, Step]:
         env, agent = self._env, self.agent
-        assert self._steps is not None
-        context = [ChatMessage(role=Role.SYSTEM, content=self._system_prompt())]
-        runs = run_conversations(self._steps)
-        context += [step.message for step in in_conversation(self._steps, runs.get(run.id), runs)]
-        request = CompletionRequest(
-            messages=context, tools=env.tools.specs(agent.tools), settings=agent.model
-        )
+        tools = env.tools.specs(agent.tools)
+        fitted = await self._fitted_context(run, tools)
+        request = CompletionRequest(messages=fitted.messages, tools=tools, settings=agent.model)
         sequence = self._next_sequence()
         self._emit(StepStarted(run.id, sequence, Role.ASSISTANT))
         started = time.perf_counter()
@@ -1075,6 +1203,8 @@ class AgentRunner:
             cached_tokens=usage.cached_tokens if usage else 0,
             model=completion.model,
         )
+        if usage is not None:
+            self._calibration.observe(fitted.estimated, usage.input_tokens)
         said = await self._append(run, completion.message, metrics, sequence=sequence)
         self._streaming = None
         if usage is not None:
@@ -1138,6 +1268,8 @@ class AgentRunner:
         *,
         sequence: int = 0,
         interrupted: bool = False,
+        kind: StepKind = StepKind.MESSAGE,
+        summary_through: int = 0,
     ) -> Step:
         """A new step after the last one (or at `sequence`); not stored yet."""
         if not sequence:
@@ -1155,6 +1287,8 @@ class AgentRunner:
             metrics=metrics,
             created_at=self._env.clock(),
             interrupted=interrupted,
+            kind=kind,
+            summary_through=summary_through,
         )
 
     def _remember(self, step: Step) -> None:
@@ -1172,8 +1306,18 @@ class AgentRunner:
         *,
         sequence: int = 0,
         interrupted: bool = False,
+        kind: StepKind = StepKind.MESSAGE,
+        summary_through: int = 0,
     ) -> Step:
-        step = self._step(run, message, metrics, sequence=sequence, interrupted=interrupted)
+        step = self._step(
+            run,
+            message,
+            metrics,
+            sequence=sequence,
+            interrupted=interrupted,
+            kind=kind,
+            summary_through=summary_through,
+        )
         await self._env.store.append_step(step)
         self._remember(step)
         return step

@@ -193,6 +193,44 @@ RUN_STATUS_INTERRUPTED: RunStatus.ValueType  # 6
 """Interrupted by a person, or its task cancelled."""
 Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 
+class _StepKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StepKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StepKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STEP_KIND_UNSPECIFIED: _StepKind.ValueType  # 0
+    """Not set."""
+    STEP_KIND_MESSAGE: _StepKind.ValueType  # 1
+    """A chat message like any other."""
+    STEP_KIND_SUMMARY: _StepKind.ValueType  # 2
+    """A summary the model wrote of earlier runs when they left the context
+    window (a SYSTEM step; sent merged into the system prompt, in place of
+    the steps it covers, through `summary_through`). Editable while paused.
+    """
+    STEP_KIND_RECALL: _StepKind.ValueType  # 3
+    """Memories recalled from long-term memory at the start of a run (a USER
+    step before the run's input, each memory with its anchor ref).
+    """
+
+class StepKind(_StepKind, metaclass=_StepKindEnumTypeWrapper):
+    """What a step is besides a chat message."""
+
+STEP_KIND_UNSPECIFIED: StepKind.ValueType  # 0
+"""Not set."""
+STEP_KIND_MESSAGE: StepKind.ValueType  # 1
+"""A chat message like any other."""
+STEP_KIND_SUMMARY: StepKind.ValueType  # 2
+"""A summary the model wrote of earlier runs when they left the context
+window (a SYSTEM step; sent merged into the system prompt, in place of
+the steps it covers, through `summary_through`). Editable while paused.
+"""
+STEP_KIND_RECALL: StepKind.ValueType  # 3
+"""Memories recalled from long-term memory at the start of a run (a USER
+step before the run's input, each memory with its anchor ref).
+"""
+Global___StepKind: _TypeAlias = StepKind  # noqa: Y015
+
 @_typing.final
 class ModelSettings(_message.Message):
     """Which model an agent calls and how."""
@@ -203,6 +241,7 @@ class ModelSettings(_message.Message):
     BASE_URL_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name; empty for the runtime's default."""
     base_url: _builtins.str
@@ -213,6 +252,11 @@ class ModelSettings(_message.Message):
     """Sampling temperature; unset for the endpoint's default."""
     max_tokens: _builtins.int
     """Most tokens per completion; unset for the endpoint's default."""
+    context_tokens: _builtins.int
+    """The model's context window in tokens: every request is kept within it,
+    with room for the answer. Unset: known by the model's name, else the
+    runtime's OPENAI_CONTEXT_TOKENS.
+    """
     def __init__(
         self,
         *,
@@ -220,15 +264,20 @@ class ModelSettings(_message.Message):
         base_url: _builtins.str = ...,
         temperature: _builtins.float | None = ...,
         max_tokens: _builtins.int | None = ...,
+        context_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "max_tokens", b"max_tokens", "temperature", b"temperature"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_context_tokens", b"_context_tokens", "_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "context_tokens", b"context_tokens", "max_tokens", b"max_tokens", "temperature", b"temperature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "base_url", b"base_url", "max_tokens", b"max_tokens", "model", b"model", "temperature", b"temperature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_context_tokens", b"_context_tokens", "_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "base_url", b"base_url", "context_tokens", b"context_tokens", "max_tokens", b"max_tokens", "model", b"model", "temperature", b"temperature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__context_tokens: _TypeAlias = _typing.Literal["context_tokens"]  # noqa: Y015
+    _WhichOneofArgType__context_tokens: _TypeAlias = _typing.Literal["_context_tokens", b"_context_tokens"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__context_tokens) -> _WhichOneofReturnType__context_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
@@ -437,6 +486,8 @@ class Step(_message.Message):
     METRICS_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    SUMMARY_THROUGH_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     agent_id: _builtins.str
@@ -461,6 +512,10 @@ class Step(_message.Message):
     """The tool's name (tool steps)."""
     interrupted: _builtins.bool
     """Cut short by InterruptAgent: what was streamed until then."""
+    kind: Global___StepKind.ValueType
+    """What kind of step it is."""
+    summary_through: _builtins.int
+    """SUMMARY steps: the last sequence of the session the summary covers."""
     @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
         """Tool calls (assistant steps)."""
@@ -490,10 +545,12 @@ class Step(_message.Message):
         metrics: Global___StepMetrics | None = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         interrupted: _builtins.bool = ...,
+        kind: Global___StepKind.ValueType = ...,
+        summary_through: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "metrics", b"metrics"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "create_time", b"create_time", "id", b"id", "interrupted", b"interrupted", "metrics", b"metrics", "name", b"name", "reasoning", b"reasoning", "role", b"role", "run_id", b"run_id", "sequence", b"sequence", "session_id", b"session_id", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "create_time", b"create_time", "id", b"id", "interrupted", b"interrupted", "kind", b"kind", "metrics", b"metrics", "name", b"name", "reasoning", b"reasoning", "role", b"role", "run_id", b"run_id", "sequence", b"sequence", "session_id", b"session_id", "summary_through", b"summary_through", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

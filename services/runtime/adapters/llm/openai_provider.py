@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -55,6 +56,7 @@ from services.runtime.domain.llm import (
     CompletionAssembler,
     CompletionRequest,
     ContentDelta,
+    ContextTooLong,
     Delta,
     FinishReason,
     LLMRejected,
@@ -190,7 +192,7 @@ class OpenAIProvider(LLM):
                     raise _Retryable("the stream ended without a finish reason")
             except openai.APIStatusError as exc:
                 if not _retryable_status(exc.status_code):
-                    raise LLMRejected(self._rejection(base_url, model, exc)) from None
+                    raise self._refusal(base_url, model, exc) from None
                 failure = _Retryable(f"HTTP {exc.status_code}", retry_after=_retry_after(exc))
             except openai.APIConnectionError as exc:
                 failure = _Retryable(self._describe_cut(exc))
@@ -243,6 +245,13 @@ class OpenAIProvider(LLM):
         if retry_after is not None:
             delay = max(delay, retry_after)
         return min(delay, self._backoff_cap)
+
+    def _refusal(self, base_url: str, model: str, exc: openai.APIStatusError) -> LLMRejected:
+        too_long = _context_too_long(exc)
+        if too_long is not None:
+            window, requested = too_long
+            return ContextTooLong(self._rejection(base_url, model, exc), window=window, requested=requested)
+        return LLMRejected(self._rejection(base_url, model, exc))
 
     def _rejection(self, base_url: str, model: str, exc: openai.APIStatusError) -> str:
         detail = exc.body.get("message") if isinstance(exc.body, Mapping) else exc.body
@@ -371,6 +380,41 @@ def _text(fields: dict[str, Any], name: str) -> str:
 
 def _normalize(base_url: str) -> str:
     return base_url.rstrip("/")
+
+
+# How endpoints say a request is longer than the context window: OpenAI's
+# code, llama.cpp's error type, and the words others use.
+_CONTEXT_CODES = frozenset(
+    {"context_length_exceeded", "exceed_context_size_error", "string_above_max_length"}
+)
+_CONTEXT_WORDS = re.compile(
+    r"maximum context length|context length|context size|context window|too many tokens|prompt is too long",
+    re.IGNORECASE,
+)
+_OPENAI_NUMBERS = re.compile(
+    r"maximum context length is (\d+) tokens.*?(?:resulted in|requested) (\d+) tokens",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def _context_too_long(exc: openai.APIStatusError) -> tuple[int | None, int | None] | None:
+    """(window, requested) when `exc` says the request exceeds the context
+    window (each None when not said); None when it says something else."""
+    if exc.status_code not in (400, 413, 422):
+        return None
+    body: Mapping[str, Any] = exc.body if isinstance(exc.body, Mapping) else {}
+    message = str(body.get("message") or exc.message or "")
+    kinds = {str(body.get("code") or ""), str(body.get("type") or "")}
+    if not (kinds & _CONTEXT_CODES or _CONTEXT_WORDS.search(message)):
+        return None
+    window = requested = None
+    if (numbers := _OPENAI_NUMBERS.search(message)) is not None:
+        window, requested = int(numbers[1]), int(numbers[2])
+    if isinstance(body.get("n_ctx"), int):
+        window = int(body["n_ctx"])
+    if isinstance(body.get("n_prompt_tokens"), int):
+        requested = int(body["n_prompt_tokens"])
+    return window, requested
 
 
 def _retryable_status(status: int) -> bool:
