@@ -196,7 +196,9 @@ def _invalid_requests(agent: str, run: RunBuilder) -> list[tuple[str, str, objec
         (
             "Retrieve",
             "SEGMENT_TYPE_UNSPECIFIED",
-            pb.RetrieveRequest(agent=scope, query="x", filters=pb.RetrieveFilters(types=[0])),
+            pb.RetrieveRequest(
+                agent=scope, query="x", filters=pb.RetrieveFilters(types=[pb.SEGMENT_TYPE_UNSPECIFIED])
+            ),
         ),
         (
             "Retrieve",
@@ -208,7 +210,11 @@ def _invalid_requests(agent: str, run: RunBuilder) -> list[tuple[str, str, objec
         (
             "Retrieve",
             "not a known SegmentType",
-            pb.RetrieveRequest(agent=scope, query="x", filters=pb.RetrieveFilters(types=[99])),
+            pb.RetrieveRequest(
+                agent=scope,
+                query="x",
+                filters=pb.RetrieveFilters(types=[99]),  # type: ignore[list-item]
+            ),
         ),
         ("Expand", "ref must look like", pb.ExpandRequest(agent=scope, ref="nonsense")),
         ("Expand", "before must be between", pb.ExpandRequest(agent=scope, ref="r/1/0", before=51)),

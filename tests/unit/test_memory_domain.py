@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -100,14 +101,16 @@ def test_long_text_is_split_at_sentences_with_an_overlap() -> None:
     # Nothing lost: every sentence is whole in some part.
     assert all(any(sentence in part for part in parts) for sentence in sentences)
     # Each part starts with some of the previous one's end.
-    for before, after in zip(parts, parts[1:], strict=False):
+    for before, after in itertools.pairwise(parts):
         assert after[:15] in before
 
 
 def test_long_chinese_and_unbroken_text_is_split_too() -> None:
-    chinese = "预算改成了五万元，请通知财务部门。" * 30
+    chinese = "预算改成了五万元\uff0c请通知财务部门\u3002" * 30
     parts = split_text(chinese, SPLIT)
-    assert all(len(part) <= SPLIT.max_chars for part in parts) and all(p.endswith("。") for p in parts[:-1])
+    assert all(len(part) <= SPLIT.max_chars for part in parts) and all(
+        p.endswith("\u3002") for p in parts[:-1]
+    )
     unbroken = "x" * 450
     # The last part starts with the overlap (40) before its own 50 characters.
     assert [len(part) for part in split_text(unbroken, SPLIT)] == [200, 200, 90]
