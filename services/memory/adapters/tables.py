@@ -67,6 +67,13 @@ segments = sa.Table(
     sa.Index("ix_memory_segments_agent", "agent_id", "created_at"),
     sa.Index("ix_memory_segments_workspace", "workspace_id", "created_at"),
     sa.Index("ix_memory_segments_session", "session_id"),
+    # The background embedder's queue: only the rows still without a vector.
+    sa.Index(
+        "ix_memory_segments_unembedded",
+        "id",
+        postgresql_where=sa.text("embedding IS NULL"),
+        sqlite_where=sa.text("embedding IS NULL"),
+    ),
 )
 
 # The members of each audience (a conversation's members as archived).
