@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 
 from agentim.memory.v1 import memory_pb2 as pb
 from services.memory.adapters.sql import Database
-from services.memory.adapters.tables import SCHEMA, metadata
+from services.memory.adapters.tables import SCHEMA, language_means, metadata
 from services.memory.service_layer.retention import RetentionSweep
 from tests.integration.memory_harness import (
     RunningMemory,
@@ -163,3 +163,29 @@ async def test_forget_before_a_time_keeps_the_newer_part_of_a_session(memory: Ru
     )
     assert expanded.focus.text == "second" and list(expanded.before) == []
     assert expanded.run.segment_count == 1
+
+
+async def test_language_sums_of_another_embedder_are_replaced_not_mixed(memory_url: str) -> None:
+    small, large = FakeEmbedder(dimensions=8), FakeEmbedder(dimensions=16)
+    for embedder in (small, large):
+        running = await start_memory(memory_url, embedder=embedder)
+        try:
+            workspace, agent, agent_member = running.new_workspace()
+            run = RunBuilder(workspace, agent, agent_member).user("a fact in english").user("another fact")
+            await running.stub.ArchiveRun(
+                pb.ArchiveRunRequest(run=run.build()), metadata=as_member(agent_member)
+            )
+            assert running.app.worker is not None
+            await asyncio.wait_for(running.app.worker.drained(), 10)
+        finally:
+            await stop_memory(running)
+    database = Database(memory_url)
+    try:
+        async with database.engine.connect() as conn:
+            row = (
+                await conn.execute(sa.select(language_means).where(language_means.c.language == "en"))
+            ).one()
+        # Only the 16-dimension vectors count (another test may have added more of them).
+        assert len(row.sums) == 16 * 8 and row._mapping["count"] >= 2
+    finally:
+        await database.aclose()

@@ -300,7 +300,7 @@ class SqlMemoryStore(MemoryStore):
                     sums.setdefault(item.language, np.zeros(self.dimensions, dtype=np.float64))
                     sums[item.language] += np.asarray(vector, dtype=np.float64)
                     counts[item.language] = counts.get(item.language, 0) + 1
-            for language, total in sums.items():
+            for language, added in sums.items():
                 query = sa.select(language_means).where(language_means.c.language == language)
                 if not self._db.is_sqlite:
                     query = query.with_for_update()
@@ -308,19 +308,19 @@ class SqlMemoryStore(MemoryStore):
                 if row is None:
                     await conn.execute(
                         language_means.insert().values(
-                            language=language, count=counts[language], sums=total.astype("<f8").tobytes()
+                            language=language, count=counts[language], sums=added.astype("<f8").tobytes()
                         )
                     )
                 else:
                     before = np.frombuffer(row.sums, dtype="<f8")
-                    merged = before + total if len(before) == self.dimensions else total
+                    total, count = added, counts[language]
+                    if len(before) == self.dimensions:
+                        total, count = added + before, count + int(row._mapping["count"])
+                    # else: sums of another embedder's vectors, which no search uses any more.
                     await conn.execute(
                         language_means.update()
                         .where(language_means.c.language == language)
-                        .values(
-                            count=int(row._mapping["count"]) + counts[language],
-                            sums=merged.astype("<f8").tobytes(),
-                        )
+                        .values(count=count, sums=total.astype("<f8").tobytes())
                     )
             if stored:
                 owners = (
