@@ -1,7 +1,8 @@
 """Runs the whole system on one machine: `python -m services.run_all`.
 
-Applies every service's migrations, starts the IM service, then the agent
-runtime (pointed at the IM), then the HTTP gateway (pointed at both), prints
+Applies every service's migrations, starts the IM service, then the memory
+service and the agent runtime (both pointed at the IM), then the HTTP
+gateway (pointed at the IM and the runtime), prints
 where each listens and the URL to open in a browser, and stops them all
 (gracefully, in reverse order) on SIGINT or SIGTERM, or when one of them
 exits. This is what `make run` does, with the embedded default unless
@@ -18,7 +19,7 @@ import threading
 from types import FrameType
 
 # Services with a database to migrate; the gateway has none.
-SERVICES = ("services.im", "services.runtime")
+SERVICES = ("services.im", "services.memory", "services.runtime")
 STOP_SECONDS = 20
 
 
@@ -60,6 +61,9 @@ def main() -> int:
         im, im_address = _start("services.im", env)
         started.append(im)
         env["IM_ADDRESS"] = im_address
+        memory, memory_address = _start("services.memory", env)
+        started.append(memory)
+        env["MEMORY_ADDRESS"] = memory_address
         runtime, runtime_address = _start("services.runtime", env)
         started.append(runtime)
         env["RUNTIME_ADDRESS"] = runtime_address

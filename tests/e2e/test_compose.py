@@ -124,6 +124,8 @@ def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> Non
     assert _services(compose)["im"]["command"][2:] == ["services.im", "serve"]
     assert _services(compose)["im-migrate"]["command"][2:] == ["services.im", "migrate"]
     assert _services(compose)["gateway"]["command"][2:] == ["gateway", "serve"]
+    assert _services(compose)["memory"]["command"][2:] == ["services.memory", "serve"]
+    assert _services(compose)["memory-migrate"]["command"][2:] == ["services.memory", "migrate"]
 
 
 def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
@@ -142,7 +144,7 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
         except ConfigError as error:
             pytest.fail(f"{name}: {error}")
         checked.append(name)
-    assert {"im", "im-migrate", "gateway"} <= set(checked)
+    assert {"im", "im-migrate", "gateway", "memory", "memory-migrate"} <= set(checked)
 
 
 def test_compose_im_listens_where_it_is_published_and_probed(compose: dict[str, Any]) -> None:
@@ -152,6 +154,23 @@ def test_compose_im_listens_where_it_is_published_and_probed(compose: dict[str, 
     targets = [str(p).split("/")[0].rpartition(":")[2] for p in im.get("ports", [])]
     assert port in targets, f"port {port} is not published: {im.get('ports')}"
     assert _healthcheck_test(im)[-1] == f"127.0.0.1:{port}"
+
+
+def test_compose_memory_listens_where_it_is_published_probed_and_migrated(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    memory = services["memory"]
+    environment = memory["environment"]
+    port = environment["MEMORY_GRPC_ADDRESS"].rpartition(":")[2]
+    assert environment["MEMORY_GRPC_ADDRESS"].startswith("0.0.0.0:"), "a container must listen on all"
+    assert [str(p).split("/")[0].rpartition(":")[2] for p in memory.get("ports", [])] == [port]
+    assert _healthcheck_test(memory)[-1] == f"127.0.0.1:{port}"
+    assert memory["depends_on"]["memory-migrate"]["condition"] == "service_completed_successfully"
+    assert services["memory-migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    # It asks the IM who callers are.
+    assert memory["depends_on"]["im"]["condition"] == "service_healthy"
+    im_port = services["im"]["environment"]["IM_GRPC_ADDRESS"].rpartition(":")[2]
+    assert environment["IM_ADDRESS"] == f"im:{im_port}"
+    assert services["runtime"]["environment"]["MEMORY_ADDRESS"] == f"memory:{port}"
 
 
 def test_compose_dependencies_exist_and_wait_for_health(compose: dict[str, Any]) -> None:

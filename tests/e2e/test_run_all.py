@@ -34,13 +34,14 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
     env = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(("AGENTIM_", "IM_", "RUNTIME_", "OPENAI_", "GATEWAY_"))
+        if not key.startswith(("AGENTIM_", "IM_", "RUNTIME_", "MEMORY_", "OPENAI_", "GATEWAY_"))
         and key not in {"DATABASE_URL", "REDIS_URL"}
     }
     env.update(
         AGENTIM_DATA_DIR=str(tmp_path),
         IM_GRPC_ADDRESS="127.0.0.1:0",
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
+        MEMORY_GRPC_ADDRESS="127.0.0.1:0",
         GATEWAY_HTTP_ADDRESS="127.0.0.1:0",
         LOG_LEVEL="WARNING",
     )
@@ -54,8 +55,11 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
     try:
         assert process.stdout is not None
         im_line = process.stdout.readline()
+        memory_line = process.stdout.readline()
         runtime_line = process.stdout.readline()
         assert im_line.startswith("IM service listening on 127.0.0.1:"), im_line
+        assert memory_line.startswith("memory service listening on 127.0.0.1:"), memory_line
+        assert f"IM at {im_line.split()[4]}" in memory_line
         assert runtime_line.startswith("runtime service listening on 127.0.0.1:"), runtime_line
         assert "offline model" in runtime_line
         gateway_line = process.stdout.readline()
@@ -71,7 +75,9 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
             assert page.status == 200 and "html" in page.headers["Content-Type"]
         assert serving(im_line.split()[4])
         assert serving(runtime_line.split()[4])
+        assert serving(memory_line.split()[4])
         assert (tmp_path / "im.db").exists() and (tmp_path / "runtime.db").exists()
+        assert (tmp_path / "memory.db").exists()
         # The README's Python example works against it as written (but for the ports).
         example = readme_example().replace("127.0.0.1:50051", im_line.split()[4])
         example = example.replace("127.0.0.1:50052", runtime_line.split()[4])

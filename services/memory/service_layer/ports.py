@@ -1,0 +1,148 @@
+"""What the memory service needs from the world: storage, an embedder, a member directory."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from services.memory.domain.model import (
+    ArchivedRun,
+    MemoryStats,
+    Ref,
+    RunInfo,
+    SegmentDraft,
+    StoredSegment,
+)
+from services.memory.domain.ranking import Hit
+from services.memory.domain.scope import Filters, ForgetTarget, Scope
+
+Vector = npt.NDArray[np.float32]
+
+
+class Embedder(abc.ABC):
+    """Turns text into unit vectors; e5-style models embed queries and passages differently."""
+
+    name: str
+    dimensions: int
+
+    @abc.abstractmethod
+    async def embed_passages(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """One unit vector per text, as rows."""
+
+    @abc.abstractmethod
+    async def embed_query(self, text: str) -> Vector: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - most embedders hold nothing
+        """Releases what the embedder holds. Idempotent."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    member_id: str
+    workspace_id: str
+    is_agent: bool
+
+
+class MemberDirectory(abc.ABC):
+    """Who a member is (the IM knows)."""
+
+    @abc.abstractmethod
+    async def member(self, member_id: str) -> MemberInfo | None:
+        """The member, or None if the IM knows no such member.
+
+        Raises:
+            DirectoryUnavailable: the IM cannot be asked now.
+        """
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Closes the connection to the directory. Idempotent."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSegment:
+    key: int
+    text: str
+    language: str
+
+
+@dataclass(frozen=True, slots=True)
+class AgentIdentity:
+    workspace_id: str
+    agent_member_id: str
+
+
+class MemoryStore(abc.ABC):
+    """The segments, their indexes and their runs."""
+
+    @abc.abstractmethod
+    async def archive(self, run: ArchivedRun, drafts: Sequence[SegmentDraft], content_hash: str) -> bool:
+        """Stores the run's segments in place of any earlier ones; False if it was stored as it is.
+
+        Raises:
+            NotAllowed: the run id belongs to another agent or workspace.
+        """
+
+    @abc.abstractmethod
+    async def agent_identity(self, agent_id: str) -> AgentIdentity | None: ...
+
+    @abc.abstractmethod
+    async def run_info(self, run_id: str) -> RunInfo | None: ...
+
+    @abc.abstractmethod
+    async def segments(self, keys: Sequence[int]) -> dict[int, StoredSegment]: ...
+
+    @abc.abstractmethod
+    async def lexical_search(
+        self, scope: Scope, filters: Filters, terms: Sequence[str], limit: int
+    ) -> list[Hit]:
+        """Segments matching any of `terms`, best first, with a BM25-like score."""
+
+    @abc.abstractmethod
+    async def vector_search(
+        self, scope: Scope, filters: Filters, query: Vector, language: str, limit: int
+    ) -> list[Hit]:
+        """Embedded segments by centered cosine to `query`, best first."""
+
+    @abc.abstractmethod
+    async def visible_segment(self, scope: Scope, ref: Ref) -> StoredSegment | None:
+        """The segment at `ref` if the scope may see it."""
+
+    @abc.abstractmethod
+    async def neighbours(
+        self, scope: Scope, focus: StoredSegment, *, before: int, after: int
+    ) -> tuple[list[StoredSegment], list[StoredSegment]]:
+        """Visible segments of the focus's run just before and after it, in order."""
+
+    @abc.abstractmethod
+    async def pending_count(self, scope: Scope | None = None) -> int: ...
+
+    @abc.abstractmethod
+    async def forget(self, target: ForgetTarget) -> int:
+        """Deletes the target's segments (and runs left empty); returns how many segments.
+
+        A target naming no id at all means every segment (before `target.before`):
+        the retention sweep's delete.
+        """
+
+    @abc.abstractmethod
+    async def target_workspaces(self, target: ForgetTarget) -> set[str]:
+        """The workspaces the target's runs belong to (empty if none is stored)."""
+
+    @abc.abstractmethod
+    async def stats(self, *, agent_id: str = "", workspace_id: str = "") -> MemoryStats: ...
+
+    @abc.abstractmethod
+    async def pending_embeddings(self, limit: int) -> list[PendingSegment]: ...
+
+    @abc.abstractmethod
+    async def store_embeddings(
+        self, pending: Sequence[PendingSegment], vectors: npt.NDArray[np.float32]
+    ) -> int:
+        """Stores vectors of segments still there; returns how many were stored."""
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Closes connections. Idempotent."""

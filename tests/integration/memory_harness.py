@@ -1,0 +1,117 @@
+"""A memory server on a free port, on SQLite or PostgreSQL, with a fake embedder and directory."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import sqlalchemy as sa
+
+from agentim.memory.v1 import memory_pb2_grpc
+from services.common.identity import caller_metadata
+from services.memory import bootstrap
+from services.memory.adapters import migrate
+from services.memory.adapters.sql import Database
+from services.memory.adapters.tables import SCHEMA
+from services.memory.config import Settings
+from services.memory.service_layer.ports import Embedder, MemberDirectory
+from tests.conftest import POSTGRES_URL, unavailable
+from tests.memory_support import FakeDirectory, FakeEmbedder
+
+_prepared: set[str] = set()
+
+
+async def migrated_url(kind: str, tmp_path: Path) -> str:
+    """A migrated memory database: a fresh SQLite file, or the shared PostgreSQL
+    test database whose `memory` schema is re-created once per session."""
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'memory.db'}"
+        database = Database(url)
+        try:
+            await migrate.upgrade(database)
+        finally:
+            await database.aclose()
+        return url
+    if POSTGRES_URL not in _prepared:
+        database = Database(POSTGRES_URL)
+        try:
+            async with database.engine.begin() as conn:
+                await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+            await migrate.upgrade(database)
+        except (OSError, sa.exc.SQLAlchemyError) as error:
+            unavailable(f"PostgreSQL is unreachable at {POSTGRES_URL}: {error}")
+        finally:
+            await database.aclose()
+        _prepared.add(POSTGRES_URL)
+    return POSTGRES_URL
+
+
+@dataclass
+class RunningMemory:
+    app: bootstrap.MemoryApp
+    channel: grpc.aio.Channel
+    stub: memory_pb2_grpc.MemoryServiceStub
+    directory: FakeDirectory
+    embedder: FakeEmbedder
+
+    def new_workspace(self) -> tuple[str, str, str]:
+        """A workspace id with an agent (id, member id) in it."""
+        workspace = str(uuid.uuid4())
+        return workspace, str(uuid.uuid4()), self.directory.add(workspace, is_agent=True)
+
+
+def settings_for(url: str, **overrides: str) -> Settings:
+    environ = {
+        "MEMORY_DATABASE_URL": url,
+        "MEMORY_GRPC_ADDRESS": "127.0.0.1:0",
+        "MEMORY_EMBEDDER": "none",
+        "LOG_LEVEL": "WARNING",
+        **overrides,
+    }
+    return Settings.from_env(environ)
+
+
+async def start_memory(
+    url: str,
+    *,
+    embedder: Embedder | None = None,
+    directory: MemberDirectory | None = None,
+    **overrides: str,
+) -> RunningMemory:
+    fake_directory = directory if isinstance(directory, FakeDirectory) else FakeDirectory()
+    fake_embedder = embedder if isinstance(embedder, FakeEmbedder) else FakeEmbedder()
+    app = bootstrap.build(
+        settings_for(url, **overrides),
+        embedder=embedder or fake_embedder,
+        directory=directory or fake_directory,
+    )
+    port = await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return RunningMemory(
+        app, channel, memory_pb2_grpc.MemoryServiceStub(channel), fake_directory, fake_embedder
+    )
+
+
+async def stop_memory(running: RunningMemory) -> None:
+    await running.channel.close()
+    await running.app.stop()
+
+
+def as_member(member_id: str) -> tuple[tuple[str, str], ...]:
+    return caller_metadata(member_id=member_id)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def memory_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return await migrated_url(request.param, tmp_path)
+
+
+@pytest.fixture
+async def memory(memory_url: str) -> AsyncIterator[RunningMemory]:
+    running = await start_memory(memory_url)
+    yield running
+    await stop_memory(running)

@@ -1,0 +1,234 @@
+"""The memory's handlers and its embedding worker, on an in-memory store with fake ports."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from agentim.memory.v1 import memory_pb2 as pb
+from services.memory.domain.errors import InvalidRequest, NotAllowed, NotFound, Unauthenticated
+from services.memory.domain.model import SegmentType
+from services.memory.domain.scope import Filters, ForgetTarget
+from services.memory.entrypoints.mappers import run_in
+from services.memory.service_layer.embedding import EmbeddingWorker
+from services.memory.service_layer.handlers import (
+    AgentScopeRequest,
+    Caller,
+    Memory,
+    QueryLimits,
+    WorkspaceScopeRequest,
+)
+from services.memory.service_layer.ports import Vector
+from tests.memory_support import FakeDirectory, FakeEmbedder, RunBuilder
+from tests.unit.memory_fakes import InMemoryStore
+
+
+class HangingEmbedder(FakeEmbedder):
+    """Embeds passages, but never answers a query (an overloaded model)."""
+
+    async def embed_query(self, text: str) -> Vector:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class World:
+    def __init__(self, embedder: FakeEmbedder | None = None) -> None:
+        self.store = InMemoryStore()
+        self.directory = FakeDirectory()
+        self.embedder = embedder or FakeEmbedder()
+        self.archived = 0
+        self.memory = Memory(
+            store=self.store,
+            embedder=self.embedder,
+            directory=self.directory,
+            query_limits=QueryLimits(query_embedding_seconds=0.05),
+            on_archived=self._count,
+        )
+        self.worker = EmbeddingWorker(self.store, self.embedder, batch_size=2, retry_initial_seconds=30)
+        self.workspace = str(uuid.uuid4())
+        self.agent = str(uuid.uuid4())
+        self.agent_member = self.directory.add(self.workspace, is_agent=True)
+
+    def _count(self) -> None:
+        self.archived += 1
+        self.worker.wake()
+
+    def run(self) -> RunBuilder:
+        return RunBuilder(self.workspace, self.agent, self.agent_member)
+
+    async def archive(self, run: RunBuilder) -> bool:
+        result = await self.memory.archive_run(Caller(self.agent_member), run_in(run.build()))
+        return result.changed
+
+    async def recall(
+        self, query: str, *audience: str, caller: str | None = None, **options: object
+    ) -> list[str]:
+        found = await self.memory.retrieve(
+            Caller(caller or self.agent_member),
+            AgentScopeRequest(self.agent, tuple(audience)),
+            query=query,
+            limit=int(options.pop("limit", 0)),  # type: ignore[call-overload]
+            filters=options.pop("filters", Filters()),  # type: ignore[arg-type]
+            prefer_recent=bool(options.pop("prefer_recent", False)),
+        )
+        return [result.segment.text for result in found.results]
+
+
+async def test_archive_is_idempotent_and_only_a_change_wakes_the_embedder() -> None:
+    world = World()
+    run = world.run().user("first version")
+    assert await world.archive(run) is True
+    assert await world.archive(run) is False
+    assert (world.archived, world.store.archive_writes) == (1, 1)
+    run.steps[0].content = "second version"
+    assert await world.archive(run) is True
+    assert await world.recall("version") == ["second version"]
+
+
+async def test_only_the_agent_itself_archives_its_runs() -> None:
+    world = World()
+    person = world.directory.add(world.workspace)
+    run = run_in(world.run().user("x").build())
+    with pytest.raises(NotAllowed):
+        await world.memory.archive_run(Caller(person), run)
+    with pytest.raises(Unauthenticated):
+        await world.memory.archive_run(Caller(None), run)
+    with pytest.raises(Unauthenticated):
+        await world.memory.archive_run(Caller(str(uuid.uuid4())), run)
+
+
+async def test_a_reader_other_than_the_agent_joins_the_audience() -> None:
+    world = World()
+    alice, bob = world.directory.add(world.workspace), world.directory.add(world.workspace)
+    run = world.run()
+    run.user("secret plan", group="direct-alice", members=[alice])
+    run.user("public plan", group="team", members=[alice, bob])
+    run.user("task plan")
+    await world.archive(run)
+    assert sorted(await world.recall("plan")) == ["public plan", "secret plan", "task plan"]
+    assert sorted(await world.recall("plan", alice, bob)) == ["public plan", "task plan"]
+    assert sorted(await world.recall("plan", caller=bob)) == ["public plan", "task plan"]
+    assert sorted(await world.recall("plan", caller=alice)) == ["public plan", "secret plan", "task plan"]
+    # A person's workspace search: conversations they were in, never tasks.
+    found = await world.memory.retrieve(
+        Caller(bob), WorkspaceScopeRequest(""), query="plan", limit=0, filters=Filters(), prefer_recent=False
+    )
+    assert [r.segment.text for r in found.results] == ["public plan"]
+
+
+async def test_the_embedding_worker_makes_meaning_searchable_and_recovers_from_failures() -> None:
+    world = World()
+    world.embedder.synonyms["automobile"] = "car"
+    world.embedder.fail = True
+    world.worker.start()
+    try:
+        await world.archive(world.run().user("the car is blue").user("lunch at noon").user("rain tomorrow"))
+        # The embedder is down: lexical search still answers, and says what waits.
+        assert await world.recall("the car") == ["the car is blue"]
+        assert await world.store.pending_count() == 3
+        world.embedder.fail = False
+        world.worker.wake()
+        await asyncio.wait_for(world.worker.drained(), 5)
+        assert await world.store.pending_count() == 0
+        assert (await world.recall("automobile"))[0] == "the car is blue"
+    finally:
+        await world.worker.aclose()
+
+
+async def test_a_query_whose_vector_is_late_goes_lexical_only() -> None:
+    world = World(HangingEmbedder())
+    world.worker.start()
+    try:
+        await world.archive(world.run().user("deploy failed with ERR_QUOTA_42"))
+        await asyncio.wait_for(world.worker.drained(), 5)
+        assert await world.recall("ERR_QUOTA_42") == ["deploy failed with ERR_QUOTA_42"]
+    finally:
+        await world.worker.aclose()
+
+
+async def test_retrieve_filters_limits_and_duplicates() -> None:
+    world = World()
+    run = world.run()
+    for index in range(30):
+        run.step(pb.STEP_ROLE_TOOL, f"build {index} ok", tool_name="build")
+    run.user("please build it")
+    await world.archive(run)
+    assert await world.recall("build ok") == ["build 0 ok", "please build it"]
+    only_results = await world.recall("build", filters=Filters(types=frozenset({SegmentType.USER_MESSAGE})))
+    assert only_results == ["please build it"]
+    for limit in (-1, 101):
+        with pytest.raises(InvalidRequest, match="limit"):
+            await world.recall("x", limit=limit)
+    with pytest.raises(InvalidRequest, match="query"):
+        await world.recall(" ")
+
+
+async def test_expand_hides_what_the_audience_may_not_see() -> None:
+    world = World()
+    alice, bob = world.directory.add(world.workspace), world.directory.add(world.workspace)
+    run = world.run()
+    run.user("for alice only", group="direct-alice", members=[alice])
+    run.user("for both", group="team", members=[alice, bob])
+    await world.archive(run)
+    scope = AgentScopeRequest(world.agent, (bob,))
+    expanded = await world.memory.expand(
+        Caller(world.agent_member), scope, ref=f"{run.run_id}/2/0", before=0, after=0
+    )
+    assert expanded.before == [] and expanded.focus.text == "for both"
+    with pytest.raises(NotFound):
+        await world.memory.expand(
+            Caller(world.agent_member), scope, ref=f"{run.run_id}/1/0", before=0, after=0
+        )
+    with pytest.raises(InvalidRequest):
+        await world.memory.expand(
+            Caller(world.agent_member), scope, ref=f"{run.run_id}/1/0", before=51, after=0
+        )
+
+
+async def test_forget_and_stats_stay_within_the_callers_workspace() -> None:
+    world, other = World(), World()
+    run = world.run().user("hello")
+    await world.archive(run)
+    stranger = other.agent_member
+    world.directory.members.update(other.directory.members)
+    with pytest.raises(NotAllowed):
+        await world.memory.forget(Caller(stranger), ForgetTarget(run_id=run.run_id))
+    with pytest.raises(NotAllowed):
+        await world.memory.stats(Caller(stranger), agent_id=world.agent, workspace_id="")
+    with pytest.raises(InvalidRequest):
+        await world.memory.forget(Caller(world.agent_member), ForgetTarget(run_id="a", agent_id="b"))
+    assert await world.memory.forget(Caller(world.agent_member), ForgetTarget(run_id="no-such-run")) == 0
+    assert await world.memory.forget(Caller(world.agent_member), ForgetTarget(agent_id=world.agent)) == 1
+    # A trusted service acting for nobody is an administrator.
+    assert (
+        await world.memory.forget(Caller(None, is_service=True), ForgetTarget(workspace_id=world.workspace))
+        == 0
+    )
+
+
+class RecordingEmbedder(FakeEmbedder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[int] = []
+
+    async def embed_passages(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        self.batches.append(len(texts))
+        return await super().embed_passages(texts)
+
+
+async def test_the_worker_embeds_in_batches_and_picks_up_what_waited_before_it_started() -> None:
+    embedder = RecordingEmbedder()
+    world = World(embedder)
+    await world.archive(world.run().user("one").user("two").user("three").user("four").user("five"))
+    world.worker.start()
+    try:
+        await asyncio.wait_for(world.worker.drained(), 5)
+    finally:
+        await world.worker.aclose()
+    assert embedder.batches == [2, 2, 1]
+    assert world.worker.embedded == 5
