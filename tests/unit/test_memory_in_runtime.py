@@ -25,7 +25,7 @@ from services.runtime.domain.conversations import (
 )
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy, incoming_message
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
-from services.runtime.domain.model import Agent, RunStatus, Step, StepMetrics
+from services.runtime.domain.model import Agent, RunStatus, Step, StepKind, StepMetrics
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.grpc_servicer import _draft
 from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
@@ -142,7 +142,30 @@ async def test_a_secret_told_in_a_direct_chat_stays_out_of_a_group_that_includes
     assert [m.content for m in world.im.in_group(team.id)][-1] == "noted"
 
 
-async def test_the_direct_chat_recalls_what_left_its_context_with_the_anchor(world: World) -> None:
+async def test_a_chat_recalls_what_its_members_saw_in_another_chat_with_the_anchor(world: World) -> None:
+    ada = await world.agent()
+    team = world.im.group("team", world.alice, world.bob, ada.member_id)
+    direct = world.im.group("", world.alice, ada.member_id, direct=True)
+    world.im.post(world.bob, team.id, "the release codename is MARMALADE")
+    await world.settle(ada)
+    await world.archived()
+    world.im.post(world.alice, direct.id, "which release codename did the team pick?")
+    await world.settle(ada)
+
+    steps = world.store.steps[ada.session_id]
+    recalled = [s for s in steps if s.kind is StepKind.RECALL]
+    assert len(recalled) == 1
+    note = recalled[0].message.content or ""
+    assert note.startswith(RECALLED_HEADER)
+    team_run = steps[0].run_id
+    assert f"ref={team_run}/1/0" in note and "MARMALADE" in note
+    # Read first: the model sees what it remembers, then the question.
+    direct_run = [s for s in steps if s.run_id == recalled[0].run_id]
+    assert direct_run[0] == recalled[0] and "which release codename" in (direct_run[1].message.content or "")
+    assert "MARMALADE" in world.requests_text()[-1]
+
+
+async def test_recall_leaves_out_the_runs_still_in_the_context(world: World) -> None:
     ada = await world.agent()
     direct = world.im.group("", world.alice, ada.member_id, direct=True)
     world.im.post(world.alice, direct.id, f"the vault code is {SECRET}")
@@ -150,17 +173,10 @@ async def test_the_direct_chat_recalls_what_left_its_context_with_the_anchor(wor
     await world.archived()
     world.im.post(world.alice, direct.id, "which vault code did I give you?")
     await world.settle(ada)
-
-    steps = world.store.steps[ada.session_id]
-    recalled = [s for s in steps if (s.message.content or "").startswith(RECALLED_HEADER)]
-    assert len(recalled) == 1
-    first_run = steps[0].run_id
-    assert f"ref={first_run}/1/0" in (recalled[0].message.content or "")
-    assert SECRET in (recalled[0].message.content or "")
-    assert recalled[0].run_id != first_run  # the new run's own step
-    # Read first: the model sees what it remembers, then the question.
-    second_run = [s for s in steps if s.run_id == recalled[0].run_id]
-    assert second_run[0] == recalled[0] and "which vault code" in (second_run[1].message.content or "")
+    first = world.store.steps[ada.session_id][0].run_id
+    (*_, (_, _, query)) = world.memory.recalls
+    assert first in query.exclude_run_ids  # it is in the context already
+    assert not any(s.kind is StepKind.RECALL for s in world.store.steps[ada.session_id])
 
 
 async def test_messages_waiting_in_two_chats_become_two_runs_each_answering_its_chat(world: World) -> None:

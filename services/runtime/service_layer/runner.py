@@ -39,7 +39,7 @@ from services.runtime.domain.context import (
     latest_summary,
     summary_request,
 )
-from services.runtime.domain.conversations import in_conversation, run_conversations
+from services.runtime.domain.conversations import TASKS, Conversation, in_conversation, run_conversations
 from services.runtime.domain.etiquette import (
     ChatterGuard,
     GroupPolicy,
@@ -109,6 +109,8 @@ logger = logging.getLogger(__name__)
 # When runs must leave the context, enough leave to bring it down to this
 # share of the budget, so that a summary is written now and then, not at every call.
 SUMMARY_HEADROOM = 0.6
+# Most runs a recall leaves out as already in the context (the memory's limit).
+MAX_EXCLUDED_RUNS = 1000
 
 # Why a run that was in flight when its process stopped ended.
 STOPPED_DURING_RUN = "the runtime stopped during the run"
@@ -789,12 +791,16 @@ class AgentRunner:
         query = task.input if task is not None else "\n".join(m.content for m in messages)
         if not query.strip():
             return []
+        conversation: Conversation | None = (
+            TASKS if task is not None else (messages[-1].group_id if messages else None)
+        )
+        shown = (run.id, *self._runs_in_context(conversation))
         try:
             found = await asyncio.wait_for(
                 env.memory.recall(
                     self.agent,
                     audience,
-                    RecallQuery(text=query[-2000:], limit=limit, exclude_run_ids=(run.id,)),
+                    RecallQuery(text=query[-2000:], limit=limit, exclude_run_ids=shown[:MAX_EXCLUDED_RUNS]),
                 ),
                 env.settings.recall_timeout_seconds,
             )
@@ -802,6 +808,23 @@ class AgentRunner:
             logger.warning("agent %s: recall skipped: %s", self.agent.id, error)
             return []
         return [ChatMessage(role=Role.USER, content=recalled_note(found))] if found else []
+
+    def _runs_in_context(self, conversation: Conversation | None) -> list[uuid.UUID]:
+        """The runs the conversation's next request will show, newest first:
+        recall need not bring them back."""
+        if self._steps is None or conversation is None:
+            return []
+        steps = in_conversation(self._steps, conversation, run_conversations(self._steps))
+        window, reserve = self._window()
+        fitted = fit_context(
+            system_prompt="",
+            steps=steps,
+            current_run=None,
+            tools=(),
+            budget=int((window - reserve) / self._calibration.ratio),
+        )
+        left = {step.run_id for step in fitted.left_out}
+        return sorted({step.run_id for step in steps} - left, reverse=True)
 
     async def _start(
         self, taken: _Taken, *, task: Task | None, resumed: bool, going_on: Run | None
