@@ -69,7 +69,11 @@ class GatewayApp:
 
 def build(settings: Settings) -> GatewayApp:
     upstreams = Upstreams(
-        {"im": settings.im_address, "runtime": settings.runtime_address},
+        {
+            "im": settings.im_address,
+            "runtime": settings.runtime_address,
+            **({"memory": settings.memory_address} if settings.memory_address else {}),
+        },
         call_timeout_seconds=settings.call_timeout_seconds,
     )
     return GatewayApp(settings, upstreams)

@@ -20,6 +20,8 @@ class Settings:
         http_address: host:port to listen on; port 0 picks a free port.
         im_address: host:port of the IM service.
         runtime_address: host:port of the agent runtime.
+        memory_address: host:port of the memory service; None: no memory
+            routes (they answer 503) and none in the health check.
         cors_origins: origins allowed to call from a browser page served
             elsewhere; `*` allows any; empty: same-origin only.
         max_body_bytes: largest request body.
@@ -40,6 +42,7 @@ class Settings:
     http_address: str
     im_address: str
     runtime_address: str
+    memory_address: str | None
     cors_origins: tuple[str, ...]
     max_body_bytes: int
     upstream_max_message_bytes: int
@@ -72,6 +75,9 @@ class Settings:
             http_address=env.address("GATEWAY_HTTP_ADDRESS", "127.0.0.1:8080"),
             im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
             runtime_address=env.address("RUNTIME_ADDRESS", "127.0.0.1:50052"),
+            memory_address=env.address("MEMORY_ADDRESS", "127.0.0.1:50053")
+            if env.text("MEMORY_ADDRESS", "")
+            else None,
             cors_origins=origins,
             max_body_bytes=env.integer("GATEWAY_MAX_BODY_BYTES", 1024 * 1024, minimum=1024),
             upstream_max_message_bytes=env.integer("GRPC_MAX_MESSAGE_BYTES", 1024 * 1024, minimum=1024),

@@ -98,3 +98,11 @@ def too_large_upstream(size: int, limit: int) -> HttpError:
         "RESOURCE_EXHAUSTED",
         f"the request is {size} bytes as protobuf; the services take at most {limit}",
     )
+
+
+def not_configured(service: str) -> HttpError:
+    return HttpError(
+        503,
+        "UNAVAILABLE",
+        f"the {service} service is not configured on this gateway (set {service.upper()}_ADDRESS)",
+    )

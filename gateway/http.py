@@ -24,6 +24,7 @@ from gateway.errors import (
     HttpError,
     bad_request,
     method_not_allowed,
+    not_configured,
     not_found,
     too_large,
     too_large_upstream,
@@ -302,6 +303,8 @@ class Gateway:
 
     async def _unary(self, request: web.Request, match: Matched, metadata: Metadata) -> web.Response:
         route = match.route
+        if not self._upstreams.serves(route):
+            raise not_configured(route.service)
         body: bytes | None = None
         query: list[tuple[str, str]] = list(request.query.items())
         if route.has_body:

@@ -151,7 +151,7 @@ def _operation(route: Route, builder: SchemaBuilder) -> dict[str, Any]:
         for name in route.params
     ]
     operation: dict[str, Any] = {
-        "operationId": route.rpc,
+        "operationId": route.operation or route.rpc,
         "tags": ["IMService" if route.service == "im" else "RuntimeService"],
         "summary": f"{method.containing_service.full_name}.{route.rpc}",
     }

@@ -18,11 +18,13 @@ from urllib.parse import unquote
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
 from agentim.im.v1 import im_pb2
+from agentim.memory.v1 import memory_pb2
 from agentim.runtime.v1 import runtime_pb2
 
 SERVICES: Mapping[str, ServiceDescriptor] = {
     "im": im_pb2.DESCRIPTOR.services_by_name["IMService"],
     "runtime": runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"],
+    "memory": memory_pb2.DESCRIPTOR.services_by_name["MemoryService"],
 }
 
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
@@ -49,6 +51,8 @@ class Route:
     service: str
     rpc: str
     resume: Resume = Resume.NONE
+    # The OpenAPI operationId when one RPC serves several routes; else the RPC's name.
+    operation: str = ""
     params: tuple[str, ...] = field(init=False)
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -86,7 +90,7 @@ class Route:
         return self.method in {"POST", "PATCH", "PUT"}
 
 
-IM, RT = "im", "runtime"
+IM, RT, MEM = "im", "runtime", "memory"
 
 ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/workspaces", IM, "CreateWorkspace"),
@@ -143,7 +147,21 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/agents/{agent_id}/queue", RT, "GetQueueStats"),
     Route("GET", "/v1/tasks/{task_id}", RT, "GetTask"),
     Route("POST", "/v1/tasks/{task_id}:cancel", RT, "CancelTask"),
+    # Long-term memory: an agent's (what its audience may see, the caller
+    # included) and a workspace's, for the people searching it.
+    Route(
+        "POST", "/v1/agents/{agent.agent_id}/memory:search", MEM, "Retrieve", operation="SearchAgentMemory"
+    ),
+    Route("POST", "/v1/agents/{agent.agent_id}/memory:expand", MEM, "Expand", operation="ExpandAgentMemory"),
+    Route("GET", "/v1/agents/{agent_id}/memory", MEM, "GetMemoryStats"),
+    Route("POST", "/v1/agents/{agent_id}/memory:forget", MEM, "Forget"),
+    Route("POST", "/v1/memory:search", MEM, "Retrieve", operation="SearchWorkspaceMemory"),
+    Route("POST", "/v1/memory:expand", MEM, "Expand", operation="ExpandWorkspaceMemory"),
 )
+
+# RPCs only services call, given no HTTP route: the runtime archives its
+# agents' runs (acting as each agent); no browser has a run to archive.
+INTERNAL_RPCS = frozenset({("memory", "ArchiveRun")})
 
 # Query parameters SSE routes accept besides request fields: browsers'
 # EventSource can set no header.

@@ -39,6 +39,10 @@ class Upstreams:
         }
         self._callables: dict[tuple[str, str], Any] = {}
 
+    def serves(self, route: Route) -> bool:
+        """Whether the route's service has an address (memory may have none)."""
+        return route.service in self._channels
+
     def new_request(self, route: Route) -> Message:
         return message_class(route.descriptor.input_type)()
 

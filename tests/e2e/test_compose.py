@@ -191,7 +191,9 @@ def test_compose_dependencies_exist_and_wait_for_health(compose: dict[str, Any])
     assert services["im"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
-def test_compose_gateway_is_published_probed_untrusted_and_waits_for_both(compose: dict[str, Any]) -> None:
+def test_compose_gateway_is_published_probed_untrusted_and_waits_for_its_upstreams(
+    compose: dict[str, Any],
+) -> None:
     services = _services(compose)
     gateway = services["gateway"]
     environment = gateway["environment"]
@@ -201,7 +203,11 @@ def test_compose_gateway_is_published_probed_untrusted_and_waits_for_both(compos
     assert _healthcheck_test(gateway) == ["CMD", "python", "-m", "gateway.healthcheck", f"127.0.0.1:{port}"]
     # The gateway is no trusted service: it must not hold the service token.
     assert "AGENTIM_SERVICE_TOKEN" not in environment
-    for upstream, variable in (("im", "IM_ADDRESS"), ("runtime", "RUNTIME_ADDRESS")):
+    for upstream, variable in (
+        ("im", "IM_ADDRESS"),
+        ("runtime", "RUNTIME_ADDRESS"),
+        ("memory", "MEMORY_ADDRESS"),
+    ):
         assert gateway["depends_on"][upstream]["condition"] == "service_healthy"
         listen = services[upstream]["environment"][f"{upstream.upper()}_GRPC_ADDRESS"].rpartition(":")[2]
         assert environment[variable] == f"{upstream}:{listen}"

@@ -50,6 +50,8 @@ async def start_memory_service(
     return app, f"127.0.0.1:{port}"
 
 
+# The IM's database does not matter here; one long conversation is enough.
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 async def test_after_500_messages_the_agent_recalls_what_it_was_told_at_message_3_with_its_anchor(
     im: RunningIM, fake: FakeOpenAI, tmp_path: Path
 ) -> None:

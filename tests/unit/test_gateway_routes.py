@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routes import ROUTES, SERVICES, Matched, MethodNotAllowed, Resume, Route, RouteTable
+from gateway.routes import (
+    INTERNAL_RPCS,
+    ROUTES,
+    SERVICES,
+    Matched,
+    MethodNotAllowed,
+    Resume,
+    Route,
+    RouteTable,
+)
 
 TABLE = RouteTable()
 
@@ -54,16 +63,17 @@ def test_an_existing_path_with_another_method_is_405_with_the_allowed_ones() -> 
 
 
 def test_the_contract_has_every_route_once_and_streams_where_the_rpc_streams() -> None:
-    assert len(ROUTES) == 52
+    assert len(ROUTES) == 58
     assert {r.rpc for r in ROUTES if r.streaming} == {"WatchEvents", "WatchAgent", "WatchAgents"}
     assert {r.rpc: r.resume for r in ROUTES if r.resume is not Resume.NONE} == {
         "WatchEvents": Resume.CURSOR,
         "WatchAgent": Resume.STEP_SEQUENCE,
     }
     assert all(r.method in {"GET", "DELETE"} for r in ROUTES if r.streaming or not r.has_body)
-    # Every RPC of both services has a route.
+    # Every RPC of every service has a route, but those only services call.
     rpcs = {(name, m.name) for name, service in SERVICES.items() for m in service.methods}
-    assert {(r.service, r.rpc) for r in ROUTES} == rpcs
+    assert {(r.service, r.rpc) for r in ROUTES} == rpcs - INTERNAL_RPCS
+    assert rpcs >= INTERNAL_RPCS
 
 
 def test_a_table_refuses_duplicates_and_unknown_rpcs() -> None:
