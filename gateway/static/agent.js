@@ -4,6 +4,7 @@
 import { LiveStream, listAll } from "./api.js";
 import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, queueView, sessionsView, showAddNote, stepActions } from "./control.js";
 import { avatar, h, setChildren } from "./dom.js";
+import { memoryView } from "./memory.js";
 import { applyDelta, renderRunHeader, renderStep, startedStep } from "./steps.js";
 import { field, modal, showError, streamStatus, toast } from "./ui.js";
 
@@ -34,6 +35,7 @@ const TABS = [
   ["queue", "Queue"],
   ["sessions", "Sessions"],
   ["checkpoints", "Checkpoints"],
+  ["memory", "Memory"],
   ["settings", "Settings"],
   ["organisation", "Organisation"],
 ];
@@ -146,6 +148,7 @@ function makeHost(mine) {
     reloadSteps: (after) => panel === mine && reloadSteps(mine, after),
     adoptMainSession: (agent) => panel === mine && applyAgent(mine, agent),
     openAgent: (agentId) => openAgentPanel(mine.ctx, agentId),
+    goToStep: (sequence, sessionId) => goToStep(mine, sequence, sessionId),
     fail(what, error) {
       if (panel !== mine) return;
       mine.actionError = `${what}: ${error && error.message ? error.message : error}`;
@@ -219,6 +222,40 @@ async function loadStepsAfter(mine, after, { until = Infinity, gen = mine.gen } 
       cursor = seq;
     }
     if (!response.hasMore || !steps.length) return;
+  }
+}
+
+/** Shows a step of the main session in the Activity tab, loading earlier runs until it is there. */
+async function goToStep(mine, sequence, sessionId) {
+  if (panel !== mine) return;
+  if (sessionId && mine.agent.mainSessionId && sessionId !== mine.agent.mainSessionId) {
+    toast("That step is in another session of this agent (see Sessions).");
+    return;
+  }
+  while (!mine.steps.has(sequence) && mine.runsToken && panel === mine) {
+    const before = mine.runsToken;
+    await loadEarlierRuns();
+    if (mine.runsToken === before) break;
+  }
+  if (panel !== mine) return;
+  mine.tab = "activity";
+  drawPanel();
+  const el = mine.stepEls.get(sequence);
+  if (!el) {
+    toast(`Step #${sequence} is no longer in the history (edited away or restored past).`);
+    return;
+  }
+  el.scrollIntoView({ block: "center" });
+  el.classList.add("is-target");
+  setTimeout(() => el.classList.remove("is-target"), 2500);
+}
+
+/** Opens an agent's panel at one of its steps (from the workspace search). */
+export async function openAgentAtStep(ctx, agentId, sequence, sessionId) {
+  await openAgentPanel(ctx, agentId, { tab: "activity" });
+  if (panel && panel.agentId === agentId) {
+    panel.tab = "activity";
+    await goToStep(panel, sequence, sessionId);
   }
 }
 
@@ -498,7 +535,7 @@ async function wake() {
 function drawBody() {
   const body = document.getElementById("agent-panel-body");
   if (!body || !panel) return;
-  const views = { queue: queueView, sessions: sessionsView, checkpoints: checkpointsView };
+  const views = { queue: queueView, sessions: sessionsView, checkpoints: checkpointsView, memory: memoryView };
   panel.view = null;
   if (panel.tab === "settings") setChildren(body, settingsView());
   else if (panel.tab === "organisation") setChildren(body, organisationView());

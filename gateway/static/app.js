@@ -8,7 +8,8 @@ import { api, ApiError, getToken, listAll, LiveStream, onUnauthorized, setActing
 import { avatar, clear, h, icon, longTime, parseTime, setChildren, shortTime, snippet } from "./dom.js";
 import { renderMarkdown, safeHref } from "./markdown.js";
 import { askToken, field, modal, showError, streamStatus, toast } from "./ui.js";
-import { closeAgentPanel, currentPanelAgent, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
+import { closeAgentPanel, currentPanelAgent, openAgentAtStep, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
+import { workspaceMemoryView } from "./memory.js";
 import { STATE_LABELS } from "./control.js";
 
 const IDENTITY_KEY = "agentim.identity";
@@ -259,6 +260,7 @@ async function enterAs(memberId) {
   state.me = me;
   state.workspace = workspace;
   state.chat = null;
+  workspaceMemory = null; // another person finds other things
   remember();
   try {
     await Promise.all([loadMembers(), loadAgents(), loadChats()]);
@@ -558,6 +560,7 @@ function renderRail() {
     tab("chats", "chat", "Chats"),
     tab("contacts", "contacts", "Contacts"),
     tab("agents", "agent", "Agents"),
+    tab("memory", "search", "Memory"),
     h("div", { class: "rail-spacer" }),
     h("button", { class: "rail-tab", type: "button", title: "Access token", onclick: () => askToken(new Error("change the access token"), getToken(), setToken) }, h("span", { class: "rail-icon" }, icon("key")), h("span", { class: "rail-label" }, "Token")),
     h("button", { class: "rail-tab", type: "button", title: "Leave this workspace view", testid: "sign-out", onclick: signOut }, h("span", { class: "rail-icon" }, icon("exit")), h("span", { class: "rail-label" }, "Sign out")),
@@ -632,8 +635,19 @@ function renderSidebar() {
   if (!body) return;
   if (state.tab === "chats") renderChatList(body);
   else if (state.tab === "contacts") renderContacts(body);
+  else if (state.tab === "memory") renderWorkspaceMemory(body);
   else renderAgentsTree(body);
   renderUnreadTotal();
+}
+
+function renderWorkspaceMemory(body) {
+  // Kept while the person switches tabs and back: a search is not lost to a redraw.
+  if (!workspaceMemory) {
+    workspaceMemory = workspaceMemoryView(appContext, {
+      openStep: (agentId, sequence, sessionId) => openAgentAtStep(appContext, agentId, sequence, sessionId),
+    });
+  }
+  setChildren(body, workspaceMemory);
 }
 
 function renderChatList(body) {
@@ -1398,6 +1412,8 @@ const appContext = {
 // -- start -----------------------------------------------------------------------
 
 let tokenPrompt = null;
+// The workspace memory search, kept across redraws of the sidebar.
+let workspaceMemory = null;
 onUnauthorized((error) => {
   // One dialog for every call refused at once.
   tokenPrompt = tokenPrompt || askToken(error, getToken(), setToken).finally(() => (tokenPrompt = null));

@@ -134,6 +134,7 @@ def build(settings: Settings) -> RuntimeApp:
             default_token_budget=settings.token_budget,
             max_reply_bytes=settings.max_reply_bytes,
             auto_recall=settings.auto_recall,
+            recall_min_score=settings.recall_min_score,
             default_model=settings.llm_model,
             unconfigured_model=settings.llm_model if settings.llm_base_url else OFFLINE_MODEL,
             context_tokens=settings.context_tokens,

@@ -718,6 +718,7 @@ class FakeMemory(MemoryPort):
         self.down = False
         self.refused: set[uuid.UUID] = set()
         self.recalls: list[tuple[uuid.UUID, tuple[uuid.UUID, ...], RecallQuery]] = []
+        self.score = 1.0  # of every memory found
         self.changed = asyncio.Event()
 
     async def archive(self, record: RunRecord) -> None:
@@ -747,7 +748,7 @@ class FakeMemory(MemoryPort):
                             ref=f"{record.run.id}/{step.sequence}/0",
                             type="response" if step.role is Role.ASSISTANT else "user_message",
                             text=step.message.content,
-                            score=1.0,
+                            score=self.score,
                             created_at=step.created_at,
                             group_id=chat,
                         )

@@ -165,6 +165,31 @@ async def test_a_chat_recalls_what_its_members_saw_in_another_chat_with_the_anch
     assert "MARMALADE" in world.requests_text()[-1]
 
 
+async def test_weak_memories_are_not_recalled_and_recalled_ones_are_not_remembered_again(
+    world: World,
+) -> None:
+    ada = await world.agent()
+    team = world.im.group("team", world.alice, world.bob, ada.member_id)
+    direct = world.im.group("", world.alice, ada.member_id, direct=True)
+    world.im.post(world.bob, team.id, "the release codename is MARMALADE")
+    await world.settle(ada)
+    await world.archived()
+    world.memory.score = 0.1  # below RUNTIME_RECALL_MIN_SCORE
+    world.im.post(world.alice, direct.id, "which release codename?")
+    await world.settle(ada)
+    assert len(world.memory.recalls) == 2
+    assert not any(s.kind is StepKind.RECALL for s in world.store.steps[ada.session_id])
+
+    world.memory.score = 0.9
+    world.im.post(world.alice, direct.id, "the release codename, again?")
+    await world.settle(ada)
+    await world.archived()
+    (recall_step,) = [s for s in world.store.steps[ada.session_id] if s.kind is StepKind.RECALL]
+    archived = world.memory.records[recall_step.run_id]
+    assert recall_step.id not in {step.id for step, _ in archived.steps}  # a copy: not remembered again
+    assert any("codename, again" in (step.message.content or "") for step, _ in archived.steps)
+
+
 async def test_recall_leaves_out_the_runs_still_in_the_context(world: World) -> None:
     ada = await world.agent()
     direct = world.im.group("", world.alice, ada.member_id, direct=True)

@@ -20,7 +20,7 @@ from services.common.clients import open_channel
 from services.common.identity import caller_metadata
 from services.runtime.adapters.im_client import EMBEDDED_SERVICE_TOKEN
 from services.runtime.domain.llm import Role
-from services.runtime.domain.model import Agent
+from services.runtime.domain.model import Agent, StepKind
 from services.runtime.service_layer.memory_port import (
     Expanded,
     Memory,
@@ -87,15 +87,10 @@ def archived_run(record: RunRecord) -> memory_pb2.ArchivedRun:
                 tool_name=chat.name or "",
                 group_id=str(group_id) if group_id else "",
                 create_time=_timestamp(step.created_at),
-                summary=_is_summary(step),
+                summary=step.kind is StepKind.SUMMARY,
             )
         )
     return message
-
-
-def _is_summary(step: object) -> bool:
-    kind = getattr(step, "kind", None)
-    return str(getattr(kind, "value", kind)) == "summary"
 
 
 def _memory(result: memory_pb2.Segment, score: float = 0.0, duplicates: int = 0) -> Memory:

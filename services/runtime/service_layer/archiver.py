@@ -20,7 +20,7 @@ from datetime import datetime
 
 from services.common import errors
 from services.runtime.domain.conversations import step_chats
-from services.runtime.domain.model import Run
+from services.runtime.domain.model import Run, StepKind
 from services.runtime.service_layer.im_port import IMError, IMPort
 from services.runtime.service_layer.memory_port import (
     Conversation,
@@ -111,9 +111,11 @@ class Archiver:
         """Archives one ended run and records it."""
         agent = await self._store.get_agent(run.agent_id)
         if agent is not None:
-            steps = await self._store.list_steps(
+            stored = await self._store.list_steps(
                 run.session_id, after_sequence=0, limit=_MAX_RUN_STEPS, run_id=run.id
             )
+            # Recalled memories are copies of what memory has: not remembered again.
+            steps = [step for step in stored if step.kind is not StepKind.RECALL]
             paired = step_chats(steps, run.group_id)
             chats = sorted({chat for _, chat in paired if chat is not None})
             conversations = [await self._conversation(agent.member_id, chat) for chat in chats]

@@ -130,6 +130,9 @@ class LoopSettings:
     # recall may take before the run goes on without.
     auto_recall: int = 3
     recall_timeout_seconds: float = 3.0
+    # Memories scoring below this are not recalled automatically (the recall
+    # tool shows them all): better nothing than noise in every run.
+    recall_min_score: float = 0.3
     # The context window: the model named when an agent names none (with an
     # endpoint, and without one: the offline model), and the window of a
     # model whose window is not known (OPENAI_CONTEXT_TOKENS).
@@ -807,7 +810,8 @@ class AgentRunner:
         except (TimeoutError, errors.ServiceError) as error:
             logger.warning("agent %s: recall skipped: %s", self.agent.id, error)
             return []
-        return [ChatMessage(role=Role.USER, content=recalled_note(found))] if found else []
+        relevant = [memory for memory in found if memory.score >= env.settings.recall_min_score]
+        return [ChatMessage(role=Role.USER, content=recalled_note(relevant))] if relevant else []
 
     def _runs_in_context(self, conversation: Conversation | None) -> list[uuid.UUID]:
         """The runs the conversation's next request will show, newest first:

@@ -442,6 +442,52 @@ try {
     await stateIs("idle");
   });
 
+  await step("search an agent's memory, expand a hit and go to its step; search the workspace", async () => {
+    await send(page, "Remember the launch code word: PELICAN");
+    await messageFrom(page, "cora", "PELICAN").waitFor();
+    await panel.locator(testid("agent-tab-memory")).click();
+    const tab = panel.locator(testid("agent-memory-tab"));
+    await tab.locator(testid("memory-stats")).filter({ hasText: /\d+ runs, \d+ segments/ }).waitFor();
+    await tab.locator(testid("memory-query")).fill("launch code word");
+    // The run reaches memory a moment after it ends: search until it is found.
+    const hit = tab.locator(testid("memory-hit")).filter({ hasText: "PELICAN" }).first();
+    for (let attempt = 0; attempt < 50 && !(await hit.count()); attempt += 1) {
+      await tab.locator(testid("memory-search")).click();
+      await tab.locator(testid("memory-status")).filter({ hasText: /found/ }).waitFor();
+      if (!(await hit.count())) await page.waitForTimeout(200);
+    }
+    await hit.locator("mark").first().waitFor(); // the query's words are marked
+    await hit.locator(testid("memory-expand")).click();
+    const context = hit.locator(testid("memory-context"));
+    await context.locator(".is-focus").waitFor();
+    await shot(page, "14-agent-memory");
+    await context.locator(testid("memory-goto")).click();
+    await panel.locator(`${testid("step")}.is-target`).filter({ hasText: "PELICAN" }).waitFor();
+    await shot(page, "15-memory-goes-to-its-step");
+
+    await page.locator(testid("tab-memory")).click();
+    const everywhere = page.locator(testid("workspace-memory"));
+    await everywhere.locator(testid("memory-query")).fill("PELICAN");
+    await everywhere.locator(testid("memory-type")).filter({ hasText: "Messages" }).click();
+    await everywhere.locator(testid("memory-search")).click();
+    await everywhere.locator(testid("memory-hit")).filter({ hasText: "PELICAN" }).first().waitFor();
+    for (const type of await everywhere.locator(testid("memory-hit")).evaluateAll((els) => els.map((el) => el.dataset.type))) {
+      if (type !== "SEGMENT_TYPE_USER_MESSAGE") throw new Error(`the type filter let a ${type} through`);
+    }
+    await shot(page, "16-workspace-memory");
+    await page.setViewportSize({ width: 390, height: 844 });
+    await panel.locator(testid("agent-tab-memory")).click();
+    await panel.locator(testid("agent-memory-tab")).locator(testid("memory-query")).fill("PELICAN");
+    await panel.locator(testid("agent-memory-tab")).locator(testid("memory-search")).click();
+    await panel.locator(testid("agent-memory-tab")).locator(testid("memory-hit")).first().waitFor();
+    await shot(page, "17-agent-memory-phone");
+    await panel.locator(testid("agent-panel-close")).click();
+    await everywhere.locator(testid("memory-hit")).first().waitFor();
+    await shot(page, "18-workspace-memory-phone");
+    await page.setViewportSize({ width: 1440, height: 900 });
+    await page.locator(testid("tab-chats")).click();
+  });
+
   await step("no script error and no refused content in either tab", async () => {
     if (problems.length) throw new Error(problems.join("\n"));
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
