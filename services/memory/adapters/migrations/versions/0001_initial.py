@@ -78,15 +78,6 @@ def upgrade() -> None:
         postgresql_where=sa.text("embedding IS NULL"),
         sqlite_where=sa.text("embedding IS NULL"),
     )
-    for column in ("agent_id", "workspace_id"):
-        op.create_index(
-            f"ix_memory_segments_unembedded_{column.removesuffix('_id')}",
-            "segments",
-            [column],
-            schema=schema,
-            postgresql_where=sa.text("embedding IS NULL"),
-            sqlite_where=sa.text("embedding IS NULL"),
-        )
     op.create_table(
         "audience_members",
         sa.Column("audience_id", sa.String(32), primary_key=True),
@@ -125,12 +116,7 @@ def upgrade() -> None:
             "ALTER TABLE memory.segments ADD COLUMN tsv tsvector "
             "GENERATED ALWAYS AS (array_to_tsvector(string_to_array(terms, ' '))) STORED"
         )
-        # Without fastupdate: its pending list (merged only by VACUUM) is read
-        # linearly by every search, which made lexical search ten times slower
-        # right after a burst of archives.
-        op.execute(
-            "CREATE INDEX ix_memory_segments_tsv ON memory.segments USING gin (tsv) WITH (fastupdate = off)"
-        )
+        op.execute("CREATE INDEX ix_memory_segments_tsv ON memory.segments USING gin (tsv)")
 
 
 def downgrade() -> None:
