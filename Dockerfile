@@ -37,8 +37,8 @@ COPY --from=build /opt/agentim /opt/agentim
 
 USER agentim
 WORKDIR /var/lib/agentim
-# 50051: the IM (gRPC); 50052: the runtime (gRPC); 8080: the HTTP gateway and web UI.
-EXPOSE 50051 50052 8080
+# 50051: the IM (gRPC); 50052: the runtime (gRPC); 50053: the memory (gRPC); 8080: the HTTP gateway and web UI.
+EXPOSE 50051 50052 50053 8080
 
 # `exec` hands PID 1 to the server so that SIGTERM starts its graceful shutdown.
 CMD ["sh", "-c", "python -m services.im migrate && exec python -m services.im serve"]

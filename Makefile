@@ -107,7 +107,7 @@ test: install check-gen lint typecheck buf-lint buf-breaking pytest
 faults: install
 	FAULTS_LONG=1 $(BIN)/pytest -q -s tests/faults
 
-# The whole system (IM service, agent runtime) on the embedded default:
+# The whole system (IM service, memory service, agent runtime, gateway) on the embedded default:
 # SQLite under $(AGENTIM_DATA_DIR), in-process signals, the offline model
 # unless OPENAI_BASE_URL is set.
 run: $(STAMP)

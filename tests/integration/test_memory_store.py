@@ -13,6 +13,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy.engine import Connection
 
 from agentim.memory.v1 import memory_pb2 as pb
+from services.memory.adapters import migrate
 from services.memory.adapters.sql import Database
 from services.memory.adapters.tables import SCHEMA, language_means, metadata
 from services.memory.service_layer.retention import RetentionSweep
@@ -187,5 +188,23 @@ async def test_language_sums_of_another_embedder_are_replaced_not_mixed(memory_u
             ).one()
         # Only the 16-dimension vectors count (another test may have added more of them).
         assert len(row.sums) == 16 * 8 and row._mapping["count"] >= 2
+    finally:
+        await database.aclose()
+
+
+async def test_downgrade_and_upgrade_again(memory_url: str) -> None:
+    database = Database(memory_url)
+    if not database.is_sqlite:
+        await database.aclose()
+        pytest.skip("PostgreSQL tests share one migrated schema")
+    try:
+        await migrate.downgrade(database, "0001")
+        await migrate.downgrade(database, "base")
+        async with database.engine.connect() as conn:
+            names = await conn.run_sync(lambda c: sa.inspect(c).get_table_names())
+        assert set(names) == {"memory_alembic_version"}
+        await migrate.upgrade(database)
+        async with database.engine.connect() as conn:
+            assert await conn.run_sync(_differences) == []
     finally:
         await database.aclose()

@@ -74,6 +74,19 @@ segments = sa.Table(
         postgresql_where=sa.text("embedding IS NULL"),
         sqlite_where=sa.text("embedding IS NULL"),
     ),
+    # What waits for a vector in one scope (pending_embeddings of a search).
+    sa.Index(
+        "ix_memory_segments_unembedded_agent",
+        "agent_id",
+        postgresql_where=sa.text("embedding IS NULL"),
+        sqlite_where=sa.text("embedding IS NULL"),
+    ),
+    sa.Index(
+        "ix_memory_segments_unembedded_workspace",
+        "workspace_id",
+        postgresql_where=sa.text("embedding IS NULL"),
+        sqlite_where=sa.text("embedding IS NULL"),
+    ),
 )
 
 # The members of each audience (a conversation's members as archived).

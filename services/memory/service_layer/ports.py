@@ -118,7 +118,8 @@ class MemoryStore(abc.ABC):
         """Visible segments of the focus's run just before and after it, in order."""
 
     @abc.abstractmethod
-    async def pending_count(self, scope: Scope | None = None) -> int: ...
+    async def pending_count(self, scope: Scope | None = None) -> int:
+        """Segments still without a vector, in the scope's agent or workspace (all audiences)."""
 
     @abc.abstractmethod
     async def forget(self, target: ForgetTarget) -> int:
