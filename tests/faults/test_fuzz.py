@@ -1,4 +1,4 @@
-"""Fault case 2: every public RPC of the IM and the runtime, fuzzed.
+"""Fault case 2: every public RPC of the IM, the runtime and the memory, fuzzed.
 
 Requests are built from the services' descriptors (so a new RPC is fuzzed
 without touching this file) by hypothesis: real ids of a real workspace
@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -35,11 +36,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentim.im.v1 import im_pb2
+from agentim.memory.v1 import memory_pb2 as mpb
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.request_rules import MAX_JSON_DEPTH
 from tests.conftest import RunningIM, as_member, make_world
 from tests.edge_support import runtime_on
 from tests.faults.harness import scaled
+from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime
 
 __all__ = ["runtime_on"]  # a fixture
@@ -47,6 +50,7 @@ __all__ = ["runtime_on"]  # a fixture
 SERVICES = [
     im_pb2.DESCRIPTOR.services_by_name["IMService"],
     rpb.DESCRIPTOR.services_by_name["RuntimeService"],
+    mpb.DESCRIPTOR.services_by_name["MemoryService"],
 ]
 EXAMPLES_PER_RPC = scaled(20, long=300)
 STREAM_SETTLE_POLLS = 15
@@ -402,6 +406,9 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
             "run_id": [note.run_id],
             "task_id": [task.id],
             "checkpoint_id": [checkpoint.id],
+            "agent_member_id": [agent.member_id],
+            "audience_member_ids": members,
+            "ref": [f"{note.run_id}/{note.sequence}/0", ""],
             "tool": ["send_message", "read_history", "list_groups"],
             "page_token": [""],
             "after_cursor": ["", "0"],
@@ -423,11 +430,16 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
 # The long run (`make faults`) sends fifteen times as many requests.
 @pytest.mark.timeout(scaled(120, long=900))
 async def test_no_request_gets_internal_or_unknown(
-    im: RunningIM, runtime_on: RunningRuntime, database_url: str
+    im: RunningIM, runtime_on: RunningRuntime, database_url: str, tmp_path: Path
 ) -> None:
-    runtime_address = f"127.0.0.1:{runtime_on.app.server.port}"
+    memory, memory_address = await start_memory_service(im, tmp_path)
+    addresses = {
+        "IMService": im.address,
+        "RuntimeService": f"127.0.0.1:{runtime_on.app.server.port}",
+        "MemoryService": memory_address,
+    }
     targets = [
-        Target(im.address if service.name == "IMService" else runtime_address, service.full_name, method)
+        Target(addresses[service.name], service.full_name, method)
         for service in SERVICES
         for method in service.methods
     ]
@@ -441,7 +453,10 @@ async def test_no_request_gets_internal_or_unknown(
             fuzz_rpc(target, known, callers, figures)
 
     started = time.perf_counter()
-    await asyncio.to_thread(fuzz_all)
+    try:
+        await asyncio.to_thread(fuzz_all)
+    finally:
+        await memory.stop()
     elapsed = time.perf_counter() - started
     statuses = ", ".join(f"{name} {count}" for name, count in figures.statuses.most_common())
     damaged = figures.requests - figures.wire["as is"]

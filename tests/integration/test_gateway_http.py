@@ -29,6 +29,7 @@ from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from tests.conftest import RunningIM, start_im, stop_im
 from tests.gateway_support import WAIT, Api, sse, start_gateway, write_static
+from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime, start_runtime, stop_runtime
 
 
@@ -39,6 +40,7 @@ class Stack:
     gateway: GatewayApp
     http: aiohttp.ClientSession
     api: Api
+    memory_address: str
 
     @property
     def base(self) -> str:
@@ -49,7 +51,9 @@ class Stack:
         return f"127.0.0.1:{self.runtime.app.server.port}"
 
     async def gateway_with(self, **overrides: str) -> tuple[GatewayApp, Api]:
-        app = await start_gateway(self.im.address, self.runtime_address, **overrides)
+        app = await start_gateway(
+            self.im.address, self.runtime_address, **{"MEMORY_ADDRESS": self.memory_address, **overrides}
+        )
         return app, Api(self.http, f"http://127.0.0.1:{app.port}")
 
 
@@ -61,15 +65,19 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     await migrate.upgrade(database)
     await database.aclose()
     im = await start_im(url)
-    runtime = await start_runtime(im.address, directory / "runtime.db")
-    gateway = await start_gateway(im.address, f"127.0.0.1:{runtime.app.server.port}")
+    memory, memory_address = await start_memory_service(im, directory)
+    runtime = await start_runtime(im.address, directory / "runtime.db", MEMORY_ADDRESS=memory_address)
+    gateway = await start_gateway(
+        im.address, f"127.0.0.1:{runtime.app.server.port}", MEMORY_ADDRESS=memory_address
+    )
     http = aiohttp.ClientSession()
     try:
-        yield Stack(im, runtime, gateway, http, Api(http, f"http://127.0.0.1:{gateway.port}"))
+        yield Stack(im, runtime, gateway, http, Api(http, f"http://127.0.0.1:{gateway.port}"), memory_address)
     finally:
         await http.close()
         await gateway.stop()
         await stop_runtime(runtime)
+        await memory.stop()
         await stop_im(im)
 
 
@@ -523,7 +531,10 @@ async def test_agent_routes_and_a_person_watching_an_agent_answer(stack: Stack) 
 async def test_health_reflects_both_upstreams(stack: Stack) -> None:
     healthy = await stack.api.call("GET", "/healthz")
     assert healthy.status == 200
-    assert healthy.body == {"status": "SERVING", "upstreams": {"im": "SERVING", "runtime": "SERVING"}}
+    assert healthy.body == {
+        "status": "SERVING",
+        "upstreams": {"im": "SERVING", "runtime": "SERVING", "memory": "SERVING"},
+    }
     app = await start_gateway(stack.im.address, "127.0.0.1:1")
     try:
         api = Api(stack.http, f"http://127.0.0.1:{app.port}")
@@ -651,7 +662,7 @@ async def test_the_openapi_document_lists_every_route(stack: Stack) -> None:
     document = await stack.api.ok("GET", "/openapi.json")
     operations = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
     routes = {(r.method, r.openapi_path) for r in stack.gateway.gateway.table.routes}
-    assert operations == routes and len(routes) == 52
+    assert operations == routes and len(routes) == 58
 
 
 async def test_a_taken_port_is_refused(stack: Stack) -> None:
