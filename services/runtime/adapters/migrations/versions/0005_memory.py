@@ -2,7 +2,7 @@
 service has (the outbox is the ended runs not yet archived), and how many
 memories each agent recalls at the start of a run.
 
-Revision ID: 0006
+Revision ID: 0005
 Revises: 0004
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 
 from services.common.sql import UtcDateTime
 
-revision = "0006"
+revision = "0005"
 down_revision = "0004"
 branch_labels = None
 depends_on = None

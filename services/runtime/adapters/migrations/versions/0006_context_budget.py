@@ -2,8 +2,8 @@
 kind (summaries of runs that left the context, memories recalled at the
 start of a run).
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0006
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
-down_revision = "0006"
+revision = "0006"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 
