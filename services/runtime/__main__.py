@@ -41,7 +41,8 @@ async def _serve(settings: Settings) -> None:
             if settings.llm_base_url
             else "the built-in offline model (set OPENAI_BASE_URL to use a real LLM)"
         )
-        where = f"{agents} agents, IM at {settings.im_address}, {model}"
+        memory = f"memory at {settings.memory_address}" if settings.memory_address else "no long-term memory"
+        where = f"{agents} agents, IM at {settings.im_address}, {memory}, {model}"
         print(f"runtime service listening on {host}:{port} ({where})", flush=True)
         gc.collect()
         gc.freeze()
