@@ -34,11 +34,16 @@ def test_without_a_real_lexical_match_the_vector_ranking_stands() -> None:
     assert [hit.key for hit in fused] == [1, 2, 3]
 
 
-def test_a_strong_lexical_match_lifts_its_segment() -> None:
-    vector = [Hit(1, 0.50), Hit(2, 0.45), Hit(3, 0.40)]
-    lexical = [Hit(3, 12.0), Hit(2, 6.0)]
-    fused = fuse(vector, lexical, best_match_share=1.0, limit=2)
-    assert [hit.key for hit in fused] == [3, 2]
+def test_a_strong_lexical_match_lifts_its_segment_a_weak_one_does_not() -> None:
+    vector = [Hit(1, 0.50), Hit(2, 0.45), Hit(3, 0.44), Hit(4, 0.40)]
+    lexical = [Hit(3, 10.0)]
+    assert [h.key for h in fuse(vector, lexical, best_match_share=1.0, limit=4)] == [1, 3, 2, 4]
+    assert [h.key for h in fuse(vector, lexical, best_match_share=0.2, limit=4)] == [1, 2, 3, 4]
+
+
+def test_without_vectors_the_lexical_ranking_is_all_there_is() -> None:
+    fused = fuse([], [Hit(7, 3.0), Hit(8, 9.0)], best_match_share=0.1, limit=5)
+    assert [h.key for h in fused] == [8, 7]
 
 
 def test_recency_breaks_a_tie_towards_the_newer_segment() -> None:

