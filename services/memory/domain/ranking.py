@@ -89,6 +89,11 @@ def fuse(
     return [Hit(key, score) for key, score in ranked[:limit]]
 
 
+# Vectors a language's mean counts as if zero were among them: centering
+# takes full effect only once a language has many more than this.
+MEAN_PRIOR = 20
+
+
 class LanguageMeans:
     """Running means of stored vectors per language, for centering."""
 
@@ -103,10 +108,12 @@ class LanguageMeans:
         self._counts[language] = self._counts.get(language, 0) + count
 
     def mean(self, language: str) -> Vector:
+        """The language's mean, shrunk towards zero while it has few vectors
+        (a lone segment minus its own mean would be nothing)."""
         count = self._counts.get(language, 0)
         if not count:
             return np.zeros(self.dimensions, dtype=np.float32)
-        return (self._sums[language] / count).astype(np.float32)
+        return (self._sums[language] / (count + MEAN_PRIOR)).astype(np.float32)
 
     def center(self, vector: Vector, language: str) -> Vector:
         """The vector minus its language's mean, unit length again."""
