@@ -129,6 +129,48 @@ async def test_a_replica_sees_writes_made_through_another(memory_url: str) -> No
         await stop_memory(second)
 
 
+async def test_a_scope_matrix_takes_new_rows_in_without_reloading_and_reloads_after_a_deletion(
+    memory_url: str,
+) -> None:
+    directory, embedder = FakeDirectory(), FakeEmbedder()
+    replica = await start_memory(memory_url, directory=directory, embedder=embedder)
+    try:
+        workspace, agent, agent_member = replica.new_workspace()
+        vectors = replica.app.store.vectors
+        assert replica.app.worker is not None
+
+        async def add(*texts: str) -> str:
+            run = RunBuilder(workspace, agent, agent_member)
+            for text in texts:
+                run.user(text)
+            await replica.stub.ArchiveRun(
+                pb.ArchiveRunRequest(run=run.build()), metadata=as_member(agent_member)
+            )
+            assert replica.app.worker is not None
+            await asyncio.wait_for(replica.app.worker.drained(), 10)
+            return run.run_id
+
+        async def search(query: str) -> list[str]:
+            response = await replica.stub.Retrieve(
+                pb.RetrieveRequest(agent=pb.AgentScope(agent_id=agent), query=query),
+                metadata=as_member(agent_member),
+            )
+            return [hit.segment.text for hit in response.results]
+
+        await add(*(f"filler line {word}" for word in map(str, range(70))))
+        await search("filler")
+        loads, appends = vectors.loads, vectors.appends
+        added = await add("a kiwi in the bowl")
+        embedder.synonyms["fruit"] = "kiwi"
+        assert (await search("fruit"))[0] == "a kiwi in the bowl"  # found by meaning: its vector is in
+        assert (vectors.loads, vectors.appends) == (loads, appends + 1)
+        await replica.stub.Forget(pb.ForgetRequest(run_id=added), metadata=as_member(agent_member))
+        assert "a kiwi in the bowl" not in await search("fruit")
+        assert vectors.loads == loads + 1  # a deletion reloads
+    finally:
+        await stop_memory(replica)
+
+
 async def test_retention_forgets_what_is_older_than_the_period(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     old = RunBuilder(workspace, agent, agent_member, start=START).user("an old fact")

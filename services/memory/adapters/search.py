@@ -20,6 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -190,10 +191,27 @@ class _Codes:
         codes = [self.index[v] for v in wanted if v in self.index]
         return np.isin(self.array, np.asarray(codes, dtype=np.int32))
 
+    def extended(self, values: Sequence[str]) -> _Codes:
+        """These codes followed by those of `values` (the index grows as needed)."""
+        grown = _Codes([])
+        grown.index = dict(self.index)
+        more = np.fromiter(
+            (grown.index.setdefault(v, len(grown.index)) for v in values), np.int32, len(values)
+        )
+        grown.array = np.concatenate([self.array, more])
+        return grown
+
+
+# A cached matrix smaller than this is loaded whole on any change.
+_APPEND_FROM_ROWS = 64
+
 
 @dataclass
 class _ScopeMatrix:
     version: int
+    # Rows at the last full load: appending past twice as many reloads (the
+    # language means the rows were centered with have moved on by then).
+    loaded_rows: int
     keys: npt.NDArray[np.int64]
     # Rows centered per language and unit length again.
     matrix: npt.NDArray[np.float32]
@@ -219,6 +237,7 @@ class VectorIndex:
         self._max_scopes = max_scopes
         self._cache: OrderedDict[str, _ScopeMatrix] = OrderedDict()
         self.loads = 0
+        self.appends = 0
 
     async def search(
         self,
@@ -273,18 +292,52 @@ class VectorIndex:
         if entry is not None and entry.version == version:
             self._cache.move_to_end(key)
             return entry
-        entry = await self._load(conn, scope, version)
+        grown = await self._appended(conn, scope, entry, version) if entry is not None else None
+        entry = grown or await self._load(conn, scope, version)
         self._cache[key] = entry
         self._cache.move_to_end(key)
         while len(self._cache) > self._max_scopes:
             self._cache.popitem(last=False)
         return entry
 
-    async def _load(self, conn: AsyncConnection, scope: Scope, version: int) -> _ScopeMatrix:
-        self.loads += 1
+    @staticmethod
+    def _where(scope: Scope) -> list[sa.ColumnElement[bool]]:
         where = [segments.c.workspace_id == scope.workspace_id, segments.c.embedding.is_not(None)]
         if scope.agent_id is not None:
             where.append(segments.c.agent_id == scope.agent_id)
+        return where
+
+    async def _appended(
+        self, conn: AsyncConnection, scope: Scope, entry: _ScopeMatrix, version: int
+    ) -> _ScopeMatrix | None:
+        """The cached matrix with the rows embedded since, when nothing else
+        changed (no row of it gone or replaced, none embedded out of order);
+        None when it must be loaded whole."""
+        if len(entry.keys) < _APPEND_FROM_ROWS or len(entry.keys) >= 2 * entry.loaded_rows:
+            return None  # small (a reload costs nothing) or grown past its centering
+        last = int(entry.keys.max()) if len(entry.keys) else 0
+        where = self._where(scope)
+        before = await conn.execute(sa.select(sa.func.count()).where(*where, segments.c.id <= last))
+        if int(before.scalar_one()) != len(entry.keys):
+            return None
+        rows = await self._rows(conn, [*where, segments.c.id > last])
+        self.appends += 1
+        added = self._build(rows, entry.means, version, entry.loaded_rows)
+        return _ScopeMatrix(
+            version=version,
+            loaded_rows=entry.loaded_rows,
+            keys=np.concatenate([entry.keys, added.keys]),
+            matrix=np.concatenate([entry.matrix, added.matrix]),
+            means=entry.means,
+            types=np.concatenate([entry.types, added.types]),
+            times=np.concatenate([entry.times, added.times]),
+            groups=entry.groups.extended([row.group_id for row in rows]),
+            audiences=entry.audiences.extended([row.audience_id for row in rows]),
+            run_ids=entry.run_ids.extended([row.run_id for row in rows]),
+            agents=entry.agents.extended([row.agent_id for row in rows]),
+        )
+
+    async def _rows(self, conn: AsyncConnection, where: Sequence[sa.ColumnElement[bool]]) -> list[Any]:
         statement = sa.select(
             segments.c.id,
             segments.c.embedding,
@@ -297,8 +350,17 @@ class VectorIndex:
             segments.c.agent_id,
         ).where(*where)
         size = self.dimensions * 4
-        rows = [row for row in (await conn.execute(statement)).all() if len(row.embedding) == size]
+        return [row for row in (await conn.execute(statement)).all() if len(row.embedding) == size]
+
+    async def _load(self, conn: AsyncConnection, scope: Scope, version: int) -> _ScopeMatrix:
+        self.loads += 1
+        rows = await self._rows(conn, self._where(scope))
         means = await load_means(conn, self.dimensions)
+        return self._build(rows, means, version, len(rows))
+
+    def _build(
+        self, rows: Sequence[Any], means: LanguageMeans, version: int, loaded_rows: int
+    ) -> _ScopeMatrix:
         matrix = np.frombuffer(b"".join(row.embedding for row in rows), dtype="<f4").reshape(
             len(rows), self.dimensions
         )
@@ -310,6 +372,7 @@ class VectorIndex:
         matrix /= np.where(norms > 0, norms, 1.0)
         return _ScopeMatrix(
             version=version,
+            loaded_rows=loaded_rows,
             keys=np.asarray([row.id for row in rows], dtype=np.int64),
             matrix=matrix,
             means=means,
