@@ -171,6 +171,17 @@ async def test_a_scope_matrix_takes_new_rows_in_without_reloading_and_reloads_af
         await stop_memory(replica)
 
 
+async def test_a_rare_term_weighs_more_than_a_common_one(memory: RunningMemory) -> None:
+    workspace, agent, agent_member = memory.new_workspace()
+    run = RunBuilder(workspace, agent, agent_member)
+    for number in range(6):
+        run.user(f"the build passed {'zanzibar' if number == 0 else 'again'}")
+    await memory.stub.ArchiveRun(pb.ArchiveRunRequest(run=run.build()), metadata=as_member(agent_member))
+    rarity = await memory.app.store.term_rarity(["the", "zanzibar", "never-seen", "the"])
+    assert set(rarity) == {"the", "zanzibar", "never-seen"}
+    assert rarity["never-seen"] >= rarity["zanzibar"] > rarity["the"] >= 0
+
+
 async def test_retention_forgets_what_is_older_than_the_period(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     old = RunBuilder(workspace, agent, agent_member, start=START).user("an old fact")

@@ -101,6 +101,58 @@ async def lexical_sqlite(
     return [Hit(int(row.id), -float(row.rank)) for row in rows]
 
 
+# Counting a term's segments stops here: past it a term is common, and its
+# exact count no longer changes its (small) weight much.
+RARITY_CAP = 5000
+
+
+def idf(total: int, frequency: int) -> float:
+    """FTS5's idf, never negative."""
+    return math.log(1 + (max(total, 1) - frequency + 0.5) / (frequency + 0.5))
+
+
+async def term_rarity_sqlite(conn: AsyncConnection, terms: Sequence[str]) -> dict[str, float]:
+    distinct = list(dict.fromkeys(terms))
+    if not distinct:
+        return {}
+    counts = ", ".join(
+        f"(SELECT count(*) FROM (SELECT 1 FROM segment_fts WHERE segment_fts MATCH :q{index} LIMIT :cap))"
+        for index in range(len(distinct))
+    )
+    binds: dict[str, object] = {f"q{i}": '"' + t.replace('"', '""') + '"' for i, t in enumerate(distinct)}
+    row = (
+        await conn.execute(
+            sa.text(f"SELECT (SELECT count(*) FROM segment_fts), {counts}"), {**binds, "cap": RARITY_CAP}
+        )
+    ).one()
+    return {term: idf(int(row[0]), int(row[i + 1])) for i, term in enumerate(distinct)}
+
+
+async def term_rarity_postgres(conn: AsyncConnection, terms: Sequence[str]) -> dict[str, float]:
+    distinct = list(dict.fromkeys(terms))
+    if not distinct:
+        return {}
+    total, frequencies = await _frequencies_postgres(conn, distinct, RARITY_CAP)
+    return {term: idf(total, frequencies[term]) for term in distinct}
+
+
+async def _frequencies_postgres(
+    conn: AsyncConnection, distinct: Sequence[str], cap: int
+) -> tuple[int, dict[str, int]]:
+    """The table's size (the planner's estimate) and each term's segments,
+    counted no further than `cap` (a GIN lookup each): one round trip."""
+    counts = ", ".join(
+        f"(SELECT count(*) FROM (SELECT 1 FROM memory.segments WHERE tsv @@ CAST(:q{index} AS tsquery)"
+        f" LIMIT :cap) AS found{index})"
+        for index in range(len(distinct))
+    )
+    binds: dict[str, object] = {f"q{index}": _tsquery([term]) for index, term in enumerate(distinct)}
+    size = "(SELECT reltuples FROM pg_class WHERE oid = 'memory.segments'::regclass)"
+    row = (await conn.execute(sa.text(f"SELECT {size}, {counts}"), {**binds, "cap": cap})).one()
+    frequencies = {term: int(row[index + 1]) for index, term in enumerate(distinct)}
+    return max(int(row[0] or 0), *frequencies.values()), frequencies
+
+
 def _tsquery(terms: Sequence[str]) -> str:
     return " | ".join("'" + term.replace("\\", "\\\\").replace("'", "''") + "'" for term in terms)
 
@@ -117,21 +169,9 @@ async def lexical_postgres(
     distinct = list(dict.fromkeys(terms))
     if not distinct:
         return []
-    # Document frequency of each term, counted no further than "common"
-    # (a GIN lookup each; a common term costs only up to the cap), and the
-    # planner's estimate of the table's size, enough for idf: one round trip.
-    counts = ", ".join(
-        f"(SELECT count(*) FROM (SELECT 1 FROM memory.segments WHERE tsv @@ CAST(:q{index} AS tsquery)"
-        f" LIMIT :cap) AS found{index})"
-        for index in range(len(distinct))
-    )
-    binds: dict[str, object] = {f"q{index}": _tsquery([term]) for index, term in enumerate(distinct)}
-    size = "(SELECT reltuples FROM pg_class WHERE oid = 'memory.segments'::regclass)"
-    row = (
-        await conn.execute(sa.text(f"SELECT {size}, {counts}"), {**binds, "cap": common_term_docs + 1})
-    ).one()
-    frequencies = {term: int(row[index + 1]) for index, term in enumerate(distinct)}
-    total = max(int(row[0] or 0), *frequencies.values())
+    # Document frequencies, counted no further than "common" (a common term
+    # costs only up to the cap), enough for idf.
+    total, frequencies = await _frequencies_postgres(conn, distinct, common_term_docs + 1)
     kept = [term for term in distinct if 0 < frequencies[term] <= common_term_docs]
     if not kept:
         # All common: the rarest still says something.
@@ -150,15 +190,12 @@ async def lexical_postgres(
     if not rows:
         return []
     average_length = max(1.0, sum(row.term_count for row in rows) / len(rows))
-    idf = {
-        term: math.log(1 + (max(total, 1) - frequencies[term] + 0.5) / (frequencies[term] + 0.5))
-        for term in kept
-    }
+    weights = {term: idf(total, frequencies[term]) for term in kept}
     hits: list[Hit] = []
     for row in rows:
         tf = Counter(row.terms.split(" "))
         norm = _BM25_K1 * (1 - _BM25_B + _BM25_B * row.term_count / average_length)
-        score = sum(idf[t] * tf[t] * (_BM25_K1 + 1) / (tf[t] + norm) for t in kept if tf[t])
+        score = sum(weights[t] * tf[t] * (_BM25_K1 + 1) / (tf[t] + norm) for t in kept if tf[t])
         hits.append(Hit(int(row.id), score))
     hits.sort(key=lambda hit: (-hit.score, hit.key))
     return hits[:limit]

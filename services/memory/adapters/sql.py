@@ -387,6 +387,15 @@ class SqlMemoryStore(MemoryStore):
 
         return await self._db.retry_read(read)
 
+    async def term_rarity(self, terms: Sequence[str]) -> dict[str, float]:
+        async def read() -> dict[str, float]:
+            async with self._db.transaction(write=False) as conn:
+                if self._db.is_sqlite:
+                    return await search.term_rarity_sqlite(conn, terms)
+                return await search.term_rarity_postgres(conn, terms)
+
+        return await self._db.retry_read(read)
+
     async def vector_search(
         self, scope: Scope, filters: Filters, query: Vector, language: str, limit: int
     ) -> list[Hit]:

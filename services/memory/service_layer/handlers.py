@@ -218,8 +218,12 @@ class Memory:
         found = await self._store.segments(sorted(keys))
         share = 0.0
         if lexical and lexical[0].key in found and terms:
+            # The share of the query the best lexical hit holds, each term
+            # weighted by its rarity: a rare name matched says more than "the".
             best_terms = set(lexical_terms(found[lexical[0].key].text))
-            share = sum(1 for term in terms if term in best_terms) / len(terms)
+            rarity = await self._store.term_rarity(terms)
+            total = sum(rarity.get(term, 1.0) for term in terms) or 1.0
+            share = sum(rarity.get(term, 1.0) for term in terms if term in best_terms) / total
         recency = None
         if prefer_recent:
             newest_first = sorted(found.values(), key=lambda s: (s.created_at, s.key), reverse=True)

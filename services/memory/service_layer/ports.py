@@ -101,6 +101,10 @@ class MemoryStore(abc.ABC):
     ) -> list[Hit]:
         """Segments matching any of `terms`, best first, with a BM25-like score."""
 
+    async def term_rarity(self, terms: Sequence[str]) -> dict[str, float]:
+        """How much each term says (an idf: rare terms weigh more); by default all alike."""
+        return dict.fromkeys(terms, 1.0)
+
     @abc.abstractmethod
     async def vector_search(
         self, scope: Scope, filters: Filters, query: Vector, language: str, limit: int
