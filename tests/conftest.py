@@ -33,6 +33,7 @@ from services.runtime.adapters import migrate as runtime_migrate
 from services.runtime.adapters.sql import Database as RuntimeDatabase
 from services.runtime.adapters.sql import SqlAgentStore
 from services.runtime.adapters.tables import SCHEMA as RUNTIME_SCHEMA
+from tests.fake_openai import FakeOpenAI
 from tests.faults.harness import RedisProcess
 
 POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -255,3 +256,12 @@ async def store(runtime_url: str) -> AsyncIterator[SqlAgentStore]:
     store = SqlAgentStore(RuntimeDatabase(runtime_url))
     yield store
     await store.aclose()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeOpenAI]:
+    """A scriptable fake OpenAI-compatible server on a free port."""
+    server = FakeOpenAI()
+    await server.start()
+    yield server
+    await server.stop()

@@ -5,11 +5,8 @@ from the endpoint is shrunk and retried without putting the agent in ERROR."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
@@ -26,14 +23,6 @@ from tests.windowed_llm import WindowedModel
 
 MESSAGES = 500
 WAIT = 20.0
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeOpenAI]:
-    server = FakeOpenAI()
-    await server.start()
-    yield server
-    await server.stop()
 
 
 async def windowed_runtime(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -26,14 +25,6 @@ from tests.memory_support import FakeEmbedder
 from tests.windowed_llm import WindowedModel
 
 WAIT = 20.0
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeOpenAI]:
-    server = FakeOpenAI()
-    await server.start()
-    yield server
-    await server.stop()
 
 
 REF = re.compile(r"ref=([0-9a-f-]{36})/(\d+)/(\d+)")

@@ -86,14 +86,6 @@ async def deltas_until_error(
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[FakeOpenAI]:
-    server = FakeOpenAI()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
 async def provider(fake: FakeOpenAI) -> AsyncIterator[OpenAIProvider]:
     llm = OpenAIProvider(
         base_url=fake.url,
