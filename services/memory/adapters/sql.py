@@ -6,9 +6,12 @@ method runs in one short transaction of its own. Searching is in `search`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,7 +30,9 @@ from services.memory.adapters.tables import (
     language_means,
     runs,
     scope_versions,
+    segment_vectors,
     segments,
+    unembedded,
 )
 from services.memory.domain.audience import audience_id
 from services.memory.domain.duplicates import dedup_key
@@ -41,13 +46,15 @@ from services.memory.domain.model import (
     SegmentType,
     StoredSegment,
 )
-from services.memory.domain.ranking import Hit
-from services.memory.domain.scope import Filters, ForgetTarget, Scope
+from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS, Hit, rarity, selective_terms
+from services.memory.domain.scope import Filters, ForgetTarget, Scope, scopes_of
 from services.memory.domain.terms import language_of, lexical_terms
 from services.memory.service_layer.ports import AgentIdentity, MemoryStore, PendingSegment, Vector
 
 logger = logging.getLogger(__name__)
 
+# Agents whose identity (workspace, member id) is kept in memory at once.
+_KNOWN_AGENTS = 10_000
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
 _WRITE = "memory_write"
 _SEGMENT_COLUMNS = (
@@ -99,6 +106,24 @@ class Database(SqlDatabase):
                     yield conn
 
 
+@dataclass(eq=False)
+class _PendingArchive:
+    """A run waiting for the archive writer, and its caller's future."""
+
+    run: ArchivedRun
+    drafts: Sequence[SegmentDraft]
+    content_hash: str
+    done: asyncio.Future[bool]
+
+    def settle(self, outcome: bool | Exception) -> None:
+        if self.done.done():
+            return  # the caller gave up waiting (cancelled); the write stands
+        if isinstance(outcome, Exception):
+            self.done.set_exception(outcome)
+        else:
+            self.done.set_result(outcome)
+
+
 def _segment(row: Any) -> StoredSegment:
     return StoredSegment(
         key=int(row.id),
@@ -123,10 +148,15 @@ class SqlMemoryStore(MemoryStore):
     Args:
         database: the engine.
         dimensions: the embedder's vector size.
-        common_term_docs: on PostgreSQL, query terms found in more segments
-            than this are left out of lexical search (see `search`).
+        lexical_postings: lexical search ranks the segments of a query's
+            rarest terms, as many terms as hold no more than this many
+            segments together (see `ranking.selective_terms`).
         cached_scopes: vector matrices kept in memory at once.
-        clock: the current time (archive times).
+        approximate_from_rows: a scope with this many embedded segments is
+            searched through an approximate index (0: always exactly).
+        probe_share: the share of that index's lists a search scores.
+        archive_batch_runs: runs waiting to be archived at the same moment
+            that are written in one transaction, at most.
     """
 
     def __init__(
@@ -134,15 +164,35 @@ class SqlMemoryStore(MemoryStore):
         database: Database,
         *,
         dimensions: int,
-        common_term_docs: int = 5000,
+        lexical_postings: int = DEFAULT_LEXICAL_POSTINGS,
         cached_scopes: int = 64,
+        approximate_from_rows: int = 200_000,
+        probe_share: float = 0.025,
+        archive_batch_runs: int = 64,
     ) -> None:
         self._db = database
-        self._common_term_docs = common_term_docs
-        self.vectors = search.VectorIndex(dimensions, max_scopes=cached_scopes)
+        self._lexical_postings = lexical_postings
+        self.term_frequencies = search.TermFrequencies(cap=lexical_postings + 1, sqlite=database.is_sqlite)
+        self.vectors = search.VectorIndex(
+            dimensions,
+            max_scopes=cached_scopes,
+            approximate_from_rows=approximate_from_rows,
+            probe_share=probe_share,
+        )
         self.dimensions = dimensions
+        self._archive_batch_runs = archive_batch_runs
+        self._archive_queue: list[_PendingArchive] = []
+        self._archive_writer: asyncio.Task[None] | None = None
+        self._identities: OrderedDict[str, AgentIdentity] = OrderedDict()
+        # Transactions that archived runs (several runs each under load).
+        self.archive_transactions = 0
 
     async def aclose(self) -> None:
+        if self._archive_writer is not None:
+            # Archives already accepted are written before the engine goes.
+            await self._archive_writer
+        await self.term_frequencies.aclose()
+        await self.vectors.aclose()
         await self._db.aclose()
 
     # -- writing ------------------------------------------------------------
@@ -151,68 +201,156 @@ class SqlMemoryStore(MemoryStore):
         return (sqlite.insert if self._db.is_sqlite else postgresql.insert)(table)
 
     async def _bump(self, conn: AsyncConnection, keys: set[str]) -> None:
-        for key in sorted(keys):
-            statement = self._upsert(scope_versions).values(scope=key, version=1)
-            await conn.execute(
-                statement.on_conflict_do_update(
-                    index_elements=[scope_versions.c.scope], set_={"version": scope_versions.c.version + 1}
-                )
+        if not keys:
+            return
+        statement = self._upsert(scope_versions).values(
+            [{"scope": key, "version": 1} for key in sorted(keys)]
+        )
+        await conn.execute(
+            statement.on_conflict_do_update(
+                index_elements=[scope_versions.c.scope], set_={"version": scope_versions.c.version + 1}
             )
+        )
 
     async def archive(self, run: ArchivedRun, drafts: Sequence[SegmentDraft], content_hash: str) -> bool:
-        try:
-            return await self._archive(run, drafts, content_hash)
-        except sa.exc.IntegrityError:
-            # The same new run archived twice at once: the other one won, so
-            # this one now finds it stored (as it is, or to be replaced).
-            logger.info("run %s was archived concurrently; archiving again", run.run_id)
-            return await self._archive(run, drafts, content_hash)
+        """Archives the run together with whatever other runs are waiting to be
+        archived at the same moment: one transaction for them all (group commit)."""
+        item = _PendingArchive(run, drafts, content_hash, asyncio.get_running_loop().create_future())
+        self._archive_queue.append(item)
+        if self._archive_writer is None or self._archive_writer.done():
+            self._archive_writer = asyncio.create_task(self._write_archives(), name="memory-archive-writer")
+        return await item.done
 
-    async def _archive(self, run: ArchivedRun, drafts: Sequence[SegmentDraft], content_hash: str) -> bool:
+    async def _write_archives(self) -> None:
+        while self._archive_queue:
+            batch = self._archive_queue[: self._archive_batch_runs]
+            del self._archive_queue[: len(batch)]
+            if len(batch) > 1:
+                try:
+                    outcomes, again = await self._archive_together(batch)
+                except Exception as error:
+                    # A race with another replica, or an outage: each run alone,
+                    # so that one run's trouble is not the others'.
+                    logger.info("archiving %d runs together failed (%s); one by one", len(batch), error)
+                else:
+                    for item, outcome in outcomes.items():
+                        item.settle(outcome)
+                    self._archive_queue[:0] = again
+                    continue
+            for item in batch:
+                try:
+                    outcome = await self._archive_alone(item)
+                except Exception as error:
+                    outcome = error
+                item.settle(outcome)
+
+    async def _archive_alone(self, item: _PendingArchive) -> bool | Exception:
+        try:
+            outcomes, _ = await self._archive_together([item])
+        except sa.exc.IntegrityError:
+            # The same new run archived twice at once (by another replica): the
+            # other one won, so this one now finds it stored (as it is, or to be replaced).
+            logger.info("run %s was archived concurrently; archiving again", item.run.run_id)
+            outcomes, _ = await self._archive_together([item])
+        return outcomes[item]
+
+    async def _archive_together(
+        self, batch: Sequence[_PendingArchive]
+    ) -> tuple[dict[_PendingArchive, bool | Exception], list[_PendingArchive]]:
+        """Writes the runs of `batch` in one transaction. Returns each run's
+        outcome (changed, unchanged or refused) and the runs left for another
+        transaction (a second archive of a run already in this one)."""
         now = datetime.now(UTC)
-        audiences = {group: audience_id(members) for group, members in run.conversations.items()}
+        outcomes: dict[_PendingArchive, bool | Exception] = {}
+        again: list[_PendingArchive] = []
+        self.archive_transactions += 1
         async with self._db.transaction() as conn:
-            query = sa.select(runs.c.workspace_id, runs.c.agent_id, runs.c.content_hash).where(
-                runs.c.run_id == run.run_id
+            query = sa.select(runs.c.run_id, runs.c.workspace_id, runs.c.agent_id, runs.c.content_hash).where(
+                runs.c.run_id.in_(sorted({item.run.run_id for item in batch}))
             )
             if not self._db.is_sqlite:
                 query = query.with_for_update()
-            existing = (await conn.execute(query)).first()
-            values = {
-                "workspace_id": run.workspace_id,
-                "agent_id": run.agent_id,
-                "agent_member_id": run.agent_member_id,
-                "session_id": run.session_id,
-                "started_at": run.started_at,
-                "ended_at": run.ended_at,
-                "content_hash": content_hash,
-                "segment_count": len(drafts),
-                "archived_at": now,
-            }
-            if existing is not None:
-                if (existing.workspace_id, existing.agent_id) != (run.workspace_id, run.agent_id):
-                    raise NotAllowed(f"run {run.run_id} belongs to another agent")
-                if existing.content_hash == content_hash:
-                    return False
-                await self._delete_segments(conn, segments.c.run_id == run.run_id)
-                await conn.execute(runs.update().where(runs.c.run_id == run.run_id).values(**values))
-            else:
-                await conn.execute(runs.insert().values(run_id=run.run_id, **values))
-            for group, members in run.conversations.items():
-                rows = [{"audience_id": audiences[group], "member_id": member} for member in sorted(members)]
-                await conn.execute(self._upsert(audience_members).values(rows).on_conflict_do_nothing())
-            if drafts:
-                await conn.execute(segments.insert(), [self._segment_row(run, d, audiences) for d in drafts])
+            existing = {row.run_id: row for row in (await conn.execute(query)).all()}
+            written: dict[str, _PendingArchive] = {}
+            replaced: list[str] = []
+            for item in batch:
+                run = item.run
+                if run.run_id in written:
+                    again.append(item)
+                    continue
+                found = existing.get(run.run_id)
+                if found is not None and (found.workspace_id, found.agent_id) != (
+                    run.workspace_id,
+                    run.agent_id,
+                ):
+                    outcomes[item] = NotAllowed(f"run {run.run_id} belongs to another agent")
+                elif found is not None and found.content_hash == item.content_hash:
+                    outcomes[item] = False
+                else:
+                    if found is not None:
+                        replaced.append(run.run_id)
+                    written[run.run_id] = item
+                    outcomes[item] = True
+            if not written:
+                return outcomes, again
+            if replaced:
+                await self._delete_segments(conn, segments.c.run_id.in_(replaced))
+                await conn.execute(runs.delete().where(runs.c.run_id.in_(replaced)))
+            await conn.execute(
+                runs.insert(),
+                [
+                    {
+                        "run_id": item.run.run_id,
+                        "workspace_id": item.run.workspace_id,
+                        "agent_id": item.run.agent_id,
+                        "agent_member_id": item.run.agent_member_id,
+                        "session_id": item.run.session_id,
+                        "started_at": item.run.started_at,
+                        "ended_at": item.run.ended_at,
+                        "content_hash": item.content_hash,
+                        "segment_count": len(item.drafts),
+                        "archived_at": now,
+                    }
+                    for item in written.values()
+                ],
+            )
+            members: set[tuple[str, str]] = set()
+            rows: list[dict[str, Any]] = []
+            for item in written.values():
+                audiences = {group: audience_id(people) for group, people in item.run.conversations.items()}
+                members |= {
+                    (audiences[group], member)
+                    for group, people in item.run.conversations.items()
+                    for member in people
+                }
+                rows += [self._segment_row(item.run, draft, audiences) for draft in item.drafts]
+            if members:
+                values = [
+                    {"audience_id": audience, "member_id": member} for audience, member in sorted(members)
+                ]
+                await conn.execute(self._upsert(audience_members).values(values).on_conflict_do_nothing())
+            if rows:
+                await conn.execute(segments.insert(), rows)
+                archived = sa.select(segments.c.id, segments.c.agent_id, segments.c.workspace_id).where(
+                    segments.c.run_id.in_(sorted(written))
+                )
+                await conn.execute(
+                    sa.insert(unembedded).from_select(["segment_id", "agent_id", "workspace_id"], archived)
+                )
                 if self._db.is_sqlite:
                     await conn.execute(
-                        sa.text(
-                            "INSERT INTO segment_fts (rowid, terms)"
-                            " SELECT id, terms FROM segments WHERE run_id = :r"
-                        ),
-                        {"r": run.run_id},
+                        sa.insert(search.segment_fts).from_select(
+                            ["rowid", "terms"],
+                            sa.select(segments.c.id, segments.c.terms).where(
+                                segments.c.run_id.in_(sorted(written))
+                            ),
+                        )
                     )
-            await self._bump(conn, {f"agent:{run.agent_id}", f"workspace:{run.workspace_id}"})
-        return True
+            await self._bump(
+                conn, scopes_of((item.run.agent_id, item.run.workspace_id) for item in written.values())
+            )
+        self.term_frequencies.forget_absent()
+        return outcomes, again
 
     @staticmethod
     def _segment_row(run: ArchivedRun, draft: SegmentDraft, audiences: dict[str, str]) -> dict[str, Any]:
@@ -234,10 +372,16 @@ class SqlMemoryStore(MemoryStore):
             "dedup_key": dedup_key(draft.text),
             "terms": " ".join(terms),
             "term_count": len(terms),
-            "embedding": None,
         }
 
     async def _delete_segments(self, conn: AsyncConnection, where: sa.ColumnElement[bool]) -> int:
+        if not self._db.is_sqlite:
+            # Rows locked in key order, as the embedder locks them: a delete and
+            # a vector being stored for the same rows then wait, never deadlock.
+            locked = (
+                sa.select(segments.c.id).where(where).order_by(segments.c.id).with_for_update().subquery()
+            )
+            await conn.execute(sa.select(sa.func.count()).select_from(locked))
         if self._db.is_sqlite:
             await conn.execute(
                 sa.delete(search.segment_fts).where(
@@ -273,10 +417,7 @@ class SqlMemoryStore(MemoryStore):
                 await conn.execute(runs.delete().where(runs.c.run_id.in_(sorted(emptied)), orphans))
             if target.before is None and run_where:
                 await conn.execute(runs.delete().where(*run_where, orphans))
-            keys = {f"agent:{row.agent_id}" for row in affected} | {
-                f"workspace:{row.workspace_id}" for row in affected
-            }
-            await self._bump(conn, keys)
+            await self._bump(conn, scopes_of((row.agent_id, row.workspace_id) for row in affected))
         return deleted
 
     async def store_embeddings(
@@ -284,57 +425,78 @@ class SqlMemoryStore(MemoryStore):
     ) -> int:
         if len(pending) != len(vectors):
             raise ValueError("one vector per pending segment")
-        sums: dict[str, npt.NDArray[np.float64]] = {}
-        counts: dict[str, int] = {}
-        stored: list[int] = []
+        by_key = {
+            item.key: np.asarray(vector, dtype="<f4") for item, vector in zip(pending, vectors, strict=True)
+        }
+        if not by_key:
+            return 0
         async with self._db.transaction() as conn:
-            for item, vector in zip(pending, vectors, strict=True):
-                blob = np.asarray(vector, dtype="<f4").tobytes()
-                result = await conn.execute(
-                    segments.update()
-                    .where(segments.c.id == item.key, segments.c.embedding.is_(None))
-                    .values(embedding=blob)
+            # The rows still without a vector, locked on PostgreSQL: a replica
+            # embedding the same rows at once waits here and then finds them done.
+            query = (
+                sa.select(
+                    unembedded.c.segment_id.label("id"),
+                    segments.c.language,
+                    unembedded.c.agent_id,
+                    unembedded.c.workspace_id,
                 )
-                if result.rowcount:
-                    stored.append(item.key)
-                    sums.setdefault(item.language, np.zeros(self.dimensions, dtype=np.float64))
-                    sums[item.language] += np.asarray(vector, dtype=np.float64)
-                    counts[item.language] = counts.get(item.language, 0) + 1
-            for language, added in sums.items():
-                query = sa.select(language_means).where(language_means.c.language == language)
-                if not self._db.is_sqlite:
-                    query = query.with_for_update()
-                row = (await conn.execute(query)).first()
-                if row is None:
-                    await conn.execute(
-                        language_means.insert().values(
-                            language=language, count=counts[language], sums=added.astype("<f8").tobytes()
-                        )
+                .join(segments, segments.c.id == unembedded.c.segment_id)
+                .where(unembedded.c.segment_id.in_(sorted(by_key)))
+            )
+            if not self._db.is_sqlite:
+                # The segments first, in key order (as a delete locks them), then their queue rows.
+                await conn.execute(
+                    sa.select(segments.c.id)
+                    .where(segments.c.id.in_(sorted(by_key)))
+                    .order_by(segments.c.id)
+                    .with_for_update(key_share=True)
+                )
+                query = query.order_by(unembedded.c.segment_id).with_for_update(of=unembedded)
+            waiting = (await conn.execute(query)).all()
+            if not waiting:
+                return 0
+            done = sorted(row.id for row in waiting)
+            await conn.execute(unembedded.delete().where(unembedded.c.segment_id.in_(done)))
+            await conn.execute(
+                segment_vectors.insert(),
+                [{"segment_id": row.id, "embedding": by_key[row.id].tobytes()} for row in waiting],
+            )
+            added: dict[str, list[npt.NDArray[np.float32]]] = {}
+            for row in waiting:
+                added.setdefault(row.language, []).append(by_key[row.id])
+            await self._add_to_means(conn, added)
+            await self._bump(conn, scopes_of((row.agent_id, row.workspace_id) for row in waiting))
+        return len(waiting)
+
+    async def _add_to_means(
+        self, conn: AsyncConnection, vectors: dict[str, list[npt.NDArray[np.float32]]]
+    ) -> None:
+        """Adds vectors (by language) to the running sums the languages' means come from."""
+        sums = {language: np.sum(rows, axis=0, dtype=np.float64) for language, rows in vectors.items()}
+        counts = {language: len(rows) for language, rows in vectors.items()}
+        query = sa.select(language_means).where(language_means.c.language.in_(sorted(sums)))
+        if not self._db.is_sqlite:
+            query = query.with_for_update()
+        stored = {row.language: row for row in (await conn.execute(query)).all()}
+        for language, added in sums.items():
+            row = stored.get(language)
+            if row is None:
+                await conn.execute(
+                    language_means.insert().values(
+                        language=language, count=counts[language], sums=added.astype("<f8").tobytes()
                     )
-                else:
-                    before = np.frombuffer(row.sums, dtype="<f8")
-                    total, count = added, counts[language]
-                    if len(before) == self.dimensions:
-                        total, count = added + before, count + int(row._mapping["count"])
-                    # else: sums of another embedder's vectors, which no search uses any more.
-                    await conn.execute(
-                        language_means.update()
-                        .where(language_means.c.language == language)
-                        .values(count=count, sums=total.astype("<f8").tobytes())
-                    )
-            if stored:
-                owners = (
-                    await conn.execute(
-                        sa.select(segments.c.agent_id, segments.c.workspace_id)
-                        .where(segments.c.id.in_(stored))
-                        .distinct()
-                    )
-                ).all()
-                keys = {f"agent:{row.agent_id}" for row in owners} | {
-                    f"workspace:{row.workspace_id}" for row in owners
-                }
-                await self._bump(conn, keys)
-        return len(stored)
+                )
+                continue
+            before = np.frombuffer(row.sums, dtype="<f8")
+            total, count = added, counts[language]
+            if len(before) == self.dimensions:
+                total, count = added + before, count + int(row._mapping["count"])
+            # else: sums of another embedder's vectors, which no search uses any more.
+            await conn.execute(
+                language_means.update()
+                .where(language_means.c.language == language)
+                .values(count=count, sums=total.astype("<f8").tobytes())
+            )
 
     # -- reading ------------------------------------------------------------
 
@@ -346,10 +508,20 @@ class SqlMemoryStore(MemoryStore):
         return await self._db.retry_read(read)
 
     async def agent_identity(self, agent_id: str) -> AgentIdentity | None:
+        # An agent's workspace and member id never change: once seen, kept.
+        known = self._identities.get(agent_id)
+        if known is not None:
+            self._identities.move_to_end(agent_id)
+            return known
         rows = await self._read(
             sa.select(runs.c.workspace_id, runs.c.agent_member_id).where(runs.c.agent_id == agent_id).limit(1)
         )
-        return AgentIdentity(rows[0].workspace_id, rows[0].agent_member_id) if rows else None
+        if not rows:
+            return None
+        found = self._identities[agent_id] = AgentIdentity(rows[0].workspace_id, rows[0].agent_member_id)
+        while len(self._identities) > _KNOWN_AGENTS:
+            self._identities.popitem(last=False)
+        return found
 
     async def run_info(self, run_id: str) -> RunInfo | None:
         count = sa.select(sa.func.count()).where(segments.c.run_id == run_id).scalar_subquery()
@@ -379,22 +551,30 @@ class SqlMemoryStore(MemoryStore):
     ) -> list[Hit]:
         async def read() -> list[Hit]:
             async with self._db.transaction(write=False) as conn:
+                total, frequencies = await self.term_frequencies.counts(conn, terms, analyze=self._analyze)
+                kept = selective_terms(frequencies, self._lexical_postings)
                 if self._db.is_sqlite:
-                    return await search.lexical_sqlite(conn, scope, filters, terms, limit)
+                    return await search.lexical_sqlite(conn, scope, filters, kept, limit)
                 return await search.lexical_postgres(
-                    conn, scope, filters, terms, limit, common_term_docs=self._common_term_docs
+                    conn, scope, filters, kept, limit, total=total, frequencies=frequencies
                 )
 
         return await self._db.retry_read(read)
 
-    async def term_rarity(self, terms: Sequence[str]) -> dict[str, float]:
-        async def read() -> dict[str, float]:
-            async with self._db.transaction(write=False) as conn:
-                if self._db.is_sqlite:
-                    return await search.term_rarity_sqlite(conn, terms)
-                return await search.term_rarity_postgres(conn, terms)
+    async def _analyze(self) -> None:
+        async with self._db.transaction() as conn:
+            await conn.execute(sa.text(f"ANALYZE {SCHEMA}.segments"))
+        logger.info("analyzed the memory's segments (their terms' statistics rank lexical search)")
 
-        return await self._db.retry_read(read)
+    async def term_rarity(self, terms: Sequence[str]) -> dict[str, float]:
+        async def read() -> tuple[int, dict[str, int]]:
+            async with self._db.transaction(write=False) as conn:
+                return await self.term_frequencies.counts(conn, terms, analyze=self._analyze)
+
+        # Right after a lexical search of the same terms, their counts are at hand.
+        cached = self.term_frequencies.cached(terms)
+        total, frequencies = cached if cached is not None else await self._db.retry_read(read)
+        return {term: rarity(total, frequencies[term]) for term in dict.fromkeys(terms)}
 
     async def vector_search(
         self, scope: Scope, filters: Filters, query: Vector, language: str, limit: int
@@ -442,12 +622,12 @@ class SqlMemoryStore(MemoryStore):
         # Counted for the whole scope, not per audience: the audience rule's
         # join would cost a scan of the scope (35 ms at 20k segments), where
         # the partial indexes hold only what waits.
-        where: list[sa.ColumnElement[bool]] = [segments.c.embedding.is_(None)]
+        where: list[sa.ColumnElement[bool]] = []
         if scope is not None:
-            where.append(segments.c.workspace_id == scope.workspace_id)
+            where.append(unembedded.c.workspace_id == scope.workspace_id)
             if scope.agent_id is not None:
-                where.append(segments.c.agent_id == scope.agent_id)
-        rows = await self._read(sa.select(sa.func.count()).select_from(segments).where(*where))
+                where.append(unembedded.c.agent_id == scope.agent_id)
+        rows = await self._read(sa.select(sa.func.count()).select_from(unembedded).where(*where))
         return int(rows[0][0])
 
     async def target_workspaces(self, target: ForgetTarget) -> set[str]:
@@ -469,11 +649,17 @@ class SqlMemoryStore(MemoryStore):
             segments.c.agent_id == agent_id if agent_id else segments.c.workspace_id == workspace_id
         )
         run_count = sa.select(sa.func.count()).select_from(runs).where(run_where).scalar_subquery()
+        pending_where = (
+            unembedded.c.agent_id == agent_id if agent_id else unembedded.c.workspace_id == workspace_id
+        )
+        pending_count = (
+            sa.select(sa.func.count()).select_from(unembedded).where(pending_where).scalar_subquery()
+        )
         rows = await self._read(
             sa.select(
                 run_count.label("runs"),
                 sa.func.count().label("segments"),
-                sa.func.count().filter(segments.c.embedding.is_(None)).label("pending"),
+                pending_count.label("pending"),
                 sa.func.min(segments.c.created_at).label("oldest"),
                 sa.func.max(segments.c.created_at).label("newest"),
             ).where(segment_where)
@@ -490,8 +676,8 @@ class SqlMemoryStore(MemoryStore):
     async def pending_embeddings(self, limit: int) -> list[PendingSegment]:
         rows = await self._read(
             sa.select(segments.c.id, segments.c.text, segments.c.language)
-            .where(segments.c.embedding.is_(None))
-            .order_by(segments.c.id)
+            .join(unembedded, unembedded.c.segment_id == segments.c.id)
+            .order_by(unembedded.c.segment_id)
             .limit(limit)
         )
         return [PendingSegment(int(row.id), row.text, row.language) for row in rows]

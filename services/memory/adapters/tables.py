@@ -61,32 +61,42 @@ segments = sa.Table(
     # `lexical_terms(text)` joined by spaces: what both lexical indexes hold.
     sa.Column("terms", sa.Text, nullable=False),
     sa.Column("term_count", sa.Integer, nullable=False),
-    # float32 little-endian, unit length; NULL until the background worker embeds it.
-    sa.Column("embedding", sa.LargeBinary, nullable=True),
     sa.UniqueConstraint("run_id", "step_sequence", "segment_index", name="uq_memory_segments_anchor"),
     sa.Index("ix_memory_segments_agent", "agent_id", "created_at"),
     sa.Index("ix_memory_segments_workspace", "workspace_id", "created_at"),
     sa.Index("ix_memory_segments_session", "session_id"),
-    # The background embedder's queue: only the rows still without a vector.
-    sa.Index(
-        "ix_memory_segments_unembedded",
-        "id",
-        postgresql_where=sa.text("embedding IS NULL"),
-        sqlite_where=sa.text("embedding IS NULL"),
+)
+
+# Segments' vectors, apart from the segments: storing one then writes a narrow
+# row of its own instead of rewriting the segment with all its index entries
+# (PostgreSQL's GIN included), and segment rows stay small for lexical search.
+segment_vectors = sa.Table(
+    "segment_vectors",
+    metadata,
+    sa.Column(
+        "segment_id",
+        SegmentKey,
+        sa.ForeignKey("segments.id", ondelete="CASCADE", name="fk_memory_segment_vectors_segment"),
+        primary_key=True,
     ),
-    # What waits for a vector in one scope (pending_embeddings of a search).
-    sa.Index(
-        "ix_memory_segments_unembedded_agent",
-        "agent_id",
-        postgresql_where=sa.text("embedding IS NULL"),
-        sqlite_where=sa.text("embedding IS NULL"),
+    # float32 little-endian, unit length.
+    sa.Column("embedding", sa.LargeBinary, nullable=False),
+)
+
+# The background embedder's queue: the segments still without a vector. It
+# is short (what was archived in the last moments), so it needs no index but
+# its key: counting one scope's rows in it reads it whole.
+unembedded = sa.Table(
+    "unembedded",
+    metadata,
+    sa.Column(
+        "segment_id",
+        SegmentKey,
+        sa.ForeignKey("segments.id", ondelete="CASCADE", name="fk_memory_unembedded_segment"),
+        primary_key=True,
     ),
-    sa.Index(
-        "ix_memory_segments_unembedded_workspace",
-        "workspace_id",
-        postgresql_where=sa.text("embedding IS NULL"),
-        sqlite_where=sa.text("embedding IS NULL"),
-    ),
+    sa.Column("agent_id", sa.String(128), nullable=False),
+    sa.Column("workspace_id", sa.String(128), nullable=False),
 )
 
 # The members of each audience (a conversation's members as archived).

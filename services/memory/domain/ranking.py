@@ -89,6 +89,50 @@ def fuse(
     return [Hit(key, score) for key, score in ranked[:limit]]
 
 
+def rarity(total: int, frequency: int) -> float:
+    """How much a query term says about which segment is meant: its idf, and
+    nothing for a term no segment holds (it matches nothing: a Chinese
+    question's own wording, "是什么", is in none of the statements)."""
+    return idf(total, frequency) if frequency > 0 else 0.0
+
+
+def best_match_share(terms: Sequence[str], matched: set[str], weights: Mapping[str, float]) -> float:
+    """The share of the query's terms (each weighted) found in the best
+    lexical hit's terms `matched`: the opening of the fusion gate."""
+    total = sum(weights.get(term, 0.0) for term in terms)
+    if total <= 0:
+        return 0.0
+    return sum(weights.get(term, 0.0) for term in terms if term in matched) / total
+
+
+# Lexical search's budget of postings per query (see `selective_terms`).
+DEFAULT_LEXICAL_POSTINGS = 3000
+
+
+def idf(total: int, frequency: int) -> float:
+    """FTS5's idf, never negative."""
+    return math.log(1 + (max(total, 1) - frequency + 0.5) / (frequency + 0.5))
+
+
+def selective_terms(frequencies: dict[str, int], postings: int) -> list[str]:
+    """The rarest terms whose segments add up to no more than `postings`:
+    those that pick out segments.
+
+    A query term found in very many segments costs most to rank and says
+    least; leaving it out bounds the work of a query whatever its words. A
+    query made only of such terms gets no lexical ranking (vectors rank it).
+    """
+    present = sorted((count, term) for term, count in frequencies.items() if count > 0)
+    kept: list[str] = []
+    total = 0
+    for count, term in present:
+        if total + count > postings:
+            break
+        kept.append(term)
+        total += count
+    return kept
+
+
 # Vectors a language's mean counts as if zero were among them: centering
 # takes full effect only once a language has many more than this.
 MEAN_PRIOR = 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -28,6 +29,12 @@ class Scope:
     @property
     def cache_key(self) -> str:
         return f"agent:{self.agent_id}" if self.agent_id is not None else f"workspace:{self.workspace_id}"
+
+
+def scopes_of(owners: Iterable[tuple[str, str]]) -> set[str]:
+    """The cache keys (`Scope.cache_key`) of every scope that segments of
+    these (agent, workspace) pairs are in: what a write to them makes stale."""
+    return {key for agent, workspace in owners for key in (f"agent:{agent}", f"workspace:{workspace}")}
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,7 @@ _CJK = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
 _RUN = re.compile(rf"[{_CJK}]+|[0-9A-Za-z_][0-9A-Za-z_./:\-]*")
 _PART = re.compile(r"[0-9A-Za-z]+")
 _CJK_CHAR = re.compile(rf"[{_CJK}]")
+_NOT_LATIN = re.compile(r"[^A-Za-z]+")
 
 
 def lexical_terms(text: str) -> list[str]:
@@ -47,6 +48,6 @@ def lexical_terms(text: str) -> list[str]:
 def language_of(text: str) -> str:
     """ "zh" when Chinese characters make up a fair share of the letters, else "en"."""
     cjk = len(_CJK_CHAR.findall(text))
-    latin = sum(1 for c in text if c.isascii() and c.isalpha())
+    latin = len(_NOT_LATIN.sub("", text))
     # A Chinese character carries about as much as a short English word.
     return "zh" if cjk and cjk * 3 >= latin else "en"

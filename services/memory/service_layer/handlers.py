@@ -25,7 +25,7 @@ from services.memory.domain.model import (
     RunInfo,
     StoredSegment,
 )
-from services.memory.domain.ranking import FusionSettings, Hit, fuse
+from services.memory.domain.ranking import FusionSettings, Hit, best_match_share, fuse
 from services.memory.domain.scope import Filters, ForgetTarget, Scope
 from services.memory.domain.segmentation import RunLimits, SplitSettings, check_run, content_hash, segment_run
 from services.memory.domain.terms import language_of, lexical_terms
@@ -207,9 +207,15 @@ class Memory:
             return Retrieved([], 0)
         terms = list(dict.fromkeys(lexical_terms(query)))[: self.limits.max_query_terms]
         candidates = max(self.limits.candidates, limit * 3)
-        lexical = await self._store.lexical_search(scope, filters, terms, candidates) if terms else []
+        # The model embeds the query (on its own thread) while the database searches lexically.
+        embedding = asyncio.ensure_future(self._query_vector(query))
+        try:
+            lexical = await self._store.lexical_search(scope, filters, terms, candidates) if terms else []
+        except BaseException:
+            embedding.cancel()
+            raise
         vector: list[Hit] = []
-        query_vector = await self._query_vector(query)
+        query_vector = await embedding
         if query_vector is not None:
             vector = await self._store.vector_search(
                 scope, filters, query_vector, language_of(query), candidates
@@ -221,9 +227,7 @@ class Memory:
             # The share of the query the best lexical hit holds, each term
             # weighted by its rarity: a rare name matched says more than "the".
             best_terms = set(lexical_terms(found[lexical[0].key].text))
-            rarity = await self._store.term_rarity(terms)
-            total = sum(rarity.get(term, 1.0) for term in terms) or 1.0
-            share = sum(rarity.get(term, 1.0) for term in terms if term in best_terms) / total
+            share = best_match_share(terms, best_terms, await self._store.term_rarity(terms))
         recency = None
         if prefer_recent:
             newest_first = sorted(found.values(), key=lambda s: (s.created_at, s.key), reverse=True)

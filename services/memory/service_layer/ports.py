@@ -102,7 +102,8 @@ class MemoryStore(abc.ABC):
         """Segments matching any of `terms`, best first, with a BM25-like score."""
 
     async def term_rarity(self, terms: Sequence[str]) -> dict[str, float]:
-        """How much each term says (an idf: rare terms weigh more); by default all alike."""
+        """How much each term says (`ranking.rarity`: rare terms weigh more, absent
+        ones nothing); by default all alike."""
         return dict.fromkeys(terms, 1.0)
 
     @abc.abstractmethod
