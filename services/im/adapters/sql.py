@@ -6,6 +6,7 @@ port with SQLAlchemy Core statements that run unchanged on both backends.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Iterable, Sequence
@@ -191,17 +192,27 @@ class SqlTransaction(Transaction):
         tb: TracebackType | None,
     ) -> None:
         with as_unavailable(DATABASE):
-            try:
-                await self.rollback()
-            finally:
-                if self._conn is not None:
-                    await self._conn.close()
-                    self._conn = None
-                self._release_lock()
+            # Ended in a task of its own: a caller cancelled again while the
+            # connection goes back to the pool (a client that went away, then
+            # a deadline) would leave it half-closed and, on SQLite, keep
+            # this process's write lock forever. The caller stops waiting;
+            # the ending goes on.
+            await asyncio.shield(asyncio.ensure_future(self._end()))
         if exc is not None:
             unavailable = unavailable_error(exc, dependency=DATABASE)
             if unavailable is not None and unavailable is not exc:
                 raise unavailable from exc
+
+    async def _end(self) -> None:
+        try:
+            await self.rollback()
+        finally:
+            try:
+                if self._conn is not None:
+                    conn, self._conn = self._conn, None
+                    await conn.close()
+            finally:
+                self._release_lock()
 
     def _release_lock(self) -> None:
         if self._locked:
