@@ -219,7 +219,38 @@ async def _direct_group_of(im: RunningIM, one: str, other: str) -> str:
         await asyncio.sleep(0.02)
 
 
-async def test_two_agents_answering_each_other_stop_at_the_limit(im: RunningIM, tmp_path: Path) -> None:
+async def test_of_two_agents_in_a_group_only_the_one_a_person_mentions_answers(
+    im: RunningIM, runtime: RunningRuntime
+) -> None:
+    world = await make_world(im.stub, people=1)
+    ada = await create_agent(runtime, world, "ada")
+    bea = await create_agent(runtime, world, "bea")
+    group = await im.stub.CreateGroup(
+        im_pb2.CreateGroupRequest(name="pair", member_ids=[ada.member_id, bea.member_id]),
+        metadata=world.md(0),
+    )
+    for mentioned, text in ((ada, "@ada have a look"), (bea, "@bea and you?")):
+        await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=group.group.id, content=text, mentions=[mentioned.member_id]),
+            metadata=world.md(0),
+        )
+        await wait_for_messages(im, world.members[0].id, group.group.id, 2 if mentioned is ada else 4)
+    # Bea answers the message for her; Ada's answer, which she saw first, was not for her.
+    messages = await wait_for_messages(im, world.members[0].id, group.group.id, 4)
+    assert [m.sender_id for m in messages] == [
+        world.members[0].id,
+        ada.member_id,
+        world.members[0].id,
+        bea.member_id,
+    ]
+    steps = await runtime.stub.ListSteps(rpb.ListStepsRequest(agent_id=bea.id), metadata=world.md(0))
+    inputs = [s.content for s in steps.steps if s.role == rpb.STEP_ROLE_USER]
+    assert len(inputs) == 1 and "and you?" in inputs[0] and "have a look" not in inputs[0]
+    runs = await runtime.stub.ListRuns(rpb.ListRunsRequest(agent_id=ada.id), metadata=world.md(0))
+    assert len(runs.runs) == 1
+
+
+async def test_two_agents_that_name_each_other_stop_at_the_limit(im: RunningIM, tmp_path: Path) -> None:
     runtime = await start_runtime(im.address, tmp_path / "rt.db", RUNTIME_AGENT_CHATTER_LIMIT="5")
     try:
         world = await make_world(im.stub, people=1)
@@ -229,8 +260,12 @@ async def test_two_agents_answering_each_other_stop_at_the_limit(im: RunningIM, 
             im_pb2.CreateGroupRequest(name="pair", member_ids=[ada.member_id, bea.member_id]),
             metadata=world.md(0),
         )
+        # The offline model repeats what it was told: each answer @names the other agent.
         await im.stub.SendMessage(
-            im_pb2.SendMessageRequest(group_id=group.group.id, content="discuss"), metadata=world.md(0)
+            im_pb2.SendMessageRequest(
+                group_id=group.group.id, content="@ada @bea discuss", mentions=[ada.member_id, bea.member_id]
+            ),
+            metadata=world.md(0),
         )
         await wait_for_messages(im, world.members[0].id, group.group.id, 6)
         # They stop: nothing more comes, however long we wait for both to be idle.
@@ -242,6 +277,7 @@ async def test_two_agents_answering_each_other_stop_at_the_limit(im: RunningIM, 
             im_pb2.ListMessagesRequest(group_id=group.group.id, page_size=100), metadata=world.md(0)
         )
         assert 6 <= len(page.messages) <= 7
+        assert all(len(m.mentions) == 1 for m in page.messages[1:])
     finally:
         await stop_runtime(runtime)
 

@@ -97,7 +97,12 @@ class FakeIM(IMPort):
         return group
 
     def post(
-        self, sender: uuid.UUID, group_id: uuid.UUID, content: str, mentions: Sequence[uuid.UUID] = ()
+        self,
+        sender: uuid.UUID,
+        group_id: uuid.UUID,
+        content: str,
+        mentions: Sequence[uuid.UUID] = (),
+        reply_to: uuid.UUID | None = None,
     ) -> IMMessage:
         message = IMMessage(
             id=uuid.UUID(int=len(self.messages) + 1),
@@ -107,6 +112,7 @@ class FakeIM(IMPort):
             content=content,
             mentions=tuple(mentions),
             sent_at=self.clock(),
+            reply_to=reply_to,
         )
         self.messages.append(message)
         concerned = tuple(m for m in self.groups[group_id].member_ids)
@@ -181,10 +187,17 @@ class FakeIM(IMPort):
             raise Refused(f"content is {len(content.encode())} bytes; the limit is {self.max_content_bytes}")
         if request_id and request_id in self._sent_requests:
             return self._sent_requests[request_id]
-        message = self.post(as_member, group_id, content, mentions)
+        message = self.post(as_member, group_id, content, mentions, reply_to)
         if request_id:
             self._sent_requests[request_id] = message
         return message
+
+    async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage:
+        for message in self.messages:
+            if message.id == message_id:
+                self._check_member(as_member, message.group_id)
+                return message
+        raise Refused(f"message {message_id} not found")
 
     async def get_or_create_direct_group(self, as_member: uuid.UUID, peer_id: uuid.UUID) -> IMGroup:
         for group in self.groups.values():

@@ -241,8 +241,62 @@ async def test_group_etiquette(h: Harness) -> None:
     assert len(h.store.runs) == 2
 
 
+async def test_a_person_mentioning_one_of_two_agents_gets_one_answer_and_the_agents_do_not_chat() -> None:
+    async for h in harness(Script(content="Glad to help, everyone. What do you think?")):
+        ada = await h.agent("ada")
+        bea = await h.agent("bea")
+        team = h.im.group("pair", ada.member_id, bea.member_id, h.human)
+        h.im.post(h.human, team.id, "@ada can you look?", mentions=[ada.member_id])
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        said = [(m.sender_id, m.content) for m in h.im.in_group(team.id)[1:]]
+        assert said == [(ada.member_id, "Glad to help, everyone. What do you think?")]
+        assert len(h.store.runs) == 1 and not h.steps(bea)
+        # A person's message for no one in particular: both answer it, and
+        # still neither answers the other.
+        h.im.post(h.human, team.id, "anyone else?")
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        senders = sorted(str(m.sender_id) for m in h.im.in_group(team.id)[3:])
+        assert senders == sorted([str(ada.member_id), str(bea.member_id)])
+
+
+async def test_an_agent_answers_another_that_names_it_or_replies_to_it_and_may_stay_silent() -> None:
+    async for h in harness(
+        Script(content="@Bea, what do you think?"),
+        Script(content="I agree with @ada."),
+        Script(content="no_reply."),
+    ):
+        ada = await h.agent("ada")
+        bea = await h.agent("Bea")
+        team = h.im.group("pair", ada.member_id, bea.member_id, h.human)
+        h.im.post(h.human, team.id, "@ada ideas?", mentions=[ada.member_id])
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        messages = h.im.in_group(team.id)
+        # Ada's answer @names Bea, Bea's names Ada; Ada then has nothing to add.
+        assert [(m.sender_id, m.content, m.mentions) for m in messages[1:]] == [
+            (ada.member_id, "@Bea, what do you think?", (bea.member_id,)),
+            (bea.member_id, "I agree with @ada.", (ada.member_id,)),
+        ]
+        assert len(h.store.runs) == 3
+        # A reply to an agent's message reaches it without a mention.
+        h.llm.scripts = [Script(content="Replying to your reply.")]
+        h.llm.requests.clear()
+        h.im.post(bea.member_id, team.id, "one more thing", reply_to=messages[1].id)
+        for _ in range(5):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        assert [(m.sender_id, m.content) for m in h.im.in_group(team.id)[-1:]] == [
+            (ada.member_id, "Replying to your reply.")
+        ]
+
+
 async def test_agents_talking_to_each_other_stop_at_the_limit() -> None:
-    async for h in harness(Script(content="and what do you think?"), chatter_limit=6):
+    async for h in harness(Script(content="@ada @bea and what do you think?"), chatter_limit=6):
         ada = await h.agent("ada")
         bea = await h.agent("bea")
         team = h.im.group("pair", ada.member_id, bea.member_id, h.human)

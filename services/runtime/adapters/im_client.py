@@ -237,6 +237,12 @@ class GrpcIM(IMPort):
         )
         return _message(response.message)
 
+    async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage:
+        response = await self._call(
+            self._stub.GetMessage, im_pb2.GetMessageRequest(message_id=str(message_id)), as_member=as_member
+        )
+        return _message(response.message)
+
     async def list_messages(
         self, as_member: uuid.UUID, group_id: uuid.UUID, *, limit: int = 50, before: uuid.UUID | None = None
     ) -> list[IMMessage]:
@@ -441,6 +447,7 @@ def _message(proto: im_pb2.Message) -> IMMessage:
         content=proto.content,
         mentions=tuple(uuid.UUID(m) for m in proto.mentions),
         sent_at=proto.send_time.ToDatetime(tzinfo=UTC),
+        reply_to=uuid.UUID(proto.reply_to_message_id) if proto.reply_to_message_id else None,
     )
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Set
+from collections.abc import Mapping, Set
 
 from services.runtime.domain.llm import ChatMessage, Role
 
 
 class GroupPolicy(enum.StrEnum):
-    """Whether an agent answers a group message that does not @mention it."""
+    """Whether an agent answers a person's group message that does not
+    @mention it or reply to it (another agent's, never: see `should_answer`)."""
 
     # Answer unless the message @mentions someone else (the default).
     UNLESS_OTHERS_MENTIONED = "unless_others_mentioned"
@@ -26,15 +27,56 @@ def should_answer(
     is_direct: bool,
     mentions: Set[uuid.UUID],
     policy: GroupPolicy,
+    from_person: bool = True,
+    replies_to_agent: bool = False,
 ) -> bool:
-    """Direct chats are always answered; groups follow the @mentions and the policy."""
-    if is_direct or agent_member_id in mentions:
+    """Direct chats are always answered, and so is a message that @mentions
+    the agent or replies to one of its messages. Otherwise, in a group, a
+    person's message is answered as `policy` says and another agent's never:
+    two agents in a group do not talk to each other unless one asks the other.
+    """
+    if is_direct or agent_member_id in mentions or replies_to_agent:
         return True
+    if not from_person:
+        return False
     if policy is GroupPolicy.ALWAYS:
         return True
     if policy is GroupPolicy.MENTIONED_ONLY:
         return False
     return not mentions
+
+
+# An answer that is only this posts nothing: the agent has nothing to add.
+NO_REPLY = "NO_REPLY"
+
+
+def is_silence(answer: str) -> bool:
+    """Whether an answer means "nothing to say" (`NO_REPLY`, any case, maybe
+    with a full stop), or is empty."""
+    return answer.strip().rstrip(".").strip().upper() in ("", NO_REPLY)
+
+
+def mentioned(content: str, names: Mapping[uuid.UUID, str], *, author: uuid.UUID) -> list[uuid.UUID]:
+    """The members that `content` @names ("@" and the display name, any case,
+    as a word of its own), but not its author; longer names are tried first
+    so that "@Bea Smith" is not "@Bea"."""
+    text = content.casefold()
+    found: list[uuid.UUID] = []
+    taken: list[tuple[int, int]] = []
+    for member_id, name in sorted(names.items(), key=lambda item: -len(item[1])):
+        token = "@" + name.casefold()
+        if member_id == author or not name.strip():
+            continue
+        start = 0
+        while (at := text.find(token, start)) >= 0:
+            end = at + len(token)
+            alone = (at == 0 or not text[at - 1].isalnum()) and (end == len(text) or not text[end].isalnum())
+            if alone and not any(a <= at < b for a, b in taken):
+                found.append(member_id)
+                taken.append((at, end))
+                break
+            start = at + 1
+    return found
 
 
 class ChatterGuard:

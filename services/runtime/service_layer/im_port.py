@@ -40,6 +40,8 @@ class IMMessage:
     content: str
     mentions: tuple[uuid.UUID, ...]
     sent_at: datetime
+    # The message this one replies to, if any.
+    reply_to: uuid.UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,9 @@ class IMPort(abc.ABC):
         reply_to: uuid.UUID | None = None,
         request_id: str = "",
     ) -> IMMessage: ...
+
+    @abc.abstractmethod
+    async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage: ...
 
     @abc.abstractmethod
     async def get_or_create_direct_group(self, as_member: uuid.UUID, peer_id: uuid.UUID) -> IMGroup: ...

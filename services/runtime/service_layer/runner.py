@@ -41,9 +41,12 @@ from services.runtime.domain.context import (
 )
 from services.runtime.domain.conversations import TASKS, Conversation, in_conversation, run_conversations
 from services.runtime.domain.etiquette import (
+    NO_REPLY,
     ChatterGuard,
     GroupPolicy,
     incoming_message,
+    is_silence,
+    mentioned,
     should_answer,
     split_reply,
 )
@@ -141,6 +144,10 @@ class LoopSettings:
     context_tokens: int | None = None
 
 
+# Senders of replied-to messages kept at once (the cache starts over when full).
+_KNOWN_SENDERS = 10_000
+
+
 class Directory:
     """Names and kinds of members and groups, cached (they rarely change)."""
 
@@ -150,6 +157,7 @@ class Directory:
         self._kinds: dict[uuid.UUID, str] = {}
         self._direct: dict[uuid.UUID, bool] = {}
         self._labels: dict[uuid.UUID, str] = {}
+        self._senders: dict[uuid.UUID, uuid.UUID] = {}
 
     async def _member(self, as_member: uuid.UUID, member_id: uuid.UUID) -> None:
         member = await self._im.get_member(as_member, member_id)
@@ -165,6 +173,20 @@ class Directory:
         if member_id not in self._kinds:
             await self._member(as_member, member_id)
         return self._kinds[member_id] == "human"
+
+    async def sender(self, as_member: uuid.UUID, message_id: uuid.UUID) -> uuid.UUID | None:
+        """Who sent a message (None if it is not to be seen); messages keep their sender."""
+        if message_id not in self._senders:
+            if len(self._senders) >= _KNOWN_SENDERS:
+                self._senders.clear()
+            try:
+                message = await self._im.get_message(as_member, message_id)
+            except IMError as error:
+                if isinstance(error, errors.Unavailable):
+                    raise
+                return None
+            self._senders[message_id] = message.sender_id
+        return self._senders[message_id]
 
     async def group(self, as_member: uuid.UUID, group_id: uuid.UUID) -> tuple[bool, str]:
         """(is it a direct chat, a label for it)."""
@@ -668,13 +690,7 @@ class AgentRunner:
                 continue  # input already; only the IM's read mark was late (or lost)
             if message.sender_id == member or not self._env.guard.allows(message.group_id):
                 continue
-            is_direct, _ = await self._env.directory.group(member, message.group_id)
-            if should_answer(
-                agent_member_id=member,
-                is_direct=is_direct,
-                mentions=set(message.mentions),
-                policy=self._env.settings.group_policy,
-            ):
+            if await self._calls_for_answer(message):
                 relevant.append(message)
         if relevant:
             chosen = chat if chat is not None else relevant[0].group_id
@@ -686,6 +702,24 @@ class AgentRunner:
                 self.wake()
         self._pending_reads.update(latest)
         return _Taken(relevant, latest)
+
+    async def _calls_for_answer(self, message: IMMessage) -> bool:
+        member, directory = self.agent.member_id, self._env.directory
+        is_direct, _ = await directory.group(member, message.group_id)
+        mentions = set(message.mentions)
+        if is_direct or member in mentions:
+            return True
+        replies_to_agent = (
+            message.reply_to is not None and await directory.sender(member, message.reply_to) == member
+        )
+        return should_answer(
+            agent_member_id=member,
+            is_direct=is_direct,
+            mentions=mentions,
+            policy=self._env.settings.group_policy,
+            from_person=await directory.is_person(member, message.sender_id),
+            replies_to_agent=replies_to_agent,
+        )
 
     def _advance_marks(self, marks: dict[uuid.UUID, uuid.UUID]) -> None:
         if self._marks is None:
@@ -1045,12 +1079,32 @@ class AgentRunner:
         than one may be; each part keyed by the step, so that it arrives once
         however often this runs."""
         content = said.message.content or ""
-        if not content or group_id is None:
+        if is_silence(content) or group_id is None:
             return
+        names = await self._names(group_id) if "@" in content else {}
         for index, part in enumerate(split_reply(content, self._env.settings.max_reply_bytes)):
             await self._env.im.send_message(
-                self.agent.member_id, group_id, part, request_id=answer_request_id(said.id, index)
+                self.agent.member_id,
+                group_id,
+                part,
+                mentions=mentioned(part, names, author=self.agent.member_id) if "@" in part else (),
+                request_id=answer_request_id(said.id, index),
             )
+
+    async def _names(self, group_id: uuid.UUID) -> dict[uuid.UUID, str]:
+        """The display names of the chat's members, to find whom an answer @names."""
+        member_ids = self._audience
+        if not member_ids:
+            member_ids = (await self._env.im.get_group(self.agent.member_id, group_id)).member_ids
+        names: dict[uuid.UUID, str] = {}
+        for member_id in member_ids:
+            try:
+                names[member_id] = await self._env.directory.name(self.agent.member_id, member_id)
+            except IMError as error:
+                if isinstance(error, errors.Unavailable):
+                    raise
+                # A member the IM no longer shows is mentioned by no one.
+        return names
 
     def _last_group(self) -> uuid.UUID | None:
         # Resuming after an error: answer where the last message came from.
@@ -1249,6 +1303,8 @@ class AgentRunner:
             f", a member of an instant-messaging workspace (your member_id is {agent.member_id})."
             " Messages reach you as '[chat | group_id=...] sender (member_id=...): text'."
             " Your final answer is posted to the chat that woke you; use tools to write elsewhere."
+            " In a group, @name a member to ask them; agents answer only those who @name them or"
+            f" reply to them. If you have nothing to add, answer exactly {NO_REPLY} and nothing is posted."
         )
         return f"{identity}\n\n{agent.system_prompt}".strip()
 
