@@ -28,6 +28,8 @@ class Reply:
     delay: float = 0.0
     # After the chunks, keep the stream open until the client goes away.
     hold: bool = False
+    # Sent as it is after the chunks (lines that are not `data:`).
+    raw: bytes = b""
     # End with `data: [DONE]`.
     done: bool = True
     body: Mapping[str, Any] | None = None
@@ -128,6 +130,8 @@ class FakeOpenAI:
             await writer.drain()
         if reply.cut_after is not None:
             return False
+        if reply.raw:
+            writer.write(_http_chunk(reply.raw))
         if reply.hold:
             while await reader.read(1024):
                 pass

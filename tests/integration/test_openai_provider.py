@@ -380,12 +380,56 @@ async def test_a_stream_ending_early_without_deltas_is_retried(
 
 
 async def test_an_error_event_before_deltas_is_retried(fake: FakeOpenAI, provider: OpenAIProvider) -> None:
-    fake.script(Reply(chunks=[error_body("overloaded")]), text_reply("fine now"))
+    overloaded = {"error": {"message": "overloaded", "type": "server_error", "code": None}}
+    fake.script(Reply(chunks=[overloaded]), text_reply("fine now"))
 
     _, completion = await collect(provider, user("hi"))
 
     assert len(fake.requests) == 2
     assert completion.message.content == "fine now"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        {"message": "tools[0].function.parameters is not a valid schema", "type": "invalid_request_error"},
+        {"message": "the model 'x' does not exist", "code": 404},
+    ],
+)
+async def test_an_error_event_that_blames_the_request_is_not_retried_and_says_why(
+    fake: FakeOpenAI, provider: OpenAIProvider, error: dict[str, object]
+) -> None:
+    fake.script(Reply(chunks=[chunk(role="assistant"), {"error": error}]), text_reply("never"))
+
+    _, failure = await deltas_until_error(provider, user("hi"))
+
+    assert isinstance(failure, LLMRejected) and not isinstance(failure, ContextTooLong)
+    assert str(error["message"]) in str(failure)
+    assert len(fake.requests) == 1
+
+
+async def test_llama_cpp_error_lines_in_the_stream_say_the_context_is_too_long(
+    fake: FakeOpenAI, provider: OpenAIProvider
+) -> None:
+    # llama.cpp's server, over its window mid-stream: an `error:` line, not `data:`.
+    line = {
+        "code": 400,
+        "message": "the request exceeds the available context size, try increasing it",
+        "type": "exceed_context_size_error",
+        "n_prompt_tokens": 4624,
+        "n_ctx": 4096,
+    }
+    fake.script(
+        Reply(chunks=[chunk(role="assistant")], raw=f"error: {json.dumps(line)}\n\n".encode(), done=False),
+        text_reply("never"),
+    )
+
+    _, failure = await deltas_until_error(provider, user("hi"))
+
+    assert isinstance(failure, ContextTooLong)
+    assert (failure.window, failure.requested) == (4096, 4624)
+    assert "exceeds the available context size" in str(failure)
+    assert len(fake.requests) == 1
 
 
 async def test_a_stalled_stream_times_out_and_is_retried(fake: FakeOpenAI) -> None:
@@ -593,6 +637,11 @@ async def test_aclose_is_idempotent_and_clients_come_back(fake: FakeOpenAI, prov
             5000,
         ),
         ({"error": {"message": "prompt is too long: 210000 tokens > 200000 maximum"}}, None, None),
+        (  # llama-cpp-python's server
+            {"error": {"message": "Requested tokens (4624) exceed context window of 4096"}},
+            4096,
+            4624,
+        ),
     ],
 )
 async def test_a_request_over_the_context_window_is_context_too_long_with_its_numbers(

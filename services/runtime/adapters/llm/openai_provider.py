@@ -27,7 +27,11 @@ DeepSeek, vLLM, llama.cpp's server, ...). What it does, in one place:
   caller decides what to do with the partial step. A cut that comes after
   the finish reason loses only the usage, and the completion stands.
 * **Errors**: other 4xx statuses (400, 401, 403, 404, 422, ...) raise
-  `LLMRejected` at once; retries exhausted raise `LLMUnavailable`. Messages
+  `LLMRejected` at once; retries exhausted raise `LLMUnavailable`. An error
+  sent inside the stream (OpenAI's `data: {"error": ...}`, or llama.cpp's
+  `error: {...}` line) is read the same way: a client error by its code or
+  type (`invalid_request_error`, a 4xx `code`, ...) is not retried. A request
+  over the context window raises `ContextTooLong` either way. Messages
   name the endpoint, the model and the status, and the server's own error
   text with the API key redacted; the openai exception is not chained, as its
   body may echo the key.
@@ -50,6 +54,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import openai
+from openai._streaming import ServerSentEvent, SSEDecoder
 
 from services.runtime.domain.llm import (
     Completion,
@@ -88,6 +93,22 @@ class _Retryable(Exception):
         super().__init__(reason)
         self.reason = reason
         self.retry_after = retry_after
+
+
+class _ErrorLinesDecoder(SSEDecoder):
+    """The client's SSE decoder, also reading llama.cpp's server's `error:`
+    lines (not an SSE field: the standard decoder drops them, and the stream
+    then seems to end for no reason) as the OpenAI-style error event they are."""
+
+    def decode(self, line: str) -> ServerSentEvent | None:
+        if line.startswith("error:"):
+            line = 'data: {"error": ' + line.removeprefix("error:").strip() + "}"
+        return super().decode(line)
+
+
+class _Client(openai.AsyncOpenAI):
+    def _make_sse_decoder(self) -> SSEDecoder:
+        return _ErrorLinesDecoder()
 
 
 class OpenAIProvider(LLM):
@@ -186,6 +207,8 @@ class OpenAIProvider(LLM):
                             await asyncio.sleep(0)
                     except (openai.APIConnectionError, openai.APIError, ValueError) as exc:
                         if state.finish_reason is None:
+                            if (refused := self._refused_in_stream(base_url, model, exc)) is not None:
+                                raise refused from None
                             raise _Retryable(self._describe_cut(exc)) from None
                         logger.info("LLM stream from %s cut after its finish reason; usage lost", base_url)
                 if state.finish_reason is None:
@@ -228,7 +251,7 @@ class OpenAIProvider(LLM):
         client = self._clients.get(base_url)
         if client is None:
             key = self._api_key if base_url == self._default_base_url else ""
-            client = openai.AsyncOpenAI(
+            client = _Client(
                 api_key=key or _NO_KEY,
                 base_url=base_url,
                 timeout=openai.Timeout(self._timeout),
@@ -247,11 +270,28 @@ class OpenAIProvider(LLM):
         return min(delay, self._backoff_cap)
 
     def _refusal(self, base_url: str, model: str, exc: openai.APIStatusError) -> LLMRejected:
-        too_long = _context_too_long(exc)
+        too_long = _context_too_long(exc.status_code, _error_fields(exc.body), exc.message)
         if too_long is not None:
             window, requested = too_long
             return ContextTooLong(self._rejection(base_url, model, exc), window=window, requested=requested)
         return LLMRejected(self._rejection(base_url, model, exc))
+
+    def _refused_in_stream(self, base_url: str, model: str, exc: Exception) -> LLMRejected | None:
+        """The refusal an error event in the stream says, if it is one no
+        retry can change (a client error); None for anything else."""
+        if isinstance(exc, openai.APIConnectionError) or not isinstance(exc, openai.APIError):
+            return None
+        fields = _error_fields(exc.body)
+        status = _client_error_status(fields)
+        if status is None:
+            return None
+        text = f"{base_url} refused model {model!r} in the stream"
+        if detail := str(fields.get("message") or ""):
+            text += f": {self._redact(detail)}"
+        too_long = _context_too_long(status, fields, exc.message)
+        if too_long is not None:
+            return ContextTooLong(text, window=too_long[0], requested=too_long[1])
+        return LLMRejected(text)
 
     def _rejection(self, base_url: str, model: str, exc: openai.APIStatusError) -> str:
         detail = exc.body.get("message") if isinstance(exc.body, Mapping) else exc.body
@@ -395,21 +435,55 @@ _OPENAI_NUMBERS = re.compile(
     r"maximum context length is (\d+) tokens.*?(?:resulted in|requested) (\d+) tokens",
     re.IGNORECASE | re.DOTALL,
 )
+_LLAMA_CPP_PYTHON_NUMBERS = re.compile(
+    r"requested tokens \((\d+)\) exceed context window of (\d+)", re.IGNORECASE
+)
 
 
-def _context_too_long(exc: openai.APIStatusError) -> tuple[int | None, int | None] | None:
-    """(window, requested) when `exc` says the request exceeds the context
-    window (each None when not said); None when it says something else."""
-    if exc.status_code not in (400, 413, 422):
+def _error_fields(body: object) -> Mapping[str, Any]:
+    """An error's fields (`code`, `type`, `message`, ...), from the error
+    object itself or a body that wraps it in `error`."""
+    if not isinstance(body, Mapping):
+        return {}
+    inner = body.get("error")
+    return inner if isinstance(inner, Mapping) else body
+
+
+# Error types that say the request itself is wrong (OpenAI's, and others').
+_CLIENT_ERROR_TYPES = frozenset(
+    {"invalid_request_error", "authentication_error", "permission_error", "not_found_error"}
+)
+
+
+def _client_error_status(fields: Mapping[str, Any]) -> int | None:
+    """The 4xx status an error event in a stream stands for, if it says the
+    request is at fault (rate limits excepted); None otherwise."""
+    code = fields.get("code")
+    if isinstance(code, int):
+        return code if 400 <= code < 500 and code not in _RETRYABLE_STATUSES else None
+    kinds = {str(code or ""), str(fields.get("type") or "")}
+    if kinds & (_CLIENT_ERROR_TYPES | _CONTEXT_CODES):
+        return 400
+    return None
+
+
+def _context_too_long(
+    status: int, body: Mapping[str, Any], fallback_message: str = ""
+) -> tuple[int | None, int | None] | None:
+    """(window, requested) when an error (its status and fields) says the
+    request exceeds the context window (each None when not said); None when
+    it says something else."""
+    if status not in (400, 413, 422):
         return None
-    body: Mapping[str, Any] = exc.body if isinstance(exc.body, Mapping) else {}
-    message = str(body.get("message") or exc.message or "")
+    message = str(body.get("message") or fallback_message or "")
     kinds = {str(body.get("code") or ""), str(body.get("type") or "")}
     if not (kinds & _CONTEXT_CODES or _CONTEXT_WORDS.search(message)):
         return None
     window = requested = None
     if (numbers := _OPENAI_NUMBERS.search(message)) is not None:
         window, requested = int(numbers[1]), int(numbers[2])
+    elif (numbers := _LLAMA_CPP_PYTHON_NUMBERS.search(message)) is not None:
+        requested, window = int(numbers[1]), int(numbers[2])
     if isinstance(body.get("n_ctx"), int):
         window = int(body["n_ctx"])
     if isinstance(body.get("n_prompt_tokens"), int):
