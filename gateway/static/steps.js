@@ -77,7 +77,11 @@ function metricsLine(step) {
   if (m.model) parts.push(m.model);
   if (Number(m.durationMs)) parts.push(duration(m.durationMs));
   if (Number(m.firstTokenMs)) parts.push(`first token ${duration(m.firstTokenMs)}`);
-  if (Number(m.inputTokens) || Number(m.outputTokens)) parts.push(`${m.inputTokens} in / ${m.outputTokens} out tokens`);
+  if (Number(m.inputTokens) || Number(m.outputTokens)) {
+    // "≈": the endpoint reported no usage; the runtime counted (high).
+    const about = m.usageEstimated ? "≈" : "";
+    parts.push(`${about}${m.inputTokens} in / ${about}${m.outputTokens} out tokens${m.usageEstimated ? " (estimated)" : ""}`);
+  }
   if (Number(m.cachedTokens)) parts.push(`${m.cachedTokens} cached`);
   if (Number(m.toolDurationMs)) parts.push(`tool ${duration(m.toolDurationMs)}`);
   return parts.join(" · ");

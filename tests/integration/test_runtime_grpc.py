@@ -20,6 +20,7 @@ from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database
 from services.runtime.config import Settings
 from tests.conftest import RunningIM, World, as_member, make_world
+from tests.fake_openai import FakeOpenAI, Reply, text_reply
 from tests.holding_proxy import HoldingProxy
 
 WAIT = 10.0
@@ -336,3 +337,31 @@ async def test_clear_errors(im: RunningIM, runtime: RunningRuntime) -> None:
     assert await code_of(stub.GetAgent(rpb.GetAgentRequest(agent_id=theirs.id), metadata=md)) == (
         grpc.StatusCode.NOT_FOUND
     )
+
+
+async def test_an_endpoint_that_reports_no_usage_gets_counts_estimated_and_marked(
+    im: RunningIM, fake: FakeOpenAI, tmp_path: Path
+) -> None:
+    answer = "Here is what I found, in a few words."
+    fake.responder = lambda _: Reply(chunks=text_reply(answer).chunks[:-1])  # no usage chunk
+    runtime = await start_runtime(
+        im.address, tmp_path / "rt.db", OPENAI_BASE_URL=fake.url, OPENAI_MODEL="m", LLM_MAX_RETRIES="0"
+    )
+    try:
+        world = await make_world(im.stub, people=1)
+        ada = await create_agent(runtime, world, "ada")
+        chat = await direct_chat(im, world, ada.member_id)
+        await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=chat.id, content="what did you find?"), metadata=world.md(0)
+        )
+        messages = await wait_for_messages(im, world.members[0].id, chat.id, 2)
+        assert messages[1].content == answer
+        assert fake.requests[0].body["stream_options"] == {"include_usage": True}
+        steps = await runtime.stub.ListSteps(rpb.ListStepsRequest(agent_id=ada.id), metadata=world.md(0))
+        (said,) = [s for s in steps.steps if s.role == rpb.STEP_ROLE_ASSISTANT]
+        assert said.metrics.usage_estimated
+        assert said.metrics.input_tokens > 0 and said.metrics.output_tokens >= len(answer) // 4
+        got = await runtime.stub.GetAgent(rpb.GetAgentRequest(agent_id=ada.id), metadata=world.md(0))
+        assert got.agent.tokens_used == said.metrics.input_tokens + said.metrics.output_tokens
+    finally:
+        await stop_runtime(runtime)

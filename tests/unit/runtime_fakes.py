@@ -269,6 +269,8 @@ class Script:
     gate: asyncio.Event | None = None
     # Set when the stream reaches `hold_after`.
     reached: asyncio.Event = field(default_factory=asyncio.Event)
+    # What the endpoint reports; None: no usage (as some servers stream).
+    usage: Usage | None = field(default_factory=lambda: Usage(10, 5, 0))
 
 
 class ScriptedLLM(LLM):
@@ -306,7 +308,7 @@ class ScriptedLLM(LLM):
             yield delta
             await asyncio.sleep(0)
         reason = FinishReason.TOOL_CALLS if script.tool_calls else FinishReason.STOP
-        yield Completion(assembler.message(), reason, Usage(10, 5, 0), "scripted")
+        yield Completion(assembler.message(), reason, script.usage, "scripted")
 
     def last_messages(self) -> list[ChatMessage]:
         return list(self.requests[-1].messages)

@@ -435,6 +435,34 @@ async def test_the_token_budget_stops_an_agent() -> None:
         assert len(h.llm.requests) > 2
 
 
+async def test_without_usage_from_the_endpoint_tokens_are_estimated_and_the_budget_holds() -> None:
+    answer = "a fairly long answer " * 20
+    async for h in harness(
+        Script(tool_calls=[("list_groups", "{}")], usage=None), Script(content=answer, usage=None)
+    ):
+        ada = await h.agent(token_budget=100_000)
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "work hard")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        steps = [s for s in h.store.steps[ada.session_id] if s.role is Role.ASSISTANT]
+        assert len(steps) == 2 and all(s.metrics.usage_estimated for s in steps)
+        first, second = (s.metrics for s in steps)
+        # The request grew by the tool round; the answer is longer than the tool call.
+        assert 0 < first.input_tokens < second.input_tokens
+        assert 0 < first.output_tokens < second.output_tokens
+        used = h.store.agents[ada.id].tokens_used
+        assert used == sum(m.input_tokens + m.output_tokens for m in (first, second))
+        # And the budget is enforced on the estimate.
+        await h.service.update_agent(
+            h.me, str(ada.id), AgentDraft(name="ada", token_budget=used), ["token_budget"]
+        )
+        h.im.post(h.human, chat.id, "more")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        assert len(h.llm.requests) == 2
+
+
 async def test_watching_several_agents_and_the_workspace(h: Harness) -> None:
     ada = await h.agent("ada")
     bea = await h.agent("bea")

@@ -130,6 +130,7 @@ class SqliteJournal(Journal):
                         step.interrupted,
                         step.kind.value,
                         step.summary_through,
+                        metrics.usage_estimated,
                     ),
                 ).rowcount
                 if not inserted:
@@ -196,8 +197,9 @@ class SqliteJournal(Journal):
 _SQLITE_INSERT_STEP = """
 INSERT INTO steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
                    tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
-                   cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through,
+                   usage_estimated)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (session_id, sequence) DO NOTHING
 """
 _SQLITE_INSERT_RUN = """
@@ -297,9 +299,10 @@ class PostgresJournal(Journal):
                 [message for *_, message in marks],
                 # $49: new runs again
                 [r.group_id for _, r in new_runs],
-                # $50-$51: steps again
+                # $50-$52: steps again
                 [s.kind.value for _, s in steps],
                 [s.summary_through for _, s in steps],
+                [s.metrics.usage_estimated for _, s in steps],
             )
         refused = {int(row["w"]) for row in rows}
         return [index not in refused for index in range(len(batch))]
@@ -317,10 +320,11 @@ new_steps AS (
                          $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
                          $13::float8[], $14::float8[], $15::bigint[], $16::bigint[], $17::bigint[],
                          $18::text[], $19::float8[], $20::timestamptz[], $43::bool[], $50::text[],
-                         $51::bigint[])
+                         $51::bigint[], $52::bool[])
         AS s(w, id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
              tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
-             cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through)
+             cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through,
+             usage_estimated)
 ),
 refused AS (
     SELECT s.w FROM new_steps s
@@ -333,10 +337,10 @@ inserted_steps AS (
     INSERT INTO {SCHEMA}.steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning,
                                 tool_calls, tool_call_id, name, duration_ms, first_token_ms, input_tokens,
                                 output_tokens, cached_tokens, model, tool_duration_ms, created_at,
-                                interrupted, kind, summary_through)
+                                interrupted, kind, summary_through, usage_estimated)
     SELECT id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls::json,
            tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens, cached_tokens,
-           model, tool_duration_ms, created_at, interrupted, kind, summary_through
+           model, tool_duration_ms, created_at, interrupted, kind, summary_through, usage_estimated
     FROM new_steps WHERE w NOT IN (SELECT w FROM refused)
     ON CONFLICT (session_id, sequence) DO NOTHING
     RETURNING session_id, sequence

@@ -105,6 +105,7 @@ steps = sa.Table(
     sa.Column("cached_tokens", sa.BigInteger, nullable=False),
     sa.Column("model", sa.Text, nullable=False),
     sa.Column("tool_duration_ms", sa.Float, nullable=False),
+    sa.Column("usage_estimated", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("created_at", UtcDateTime, nullable=False),
     sa.Column("interrupted", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("kind", sa.String(16), nullable=False, server_default="message"),

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from services.runtime.domain.llm import ChatMessage, Role, ToolSpec
+from services.runtime.domain.llm import ChatMessage, Role, ToolSpec, Usage
 from services.runtime.domain.model import Step, StepKind
 
 # Context windows of well-known models, by name prefix (longest prefix wins).
@@ -132,6 +132,14 @@ class Calibration:
 
     def tokens(self, estimated: int) -> int:
         return int(estimated * self.ratio) + 1
+
+
+def estimated_usage(prompt_tokens: int, answer: ChatMessage) -> Usage:
+    """Usage counted here, for an endpoint that reports none: the request's
+    tokens as counted for the context budget, and the answer's (its text,
+    thinking and tool calls), both counted high (see `estimate_text`)."""
+    output = estimate_message(answer) - MESSAGE_OVERHEAD + estimate_text(answer.reasoning or "")
+    return Usage(input_tokens=prompt_tokens, output_tokens=max(0, output), estimated=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,8 @@ class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    # Counted by the runtime: the endpoint reported none.
+    estimated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

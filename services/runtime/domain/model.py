@@ -71,6 +71,8 @@ class StepMetrics:
     cached_tokens: int = 0
     model: str = ""
     tool_duration_ms: float = 0.0
+    # The token counts are the runtime's estimate (the endpoint reported none).
+    usage_estimated: bool = False
 
 
 class StepKind(enum.StrEnum):

@@ -133,6 +133,7 @@ def step(s: Step) -> pb.Step:
             cached_tokens=metrics.cached_tokens,
             model=metrics.model,
             tool_duration_ms=metrics.tool_duration_ms,
+            usage_estimated=metrics.usage_estimated,
         ),
         create_time=timestamp(s.created_at),
         interrupted=s.interrupted,

@@ -35,6 +35,8 @@ from services.runtime.domain.context import (
     Fitted,
     answer_reserve,
     context_window,
+    estimate_message,
+    estimated_usage,
     fit_context,
     latest_summary,
     summary_request,
@@ -1226,11 +1228,15 @@ class AgentRunner:
         text = assembler.content.strip()
         if not text:
             return False
+        if usage is None:
+            prompt = self._calibration.tokens(sum(map(estimate_message, request.messages)))
+            usage = estimated_usage(prompt, ChatMessage(role=Role.SYSTEM, content=text))
         metrics = StepMetrics(
             duration_ms=(time.perf_counter() - started) * 1000,
-            input_tokens=usage.input_tokens if usage else 0,
-            output_tokens=usage.output_tokens if usage else 0,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
             model=self.agent.model.model,
+            usage_estimated=usage.estimated,
         )
         await self._append(
             run,
@@ -1240,10 +1246,7 @@ class AgentRunner:
             kind=StepKind.SUMMARY,
             summary_through=max(step.sequence for step in leaving),
         )
-        if usage is not None:
-            self.agent = replace(
-                self.agent, tokens_used=self.agent.tokens_used + usage.input_tokens + usage.output_tokens
-            )
+        self._count_tokens(usage)
         return True
 
     async def _complete(self, run: Run) -> tuple[Completion, Step]:
@@ -1276,23 +1279,28 @@ class AgentRunner:
             completion, message=storable_message(completion.message), model=storable_text(completion.model)
         )
         usage = completion.usage
+        if usage is not None:
+            self._calibration.observe(fitted.estimated, usage.input_tokens)
+        else:
+            usage = estimated_usage(self._calibration.tokens(fitted.estimated), completion.message)
         metrics = StepMetrics(
             duration_ms=(time.perf_counter() - started) * 1000,
             first_token_ms=first_token_ms,
-            input_tokens=usage.input_tokens if usage else 0,
-            output_tokens=usage.output_tokens if usage else 0,
-            cached_tokens=usage.cached_tokens if usage else 0,
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cached_tokens=usage.cached_tokens,
             model=completion.model,
+            usage_estimated=usage.estimated,
         )
-        if usage is not None:
-            self._calibration.observe(fitted.estimated, usage.input_tokens)
         said = await self._append(run, completion.message, metrics, sequence=sequence)
         self._streaming = None
-        if usage is not None:
-            self.agent = replace(
-                self.agent, tokens_used=self.agent.tokens_used + usage.input_tokens + usage.output_tokens
-            )
+        self._count_tokens(usage)
         return completion, said
+
+    def _count_tokens(self, usage: Usage) -> None:
+        """Adds a call's tokens to what the agent has used (its budget's measure)."""
+        used = self.agent.tokens_used + usage.input_tokens + usage.output_tokens
+        self.agent = replace(self.agent, tokens_used=used)
 
     def _system_prompt(self) -> str:
         agent = self.agent

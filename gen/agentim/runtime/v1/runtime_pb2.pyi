@@ -433,6 +433,7 @@ class StepMetrics(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     TOOL_DURATION_MS_FIELD_NUMBER: _builtins.int
+    USAGE_ESTIMATED_FIELD_NUMBER: _builtins.int
     duration_ms: _builtins.float
     """Wall time of the step in milliseconds."""
     first_token_ms: _builtins.float
@@ -447,6 +448,10 @@ class StepMetrics(_message.Message):
     """The model that answered."""
     tool_duration_ms: _builtins.float
     """Time the tool took (tool steps)."""
+    usage_estimated: _builtins.bool
+    """The token counts are the runtime's own estimate: the endpoint reported
+    no usage (some servers never do while streaming).
+    """
     def __init__(
         self,
         *,
@@ -457,10 +462,11 @@ class StepMetrics(_message.Message):
         cached_tokens: _builtins.int = ...,
         model: _builtins.str = ...,
         tool_duration_ms: _builtins.float = ...,
+        usage_estimated: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "duration_ms", b"duration_ms", "first_token_ms", b"first_token_ms", "input_tokens", b"input_tokens", "model", b"model", "output_tokens", b"output_tokens", "tool_duration_ms", b"tool_duration_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "duration_ms", b"duration_ms", "first_token_ms", b"first_token_ms", "input_tokens", b"input_tokens", "model", b"model", "output_tokens", b"output_tokens", "tool_duration_ms", b"tool_duration_ms", "usage_estimated", b"usage_estimated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
