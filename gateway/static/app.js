@@ -1150,11 +1150,38 @@ function messageBody(message) {
   }
 }
 
+async function retryAgent(agentId, button) {
+  button.disabled = true;
+  try {
+    await api("POST", `/v1/agents/${agentId}:wake`, { body: {} });
+    toast("Retrying");
+  } catch (err) {
+    showError(err, "Could not retry");
+    button.disabled = false;
+  }
+}
+
 function renderMessage(message, previous) {
   const sender = state.members.get(message.senderId);
   const name = sender ? sender.displayName : "unknown member";
   if (message.contentType === "CONTENT_TYPE_SYSTEM") {
-    return h("div", { class: "msg-system", testid: "message", dataset: { messageId: message.id, senderName: name, type: "system" } }, h("span", { testid: "message-content" }, message.content));
+    // An agent that could not answer says why; Retry wakes it (it retries the failed run).
+    const failure = message.metadata?.agent_failure;
+    return h(
+      "div",
+      { class: `msg-system${failure ? " agent-failure" : ""}`, testid: "message", dataset: { messageId: message.id, senderName: name, type: "system" } },
+      h("span", { testid: "message-content" }, failure ? `${name}: ${message.content}` : message.content),
+      failure
+        ? h(
+            "div",
+            { class: "notice-actions" },
+            h("button", { type: "button", class: "btn btn-small", testid: "notice-retry", onclick: (event) => retryAgent(failure.agent_id, event.currentTarget) }, "Retry"),
+            state.agents.has(failure.agent_id)
+              ? h("button", { type: "button", class: "link-btn", testid: "notice-details", onclick: () => openAgentPanel(appContext, failure.agent_id) }, "Details")
+              : null,
+          )
+        : null,
+    );
   }
   const mine = message.senderId === state.me.id;
   const group = state.chat.group;

@@ -14,6 +14,8 @@ Screenshots go to artifacts/browser/.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import re
 import selectors
@@ -21,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -28,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.fake_openai import FakeOpenAI, Reply, text_reply
 
 from . import ROOT, in_ci
 
@@ -81,8 +86,31 @@ def _environment(data_dir: Path) -> dict[str, str]:
         GATEWAY_HTTP_ADDRESS="127.0.0.1:0",
         LOG_LEVEL="WARNING",
         SHUTDOWN_GRACE_SECONDS="2",
+        # An agent's failing endpoint (the flaky one) fails its run at once.
+        LLM_MAX_RETRIES="0",
     )
     return env
+
+
+@contextmanager
+def _flaky_model() -> Iterator[str]:
+    """An OpenAI-compatible endpoint, in a thread of its own, that is down
+    for its first request and answers after; yields its URL."""
+    loop = asyncio.new_event_loop()
+    fake = FakeOpenAI()
+    calls = itertools.count()
+    down = Reply(503, body={"error": {"message": "the model is loading", "type": "server_error"}})
+    fake.responder = lambda _: down if next(calls) == 0 else text_reply("Back now: here is my answer.")
+    thread = threading.Thread(target=loop.run_forever, name="flaky-model", daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        yield fake.url
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 @dataclass
@@ -161,12 +189,13 @@ def _service(module: str, env: Mapping[str, str], log_path: Path) -> Iterator[Se
             process.stdout.close()
 
 
-def _run_browser(node: str, url: str) -> tuple[int, str]:
+def _run_browser(node: str, url: str, model_url: str) -> tuple[int, str]:
     """Runs the Playwright script; on a timeout it is stopped (SIGTERM lets it close Chromium)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "AGENTIM_UI_URL": url,
+        "AGENTIM_FAKE_LLM_URL": model_url,
         "AGENTIM_ARTIFACTS": str(ARTIFACTS),
         "CHROMIUM": str(CHROMIUM),
     }
@@ -217,7 +246,8 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
             assert url_address is not None, gateway.report()
             services.insert(0, gateway)
 
-        code, output = _run_browser(node, f"http://{url_address}/")
+        model_url = stack.enter_context(_flaky_model())
+        code, output = _run_browser(node, f"http://{url_address}/", model_url)
         logs = "\n".join(service.report() for service in services)
         assert code == 0, f"browser script failed (exit {code}); screenshots in {ARTIFACTS}\n{output}\n{logs}"
         assert "all browser checks passed" in output, output

@@ -489,13 +489,14 @@ async def test_a_cut_after_the_finish_reason_keeps_the_completion(
 async def test_repeated_500s_are_unavailable_after_the_retries(
     fake: FakeOpenAI, provider: OpenAIProvider
 ) -> None:
-    fake.script(*(Reply(500) for _ in range(MAX_RETRIES + 1)), text_reply("too late"))
+    down = Reply(500, body={"error": {"message": "the GPU is on fire", "type": "server_error"}})
+    fake.script(*(down for _ in range(MAX_RETRIES + 1)), text_reply("too late"))
 
     seen, error = await deltas_until_error(provider, user("hi"))
 
     assert isinstance(error, LLMUnavailable)
     assert f"after {MAX_RETRIES + 1} attempts" in str(error)
-    assert "HTTP 500" in str(error)
+    assert "HTTP 500: the GPU is on fire" in str(error)  # the endpoint's own reason
     assert seen == []
     assert len(fake.requests) == MAX_RETRIES + 1
 

@@ -365,3 +365,31 @@ async def test_an_endpoint_that_reports_no_usage_gets_counts_estimated_and_marke
         assert got.agent.tokens_used == said.metrics.input_tokens + said.metrics.output_tokens
     finally:
         await stop_runtime(runtime)
+
+
+async def test_a_failure_is_told_in_the_chat_and_waking_the_agent_retries_it(
+    im: RunningIM, fake: FakeOpenAI, tmp_path: Path
+) -> None:
+    fake.script(Reply(503, body={"error": {"message": "the model is loading", "type": "server_error"}}))
+    fake.script(text_reply("Sorry for the wait: here it is."))
+    runtime = await start_runtime(
+        im.address, tmp_path / "rt.db", OPENAI_BASE_URL=fake.url, OPENAI_MODEL="m", LLM_MAX_RETRIES="0"
+    )
+    try:
+        world = await make_world(im.stub, people=1)
+        ada = await create_agent(runtime, world, "ada")
+        chat = await direct_chat(im, world, ada.member_id)
+        await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=chat.id, content="hi"), metadata=world.md(0)
+        )
+        notice = (await wait_for_messages(im, world.members[0].id, chat.id, 2))[1]
+        assert notice.sender_id == ada.member_id and notice.content_type == im_pb2.CONTENT_TYPE_SYSTEM
+        assert "my model did not respond" in notice.content and "HTTP 503" in notice.content
+        about = notice.metadata.fields["agent_failure"].struct_value.fields
+        runs = await runtime.stub.ListRuns(rpb.ListRunsRequest(agent_id=ada.id), metadata=world.md(0))
+        assert about["run_id"].string_value == runs.runs[0].id and about["retry"].string_value == "WakeAgent"
+        await runtime.stub.WakeAgent(rpb.WakeAgentRequest(agent_id=ada.id), metadata=world.md(0))
+        messages = await wait_for_messages(im, world.members[0].id, chat.id, 3)
+        assert messages[2].content == "Sorry for the wait: here it is."
+    finally:
+        await stop_runtime(runtime)

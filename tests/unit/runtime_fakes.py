@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.llm import (
@@ -103,16 +104,20 @@ class FakeIM(IMPort):
         content: str,
         mentions: Sequence[uuid.UUID] = (),
         reply_to: uuid.UUID | None = None,
+        *,
+        content_type: str = "text",
+        metadata: Mapping[str, Any] | None = None,
     ) -> IMMessage:
         message = IMMessage(
             id=uuid.UUID(int=len(self.messages) + 1),
             group_id=group_id,
             sender_id=sender,
-            content_type="text",
+            content_type=content_type,
             content=content,
             mentions=tuple(mentions),
             sent_at=self.clock(),
             reply_to=reply_to,
+            metadata=metadata,
         )
         self.messages.append(message)
         concerned = tuple(m for m in self.groups[group_id].member_ids)
@@ -179,6 +184,8 @@ class FakeIM(IMPort):
         mentions: Sequence[uuid.UUID] = (),
         reply_to: uuid.UUID | None = None,
         request_id: str = "",
+        content_type: str = "text",
+        metadata: Mapping[str, Any] | None = None,
     ) -> IMMessage:
         if self.send_failures:
             raise self.send_failures.pop(0)
@@ -187,7 +194,9 @@ class FakeIM(IMPort):
             raise Refused(f"content is {len(content.encode())} bytes; the limit is {self.max_content_bytes}")
         if request_id and request_id in self._sent_requests:
             return self._sent_requests[request_id]
-        message = self.post(as_member, group_id, content, mentions, reply_to)
+        message = self.post(
+            as_member, group_id, content, mentions, reply_to, content_type=content_type, metadata=metadata
+        )
         if request_id:
             self._sent_requests[request_id] = message
         return message

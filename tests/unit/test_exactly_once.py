@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -79,12 +79,21 @@ class GatedIM(FakeIM):
         mentions: Sequence[uuid.UUID] = (),
         reply_to: uuid.UUID | None = None,
         request_id: str = "",
+        content_type: str = "text",
+        metadata: Mapping[str, Any] | None = None,
     ) -> IMMessage:
         held = next((after for prefix, after in self._held if content.startswith(prefix)), None)
         if held is False:
             await asyncio.Event().wait()
         sent = await super().send_message(
-            as_member, group_id, content, mentions=mentions, reply_to=reply_to, request_id=request_id
+            as_member,
+            group_id,
+            content,
+            mentions=mentions,
+            reply_to=reply_to,
+            request_id=request_id,
+            content_type=content_type,
+            metadata=metadata,
         )
         if held is True:
             await asyncio.Event().wait()

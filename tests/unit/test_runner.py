@@ -14,7 +14,14 @@ import pytest
 
 from services.common.identity import Principal
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
-from services.runtime.domain.llm import ContentDelta, LLMUnavailable, ModelSettings, ReasoningDelta, Role
+from services.runtime.domain.llm import (
+    ContentDelta,
+    ContextTooLong,
+    LLMUnavailable,
+    ModelSettings,
+    ReasoningDelta,
+    Role,
+)
 from services.runtime.domain.model import (
     Agent,
     AgentState,
@@ -328,10 +335,24 @@ async def test_a_failing_endpoint_puts_the_agent_in_error_and_a_wake_recovers() 
         assert "endpoint down" in h.store.agents[ada.id].last_error
         (failed,) = h.store.runs.values()
         assert failed.status is RunStatus.FAILED
+        # The person sees in the chat why no answer came, and how to retry.
+        notice = h.im.in_group(chat.id)[-1]
+        assert notice.sender_id == ada.member_id and notice.content_type == "system"
+        assert notice.content.startswith("I could not answer: my model did not respond")
+        assert "endpoint down after 4 tries" in notice.content
+        assert notice.metadata == {
+            "agent_failure": {
+                "agent_id": str(ada.id),
+                "run_id": str(failed.id),
+                "status": "failed",
+                "trouble": "model_down",
+                "retry": "WakeAgent",
+            }
+        }
         await h.service.wake_agent(h.me, str(ada.id))
         await h.settle(ada)
         assert h.store.agents[ada.id].state is AgentState.IDLE
-        assert [m.content for m in h.im.in_group(chat.id)] == ["hello?", "back"]
+        assert [m.content for m in h.im.in_group(chat.id)] == ["hello?", notice.content, "back"]
         states: list[AgentState] = []
         events = watcher.events()
         while True:
@@ -343,6 +364,52 @@ async def test_a_failing_endpoint_puts_the_agent_in_error_and_a_wake_recovers() 
                 states.append(emitted.event.state)
         assert AgentState.ERROR in states and states[-1] is AgentState.IDLE
         await events.aclose()
+
+
+async def test_a_run_failed_for_its_context_is_told_in_the_chat_and_a_wake_retries_it() -> None:
+    too_long = ContextTooLong("http://llm refused model 'm' with HTTP 400: context too long", window=4096)
+    async for h in harness(Script(fail=too_long), Script(fail=too_long), Script(content="fits now")):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "a long story")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        # Not the agent's fault: it stays IDLE, and the chat says what happened.
+        assert h.store.agents[ada.id].state is AgentState.IDLE
+        notice = h.im.in_group(chat.id)[-1]
+        assert (
+            notice.content_type == "system" and "no longer fits my model's context window" in notice.content
+        )
+        assert "context too long" in notice.content
+        await h.service.wake_agent(h.me, str(ada.id))
+        await h.settle(ada)
+        assert h.im.in_group(chat.id)[-1].content == "fits now"
+        statuses = sorted(r.status.value for r in h.store.runs.values())
+        assert statuses == ["completed", "failed"]
+
+
+async def test_another_agents_failure_notice_is_not_answered(h: Harness) -> None:
+    ada = await h.agent("ada")
+    bea = await h.agent("bea")
+    between = h.im.group("", ada.member_id, bea.member_id, direct=True)
+    h.im.post(
+        bea.member_id, between.id, "I could not answer: my model did not respond.", content_type="system"
+    )
+    await asyncio.sleep(0)
+    await h.settle(ada, bea)
+    assert not h.store.runs and len(h.im.in_group(between.id)) == 1
+
+
+async def test_a_spent_budget_is_told_in_the_chat() -> None:
+    async for h in harness(Script(tool_calls=[("list_groups", "{}")])):
+        ada = await h.agent(token_budget=20)
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "work hard")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        notice = h.im.in_group(chat.id)[-1]
+        assert notice.content_type == "system" and "used up my token budget" in notice.content
+        assert notice.metadata is not None and notice.metadata["agent_failure"]["trouble"] == "budget"
 
 
 async def test_watching_mid_run_gives_missed_steps_then_live_deltas() -> None:

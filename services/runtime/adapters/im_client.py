@@ -12,12 +12,12 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC
 from typing import Any
 
 import grpc
-from google.protobuf import field_mask_pb2
+from google.protobuf import field_mask_pb2, json_format
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
@@ -222,19 +222,20 @@ class GrpcIM(IMPort):
         mentions: Sequence[uuid.UUID] = (),
         reply_to: uuid.UUID | None = None,
         request_id: str = "",
+        content_type: str = "text",
+        metadata: Mapping[str, Any] | None = None,
     ) -> IMMessage:
-        response = await self._call(
-            self._stub.SendMessage,
-            im_pb2.SendMessageRequest(
-                group_id=str(group_id),
-                content_type=im_pb2.CONTENT_TYPE_TEXT,
-                content=content,
-                mentions=[str(m) for m in mentions],
-                reply_to_message_id=str(reply_to) if reply_to is not None else "",
-                request_id=request_id,
-            ),
-            as_member=as_member,
+        request = im_pb2.SendMessageRequest(
+            group_id=str(group_id),
+            content_type=im_pb2.ContentType.Value(f"CONTENT_TYPE_{content_type.upper()}"),
+            content=content,
+            mentions=[str(m) for m in mentions],
+            reply_to_message_id=str(reply_to) if reply_to is not None else "",
+            request_id=request_id,
         )
+        if metadata:
+            request.metadata.update(dict(metadata))
+        response = await self._call(self._stub.SendMessage, request, as_member=as_member)
         return _message(response.message)
 
     async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage:
@@ -448,6 +449,7 @@ def _message(proto: im_pb2.Message) -> IMMessage:
         mentions=tuple(uuid.UUID(m) for m in proto.mentions),
         sent_at=proto.send_time.ToDatetime(tzinfo=UTC),
         reply_to=uuid.UUID(proto.reply_to_message_id) if proto.reply_to_message_id else None,
+        metadata=json_format.MessageToDict(proto.metadata) if proto.HasField("metadata") else None,
     )
 
 

@@ -79,6 +79,40 @@ def mentioned(content: str, names: Mapping[uuid.UUID, str], *, author: uuid.UUID
     return found
 
 
+class Trouble(enum.StrEnum):
+    """Why an agent could not answer, as the people it owes an answer are told."""
+
+    BUDGET = "budget"
+    CONTEXT = "context"
+    MODEL_DOWN = "model_down"
+    MODEL_REFUSED = "model_refused"
+    OTHER = "other"
+
+
+# The model's own words are quoted up to this many characters.
+_QUOTED = 400
+
+
+def failure_notice(trouble: Trouble, error: str) -> str:
+    """What an agent that could not answer says in the chat: what happened,
+    in plain words, the endpoint's own reason, and how to retry."""
+    reason = error.strip()
+    if len(reason) > _QUOTED:
+        reason = reason[: _QUOTED - 1] + "…"
+    said = {
+        Trouble.BUDGET: "I stopped before answering: I have used up my token budget."
+        " Raise it in my settings, then retry.",
+        Trouble.CONTEXT: "I could not answer: this conversation no longer fits my model's context"
+        f" window, even shortened. The model said: {reason}. Retry, or start me on a new session.",
+        Trouble.MODEL_DOWN: f"I could not answer: my model did not respond ({reason})."
+        " Retry once it is back.",
+        Trouble.MODEL_REFUSED: f"I could not answer: my model refused the request ({reason}). Retry once"
+        " my settings are fixed.",
+        Trouble.OTHER: f"I could not answer: {reason}. Retry to have me try again.",
+    }
+    return said[trouble]
+
+
 class ChatterGuard:
     """Counts, per group, messages from agents since the last human message.
 

@@ -28,3 +28,8 @@ def tool_request_id(step_id: uuid.UUID, call_id: str) -> str:
 def answer_request_id(step_id: uuid.UUID, part: int) -> str:
     """The key of one part of the answer an assistant step gave."""
     return f"answer/{step_id}/{part}"
+
+
+def failure_request_id(run_id: uuid.UUID) -> str:
+    """The key of the notice that a run ended without its answer."""
+    return f"failure/{run_id}"

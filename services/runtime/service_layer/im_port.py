@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import abc
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from services.common import errors
 
@@ -42,6 +43,8 @@ class IMMessage:
     sent_at: datetime
     # The message this one replies to, if any.
     reply_to: uuid.UUID | None = None
+    # Structured data for clients and agents (a notice says what it is about).
+    metadata: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +108,10 @@ class IMPort(abc.ABC):
         mentions: Sequence[uuid.UUID] = (),
         reply_to: uuid.UUID | None = None,
         request_id: str = "",
-    ) -> IMMessage: ...
+        content_type: str = "text",
+        metadata: Mapping[str, Any] | None = None,
+    ) -> IMMessage:
+        """Sends a message; `content_type` is one of the IM's ("text", "system", ...)."""
 
     @abc.abstractmethod
     async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage: ...

@@ -46,13 +46,15 @@ from services.runtime.domain.etiquette import (
     NO_REPLY,
     ChatterGuard,
     GroupPolicy,
+    Trouble,
+    failure_notice,
     incoming_message,
     is_silence,
     mentioned,
     should_answer,
     split_reply,
 )
-from services.runtime.domain.intents import answer_request_id, tool_request_id
+from services.runtime.domain.intents import answer_request_id, failure_request_id, tool_request_id
 from services.runtime.domain.lifecycle import (
     CANCELLED_RESULT,
     Next,
@@ -68,6 +70,7 @@ from services.runtime.domain.llm import (
     ContentDelta,
     ContextTooLong,
     LLMError,
+    LLMRejected,
     Role,
     ToolCall,
     ToolSpec,
@@ -287,6 +290,8 @@ class AgentRunner:
         self._unended: tuple[Run, str] | None = None
         self._task: asyncio.Task[None] | None = None
         self._retry = False
+        # Whether the last run ended without the answer it owed (see `_tell_chat`).
+        self._failed = False
         self._continue = False
         self._unreachable = 0
         # Steps made but not yet stored (numbered after the last stored one).
@@ -506,7 +511,10 @@ class AgentRunner:
     async def _cycle(self) -> None:
         if self._unended is not None:
             await self._end_unended()
-        resume = self._continue or (self._retry and self.agent.state is AgentState.ERROR)
+        # A person's wake retries a run that failed (its input is still unanswered).
+        resume = self._continue or (
+            self._retry and (self.agent.state is AgentState.ERROR or (self._failed and not self._paused()))
+        )
         if not resume:
             # (A run cut by a restart applies its pending pause as it ends: see `_resume`.)
             await self._apply_pending_pause()
@@ -706,6 +714,8 @@ class AgentRunner:
         return _Taken(relevant, latest)
 
     async def _calls_for_answer(self, message: IMMessage) -> bool:
+        if message.content_type == "system":
+            return False  # a notice (another agent's failure): nothing to answer
         member, directory = self.agent.member_id, self._env.directory
         is_direct, _ = await directory.group(member, message.group_id)
         mentions = set(message.mentions)
@@ -761,6 +771,8 @@ class AgentRunner:
         reading = asyncio.create_task(self._mark_read())
         status, error, answer = RunStatus.ITERATION_LIMIT, "", ""
         failure: Exception | None = None
+        # Why no answer came, for the people waiting for it.
+        cause: Exception | None = None
         try:
             if task is not None and self._running_task is None:
                 raise _TaskGone
@@ -781,9 +793,10 @@ class AgentRunner:
         except ContextTooLong as too_long:
             # Even shrunk, the endpoint would not take it: this run fails, but
             # the next one starts from a smaller context (the estimate learnt).
-            failure = too_long
+            failure = cause = too_long
             status, error = RunStatus.FAILED, str(too_long)
         except LLMError as llm_failure:
+            cause = llm_failure
             status, error = RunStatus.FAILED, str(llm_failure)
         except errors.Unavailable:
             # The database or the IM is away: nothing is wrong with the agent
@@ -793,7 +806,7 @@ class AgentRunner:
         except Exception as other:
             # The IM refused or lost the answer, a tool's port broke...: the
             # run ends FAILED, never left RUNNING.
-            failure = other
+            failure = cause = other
             status, error = RunStatus.FAILED, str(other) or type(other).__name__
         finally:
             await reading
@@ -807,6 +820,38 @@ class AgentRunner:
             raise
         self._env.run_ended()
         await self._settle_task(ended, answer)
+        await self._tell_chat(ended, cause, reply_group if task is None else None)
+
+    async def _tell_chat(self, run: Run, cause: Exception | None, chat: uuid.UUID | None) -> None:
+        """Tells the people waiting for an answer in `chat` that none is coming,
+        why, and how to retry (the notice names the run: a client offers
+        `WakeAgent`), if the run ended so. Posted once per run (keyed by it);
+        lost if the IM is away meanwhile."""
+        trouble = _trouble(run.status, cause)
+        self._failed = trouble is not None
+        if trouble is None or chat is None:
+            return
+        notice = failure_notice(trouble, run.error)
+        about = {
+            "agent_id": str(self.agent.id),
+            "run_id": str(run.id),
+            "status": run.status.value,
+            "trouble": trouble.value,
+            "retry": "WakeAgent",
+        }
+        try:
+            await self._env.im.send_message(
+                self.agent.member_id,
+                chat,
+                notice,
+                content_type="system",
+                metadata={"agent_failure": about},
+                request_id=failure_request_id(run.id),
+            )
+        except IMError as error:
+            logger.warning(
+                "agent %s: the notice of run %s's failure was not posted: %s", self.agent.id, run.id, error
+            )
 
     async def _members(self, chat: uuid.UUID | None) -> tuple[uuid.UUID, ...] | None:
         """Who will see the answer in `chat` (read afresh: someone may have joined)."""
@@ -1468,3 +1513,20 @@ class _TaskGone(Exception):
 
 class _NotStarted(Exception):
     """The work chosen is not to be done after all (paused, or the task cancelled)."""
+
+
+def _trouble(status: RunStatus, cause: Exception | None) -> Trouble | None:
+    """Why a run that ended so owes the chat a notice; None if it does not
+    (it answered, a person stopped it, or the IM refused the answer and would
+    refuse a notice too)."""
+    if status is RunStatus.BUDGET_EXHAUSTED:
+        return Trouble.BUDGET
+    if status is not RunStatus.FAILED or isinstance(cause, IMError):
+        return None
+    if isinstance(cause, ContextTooLong):
+        return Trouble.CONTEXT
+    if isinstance(cause, LLMRejected):
+        return Trouble.MODEL_REFUSED
+    if isinstance(cause, LLMError):
+        return Trouble.MODEL_DOWN
+    return Trouble.OTHER

@@ -488,6 +488,36 @@ try {
     await page.locator(testid("tab-chats")).click();
   });
 
+  await step("a model that is down: the chat says why, and Retry gets the answer", async () => {
+    const endpoint = process.env.AGENTIM_FAKE_LLM_URL;
+    if (!endpoint) throw new Error("AGENTIM_FAKE_LLM_URL is not set");
+    await newFromMenu(page, "new-agent");
+    const dialog = page.locator(testid("agent-dialog"));
+    await dialog.locator(testid("agent-name")).fill("flaky");
+    await dialog.locator(testid("agent-role")).fill("tester");
+    await dialog.locator(testid("agent-model")).fill("fake-model");
+    await dialog.locator(testid("agent-base-url")).fill(endpoint);
+    await dialog.locator(testid("agent-dialog-submit")).click();
+    await dialog.waitFor({ state: "detached" });
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "flaky" }).waitFor();
+    await page.locator(testid("agent-chat")).click();
+    await page.locator(testid("chat-title")).filter({ hasText: "flaky" }).waitFor();
+    await send(page, "Are you there?");
+    const notice = page.locator(`${testid("message-list")} .agent-failure`).filter({ hasText: "my model did not respond" });
+    await notice.waitFor();
+    // The endpoint's own reason is in it, and the panel shows the full error.
+    await notice.filter({ hasText: "the model is loading" }).waitFor();
+    await page.locator(testid("agent-state")).filter({ hasText: "error" }).waitFor();
+    await shot(page, "19-failure-in-chat");
+    await page.setViewportSize({ width: 390, height: 844 });
+    await shot(page, "20-failure-in-chat-phone");
+    await page.setViewportSize({ width: 1440, height: 900 });
+    await notice.locator(testid("notice-retry")).click();
+    await messageFrom(page, "flaky", "Back now").waitFor();
+    await page.locator(testid("agent-state")).filter({ hasText: "idle" }).waitFor();
+    await shot(page, "21-retry-answered");
+  });
+
   await step("no script error and no refused content in either tab", async () => {
     if (problems.length) throw new Error(problems.join("\n"));
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);

@@ -216,7 +216,7 @@ class OpenAIProvider(LLM):
             except openai.APIStatusError as exc:
                 if not _retryable_status(exc.status_code):
                     raise self._refusal(base_url, model, exc) from None
-                failure = _Retryable(f"HTTP {exc.status_code}", retry_after=_retry_after(exc))
+                failure = _Retryable(self._status_reason(exc), retry_after=_retry_after(exc))
             except openai.APIConnectionError as exc:
                 failure = _Retryable(self._describe_cut(exc))
             except _Retryable as exc:
@@ -292,6 +292,11 @@ class OpenAIProvider(LLM):
         if too_long is not None:
             return ContextTooLong(text, window=too_long[0], requested=too_long[1])
         return LLMRejected(text)
+
+    def _status_reason(self, exc: openai.APIStatusError) -> str:
+        """A retried status and the endpoint's own words for it, if it said any."""
+        detail = str(_error_fields(exc.body).get("message") or "")
+        return f"HTTP {exc.status_code}: {self._redact(detail)}" if detail else f"HTTP {exc.status_code}"
 
     def _rejection(self, base_url: str, model: str, exc: openai.APIStatusError) -> str:
         detail = exc.body.get("message") if isinstance(exc.body, Mapping) else exc.body
