@@ -8,7 +8,6 @@ OpenAPI document with schemathesis.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -773,12 +772,9 @@ async def test_no_route_answers_5xx_to_fuzzed_requests(stack: Stack) -> None:
     try:
         known = await real_objects(stack.http, api.base)
         document = await api.ok("GET", "/openapi.json")
-        started = time.perf_counter()
         calls, failures = await asyncio.to_thread(fuzz, document, api.base, known)
-        elapsed = time.perf_counter() - started
     finally:
         await app.stop()
     operations = sum(len(item) for item in document["paths"].values())
     assert calls >= operations * 2, (calls, operations)
     assert not failures, f"{len(failures)} of {calls} requests got 5xx:\n" + "\n".join(failures[:10])
-    assert elapsed < 60, f"the fuzz took {elapsed:.0f} s"

@@ -665,3 +665,30 @@ async def test_a_task_whose_bookkeeping_the_database_lost_still_runs_to_its_end(
         await asyncio.wait_for(runner.idle.wait(), WAIT)
         assert q.store.agents[ada.id].state is AgentState.IDLE
         assert all(r.status is not RunStatus.RUNNING for r in q.store.runs.values())
+
+
+async def test_a_task_whose_run_was_never_stored_goes_back_to_the_queue_and_runs() -> None:
+    """The task is marked RUNNING, then the write that begins its run fails:
+    idle again, the runner puts the task back and must look at the queue once
+    more (no submission will come to wake it)."""
+    async for q in make_queue(run_tasks=True):
+        ada = await q.agent()
+        real = q.store.begin_run
+        failures = []
+
+        async def begin_fails_once(*args: Any, **kwargs: Any) -> None:
+            if not failures:
+                failures.append(True)
+                raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
+            await real(*args, **kwargs)
+
+        q.store.begin_run = begin_fails_once  # type: ignore[method-assign]
+        watcher, _ = q.hub.watch([ada.id])
+        task = await q.submit(ada, "do it")
+        async with asyncio.timeout(WAIT):
+            async for emitted in watcher.events():
+                event = emitted.event
+                if isinstance(event, TaskChanged) and event.task.status is TaskStatus.SUCCEEDED:
+                    assert event.task.id == task.id
+                    break
+        assert failures == [True]
