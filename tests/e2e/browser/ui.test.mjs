@@ -508,6 +508,8 @@ try {
     // The endpoint's own reason is in it, and the panel shows the full error.
     await notice.filter({ hasText: "the model is loading" }).waitFor();
     await page.locator(testid("agent-state")).filter({ hasText: "error" }).waitFor();
+    // The step that never came is not left "streaming" in the panel.
+    await page.locator(`${testid("agent-panel")} ${testid("step")}[data-live="true"]`).waitFor({ state: "detached" });
     await shot(page, "19-failure-in-chat");
     await page.setViewportSize({ width: 390, height: 844 });
     await shot(page, "20-failure-in-chat-phone");
