@@ -585,7 +585,10 @@ class AgentRunner:
         if self._env.tasks is None:
             return None
         task = await self._env.tasks.next_task(self.agent.id, now=self._env.clock())
-        if task is None or (messages and messages[0].sent_at < task.created_at):
+        if task is None:
+            return None
+        if messages and messages[0].sent_at < task.created_at:
+            self.wake()  # its turn comes after these messages: nothing else will wake the runner
             return None
         return task
 
