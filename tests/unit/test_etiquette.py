@@ -7,7 +7,16 @@ import uuid
 
 import pytest
 
-from services.runtime.domain.etiquette import GroupPolicy, is_silence, mentioned, should_answer, split_reply
+from services.runtime.domain.etiquette import (
+    GroupPolicy,
+    answer_metadata,
+    ends_exchange,
+    is_agent_answer,
+    is_silence,
+    mentioned,
+    should_answer,
+    split_reply,
+)
 
 
 def test_a_short_reply_is_one_message() -> None:
@@ -89,3 +98,23 @@ def test_an_answer_names_members_with_at_and_their_display_name() -> None:
 def test_nothing_to_say_is_said_with_no_reply() -> None:
     assert is_silence("NO_REPLY") and is_silence(" no_reply. ") and is_silence("")
     assert not is_silence("NO_REPLY, but here is why") and not is_silence("ok")
+
+
+def test_an_answer_to_an_answer_ends_the_exchange_unless_it_names_someone() -> None:
+    me = uuid.uuid4()
+    closing = answer_metadata(uuid.uuid4(), to_an_answer=True)
+    opening = answer_metadata(uuid.uuid4(), to_an_answer=False)
+    assert ends_exchange(closing) and not ends_exchange(opening) and not ends_exchange(None)
+    assert is_agent_answer(closing) and is_agent_answer(opening) and not is_agent_answer({"x": 1})
+
+    def answers(mentions: set[uuid.UUID], ends: bool) -> bool:
+        return should_answer(
+            agent_member_id=me,
+            is_direct=True,
+            mentions=mentions,
+            policy=GroupPolicy.ALWAYS,
+            from_person=False,
+            ends_exchange=ends,
+        )
+
+    assert not answers(set(), True) and answers({me}, True) and answers(set(), False)

@@ -328,6 +328,34 @@ async def test_an_agent_answers_another_that_names_it_or_replies_to_it_and_may_s
         ]
 
 
+async def test_two_agents_in_a_direct_chat_say_one_thing_each_and_stop() -> None:
+    """Ada asks Bea (as its send_direct_message tool does); Bea answers; Ada
+    reads the answer and says its piece; Bea does not answer that: with a
+    model that always answers, three messages, not a ping-pong to the limit."""
+    async for h in harness(Script(content="Always something to say.")):
+        ada = await h.agent("ada")
+        bea = await h.agent("bea")
+        pair = h.im.group("", ada.member_id, bea.member_id, direct=True)
+        h.im.post(ada.member_id, pair.id, "what is the status?")
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        said = [(m.sender_id, m.metadata) for m in h.im.in_group(pair.id)]
+        assert [sender for sender, _ in said] == [ada.member_id, bea.member_id, ada.member_id]
+        assert said[1][1]["agent_answer"]["ends_exchange"] is False  # type: ignore[index]
+        assert said[2][1]["agent_answer"]["ends_exchange"] is True  # type: ignore[index]
+        # Asked again by name, Bea answers: an exchange ends only by default.
+        h.im.post(ada.member_id, pair.id, "@bea one more?", mentions=[bea.member_id])
+        for _ in range(10):
+            await asyncio.sleep(0.01)
+            await h.settle(ada, bea)
+        assert [m.sender_id for m in h.im.in_group(pair.id)][3:] == [
+            ada.member_id,
+            bea.member_id,
+            ada.member_id,
+        ]
+
+
 async def test_agents_talking_to_each_other_stop_at_the_limit() -> None:
     async for h in harness(Script(content="@ada @bea and what do you think?"), chatter_limit=6):
         ada = await h.agent("ada")

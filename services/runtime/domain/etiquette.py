@@ -27,12 +27,19 @@ def should_answer(
     policy: GroupPolicy,
     from_person: bool = True,
     replies_to_agent: bool = False,
+    ends_exchange: bool = False,
 ) -> bool:
     """Direct chats are always answered, and so is a message that @mentions
     the agent or replies to one of its messages. Otherwise, in a group, a
     person's message is answered as `policy` says and another agent's never:
     two agents in a group do not talk to each other unless one asks the other.
+
+    An agent's answer to another agent's answer (`ends_exchange`, see
+    `answer_metadata`) is answered only by those it @mentions: two agents in
+    a direct chat say one thing each and stop, unless one asks again.
     """
+    if ends_exchange:
+        return agent_member_id in mentions
     if is_direct or agent_member_id in mentions or replies_to_agent:
         return True
     if not from_person:
@@ -46,6 +53,25 @@ def should_answer(
 
 # An answer that is only this posts nothing: the agent has nothing to add.
 NO_REPLY = "NO_REPLY"
+
+# The metadata key of an agent's answer in the chat.
+AGENT_ANSWER = "agent_answer"
+
+
+def answer_metadata(run_id: uuid.UUID, *, to_an_answer: bool) -> dict[str, object]:
+    """What an agent's answer says of itself: the run that wrote it, and
+    whether it answers another agent's answer (then it ends the exchange)."""
+    return {AGENT_ANSWER: {"run_id": str(run_id), "ends_exchange": to_an_answer}}
+
+
+def is_agent_answer(metadata: Mapping[str, object] | None) -> bool:
+    return bool(metadata) and isinstance(metadata.get(AGENT_ANSWER), Mapping)  # type: ignore[union-attr]
+
+
+def ends_exchange(metadata: Mapping[str, object] | None) -> bool:
+    """Whether a message is an agent's answer to another agent's answer."""
+    about = metadata.get(AGENT_ANSWER) if metadata else None
+    return isinstance(about, Mapping) and about.get("ends_exchange") is True
 
 
 def is_silence(answer: str) -> bool:

@@ -53,7 +53,10 @@ from services.runtime.domain.etiquette import (
     ChatterGuard,
     GroupPolicy,
     Trouble,
+    answer_metadata,
+    ends_exchange,
     failure_notice,
+    is_agent_answer,
     is_silence,
     mentioned,
     should_answer,
@@ -305,6 +308,8 @@ class AgentRunner:
         self._retry = False
         # Whether the last run ended without the answer it owed (see `_tell_chat`).
         self._failed = False
+        # Whether the run in flight answers another agent's answer.
+        self._to_an_answer = False
         self._continue = False
         self._unreachable = 0
         # Steps made but not yet stored (numbered after the last stored one).
@@ -736,6 +741,8 @@ class AgentRunner:
         member, directory = self.agent.member_id, self._env.directory
         is_direct, _ = await directory.group(member, message.group_id)
         mentions = set(message.mentions)
+        if ends_exchange(message.metadata) and not await directory.is_person(member, message.sender_id):
+            return member in mentions  # an answer to an answer: the exchange is over
         if is_direct or member in mentions:
             return True
         replies_to_agent = (
@@ -978,6 +985,8 @@ class AgentRunner:
         if self._held_back():
             raise _NotStarted
         messages = taken.messages
+        # Answering another agent's answer: this answer ends the exchange.
+        self._to_an_answer = any(is_agent_answer(m.metadata) for m in messages)
         await self._open_session(task.session_id if task is not None else self.agent.session_id)
         run = Run(
             id=uuid7(),
@@ -1166,6 +1175,7 @@ class AgentRunner:
                 group_id,
                 part,
                 mentions=mentioned(part, names, author=self.agent.member_id) if "@" in part else (),
+                metadata=answer_metadata(said.run_id, to_an_answer=self._to_an_answer),
                 request_id=answer_request_id(said.id, index),
             )
 
