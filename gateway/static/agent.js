@@ -6,7 +6,7 @@ import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, queueView, s
 import { avatar, h, setChildren } from "./dom.js";
 import { memoryView } from "./memory.js";
 import { applyDelta, renderRunHeader, renderStep, startedStep } from "./steps.js";
-import { field, modal, showError, streamStatus, toast } from "./ui.js";
+import { field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 
 /** The runtime's built-in tools (services/runtime/service_layer/tools.py). */
 export const BUILT_IN_TOOLS = [
@@ -483,7 +483,7 @@ function drawHead() {
     h(
       "div",
       { class: "panel-actions" },
-      h("button", { class: "btn btn-small", type: "button", testid: "agent-chat", onclick: () => ctx.openDirect(agent.memberId) }, "Chat"),
+      h("button", { class: "btn btn-small", type: "button", testid: "agent-chat", onclick: () => openChatWith(ctx, agent) }, "Chat"),
       h("button", { class: "btn btn-small", type: "button", testid: "agent-wake", title: "Read its unread messages now", onclick: wake }, "Wake"),
       h("button", { class: "btn btn-small", type: "button", testid: "agent-view-as", title: "See the IM as this agent", onclick: () => ctx.switchPerspective(agent.memberId) }, "View as"),
     ),
@@ -518,6 +518,12 @@ function drawHead() {
         )
       : null,
   );
+}
+
+/** The agent's direct chat; a phone shows one thing at a time, so the sheet gives way to it. */
+function openChatWith(ctx, agent) {
+  if (isNarrow()) closeAgentPanel();
+  ctx.openDirect(agent.memberId);
 }
 
 async function wake() {

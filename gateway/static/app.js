@@ -7,7 +7,7 @@
 import { api, ApiError, getToken, listAll, LiveStream, onUnauthorized, setActingMember, setToken } from "./api.js";
 import { avatar, clear, h, icon, longTime, parseTime, setChildren, shortTime, snippet } from "./dom.js";
 import { renderMarkdown, safeHref } from "./markdown.js";
-import { askToken, field, modal, showError, streamStatus, toast } from "./ui.js";
+import { askToken, field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 import { closeAgentPanel, currentPanelAgent, openAgentAtStep, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
 import { workspaceMemoryView } from "./memory.js";
 import { STATE_LABELS } from "./control.js";
@@ -29,6 +29,9 @@ const state = {
   chats: new Map(),
   tab: "chats",
   chat: null, // the open conversation (see openChat)
+  // What a phone shows, one column at a time: the list (chats, contacts,
+  // agents, memory) or the open chat. A wide screen shows both.
+  pane: "list",
   imStream: null,
   agentStream: null,
 };
@@ -490,7 +493,8 @@ function onReadUpdated(readState) {
 function canMarkRead() {
   // An agent's unread messages are its inbox: the runtime reads them. Looking
   // through an agent's eyes must not take them away, so only people mark read.
-  return !isAgentMe() && document.visibilityState === "visible";
+  // Nor does a chat a phone keeps behind the list count as read.
+  return !isAgentMe() && document.visibilityState === "visible" && (state.pane === "chat" || !isNarrow());
 }
 
 async function markRead(chat, messageId) {
@@ -523,10 +527,26 @@ function renderShell() {
     h("aside", { class: "agent-panel", id: "agent-panel", testid: "agent-panel", hidden: true }),
   );
   setChildren(root(), shell);
+  showPane(state.chat ? state.pane : "list");
   renderRail();
   renderPerspective();
   renderSidebar();
   renderConversation();
+}
+
+/** Shows the list or the chat on a phone (a wide screen shows both; see style.css). */
+function showPane(pane) {
+  state.pane = pane === "chat" && state.chat ? "chat" : "list";
+  const shell = document.querySelector(".shell");
+  if (shell) shell.dataset.pane = state.pane;
+}
+
+/** Back to the list from a chat (the phone's back button): the chat closes, as on a phone messenger. */
+function closeChat() {
+  state.chat = null;
+  showPane("list");
+  renderConversation();
+  renderSidebar();
 }
 
 function renderRail() {
@@ -542,6 +562,7 @@ function renderRail() {
         testid: `tab-${name}`,
         onclick: () => {
           state.tab = name;
+          showPane("list");
           renderRail();
           renderSidebar();
         },
@@ -980,6 +1001,7 @@ async function openChat(groupId) {
     return;
   }
   state.chat = { group, messages: [], hasOlder: true, loadingOlder: false, replyTo: null, editing: null, quotes: new Map(), mentionIds: new Set() };
+  showPane("chat");
   renderConversation();
   renderSidebar();
   const chat = state.chat;
@@ -1044,6 +1066,7 @@ function renderConversation() {
   if (!box) return;
   const chat = state.chat;
   if (!chat) {
+    showPane("list");
     setChildren(
       box,
       h("div", { class: "conversation-empty", testid: "no-chat" }, h("div", { class: "big-mark" }, icon("chat", 72)), h("p", {}, `Hello, ${state.me.displayName}.`), h("p", { class: "muted" }, "Pick a chat on the left, or press + to start one or to create an agent.")),
@@ -1066,6 +1089,7 @@ function renderChatHead() {
   if (agent) subtitle = `${agent.role || "agent"} · ${STATE_LABELS[agent.state] || "unknown"}`;
   setChildren(
     head,
+    h("button", { class: "icon-btn chat-back", type: "button", title: "Back to the chats", "aria-label": "Back to the chats", testid: "chat-back", onclick: closeChat }, "‹"),
     chatAvatar(group, "small"),
     h("div", { class: "chat-head-main" }, h("div", { class: "chat-title", testid: "chat-title" }, chatTitle(group)), h("div", { class: "chat-sub muted small" }, agent ? stateDot(agent) : null, subtitle)),
     agent ? h("button", { class: "btn btn-small", type: "button", testid: "open-agent-panel", onclick: () => openAgentPanel(appContext, agent.id) }, icon("agent", 16), "Agent panel") : null,

@@ -2,6 +2,15 @@
 
 import { h } from "./dom.js";
 
+// The width below which the UI shows one column at a time, as a phone
+// messenger does (the same figure as style.css's phone media query).
+const NARROW = window.matchMedia("(max-width: 700px)");
+
+/** True on a phone-sized screen: one column at a time, the agent panel as a full-screen sheet. */
+export function isNarrow() {
+  return NARROW.matches;
+}
+
 /** Shows a short notice; kind "error" stays longer and can be closed. */
 export function toast(message, kind = "info") {
   const box = document.getElementById("toasts");
