@@ -1075,7 +1075,46 @@ function renderConversation() {
   }
   const list = h("div", { class: "message-list", id: "message-list", testid: "message-list", onscroll: () => list.scrollTop < 80 && loadOlder() });
   setChildren(box, h("header", { class: "chat-head", id: "chat-head" }), list, composer());
+  keepPlace(list);
   renderChatHead();
+}
+
+// The reader's place in the open chat: at its end, or at a message (and how
+// far below the top of the list that message is), for a list of this size.
+let place = { atEnd: true, id: "", offset: 0, width: 0, height: 0 };
+let placeFrame = 0;
+// A list that changes size (the agent panel opens beside it, the window is
+// resized, the keyboard of a phone opens) reflows its messages: the reader is
+// put back where they were rather than left wherever scrollTop now points.
+const placeKeeper = new ResizeObserver(() => {
+  const list = document.getElementById("message-list");
+  if (!list) return;
+  if (place.atEnd) list.scrollTop = list.scrollHeight;
+  else {
+    const anchor = place.id && list.querySelector(`[data-message-id="${CSS.escape(place.id)}"]`);
+    if (anchor) list.scrollTop += anchor.getBoundingClientRect().top - list.getBoundingClientRect().top - place.offset;
+  }
+  place.width = list.clientWidth;
+  place.height = list.clientHeight;
+});
+
+function notePlace(list) {
+  placeFrame = 0;
+  if (!list.isConnected) return;
+  // A scroll the browser made as the list changed size (scroll anchoring) is
+  // not the reader's: the keeper above puts the reader back.
+  if (list.clientWidth !== place.width || list.clientHeight !== place.height) return;
+  const atEnd = list.scrollHeight - list.scrollTop - list.clientHeight < 30;
+  const top = list.getBoundingClientRect().top;
+  const anchor = atEnd ? null : [...list.querySelectorAll("[data-message-id]")].find((el) => el.getBoundingClientRect().bottom > top);
+  place = { ...place, atEnd, id: anchor ? anchor.dataset.messageId : "", offset: anchor ? anchor.getBoundingClientRect().top - top : 0 };
+}
+
+function keepPlace(list) {
+  place = { atEnd: true, id: "", offset: 0, width: 0, height: 0 };
+  placeKeeper.disconnect();
+  placeKeeper.observe(list);
+  list.addEventListener("scroll", () => (placeFrame ||= requestAnimationFrame(() => notePlace(list))), { passive: true });
 }
 
 function renderChatHead() {
