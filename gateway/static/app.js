@@ -1291,7 +1291,8 @@ function composer() {
   const popup = h("ul", { class: "mention-popup", id: "mention-popup", testid: "mention-popup", role: "listbox", hidden: true });
   const bar = h("div", { class: "reply-preview", id: "reply-preview", testid: "reply-preview", hidden: true });
   const send = h("button", { class: "btn btn-primary", type: "button", testid: "composer-send", onclick: () => sendMessage() }, "Send");
-  const mention = { query: null, start: 0, index: 0, options: [] };
+  // insertedAt: the caret just after a mention the picker inserted (with its space), else -1.
+  const mention = { query: null, start: 0, index: 0, options: [], insertedAt: -1 };
 
   const closePopup = () => {
     mention.query = null;
@@ -1300,10 +1301,12 @@ function composer() {
   const insertMention = (member) => {
     const before = input.value.slice(0, mention.start);
     const after = input.value.slice(input.selectionStart);
-    const text = `@${member.displayName} `;
+    // One space after the name: the text that follows may begin with its own.
+    const text = /^\s/.test(after) ? `@${member.displayName}` : `@${member.displayName} `;
     input.value = before + text + after;
-    const caret = before.length + text.length;
+    const caret = before.length + text.length + (text.endsWith(" ") ? 0 : 1);
     input.setSelectionRange(caret, caret);
+    mention.insertedAt = caret;
     state.chat.mentionIds.add(member.id);
     closePopup();
     input.focus();
@@ -1339,7 +1342,10 @@ function composer() {
     mention.index = 0;
     drawPopup();
   };
-  input.addEventListener("input", updatePopup);
+  input.addEventListener("input", () => {
+    mention.insertedAt = -1;
+    updatePopup();
+  });
   input.addEventListener("click", updatePopup);
   input.addEventListener("blur", () => setTimeout(closePopup, 150));
   input.addEventListener("keydown", (event) => {
@@ -1361,6 +1367,12 @@ function composer() {
         closePopup();
         return;
       }
+    }
+    // The space people type after picking a name is the one the picker already put there.
+    if (event.key === " " && !event.isComposing && input.selectionStart === mention.insertedAt && input.selectionEnd === mention.insertedAt && input.value[mention.insertedAt - 1] === " ") {
+      event.preventDefault();
+      mention.insertedAt = -1;
+      return;
     }
     if (event.key === "Escape" && (state.chat?.replyTo || state.chat?.editing)) {
       cancelReply();
