@@ -215,7 +215,12 @@ function showStart(errorMessage = "") {
       class: "start-section",
       onsubmit: (event) => {
         event.preventDefault();
-        if (memberId.value.trim()) enterAs(memberId.value.trim()).catch(fail);
+        const id = memberId.value.trim();
+        if (!id) return;
+        enterAs(id).catch((err) => {
+          const unknown = err instanceof ApiError && !err.tokenRequired && [400, 401, 404].includes(err.httpStatus);
+          fail(unknown ? new Error(`No member has the id “${id}” (${err.message}).`) : err);
+        });
       },
     },
     h("h2", {}, "Act as a member by id"),
@@ -248,6 +253,9 @@ function showStart(errorMessage = "") {
 // -- entering as a member ------------------------------------------------------
 
 async function enterAs(memberId) {
+  // It travels in a header: printable ASCII only (the browser would not send
+  // most else, and the gateway refuses the rest as if a token were missing).
+  if (!/^[\x21-\x7e]+$/.test(memberId)) throw new Error(`“${memberId}” is not a member id (ids look like 01a2b3c4-…).`);
   const previous = state.me ? state.me.id : "";
   setActingMember(memberId);
   let me;

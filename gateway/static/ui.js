@@ -117,7 +117,8 @@ export function field(label, control, hint = "") {
 }
 
 /**
- * Asks for an access token after a 401; resolves true when one was saved.
+ * Asks for an access token (after the gateway asked for one, or from the
+ * rail's Token button); resolves true when one was saved.
  */
 export function askToken(error, currentToken, save) {
   return new Promise((resolve) => {
@@ -129,7 +130,12 @@ export function askToken(error, currentToken, save) {
         "div",
         {},
         h("p", {}, "The server refused the request: ", h("strong", {}, error.message)),
-        h("p", { class: "muted" }, "If this server requires an access token (GATEWAY_TOKEN), paste it here. It is kept in this browser only."),
+        h(
+          "p",
+          { class: "muted" },
+          error.tokenRequired ? "This server requires an access token (its GATEWAY_TOKEN): paste it here." : "If this server requires an access token (GATEWAY_TOKEN), paste it here.",
+          " It is kept in this browser only.",
+        ),
         field("Token", input),
       ),
       {
