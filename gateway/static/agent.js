@@ -300,6 +300,8 @@ async function catchUp(mine) {
     const page = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/runs`, { query: { page_size: RUNS_PAGE } });
     for (const run of page.runs || []) mine.runs.set(run.id, run);
     const known = [...mine.steps.keys()];
+    // The open tab (the queue's tasks) may have missed events too.
+    mine.view?.refresh?.();
     await reloadSteps(mine, known.length ? Math.min(...known) - 1 : 0);
   } catch (err) {
     showError(err, "Could not catch up with the agent");
