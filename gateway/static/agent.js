@@ -314,7 +314,16 @@ function onEvent(event) {
     const run = event.runStarted || event.runEnded;
     p.runs.set(run.id, run);
     p.currentRun = event.runStarted ? run.id : p.currentRun === run.id ? "" : p.currentRun;
-    if (event.runEnded) refreshAgent(p);
+    if (event.runEnded) {
+      refreshAgent(p);
+      // A step still streaming when its run ended was never stored (the model failed mid-call): not shown as if still coming.
+      for (const [seq, step] of [...p.live.entries()]) {
+        if (step.runId !== run.id) continue;
+        p.live.delete(seq);
+        p.stepEls.get(seq)?.remove();
+        p.stepEls.delete(seq);
+      }
+    }
     const section = p.sections.get(run.id);
     if (section) section.head.replaceWith((section.head = renderRunHeader(run)));
     else if (p.tab === "activity" && p.loaded) ensureSection(run.id);

@@ -774,6 +774,8 @@ try {
     // The endpoint's own reason is in it, and the panel shows the full error.
     await notice.filter({ hasText: "the model is loading" }).waitFor();
     await page.locator(testid("agent-state")).filter({ hasText: "error" }).waitFor();
+    // The step that never came is not left "streaming" in the panel.
+    await page.locator(`${testid("agent-panel")} ${testid("step")}[data-live="true"]`).waitFor({ state: "detached" });
     await shot(page, "19-failure-in-chat");
     await page.setViewportSize(PHONE);
     // On a phone the panel is a sheet over the chat: closed, the chat and its notice show.
