@@ -125,6 +125,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/agents/{agent_id}/steps", RT, "ListSteps"),
     Route("GET", "/v1/agents/{agent_id}/events", RT, "WatchAgent", Resume.STEP_SEQUENCE),
     Route("GET", "/v1/agent-events", RT, "WatchAgents"),
+    Route("GET", "/v1/tools", RT, "ListTools"),
     # Agent control (lifecycle, intervention, checkpoints, sessions, retry
     # and fork, the task queue).
     Route("POST", "/v1/agents/{agent_id}:start", RT, "StartAgent"),

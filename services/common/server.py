@@ -99,6 +99,19 @@ class ReadinessHealthServicer(HealthServicer):
         await self.refresh()
         return await super().Check(request, context)
 
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthListResponse:
+        """Every service and component with its status (the library leaves
+        List unimplemented, and reflection advertises it)."""
+        await self.refresh()
+        return health_pb2.HealthListResponse(
+            statuses={
+                name: health_pb2.HealthCheckResponse(status=status)
+                for name, status in self._server_status.items()
+            }
+        )
+
     async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         await super().set(service, status)
         await self._changed()

@@ -39,6 +39,7 @@ class Settings:
     memory_address: str
     memory_call_timeout_seconds: float
     auto_recall: int
+    recall_timeout_seconds: float
     recall_min_score: float
     context_tokens: int | None
     llm_api_key: str | None = field(repr=False)
@@ -90,6 +91,7 @@ class Settings:
             memory_address=env.text("MEMORY_ADDRESS", ""),
             memory_call_timeout_seconds=env.number("MEMORY_CALL_TIMEOUT_SECONDS", 10.0, minimum=0.01),
             auto_recall=env.integer("RUNTIME_AUTO_RECALL", 3, minimum=0),
+            recall_timeout_seconds=env.number("RUNTIME_RECALL_TIMEOUT_SECONDS", 3.0, minimum=0.01),
             recall_min_score=env.number("RUNTIME_RECALL_MIN_SCORE", 0.3, minimum=0.0),
             context_tokens=env.integer("OPENAI_CONTEXT_TOKENS", 0, minimum=0) or None,
             llm_api_key=env.optional("OPENAI_API_KEY"),

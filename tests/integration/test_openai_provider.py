@@ -272,7 +272,8 @@ async def test_request_body_is_native_openai(fake: FakeOpenAI, provider: OpenAIP
     assert body["tools"] == [tool.to_openai()]
     assert body["messages"] == [
         {"role": "system", "content": "You are Ada."},
-        {"role": "user", "content": "tell bob hi", "name": "alice"},
+        # A sender's `name` goes only to OpenAI's own API: other servers may refuse it.
+        {"role": "user", "content": "tell bob hi"},
         {
             "role": "assistant",
             "content": None,

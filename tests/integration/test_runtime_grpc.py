@@ -393,3 +393,84 @@ async def test_a_failure_is_told_in_the_chat_and_waking_the_agent_retries_it(
         assert messages[2].content == "Sorry for the wait: here it is."
     finally:
         await stop_runtime(runtime)
+
+
+async def test_a_stream_cut_midway_is_kept_as_cut_and_asked_for_again(
+    im: RunningIM, fake: FakeOpenAI, tmp_path: Path
+) -> None:
+    partial = text_reply("I was saying something long when the line went dead")
+    fake.script(Reply(chunks=partial.chunks, cut_after=4))
+    fake.script(text_reply("Here is the whole answer."))
+    runtime = await start_runtime(
+        im.address, tmp_path / "rt.db", OPENAI_BASE_URL=fake.url, OPENAI_MODEL="m", LLM_MAX_RETRIES="1"
+    )
+    try:
+        world = await make_world(im.stub, people=1)
+        ada = await create_agent(runtime, world, "ada")
+        chat = await direct_chat(im, world, ada.member_id)
+        await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=chat.id, content="tell me"), metadata=world.md(0)
+        )
+        messages = await wait_for_messages(im, world.members[0].id, chat.id, 2)
+        assert [m.content for m in messages] == ["tell me", "Here is the whole answer."]
+        steps = await runtime.stub.ListSteps(rpb.ListStepsRequest(agent_id=ada.id), metadata=world.md(0))
+        kinds = [(s.role, s.kind) for s in steps.steps]
+        assert kinds == [
+            (rpb.STEP_ROLE_USER, rpb.STEP_KIND_MESSAGE),
+            (rpb.STEP_ROLE_ASSISTANT, rpb.STEP_KIND_CUT),
+            (rpb.STEP_ROLE_ASSISTANT, rpb.STEP_KIND_MESSAGE),
+        ]
+        cut = steps.steps[1]
+        assert cut.content and "I was saying".startswith(cut.content[:12])
+        assert len(fake.requests) == 2 and cut.content not in str(fake.requests[1].body["messages"])
+    finally:
+        await stop_runtime(runtime)
+
+
+async def test_input_steps_carry_their_origin_and_the_model_reads_names_not_ids(
+    im: RunningIM, fake: FakeOpenAI, tmp_path: Path
+) -> None:
+    fake.responder = lambda _: text_reply("Noted.")
+    runtime = await start_runtime(
+        im.address, tmp_path / "rt.db", OPENAI_BASE_URL=fake.url, OPENAI_MODEL="m", LLM_MAX_RETRIES="0"
+    )
+    try:
+        world = await make_world(im.stub, people=1)
+        ada = await create_agent(runtime, world, "ada")
+        team = await im.stub.CreateGroup(
+            im_pb2.CreateGroupRequest(name="Launch crew", member_ids=[ada.member_id]), metadata=world.md(0)
+        )
+        sent = await im.stub.SendMessage(
+            im_pb2.SendMessageRequest(
+                group_id=team.group.id, content="@ada ready?", mentions=[ada.member_id]
+            ),
+            metadata=world.md(0),
+        )
+        await wait_for_messages(im, world.members[0].id, team.group.id, 2)
+        steps = await runtime.stub.ListSteps(rpb.ListStepsRequest(agent_id=ada.id), metadata=world.md(0))
+        said = steps.steps[0]
+        assert said.content == "@ada ready?"
+        origin = said.origin
+        assert (origin.group_id, origin.group_name, origin.direct) == (team.group.id, "Launch crew", False)
+        assert origin.sender_id == world.members[0].id and origin.message_id == sent.message.id
+        assert origin.sender_name == world.members[0].display_name
+        user = fake.requests[0].body["messages"][1]
+        assert user["content"] == f"[Launch crew] {origin.sender_name}: @ada ready?"
+        assert world.members[0].id not in str(fake.requests[0].body["messages"])
+        # Every state change counted; the answer read last is the newest.
+        got = await runtime.stub.GetAgent(rpb.GetAgentRequest(agent_id=ada.id), metadata=world.md(0))
+        assert got.agent.state == rpb.AGENT_STATE_IDLE and got.agent.state_version >= 2
+    finally:
+        await stop_runtime(runtime)
+
+
+async def test_the_tools_an_agent_may_have_are_listed_for_members(
+    runtime: RunningRuntime, im: RunningIM
+) -> None:
+    world = await make_world(im.stub, people=1)
+    listed = await runtime.stub.ListTools(rpb.ListToolsRequest(), metadata=world.md(0))
+    names = [t.name for t in listed.tools]
+    assert {"send_message", "ask_human", "recall"} <= set(names) and all(t.description for t in listed.tools)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await runtime.stub.ListTools(rpb.ListToolsRequest())
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -690,7 +690,7 @@ async def test_the_migration_gives_every_existing_agent_its_main_session(runtime
         store = SqlAgentStore(database)
         agent = make_agent()
         # As revision 0002 stored an agent: without the columns added since.
-        added_since = {"pause_pending", "auto_recall", "context_tokens"}
+        added_since = {"pause_pending", "auto_recall", "context_tokens", "state_version"}
         row = {c.name: v for c, v in agent_row(agent).items() if c.name not in added_since}
         async with database.engine.begin() as conn:
             await conn.execute(agents.insert().values(**row))

@@ -41,6 +41,14 @@ async def test_health_reports_serving_for_the_im_service(im: RunningIM) -> None:
     assert await health_of(im.address, "agentim.im.v1.IMService") == SERVING
 
 
+async def test_health_lists_every_service_and_component(im: RunningIM) -> None:
+    """Reflection advertises List; it answers (it was INTERNAL, with a traceback logged)."""
+    async with grpc.aio.insecure_channel(im.address) as channel:
+        listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
+    statuses = {name: response.status for name, response in listed.statuses.items()}
+    assert statuses[""] == SERVING and statuses["agentim.im.v1.IMService"] == SERVING
+
+
 async def test_health_can_be_watched(im: RunningIM) -> None:
     async with grpc.aio.insecure_channel(im.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())

@@ -280,6 +280,9 @@ class Script:
     reached: asyncio.Event = field(default_factory=asyncio.Event)
     # What the endpoint reports; None: no usage (as some servers stream).
     usage: Usage | None = field(default_factory=lambda: Usage(10, 5, 0))
+    # After this many deltas the stream breaks off with this error (an LLMError).
+    cut_after: int = -1
+    cut: Exception | None = None
 
 
 class ScriptedLLM(LLM):
@@ -310,6 +313,8 @@ class ScriptedLLM(LLM):
             ]
         assembler = CompletionAssembler()
         for index, delta in enumerate(deltas):
+            if index == script.cut_after and script.cut is not None:
+                raise script.cut
             if index == script.hold_after and script.gate is not None:
                 script.reached.set()
                 await script.gate.wait()
@@ -647,6 +652,7 @@ class InMemoryAgentStore(AgentStore):
             last_error=agent.last_error,
             tokens_used=agent.tokens_used,
             pause_pending=agent.pause_pending,
+            state_version=agent.state_version,
         )
 
     async def delete_agent(self, agent_id: uuid.UUID) -> None:

@@ -379,3 +379,56 @@ async def test_a_tool_may_have_its_own_time_limit() -> None:
             context, ToolCall("c2", "ask_human", json.dumps({"question": "?"}))
         )
         assert ask.content == "error: nobody can be asked from here"
+
+
+async def test_every_state_change_has_a_higher_version_and_an_answer_is_never_newer_than_the_events() -> None:
+    """Resume with a message waiting: the run starts at once, so the RUNNING
+    event may reach a client before ResumeAgent's answer (IDLE): the version
+    tells which is newer."""
+    script, gate = gate_script("done", hold_after=1)
+    async for h, control in lifecycle_harness(script):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        paused = await control.pause(h.me, str(ada.id))
+        watcher, _ = h.hub.watch([ada.id])
+        got: list[Emitted] = []
+        collecting = asyncio.create_task(collect(watcher.events(), got))
+        h.im.post(h.human, chat.id, "waiting for you")
+        answer = await control.resume(h.me, str(ada.id))
+        await asyncio.wait_for(script.reached.wait(), WAIT)
+        gate.set()
+        await h.settle(ada)
+        await asyncio.sleep(0)
+        collecting.cancel()
+        changes = [e.event for e in got if isinstance(e.event, StateChanged)]
+        assert [c.state for c in changes] == [AgentState.IDLE, AgentState.RUNNING, AgentState.IDLE]
+        versions = [c.version for c in changes]
+        assert versions == sorted(set(versions)) and versions[0] > paused.state_version
+        running = changes[1]
+        assert answer.state_version < running.version, "the answer is older than the run's start"
+        # What is stored (and read after a restart) has the last version.
+        assert h.store.agents[ada.id].state_version == versions[-1]
+        assert (await h.service.get_agent(h.me, str(ada.id))).state_version == versions[-1]
+
+
+async def test_terminating_an_agent_mid_answer_tells_the_chat_and_interrupting_does_not() -> None:
+    for control_name, told in (("terminate", True), ("interrupt", False)):
+        script, gate = gate_script("Here is a long answer", hold_after=3)
+        async for h, control in lifecycle_harness(script):
+            ada = await h.agent()
+            chat = h.im.group("", h.human, ada.member_id, direct=True)
+            h.im.post(h.human, chat.id, "explain")
+            await asyncio.wait_for(script.reached.wait(), WAIT)
+            if control_name == "terminate":
+                await control.terminate(h.me, str(ada.id), clear_queue=False)
+            else:
+                await control.interrupt(h.me, str(ada.id))
+            gate.set()
+            said = h.im.in_group(chat.id)[1:]
+            if told:
+                (notice,) = said
+                assert notice.content_type == "system" and "terminated me" in notice.content
+                # Nothing to retry until a person starts it again.
+                assert "retry" not in (notice.metadata or {})["agent_failure"]
+            else:
+                assert said == [], "an interrupt is the person's own pause: nothing to tell"

@@ -16,6 +16,7 @@ import pytest
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from services.common.identity import Principal
+from services.runtime.adapters.memory_client import archived_run
 from services.runtime.domain.conversations import (
     TASKS,
     conversation_of_input,
@@ -23,15 +24,15 @@ from services.runtime.domain.conversations import (
     run_conversations,
     step_chats,
 )
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy, incoming_message
+from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
-from services.runtime.domain.model import Agent, RunStatus, Step, StepKind, StepMetrics
+from services.runtime.domain.model import Agent, Origin, Run, RunStatus, Step, StepKind, StepMetrics
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.grpc_servicer import _draft
 from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.memory_port import Memory
+from services.runtime.service_layer.memory_port import Memory, RunRecord
 from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import (
@@ -345,7 +346,7 @@ async def _archived_runs(memory: FakeMemory, count: int) -> None:
 # -- the pure rules ---------------------------------------------------------------
 
 
-def _step(run: uuid.UUID, sequence: int, message: ChatMessage) -> Step:
+def _step(run: uuid.UUID, sequence: int, message: ChatMessage, origin: Origin | None = None) -> Step:
     return Step(
         id=uuid.uuid4(),
         agent_id=uuid.UUID(int=1),
@@ -355,12 +356,23 @@ def _step(run: uuid.UUID, sequence: int, message: ChatMessage) -> Step:
         message=message,
         metrics=StepMetrics(),
         created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        origin=origin,
     )
 
 
-def _chat_input(group: uuid.UUID, text: str) -> ChatMessage:
-    return incoming_message(
-        group_label="chat", group_id=group, sender_name="al", sender_id=uuid.UUID(int=9), content=text
+def _chat_input(run: uuid.UUID, sequence: int, group: uuid.UUID, text: str) -> Step:
+    origin = Origin(group_id=group, group_name="chat", sender_id=uuid.UUID(int=9), sender_name="al")
+    return _step(run, sequence, ChatMessage(role=Role.USER, content=text), origin)
+
+
+def _task_input(run: uuid.UUID, sequence: int, text: str) -> Step:
+    return _step(run, sequence, ChatMessage(role=Role.USER, content=text), Origin(task_id=uuid.uuid4()))
+
+
+def _legacy_chat_input(group: uuid.UUID, text: str) -> ChatMessage:
+    """An input as stored before steps had origins: the chat named in the text."""
+    return ChatMessage(
+        role=Role.USER, content=f"[group chat | group_id={group}] al (member_id={uuid.UUID(int=9)}): {text}"
     )
 
 
@@ -368,11 +380,11 @@ def test_each_run_belongs_to_the_conversation_its_input_names() -> None:
     chat_a, chat_b = uuid.uuid4(), uuid.uuid4()
     run_a, run_b, task_run, note_run = (uuid.uuid4() for _ in range(4))
     steps = [
-        _step(run_a, 1, _chat_input(chat_a, "hello")),
+        _chat_input(run_a, 1, chat_a, "hello"),
         _step(run_a, 2, ChatMessage(role=Role.ASSISTANT, content="hi")),
-        _step(run_b, 3, _chat_input(chat_b, "standup?")),
+        _chat_input(run_b, 3, chat_b, "standup?"),
         _step(run_b, 4, ChatMessage(role=Role.ASSISTANT, content="at ten")),
-        _step(task_run, 5, ChatMessage(role=Role.USER, content=f"[task {uuid.uuid4()}] write a report")),
+        _task_input(task_run, 5, "write a report"),
         _step(note_run, 6, ChatMessage(role=Role.SYSTEM, content="be brief")),
     ]
     runs = run_conversations(steps)
@@ -380,21 +392,30 @@ def test_each_run_belongs_to_the_conversation_its_input_names() -> None:
     assert [s.sequence for s in in_conversation(steps, chat_a, runs)] == [1, 2, 6]
     assert [s.sequence for s in in_conversation(steps, TASKS, runs)] == [5, 6]
     assert [s.sequence for s in in_conversation(steps, None, runs)] == [1, 2, 3, 4, 5, 6]
-    assert conversation_of_input(ChatMessage(role=Role.USER, content="[chat | group_id=nope] x")) is None
+
+
+def test_inputs_stored_before_origins_name_their_conversation_in_their_text() -> None:
+    chat, run, task_run = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    steps = [
+        _step(run, 1, _legacy_chat_input(chat, "hello")),
+        _step(task_run, 2, ChatMessage(role=Role.USER, content=f"[task {uuid.uuid4()}] write a report")),
+    ]
+    assert run_conversations(steps) == {run: chat, task_run: TASKS}
+    nonsense = _step(run, 3, ChatMessage(role=Role.USER, content="[chat | group_id=nope] x"))
+    assert conversation_of_input(nonsense) is None
 
 
 def test_each_archived_step_carries_its_chat() -> None:
     chat_a, chat_b, run = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     steps = [
-        _step(run, 1, _chat_input(chat_a, "hello")),
+        _chat_input(run, 1, chat_a, "hello"),
         _step(run, 2, ChatMessage(role=Role.ASSISTANT, content="hi")),
     ]
     assert [chat for _, chat in step_chats(steps, chat_a)] == [chat_a, chat_a]
     # A run stored before runs knew their chat: its steps follow the chat they read.
-    legacy = [*steps, _step(run, 3, _chat_input(chat_b, "x")), _step(run, 4, ChatMessage(role=Role.TOOL))]
+    legacy = [*steps, _chat_input(run, 3, chat_b, "x"), _step(run, 4, ChatMessage(role=Role.TOOL))]
     assert [chat for _, chat in step_chats(legacy, None)] == [chat_a, chat_a, chat_b, chat_b]
-    task = [_step(run, 1, ChatMessage(role=Role.USER, content=f"[task {uuid.uuid4()}] go"))]
-    assert [chat for _, chat in step_chats(task, None)] == [None]
+    assert [chat for _, chat in step_chats([_task_input(run, 1, "go")], None)] == [None]
 
 
 def test_a_recalled_memory_reads_with_its_ref_type_and_time() -> None:
@@ -454,3 +475,24 @@ def test_auto_recall_crosses_the_wire_unset_or_set() -> None:
     )
     assert not mappers.agent(agent).HasField("auto_recall")
     assert mappers.agent(dataclasses.replace(agent, auto_recall=0)).HasField("auto_recall")
+
+
+def test_an_archived_input_says_who_sent_it_and_a_task_does_not() -> None:
+    agent = Agent(
+        id=uuid.uuid4(),
+        workspace_id=uuid.uuid4(),
+        member_id=uuid.uuid4(),
+        name="a",
+        role="",
+        system_prompt="",
+        model=ModelSettings(),
+        tools=(),
+        parent_id=None,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+        updated_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+    run_id, chat = uuid.uuid4(), uuid.uuid4()
+    run = Run(run_id, agent.id, uuid.uuid4(), RunStatus.COMPLETED, (), datetime(2026, 1, 1, tzinfo=UTC))
+    steps = [_chat_input(run_id, 1, chat, "the build is green"), _task_input(run_id, 2, "write notes")]
+    archived = archived_run(RunRecord(agent, run, [(steps[0], chat), (steps[1], None)], []))
+    assert [s.content for s in archived.steps] == ["al: the build is green", "write notes"]

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import pytest
 
 from services.runtime.adapters.llm.offline import OfflineModel
-from services.runtime.domain.etiquette import incoming_message
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -249,16 +248,14 @@ async def test_streams_interleave_with_other_tasks() -> None:
     assert "a" in order[first_b:], "the two streams should have interleaved"
 
 
-async def test_the_im_envelope_is_not_echoed() -> None:
-    incoming = incoming_message(
-        group_label="direct chat",
-        group_id=uuid.uuid4(),
-        sender_name="Ada",
-        sender_id=uuid.uuid4(),
-        content="hi there",
+async def test_who_sent_an_input_and_where_is_not_echoed() -> None:
+    said = ChatMessage(role=Role.USER, content="hi there", prefix="[Team] Ada: ")
+    stored_before_prefixes = ChatMessage(
+        role=Role.USER,
+        content=f"[direct chat | group_id={uuid.uuid4()}] Ada (member_id={uuid.uuid4()}): hi there",
     )
-    request = CompletionRequest(messages=[incoming])
-    items = [item async for item in OfflineModel().stream(request)]
-    completion = items[-1]
-    assert isinstance(completion, Completion)
-    assert completion.message.content == "(offline model) You said: hi there"
+    for message in (said, stored_before_prefixes):
+        items = [item async for item in OfflineModel().stream(CompletionRequest(messages=[message]))]
+        completion = items[-1]
+        assert isinstance(completion, Completion)
+        assert completion.message.content == "(offline model) You said: hi there"

@@ -17,6 +17,7 @@ from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import (
     ContentDelta,
     ContextTooLong,
+    LLMRejected,
     LLMUnavailable,
     ModelSettings,
     ReasoningDelta,
@@ -31,6 +32,7 @@ from services.runtime.domain.model import (
     StateChanged,
     StepCompleted,
     StepDelta,
+    StepKind,
     StepStarted,
 )
 from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
@@ -101,6 +103,7 @@ async def harness(
             group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
             max_reply_bytes=max_reply_bytes,
             unread_batch=unread_batch,
+            stream_cut_backoff_seconds=0.001,
         ),
         create_sub_agent=create_child,
         clock=clock,
@@ -126,9 +129,11 @@ async def test_a_direct_message_gets_an_answer(h: Harness) -> None:
     await asyncio.sleep(0)
     await h.settle(ada)
     assert [m.content for m in h.im.in_group(chat.id)] == ["hi ada", "Hello Alice!"]
-    assert (
-        h.steps(ada)[0][0] is Role.USER and "alice" in h.steps(ada)[0][1] and "hi ada" in h.steps(ada)[0][1]
-    )
+    # The input is the text as sent; who sent it where is its origin.
+    said = h.store.steps[ada.session_id][0]
+    assert said.role is Role.USER and said.message.content == "hi ada"
+    assert said.origin is not None and said.origin.direct and said.origin.group_id == chat.id
+    assert said.origin.sender_id == h.human and said.origin.sender_name.lower() == "alice"
     assistant = h.store.steps[ada.session_id][1]
     assert assistant.message.content == "Hello Alice!" and assistant.message.reasoning == "Greet her."
     assert assistant.metrics.input_tokens == 10 and assistant.metrics.model == "scripted"
@@ -140,6 +145,27 @@ async def test_a_direct_message_gets_an_answer(h: Harness) -> None:
     context = h.llm.last_messages()
     assert context[0].role is Role.SYSTEM and "ada" in (context[0].content or "")
     assert [m.role for m in context[1:]] == [Role.USER]
+    # The model reads the sender's name before the text, and no id.
+    sent = context[1].to_openai()
+    assert sent["content"] == f"{said.origin.sender_name}: hi ada" and "name" not in sent
+
+
+async def test_a_group_message_reaches_the_model_with_the_group_and_sender_names() -> None:
+    async for h in harness(Script(content="On it.")):
+        ada = await h.agent()
+        team = h.im.group("Team Alpha", h.human, ada.member_id)
+        h.im.post(h.human, team.id, "@ada status?", mentions=[ada.member_id])
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        said = h.store.steps[ada.session_id][0]
+        assert said.message.content == "@ada status?"
+        assert said.origin is not None and not said.origin.direct and said.origin.group_name == "Team Alpha"
+        name = said.origin.sender_name
+        message = h.llm.last_messages()[1]
+        assert message.to_openai()["content"] == f"[Team Alpha] {name}: @ada status?"
+        assert str(h.human) not in json.dumps([m.to_openai() for m in h.llm.last_messages()[1:]])
+        # OpenAI's own API also gets the sender in `name`; other endpoints only the text.
+        assert message.to_openai(user_names=True)["name"] == name
 
 
 async def test_tool_calls_run_and_the_loop_continues() -> None:
@@ -826,3 +852,51 @@ async def test_more_unread_than_one_read_takes_are_all_answered() -> None:
         runs = list(h.store.runs.values())
         assert len(runs) == 2 and [len(r.trigger_message_ids) for r in runs] == [2, 1]
         assert await h.im.get_all_unread(ada.member_id) == []
+
+
+async def test_a_stream_that_breaks_off_midway_is_kept_as_cut_and_asked_for_again() -> None:
+    cut = LLMUnavailable("stream cut after 2 deltas from the endpoint: connection reset")
+    async for h in harness(
+        Script(content="Hello there, Alice", reasoning="Greet.", cut_after=3, cut=cut),
+        Script(content="Hello Alice!"),
+    ):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "hi")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        # One answer in the chat: the retried one.
+        assert [m.content for m in h.im.in_group(chat.id)] == ["hi", "Hello Alice!"]
+        steps = h.store.steps[ada.session_id]
+        assert [(s.role, s.kind) for s in steps] == [
+            (Role.USER, StepKind.MESSAGE),
+            (Role.ASSISTANT, StepKind.CUT),
+            (Role.ASSISTANT, StepKind.MESSAGE),
+        ]
+        # What people saw stream stays, marked as cut.
+        assert steps[1].message.content == "Hello th" and steps[1].message.reasoning == "Greet."
+        # The retry asked again without it, and counted as the same iteration.
+        assert len(h.llm.requests) == 2
+        assert "Hello th" not in str([m.to_openai() for m in h.llm.requests[1].messages])
+        (run,) = h.store.runs.values()
+        assert run.status is RunStatus.COMPLETED and run.iterations == 1
+        assert h.store.agents[ada.id].state is AgentState.IDLE
+
+
+async def test_a_stream_broken_off_by_an_error_no_retry_fixes_is_kept_and_not_asked_again() -> None:
+    refused = LLMRejected("the endpoint refused the request (invalid_request_error): bad tool schema")
+    async for h in harness(Script(content="Let me think about that", cut_after=2, cut=refused)):
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "hi")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        assert len(h.llm.requests) == 1
+        steps = h.store.steps[ada.session_id]
+        assert [s.kind for s in steps] == [StepKind.MESSAGE, StepKind.CUT]
+        assert steps[1].message.content == "Let me t"
+        (run,) = h.store.runs.values()
+        assert run.status is RunStatus.FAILED and "bad tool schema" in run.error
+        # The people in the chat are told, with the endpoint's reason.
+        notice = h.im.in_group(chat.id)[-1]
+        assert notice.content_type == "system" and "bad tool schema" in notice.content

@@ -667,22 +667,27 @@ async def test_a_task_whose_bookkeeping_the_database_lost_still_runs_to_its_end(
         assert all(r.status is not RunStatus.RUNNING for r in q.store.runs.values())
 
 
+class BeginFailsOnce:
+    """The store's begin_run, whose first write fails before committing."""
+
+    def __init__(self, q: Queue) -> None:
+        self.real = q.store.begin_run
+        self.failed = False
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> None:
+        if not self.failed:
+            self.failed = True
+            raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
+        await self.real(*args, **kwargs)
+
+
 async def test_a_task_whose_run_was_never_stored_goes_back_to_the_queue_and_runs() -> None:
     """The task is marked RUNNING, then the write that begins its run fails:
-    idle again, the runner puts the task back and must look at the queue once
-    more (no submission will come to wake it)."""
+    the runner puts the task back and must look at the queue once more (no
+    submission will come to wake it)."""
     async for q in make_queue(run_tasks=True):
         ada = await q.agent()
-        real = q.store.begin_run
-        failures = []
-
-        async def begin_fails_once(*args: Any, **kwargs: Any) -> None:
-            if not failures:
-                failures.append(True)
-                raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
-            await real(*args, **kwargs)
-
-        q.store.begin_run = begin_fails_once  # type: ignore[method-assign]
+        q.store.begin_run = begin = BeginFailsOnce(q)  # type: ignore[method-assign]
         watcher, _ = q.hub.watch([ada.id])
         task = await q.submit(ada, "do it")
         async with asyncio.timeout(WAIT):
@@ -691,4 +696,27 @@ async def test_a_task_whose_run_was_never_stored_goes_back_to_the_queue_and_runs
                 if isinstance(event, TaskChanged) and event.task.status is TaskStatus.SUCCEEDED:
                     assert event.task.id == task.id
                     break
-        assert failures == [True]
+        assert begin.failed
+
+
+async def test_a_task_waiting_behind_an_older_message_runs_after_it() -> None:
+    """One look finds both: the message, older, is answered first; the task
+    must not then wait for some later wake."""
+    async for q in make_queue(run_tasks=True):
+        ada = await q.agent()
+        runner = q.supervisor.runner(ada.id)
+        assert runner is not None
+        await runner.pause()
+        chat = q.im.group("", q.me.member_id, ada.member_id, direct=True)  # type: ignore[arg-type]
+        q.im.clock = q.clock  # one clock: the message is older than the task
+        q.im.post(q.me.member_id, chat.id, "first, a question")  # type: ignore[arg-type]
+        watcher, _ = q.hub.watch([ada.id])
+        task = await q.submit(ada, "then, a task")
+        await runner.resume()
+        async with asyncio.timeout(WAIT):
+            async for emitted in watcher.events():
+                event = emitted.event
+                if isinstance(event, TaskChanged) and event.task.status is TaskStatus.SUCCEEDED:
+                    assert event.task.id == task.id
+                    break
+        assert [m.content for m in q.im.in_group(chat.id)][:2] == ["first, a question", "done"]

@@ -22,11 +22,12 @@ import sqlite3
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.batching import NaturalBatcher
 from services.common.sql import SqlDatabase, SqliteWorker, database_unavailable, sqlite_time
 from services.runtime.adapters.tables import SCHEMA
-from services.runtime.domain.model import Agent, Run, Step
+from services.runtime.domain.model import Agent, Origin, Run, Step
 from services.runtime.service_layer.store import DuplicateStep
 
 
@@ -76,6 +77,51 @@ class Journal(abc.ABC):
 def _tool_calls(step: Step) -> str:
     calls = step.message.tool_calls
     return json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls])
+
+
+def origin_record(origin: Origin | None) -> dict[str, object] | None:
+    """An input step's origin as stored (JSON), or None."""
+    if origin is None:
+        return None
+    ids = {
+        "group_id": origin.group_id,
+        "sender_id": origin.sender_id,
+        "message_id": origin.message_id,
+        "task_id": origin.task_id,
+    }
+    record: dict[str, object] = {name: str(value) for name, value in ids.items() if value is not None}
+    if origin.group_name:
+        record["group_name"] = origin.group_name
+    if origin.sender_name:
+        record["sender_name"] = origin.sender_name
+    if origin.direct:
+        record["direct"] = True
+    return record
+
+
+def origin_of_record(record: Mapping[str, Any] | None) -> Origin | None:
+    """The origin `origin_record` stored."""
+    if not record:
+        return None
+
+    def some_id(name: str) -> uuid.UUID | None:
+        value = record.get(name)
+        return uuid.UUID(value) if value else None
+
+    return Origin(
+        group_id=some_id("group_id"),
+        group_name=str(record.get("group_name", "")),
+        direct=bool(record.get("direct", False)),
+        sender_id=some_id("sender_id"),
+        sender_name=str(record.get("sender_name", "")),
+        message_id=some_id("message_id"),
+        task_id=some_id("task_id"),
+    )
+
+
+def _origin_json(step: Step) -> str | None:
+    record = origin_record(step.origin)
+    return json.dumps(record, ensure_ascii=False) if record is not None else None
 
 
 def _trigger_ids(run: Run) -> str:
@@ -131,6 +177,7 @@ class SqliteJournal(Journal):
                         step.kind.value,
                         step.summary_through,
                         metrics.usage_estimated,
+                        _origin_json(step),
                     ),
                 ).rowcount
                 if not inserted:
@@ -175,6 +222,7 @@ class SqliteJournal(Journal):
                         agent.last_error,
                         agent.tokens_used,
                         agent.pause_pending,
+                        agent.state_version,
                         agent.id.hex,
                     ),
                 )
@@ -198,8 +246,8 @@ _SQLITE_INSERT_STEP = """
 INSERT INTO steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
                    tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
                    cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through,
-                   usage_estimated)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   usage_estimated, origin)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (session_id, sequence) DO NOTHING
 """
 _SQLITE_INSERT_RUN = """
@@ -211,7 +259,8 @@ _SQLITE_END_RUN = """
 UPDATE runs SET status = ?, trigger_message_ids = ?, iterations = ?, error = ?, ended_at = ? WHERE id = ?
 """
 _SQLITE_PROGRESS = (
-    "UPDATE agents SET state = ?, last_error = ?, tokens_used = ?, pause_pending = ? WHERE id = ?"
+    "UPDATE agents SET state = ?, last_error = ?, tokens_used = ?, pause_pending = ?, state_version = ?"
+    " WHERE id = ?"
 )
 # 32 lower-case hex digits compare as the ids do (UUIDv7: by time).
 _SQLITE_MARK_READ = """
@@ -303,6 +352,10 @@ class PostgresJournal(Journal):
                 [s.kind.value for _, s in steps],
                 [s.summary_through for _, s in steps],
                 [s.metrics.usage_estimated for _, s in steps],
+                # $53: progress again
+                [a.state_version for _, a in progress],
+                # $54: steps again
+                [_origin_json(s) for _, s in steps],
             )
         refused = {int(row["w"]) for row in rows}
         return [index not in refused for index in range(len(batch))]
@@ -320,11 +373,11 @@ new_steps AS (
                          $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[],
                          $13::float8[], $14::float8[], $15::bigint[], $16::bigint[], $17::bigint[],
                          $18::text[], $19::float8[], $20::timestamptz[], $43::bool[], $50::text[],
-                         $51::bigint[], $52::bool[])
+                         $51::bigint[], $52::bool[], $54::text[])
         AS s(w, id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls,
              tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens,
              cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through,
-             usage_estimated)
+             usage_estimated, origin)
 ),
 refused AS (
     SELECT s.w FROM new_steps s
@@ -337,10 +390,11 @@ inserted_steps AS (
     INSERT INTO {SCHEMA}.steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning,
                                 tool_calls, tool_call_id, name, duration_ms, first_token_ms, input_tokens,
                                 output_tokens, cached_tokens, model, tool_duration_ms, created_at,
-                                interrupted, kind, summary_through, usage_estimated)
+                                interrupted, kind, summary_through, usage_estimated, origin)
     SELECT id, agent_id, session_id, run_id, sequence, role, content, reasoning, tool_calls::json,
            tool_call_id, name, duration_ms, first_token_ms, input_tokens, output_tokens, cached_tokens,
-           model, tool_duration_ms, created_at, interrupted, kind, summary_through, usage_estimated
+           model, tool_duration_ms, created_at, interrupted, kind, summary_through, usage_estimated,
+           origin::json
     FROM new_steps WHERE w NOT IN (SELECT w FROM refused)
     ON CONFLICT (session_id, sequence) DO NOTHING
     RETURNING session_id, sequence
@@ -370,9 +424,10 @@ ended_runs AS (
 progress AS (
     UPDATE {SCHEMA}.agents AS a
     SET state = p.state, last_error = p.last_error, tokens_used = p.tokens_used,
-        pause_pending = p.pause_pending
-    FROM unnest($38::int[], $39::uuid[], $40::text[], $41::text[], $42::bigint[], $44::bool[])
-        AS p(w, id, state, last_error, tokens_used, pause_pending)
+        pause_pending = p.pause_pending, state_version = p.state_version
+    FROM unnest($38::int[], $39::uuid[], $40::text[], $41::text[], $42::bigint[], $44::bool[],
+                $53::bigint[])
+        AS p(w, id, state, last_error, tokens_used, pause_pending, state_version)
     WHERE a.id = p.id AND p.w NOT IN (SELECT w FROM refused)
     RETURNING 1
 ),

@@ -74,12 +74,15 @@ def archived_run(record: RunRecord) -> memory_pb2.ArchivedRun:
         ],
     )
     for step, group_id in record.steps:
-        chat = step.message
+        chat, origin = step.message, step.origin
+        content = chat.content or ""
+        if origin is not None and origin.sender_name and origin.task_id is None:
+            content = f"{origin.sender_name}: {content}"  # who said it is worth remembering
         message.steps.append(
             memory_pb2.ArchivedStep(
                 sequence=step.sequence,
                 role=_ROLES[chat.role],
-                content=chat.content or "",
+                content=content,
                 reasoning=chat.reasoning or "",
                 tool_calls=[
                     memory_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in chat.tool_calls

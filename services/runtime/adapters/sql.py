@@ -22,7 +22,7 @@ from uuid_utils.compat import uuid7
 
 from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase
-from services.runtime.adapters.journal import Write, open_journal
+from services.runtime.adapters.journal import Write, open_journal, origin_of_record, origin_record
 from services.runtime.adapters.tables import (
     SCHEMA,
     agent_requests,
@@ -109,6 +109,7 @@ def _agent_settings(agent: Agent) -> dict[str, Any]:
         "token_budget": agent.token_budget,
         "pause_pending": agent.pause_pending,
         "auto_recall": agent.auto_recall,
+        "state_version": agent.state_version,
     }
 
 
@@ -168,6 +169,7 @@ def _agent(row: sa.Row[Any]) -> Agent:
         session_id=row.session_id,
         pause_pending=bool(row.pause_pending),
         auto_recall=row.auto_recall,
+        state_version=int(row.state_version),
     )
 
 
@@ -223,6 +225,7 @@ def _step_values(step: Step) -> dict[str, Any]:
         "interrupted": step.interrupted,
         "kind": step.kind.value,
         "summary_through": step.summary_through,
+        "origin": origin_record(step.origin),
     }
 
 
@@ -257,6 +260,7 @@ def _step(row: sa.Row[Any]) -> Step:
         interrupted=bool(row.interrupted),
         kind=StepKind(row.kind),
         summary_through=int(row.summary_through),
+        origin=origin_of_record(row.origin),
     )
 
 

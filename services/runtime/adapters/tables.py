@@ -41,6 +41,7 @@ agents = sa.Table(
     sa.Column("deleted", sa.Boolean, nullable=False),
     sa.Column("pause_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("auto_recall", sa.Integer, nullable=True),
+    sa.Column("state_version", sa.BigInteger, nullable=False, server_default="0"),
     sa.Index("ix_agents_workspace", "workspace_id", "id"),
     sa.Index("ix_agents_parent", "parent_id", "id"),
 )
@@ -110,6 +111,8 @@ steps = sa.Table(
     sa.Column("interrupted", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("kind", sa.String(16), nullable=False, server_default="message"),
     sa.Column("summary_through", sa.BigInteger, nullable=False, server_default="0"),
+    # Input steps: the message (sender, chat, their names) or task they came from.
+    sa.Column("origin", sa.JSON, nullable=True),
     # A sequence number is written once: a second writer of it is stale. The
     # constraint's index also serves a session's reads in order.
     sa.UniqueConstraint("session_id", "sequence", name="uq_steps_session_sequence"),

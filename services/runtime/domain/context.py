@@ -18,8 +18,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from services.runtime.domain.conversations import as_sent
 from services.runtime.domain.llm import ChatMessage, Role, ToolSpec, Usage
-from services.runtime.domain.model import Step, StepKind
+from services.runtime.domain.model import Step, StepKind, shown_to_model
 
 # Context windows of well-known models, by name prefix (longest prefix wins).
 KNOWN_WINDOWS: dict[str, int] = {
@@ -86,7 +87,7 @@ def estimate_text(text: str) -> int:
 
 
 def estimate_message(message: ChatMessage) -> int:
-    tokens = MESSAGE_OVERHEAD + estimate_text(message.content or "")
+    tokens = MESSAGE_OVERHEAD + estimate_text(message.prefix + (message.content or ""))
     for call in message.tool_calls:
         tokens += MESSAGE_OVERHEAD + sum(map(estimate_text, (call.id, call.name, call.arguments)))
     return tokens + estimate_text(message.tool_call_id or "") + estimate_text(message.name or "")
@@ -175,6 +176,7 @@ def fit_context(
     `budget`. The current run is always kept; if it alone is too long, the
     oldest tool exchanges after its input go, then the longest texts are cut.
     """
+    steps = shown_to_model(steps)
     summary = latest_summary(steps)
     covered = summary.summary_through if summary is not None else 0
     system = system_prompt
@@ -207,12 +209,12 @@ def fit_context(
     kept.reverse()
     left_out = [s for s in steps if s.sequence <= covered and s.kind is not StepKind.SUMMARY]
     left_out += [s for run in runs[:first_kept] for s in run]
-    messages = head + [s.message for run in kept for s in run]
+    messages = head + [as_sent(s) for run in kept for s in run]
     return Fitted(messages, used, left_out, covered)
 
 
 def _cost(steps: Sequence[Step]) -> int:
-    return sum(estimate_message(s.message) for s in steps)
+    return sum(estimate_message(as_sent(s)) for s in steps)
 
 
 def _runs(steps: Sequence[Step]) -> list[list[Step]]:
@@ -292,8 +294,8 @@ def summary_request(previous: str, leaving: Sequence[Step], budget: int) -> list
     """The messages that ask for the new rolling summary, within `budget`."""
     lines = []
     for step in leaving:
-        message = step.message
-        text = (message.content or "")[:_STEP_CHARS]
+        message = as_sent(step)
+        text = (message.prefix + (message.content or ""))[:_STEP_CHARS]
         calls = "; ".join(f"called {c.name}({c.arguments[:200]})" for c in message.tool_calls)
         lines.append(f"{message.role.value}: {' '.join(part for part in (text, calls) if part)}")
     transcript = "\n".join(lines)

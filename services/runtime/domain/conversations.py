@@ -6,10 +6,14 @@ therefore made of the runs of the conversation it answers (a chat, or the
 agent's tasks), and the rest comes in only through recall, which applies
 the same rule per memory.
 
-A run's conversation is named by its input: a chat message reads
-`[<chat> | group_id=<id>] ...` (see `etiquette.incoming_message`), a task
-`[task <id>] ...`. Steps of no run of either kind (notes a person added)
-belong to every conversation.
+A run's conversation is named by its input: the `origin` of an input step
+(a chat message or a task; steps stored before origins existed name theirs
+in their text: `[<chat> | group_id=<id>] ...` or `[task <id>] ...`). Steps
+of no run of either kind (notes a person added) belong to every conversation.
+
+The model reads an input step as its sender would say it in the chat: the
+text after the sender's name, and in a group the group's name first
+(`[Team] Ada: ...`); the ids stay with the step (`as_sent`).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Final
 
 from services.runtime.domain.llm import ChatMessage, Role
-from services.runtime.domain.model import Step
+from services.runtime.domain.model import Origin, Step
 
 
 class _Tasks:
@@ -37,8 +42,13 @@ _CHAT_INPUT = re.compile(r"\[[^\]\n]*\| group_id=([0-9a-fA-F-]{36})\]")
 _TASK_INPUT = re.compile(r"\[task [0-9a-fA-F-]{36}\]")
 
 
-def conversation_of_input(message: ChatMessage) -> Conversation | None:
+def conversation_of_input(step: Step) -> Conversation | None:
     """The chat (or TASKS) an input step came from; None for anything else."""
+    origin, message = step.origin, step.message
+    if origin is not None:
+        if origin.task_id is not None:
+            return TASKS
+        return origin.group_id
     if message.role is not Role.USER or not message.content:
         return None
     head = message.content[:200]
@@ -58,7 +68,7 @@ def run_conversations(steps: Iterable[Step]) -> dict[uuid.UUID, Conversation]:
     for step in steps:
         if step.run_id in found:
             continue
-        conversation = conversation_of_input(step.message)
+        conversation = conversation_of_input(step)
         if conversation is not None:
             found[step.run_id] = conversation
     return found
@@ -83,10 +93,35 @@ def step_chats(steps: Sequence[Step], run_chat: uuid.UUID | None) -> list[tuple[
     paired: list[tuple[Step, uuid.UUID | None]] = []
     current = run_chat
     for step in steps:
-        named = conversation_of_input(step.message)
+        named = conversation_of_input(step)
         if isinstance(named, uuid.UUID):
             paired.append((step, named))
             current = current if run_chat is not None else named
             continue
         paired.append((step, current if not isinstance(named, _Tasks) else None))
     return paired
+
+
+# OpenAI's `name` of a message: a sender whose name fits goes there too.
+_NAME_FIELD = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def sender_prefix(origin: Origin) -> str:
+    """How the model is told where an input came from: `Ada: `, `[Team] Ada: `, `[task] `."""
+    if origin.task_id is not None:
+        return "[task] "
+    said = f"{origin.sender_name or 'someone'}: "
+    return said if origin.direct else f"[{origin.group_name}] {said}"
+
+
+def as_sent(step: Step) -> ChatMessage:
+    """The step's message as the model receives it: an input with who sent
+    it where (and the sender's name in `name`, which endpoints that read it
+    show the model; see `ChatMessage.to_openai`)."""
+    origin, message = step.origin, step.message
+    if origin is None or message.role is not Role.USER:
+        return message
+    name = (
+        origin.sender_name if origin.task_id is None and _NAME_FIELD.fullmatch(origin.sender_name) else None
+    )
+    return replace(message, prefix=sender_prefix(origin), name=name)

@@ -6,8 +6,6 @@ import enum
 import uuid
 from collections.abc import Mapping, Set
 
-from services.runtime.domain.llm import ChatMessage, Role
-
 
 class GroupPolicy(enum.StrEnum):
     """Whether an agent answers a person's group message that does not
@@ -86,6 +84,7 @@ class Trouble(enum.StrEnum):
     CONTEXT = "context"
     MODEL_DOWN = "model_down"
     MODEL_REFUSED = "model_refused"
+    TERMINATED = "terminated"
     OTHER = "other"
 
 
@@ -108,6 +107,8 @@ def failure_notice(trouble: Trouble, error: str) -> str:
         " Retry once it is back.",
         Trouble.MODEL_REFUSED: f"I could not answer: my model refused the request ({reason}). Retry once"
         " my settings are fixed.",
+        Trouble.TERMINATED: "I stopped before answering: a person terminated me. Start me again, then"
+        " ask once more.",
         Trouble.OTHER: f"I could not answer: {reason}. Retry to have me try again.",
     }
     return said[trouble]
@@ -133,16 +134,6 @@ class ChatterGuard:
 
     def allows(self, group_id: uuid.UUID) -> bool:
         return self._streak.get(group_id, 0) < self.limit
-
-
-def incoming_message(
-    *, group_label: str, group_id: uuid.UUID, sender_name: str, sender_id: uuid.UUID, content: str
-) -> ChatMessage:
-    """An IM message as the agent reads it: who said it, in which chat."""
-    return ChatMessage(
-        role=Role.USER,
-        content=f"[{group_label} | group_id={group_id}] {sender_name} (member_id={sender_id}): {content}",
-    )
 
 
 def split_reply(content: str, max_bytes: int) -> list[str]:

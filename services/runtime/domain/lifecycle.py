@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from services.common.errors import FailedPrecondition
 from services.runtime.domain.llm import ChatMessage, Role, ToolCall
-from services.runtime.domain.model import AgentState, Step
+from services.runtime.domain.model import AgentState, Step, shown_to_model
 
 
 class Control(enum.StrEnum):
@@ -55,7 +55,7 @@ CANCELLED_RESULT = "cancelled: the run was interrupted before this tool call fin
 def unanswered_calls(steps: Sequence[Step]) -> tuple[ToolCall, ...]:
     """The tool calls of the last assistant step that have no result after it."""
     answered: set[str] = set()
-    for step in reversed(steps):
+    for step in reversed(shown_to_model(steps)):
         if step.role is Role.TOOL and step.message.tool_call_id:
             answered.add(step.message.tool_call_id)
         elif step.role is Role.ASSISTANT:
@@ -74,6 +74,7 @@ class Next(enum.Enum):
 
 
 def resume_point(steps: Sequence[Step]) -> Next:
+    steps = shown_to_model(steps)  # a broken-off stream is asked for again
     if not steps:
         return Next.NOTHING
     last = steps[-1]

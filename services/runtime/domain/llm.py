@@ -43,10 +43,16 @@ class ChatMessage:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    # Sent before `content` (never stored with it): who said an input, and where.
+    prefix: str = ""
 
-    def to_openai(self) -> dict[str, Any]:
-        """The message as the chat completions API takes it."""
-        out: dict[str, Any] = {"role": self.role.value, "content": self.content}
+    def to_openai(self, *, user_names: bool = False) -> dict[str, Any]:
+        """The message as the chat completions API takes it. A user message's
+        `name` (its sender) is sent only with `user_names`: OpenAI's own API
+        shows it to the model, where other servers may ignore it or refuse it
+        (the sender's name is in the text anyway)."""
+        content = self.prefix + self.content if self.prefix and self.content is not None else self.content
+        out: dict[str, Any] = {"role": self.role.value, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -54,7 +60,11 @@ class ChatMessage:
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
-        if self.name is not None and self.role is not Role.TOOL:
+        if (
+            self.name is not None
+            and self.role is not Role.TOOL
+            and (user_names or self.role is not Role.USER)
+        ):
             out["name"] = self.name
         return out
 

@@ -16,6 +16,7 @@ from services.runtime.domain.llm import (
     ReasoningDelta,
     Role,
     ToolCallDelta,
+    storable_text,
 )
 
 
@@ -60,6 +61,22 @@ class Agent:
     pause_pending: bool = False
     # Memories recalled at the start of each run; None: the runtime's default.
     auto_recall: int | None = None
+    # Counts changes of state, last_error and pause_pending: a client showing
+    # the state keeps the one of the highest version, whatever order the
+    # answers and events reach it in.
+    state_version: int = 0
+
+    def with_state(self, state: AgentState, last_error: str, *, pause_pending: bool = False) -> Agent:
+        """This agent in `state` (a new state version if anything changed)."""
+        if (state, last_error, pause_pending) == (self.state, self.last_error, self.pause_pending):
+            return self
+        return replace(
+            self,
+            state=state,
+            last_error=last_error,
+            pause_pending=pause_pending,
+            state_version=self.state_version + 1,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +98,37 @@ class StepKind(enum.StrEnum):
     SUMMARY = "summary"
     # Memories recalled at the start of a run.
     RECALL = "recall"
+    # What the model had streamed when its stream broke off: kept for the
+    # record (people saw it), never shown to the model again; the retried
+    # request comes after it.
+    CUT = "cut"
+
+
+def shown_to_model(steps: Iterable[Step]) -> list[Step]:
+    """The steps a model's context may hold: all but the CUT ones."""
+    return [step for step in steps if step.kind is not StepKind.CUT]
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where an input step came from: a chat message (who sent it, in which
+    chat) or a task. The model reads the names; the ids are for tools,
+    memory and people who ask."""
+
+    group_id: uuid.UUID | None = None
+    group_name: str = ""
+    direct: bool = False
+    sender_id: uuid.UUID | None = None
+    sender_name: str = ""
+    message_id: uuid.UUID | None = None
+    task_id: uuid.UUID | None = None
+
+
+def storable_origin(origin: Origin) -> Origin:
+    """The origin with names any store takes (see `storable_text`)."""
+    return replace(
+        origin, group_name=storable_text(origin.group_name), sender_name=storable_text(origin.sender_name)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +148,8 @@ class Step:
     kind: StepKind = StepKind.MESSAGE
     # SUMMARY steps: the last sequence of the session the summary covers.
     summary_through: int = 0
+    # Input steps: the message or task they came from.
+    origin: Origin | None = None
 
     @property
     def role(self) -> Role:
@@ -211,6 +261,8 @@ class StateChanged:
     state: AgentState
     error: str = ""
     pause_pending: bool = False
+    # The agent's state_version after the change.
+    version: int = 0
 
 
 @dataclass(frozen=True, slots=True)

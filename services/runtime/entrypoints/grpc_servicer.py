@@ -76,6 +76,10 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         found = await self._service.get_agent(self._caller(context), request.agent_id)
         return pb.GetAgentResponse(agent=mappers.agent(found))
 
+    async def ListTools(self, request: pb.ListToolsRequest, context: Context) -> pb.ListToolsResponse:
+        specs = await self._service.list_tools(self._caller(context))
+        return pb.ListToolsResponse(tools=[pb.Tool(name=t.name, description=t.description) for t in specs])
+
     async def ListAgents(self, request: pb.ListAgentsRequest, context: Context) -> pb.ListAgentsResponse:
         agents, token = await self._service.list_agents(
             self._caller(context),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 
 from google.protobuf import timestamp_pb2
@@ -14,6 +15,7 @@ from services.runtime.domain.model import (
     Checkpoint,
     Emitted,
     MainSessionChanged,
+    Origin,
     Run,
     RunEnded,
     RunStarted,
@@ -101,6 +103,7 @@ def agent(a: Agent) -> pb.Agent:
         main_session_id=str(a.session_id),
         pause_pending=a.pause_pending,
         auto_recall=a.auto_recall,
+        state_version=a.state_version,
     )
 
 
@@ -108,6 +111,7 @@ STEP_KINDS = {
     StepKind.MESSAGE: pb.STEP_KIND_MESSAGE,
     StepKind.SUMMARY: pb.STEP_KIND_SUMMARY,
     StepKind.RECALL: pb.STEP_KIND_RECALL,
+    StepKind.CUT: pb.STEP_KIND_CUT,
 }
 
 
@@ -139,6 +143,22 @@ def step(s: Step) -> pb.Step:
         interrupted=s.interrupted,
         kind=STEP_KINDS[s.kind],
         summary_through=s.summary_through,
+        origin=step_origin(s.origin) if s.origin is not None else None,
+    )
+
+
+def step_origin(o: Origin) -> pb.StepOrigin:
+    def some_id(value: uuid.UUID | None) -> str:
+        return str(value) if value is not None else ""
+
+    return pb.StepOrigin(
+        group_id=some_id(o.group_id),
+        group_name=o.group_name,
+        direct=o.direct,
+        sender_id=some_id(o.sender_id),
+        sender_name=o.sender_name,
+        message_id=some_id(o.message_id),
+        task_id=some_id(o.task_id),
     )
 
 
@@ -182,9 +202,11 @@ def event(e: Emitted) -> pb.AgentEvent:
                     )
         case StepCompleted(step=s):
             out.step_completed.CopyFrom(step(s))
-        case StateChanged(state=state, error=error, pause_pending=pending):
+        case StateChanged(state=state, error=error, pause_pending=pending, version=version):
             out.state_changed.CopyFrom(
-                pb.AgentStateChanged(state=AGENT_STATES[state], error=error, pause_pending=pending)
+                pb.AgentStateChanged(
+                    state=AGENT_STATES[state], error=error, pause_pending=pending, state_version=version
+                )
             )
         case MainSessionChanged(session=s):
             out.main_session_changed.CopyFrom(session(s, main=True))

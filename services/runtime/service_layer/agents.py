@@ -14,7 +14,7 @@ from uuid_utils.compat import uuid7
 
 from services.common import errors
 from services.common.identity import Principal
-from services.runtime.domain.llm import ModelSettings
+from services.runtime.domain.llm import ModelSettings, ToolSpec
 from services.runtime.domain.model import (
     Agent,
     Emitted,
@@ -262,6 +262,11 @@ class AgentService:
 
     async def get_agent(self, principal: Principal | None, agent_id: str) -> Agent:
         return await self._visible(principal, agent_id)
+
+    async def list_tools(self, principal: Principal | None) -> list[ToolSpec]:
+        """Every tool an agent may be given, for a member choosing them."""
+        await self._workspace_of(principal)
+        return self._tools.specs(())
 
     async def list_agents(
         self, principal: Principal | None, *, page_size: int, page_token: str, parent_id: str

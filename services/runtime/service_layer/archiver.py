@@ -114,8 +114,9 @@ class Archiver:
             stored = await self._store.list_steps(
                 run.session_id, after_sequence=0, limit=_MAX_RUN_STEPS, run_id=run.id
             )
-            # Recalled memories are copies of what memory has: not remembered again.
-            steps = [step for step in stored if step.kind is not StepKind.RECALL]
+            # Recalled memories are copies of what memory has: not remembered
+            # again; nor what a broken stream had said (its retry follows).
+            steps = [step for step in stored if step.kind not in (StepKind.RECALL, StepKind.CUT)]
             paired = step_chats(steps, run.group_id)
             chats = sorted({chat for _, chat in paired if chat is not None})
             conversations = [await self._conversation(agent.member_id, chat) for chat in chats]

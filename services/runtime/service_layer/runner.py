@@ -41,14 +41,19 @@ from services.runtime.domain.context import (
     latest_summary,
     summary_request,
 )
-from services.runtime.domain.conversations import TASKS, Conversation, in_conversation, run_conversations
+from services.runtime.domain.conversations import (
+    TASKS,
+    Conversation,
+    conversation_of_input,
+    in_conversation,
+    run_conversations,
+)
 from services.runtime.domain.etiquette import (
     NO_REPLY,
     ChatterGuard,
     GroupPolicy,
     Trouble,
     failure_notice,
-    incoming_message,
     is_silence,
     mentioned,
     should_answer,
@@ -84,6 +89,7 @@ from services.runtime.domain.model import (
     AgentEvent,
     AgentState,
     Emitted,
+    Origin,
     Run,
     RunEnded,
     RunStarted,
@@ -97,6 +103,8 @@ from services.runtime.domain.model import (
     StepStarted,
     Task,
     TaskStatus,
+    shown_to_model,
+    storable_origin,
 )
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMError, IMMessage, IMPort
@@ -147,6 +155,11 @@ class LoopSettings:
     default_model: str = ""
     unconfigured_model: str = "offline"
     context_tokens: int | None = None
+    # A stream that breaks off after it began is asked for again this many
+    # times (the LLM adapter retries the ones that fail before), after a wait
+    # that starts here and doubles.
+    stream_cut_retries: int = 4
+    stream_cut_backoff_seconds: float = 0.5
 
 
 # Senders of replied-to messages kept at once (the cache starts over when full).
@@ -194,11 +207,11 @@ class Directory:
         return self._senders[message_id]
 
     async def group(self, as_member: uuid.UUID, group_id: uuid.UUID) -> tuple[bool, str]:
-        """(is it a direct chat, a label for it)."""
+        """(is it a direct chat, its name)."""
         if group_id not in self._direct:
             group = await self._im.get_group(as_member, group_id)
             self._direct[group_id] = group.kind == "direct"
-            self._labels[group_id] = "direct chat" if group.kind == "direct" else f"group {group.name}"
+            self._labels[group_id] = group.name
         return self._direct[group_id], self._labels[group_id]
 
 
@@ -343,6 +356,7 @@ class AgentRunner:
             last_error=self.agent.last_error,
             tokens_used=self.agent.tokens_used,
             pause_pending=self.agent.pause_pending,
+            state_version=self.agent.state_version,
         )
 
     def forget_history(self) -> None:
@@ -410,9 +424,9 @@ class AgentRunner:
             await self._set_state(AgentState.PAUSED, "")
             return
         if not self.agent.pause_pending:
-            self.agent = replace(self.agent, pause_pending=True)
+            self.agent = self.agent.with_state(self.agent.state, self.agent.last_error, pause_pending=True)
             await self._env.store.save_progress(self.agent)
-            self._emit(StateChanged(self.agent.state, self.agent.last_error, pause_pending=True))
+            self._emit_state()
         # Answer with the state the request leaves: a run that begins is
         # RUNNING until its boundary; work that does not start is PAUSED now.
         begun = asyncio.ensure_future(self._begun.wait())
@@ -428,7 +442,6 @@ class AgentRunner:
 
     async def resume(self) -> None:
         """Back to work: what was cut short goes on, then what waits."""
-        self.agent = replace(self.agent, pause_pending=False)
         await self._set_state(AgentState.IDLE, "")
         self.continue_from_history()
 
@@ -585,7 +598,10 @@ class AgentRunner:
         if self._env.tasks is None:
             return None
         task = await self._env.tasks.next_task(self.agent.id, now=self._env.clock())
-        if task is None or (messages and messages[0].sent_at < task.created_at):
+        if task is None:
+            return None
+        if messages and messages[0].sent_at < task.created_at:
+            self.wake()  # its turn comes after these messages: nothing else will wake the runner
             return None
         return task
 
@@ -633,7 +649,8 @@ class AgentRunner:
         again; those cut short run again with the same keys, so their effects
         happen once."""
         self._running_task = task
-        last = self._steps[-1] if self._steps else None
+        shown = shown_to_model(self._steps or [])
+        last = shown[-1] if shown else None
         if self.agent.pause_pending:
             # Asked to pause before the runtime stopped: the pause takes effect now.
             ended = replace(run, status=RunStatus.INTERRUPTED, error="paused by a person")
@@ -787,6 +804,8 @@ class AgentRunner:
             if current is not None:
                 current.uncancel()
             status, error = RunStatus.INTERRUPTED, cut.reason
+            if cut.state is AgentState.TERMINATED:
+                cause = _Terminated(cut.reason)  # the people waiting are told; a pause needs no word
             await self._record_cut(run)
         except _PausedAtBoundary:
             status, error = RunStatus.INTERRUPTED, "paused by a person"
@@ -812,6 +831,19 @@ class AgentRunner:
             await reading
         # An error's text may quote the endpoint's answer: stored like a step's.
         ended = replace(run, status=status, error=storable_text(error), ended_at=self._env.clock())
+        chat = reply_group if task is None else None
+        await self._finish(ended, answer, failure=failure, cause=cause, chat=chat)
+
+    async def _finish(
+        self,
+        ended: Run,
+        answer: str,
+        *,
+        failure: Exception | None,
+        cause: Exception | None,
+        chat: uuid.UUID | None,
+    ) -> None:
+        """Stores the end of a run, settles its task and tells its chat if no answer came."""
         try:
             await self._end_run(ended, failure)
         except BaseException:
@@ -820,7 +852,7 @@ class AgentRunner:
             raise
         self._env.run_ended()
         await self._settle_task(ended, answer)
-        await self._tell_chat(ended, cause, reply_group if task is None else None)
+        await self._tell_chat(ended, cause, chat)
 
     async def _tell_chat(self, run: Run, cause: Exception | None, chat: uuid.UUID | None) -> None:
         """Tells the people waiting for an answer in `chat` that none is coming,
@@ -828,7 +860,7 @@ class AgentRunner:
         `WakeAgent`), if the run ended so. Posted once per run (keyed by it);
         lost if the IM is away meanwhile."""
         trouble = _trouble(run.status, cause)
-        self._failed = trouble is not None
+        self._failed = trouble is not None and trouble is not Trouble.TERMINATED
         if trouble is None or chat is None:
             return
         notice = failure_notice(trouble, run.error)
@@ -837,8 +869,9 @@ class AgentRunner:
             "run_id": str(run.id),
             "status": run.status.value,
             "trouble": trouble.value,
-            "retry": "WakeAgent",
         }
+        if self._failed:
+            about["retry"] = "WakeAgent"
         try:
             await self._env.im.send_message(
                 self.agent.member_id,
@@ -964,7 +997,7 @@ class AgentRunner:
             # Known as running before it is marked so, for a cancel meanwhile.
             self._running_task = task
             if env.tasks is not None and not resumed:
-                inputs.append(ChatMessage(role=Role.USER, content=f"[task {task.id}] {task.input}"))
+                inputs.append((ChatMessage(role=Role.USER, content=task.input), Origin(task_id=task.id)))
                 task = await env.tasks.started(task, run_id=run.id, at=env.clock())
                 if task.status is not TaskStatus.RUNNING:
                     self._running_task = None
@@ -983,19 +1016,18 @@ class AgentRunner:
         # so that a control applied meanwhile sees a run in flight; back as it
         # was if the write fails.
         before = self.agent
-        self.agent = replace(self.agent, state=AgentState.RUNNING, last_error="")
+        self.agent = self.agent.with_state(AgentState.RUNNING, "")
         incoming = [self._step(run, m, StepMetrics(), kind=StepKind.RECALL) for m in recalled]
-        incoming += [self._step(run, message, StepMetrics()) for message in inputs]
+        incoming += [self._step(run, message, StepMetrics(), origin=origin) for message, origin in inputs]
         try:
             await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks)
         except BaseException:
-            self.agent = replace(self.agent, state=before.state, last_error=before.last_error)
+            self.agent = self._restored_state(before)
             raise
-        was = before.state
         self._advance_marks(taken.marks)
         self._emit(RunStarted(run))
-        if was is not AgentState.RUNNING:
-            self._emit(StateChanged(AgentState.RUNNING, ""))
+        if self.agent.state_version != before.state_version:
+            self._emit_state()
         for step in incoming:
             self._remember(step)
         if task is not None and resumed and env.tasks is not None:
@@ -1113,13 +1145,12 @@ class AgentRunner:
             # Asked to pause during the run, and no step boundary came: it
             # takes effect as the run ends (why a failed run failed stays on the run).
             state, error = AgentState.PAUSED, ""
-        changed = (state, error) != (agent.state, agent.last_error)
-        self.agent = replace(agent, state=state, last_error=error, pause_pending=False)
+        self.agent = agent.with_state(state, error)
         # One write for the run's end and the agent's new state.
         await self._env.store.end_run(run, self.agent)
         self._emit(RunEnded(run))
-        if changed:
-            self._emit(StateChanged(state, error))
+        if self.agent.state_version != agent.state_version:
+            self._emit_state()
 
     async def _deliver(self, said: Step, group_id: uuid.UUID | None) -> None:
         """Posts an answer step to the chat, in several messages if it is longer
@@ -1156,10 +1187,9 @@ class AgentRunner:
     def _last_group(self) -> uuid.UUID | None:
         # Resuming after an error: answer where the last message came from.
         for step in reversed(self._steps or []):
-            content = step.message.content or ""
-            if step.role is Role.USER and "group_id=" in content:
-                with contextlib.suppress(ValueError):
-                    return uuid.UUID(content.split("group_id=", 1)[1][:36])
+            chat = conversation_of_input(step)
+            if isinstance(chat, uuid.UUID):
+                return chat
         return None
 
     def _paused(self) -> bool:
@@ -1173,23 +1203,26 @@ class AgentRunner:
         budget = self.agent.token_budget or self._env.settings.default_token_budget
         return self.agent.tokens_used >= budget
 
-    async def _incoming(self, message: IMMessage) -> ChatMessage:
+    async def _incoming(self, message: IMMessage) -> tuple[ChatMessage, Origin]:
+        """An IM message as an input step: its text, and who sent it where."""
         member = self.agent.member_id
-        _, label = await self._env.directory.group(member, message.group_id)
+        direct, name = await self._env.directory.group(member, message.group_id)
         sender = await self._env.directory.name(member, message.sender_id)
-        return incoming_message(
-            group_label=label,
+        origin = Origin(
             group_id=message.group_id,
-            sender_name=sender,
+            group_name=name,
+            direct=direct,
             sender_id=message.sender_id,
-            content=message.content,
+            sender_name=sender,
+            message_id=message.id,
         )
+        return ChatMessage(role=Role.USER, content=message.content), origin
 
     async def _read_in(self, run: Run, taken: _Taken) -> None:
         """Adds messages to the context as user steps (in one write with how
         far they were read), then marks them read in the IM."""
         inputs = [await self._incoming(message) for message in taken.messages]
-        steps = [self._step(run, message, StepMetrics()) for message in inputs]
+        steps = [self._step(run, message, StepMetrics(), origin=origin) for message, origin in inputs]
         await self._env.store.append_input(self.agent.id, steps, taken.marks)
         self._advance_marks(taken.marks)
         for step in steps:
@@ -1295,6 +1328,28 @@ class AgentRunner:
         return True
 
     async def _complete(self, run: Run) -> tuple[Completion, Step]:
+        """A completion; a stream that breaks off midway is kept as a CUT step
+        and asked for again (as the LLM adapter does with the requests that
+        fail before their first delta), unless no retry could help."""
+        settings = self._env.settings
+        for attempt in range(settings.stream_cut_retries + 1):
+            try:
+                return await self._complete_once(run)
+            except _StreamCut as cut:
+                error = cut.error
+                if attempt == settings.stream_cut_retries or isinstance(error, LLMRejected):
+                    raise error from None
+                delay = min(8.0, settings.stream_cut_backoff_seconds * 2**attempt)
+                logger.warning(
+                    "agent %s: the model's stream broke off (%s); asking again in %.1f s",
+                    self.agent.id,
+                    error,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _complete_once(self, run: Run) -> tuple[Completion, Step]:
         env, agent = self._env, self.agent
         tools = env.tools.specs(agent.tools)
         fitted = await self._fitted_context(run, tools)
@@ -1307,16 +1362,22 @@ class AgentRunner:
         # What has streamed so far, kept should a person cut the step short.
         assembler = CompletionAssembler()
         self._streaming = (sequence, assembler)
-        async for item in env.llm.stream(request):
-            if isinstance(item, Completion):
-                completion = item
-                continue
+        try:
+            async for item in env.llm.stream(request):
+                if isinstance(item, Completion):
+                    completion = item
+                    continue
+                if not first_token_ms:
+                    first_token_ms = (time.perf_counter() - started) * 1000
+                # Watchers see what the stored step will hold.
+                delta = storable_delta(item)
+                assembler.add(delta)
+                self._emit(StepDelta(sequence, delta))
+        except LLMError as error:
             if not first_token_ms:
-                first_token_ms = (time.perf_counter() - started) * 1000
-            # Watchers see what the stored step will hold.
-            delta = storable_delta(item)
-            assembler.add(delta)
-            self._emit(StepDelta(sequence, delta))
+                raise
+            await self._keep_cut(run, sequence, assembler, started, error)
+            raise _StreamCut(error) from None
         if completion is None:
             raise LLMError("the model's stream ended without a completion")
         # What the model said is stored, answered and reused as it is stored.
@@ -1342,6 +1403,22 @@ class AgentRunner:
         self._count_tokens(usage)
         return completion, said
 
+    async def _keep_cut(
+        self, run: Run, sequence: int, assembler: CompletionAssembler, started: float, error: LLMError
+    ) -> None:
+        """Stores what a broken-off stream had said (people saw it stream) as a CUT step."""
+        self._streaming = None
+        partial = assembler.message()
+        kept = ChatMessage(role=Role.ASSISTANT, content=partial.content, reasoning=partial.reasoning)
+        logger.info("agent %s: stream of step %d broke off: %s", self.agent.id, sequence, error)
+        await self._append(
+            run,
+            kept,
+            StepMetrics(duration_ms=(time.perf_counter() - started) * 1000),
+            sequence=sequence,
+            kind=StepKind.CUT,
+        )
+
     def _count_tokens(self, usage: Usage) -> None:
         """Adds a call's tokens to what the agent has used (its budget's measure)."""
         used = self.agent.tokens_used + usage.input_tokens + usage.output_tokens
@@ -1354,7 +1431,8 @@ class AgentRunner:
             identity += f", {agent.role}"
         identity += (
             f", a member of an instant-messaging workspace (your member_id is {agent.member_id})."
-            " Messages reach you as '[chat | group_id=...] sender (member_id=...): text'."
+            " Each message you receive starts with its sender's name ('Ada: ...'), and in a group"
+            " with the group's name ('[Team] Ada: ...')."
             " Your final answer is posted to the chat that woke you; use tools to write elsewhere."
             " In a group, @name a member to ask them; agents answer only those who @name them or"
             f" reply to them. If you have nothing to add, answer exactly {NO_REPLY} and nothing is posted."
@@ -1406,6 +1484,7 @@ class AgentRunner:
         interrupted: bool = False,
         kind: StepKind = StepKind.MESSAGE,
         summary_through: int = 0,
+        origin: Origin | None = None,
     ) -> Step:
         """A new step after the last one (or at `sequence`); not stored yet."""
         if not sequence:
@@ -1425,6 +1504,7 @@ class AgentRunner:
             interrupted=interrupted,
             kind=kind,
             summary_through=summary_through,
+            origin=storable_origin(origin) if origin is not None else None,
         )
 
     def _remember(self, step: Step) -> None:
@@ -1460,24 +1540,38 @@ class AgentRunner:
 
     async def _set_state(self, state: AgentState, error: str) -> None:
         """Moves the agent to a state (which ends any pending pause) and stores it."""
-        if (state, error, False) == (self.agent.state, self.agent.last_error, self.agent.pause_pending):
-            await self._env.store.save_progress(self.agent)
-            return
         # Changed here before the write, so that the loop (which checks the
         # state between its awaits) sees it at once; back as it was if the write fails.
         before = self.agent
-        self.agent = replace(self.agent, state=state, last_error=error, pause_pending=False)
+        self.agent = self.agent.with_state(state, error)
         try:
             await self._env.store.save_progress(self.agent)
         except BaseException:
-            self.agent = replace(
-                self.agent,
-                state=before.state,
-                last_error=before.last_error,
-                pause_pending=before.pause_pending,
-            )
+            self.agent = self._restored_state(before)
             raise
-        self._emit(StateChanged(state, error))
+        if self.agent.state_version != before.state_version:
+            self._emit_state()
+
+    def _restored_state(self, before: Agent) -> Agent:
+        """The agent with its state as `before` had it (a write of the new one
+        failed); its version stays ahead, so that the state is told again
+        however it was seen meanwhile."""
+        version = max(before.state_version, self.agent.state_version)
+        return replace(
+            self.agent,
+            state=before.state,
+            last_error=before.last_error,
+            pause_pending=before.pause_pending,
+            state_version=version,
+        )
+
+    def _emit_state(self) -> None:
+        agent = self.agent
+        self._emit(
+            StateChanged(
+                agent.state, agent.last_error, pause_pending=agent.pause_pending, version=agent.state_version
+            )
+        )
 
     def _emit(self, event: AgentEvent) -> None:
         self._env.hub.publish(Emitted(self.agent.id, self._env.clock(), event))
@@ -1500,7 +1594,7 @@ def _is_answer(step: Step) -> bool:
 
 
 def _last_assistant(steps: list[Step]) -> Step:
-    return next(step for step in reversed(steps) if step.role is Role.ASSISTANT)
+    return next(step for step in reversed(shown_to_model(steps)) if step.role is Role.ASSISTANT)
 
 
 class _PausedAtBoundary(Exception):
@@ -1515,12 +1609,26 @@ class _NotStarted(Exception):
     """The work chosen is not to be done after all (paused, or the task cancelled)."""
 
 
+class _Terminated(Exception):
+    """A person terminated the agent during the run."""
+
+
+class _StreamCut(Exception):
+    """The model's stream broke off after it began; what it said is kept as a CUT step."""
+
+    def __init__(self, error: LLMError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def _trouble(status: RunStatus, cause: Exception | None) -> Trouble | None:
     """Why a run that ended so owes the chat a notice; None if it does not
     (it answered, a person stopped it, or the IM refused the answer and would
     refuse a notice too)."""
     if status is RunStatus.BUDGET_EXHAUSTED:
         return Trouble.BUDGET
+    if isinstance(cause, _Terminated):
+        return Trouble.TERMINATED
     if status is not RunStatus.FAILED or isinstance(cause, IMError):
         return None
     if isinstance(cause, ContextTooLong):

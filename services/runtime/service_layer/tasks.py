@@ -42,6 +42,7 @@ from services.runtime.domain.model import (
     Task,
     TaskChanged,
     TaskStatus,
+    shown_to_model,
 )
 from services.runtime.service_layer.agents import AgentNotFound, AgentService
 from services.runtime.service_layer.hub import AgentHub
@@ -388,7 +389,7 @@ class TaskService(TaskQueue):
     async def _answer_of(self, run: Run) -> str:
         """The last thing the model said in a run: its answer."""
         steps = await self._store.list_steps(run.session_id, after_sequence=0, limit=100_000, run_id=run.id)
-        said = [s for s in steps if s.role is Role.ASSISTANT]
+        said = [s for s in shown_to_model(steps) if s.role is Role.ASSISTANT]
         if not said:
             return ""
         return said[-1].message.content or ""

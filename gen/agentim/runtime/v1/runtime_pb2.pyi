@@ -212,6 +212,11 @@ class _StepKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StepKind.Val
     """Memories recalled from long-term memory at the start of a run (a USER
     step before the run's input, each memory with its anchor ref).
     """
+    STEP_KIND_CUT: _StepKind.ValueType  # 4
+    """What the model had streamed when its stream broke off (an ASSISTANT
+    step, without tool calls): kept because people saw it, never sent to the
+    model again. The retried request follows it.
+    """
 
 class StepKind(_StepKind, metaclass=_StepKindEnumTypeWrapper):
     """What a step is besides a chat message."""
@@ -228,6 +233,11 @@ the steps it covers, through `summary_through`). Editable while paused.
 STEP_KIND_RECALL: StepKind.ValueType  # 3
 """Memories recalled from long-term memory at the start of a run (a USER
 step before the run's input, each memory with its anchor ref).
+"""
+STEP_KIND_CUT: StepKind.ValueType  # 4
+"""What the model had streamed when its stream broke off (an ASSISTANT
+step, without tool calls): kept because people saw it, never sent to the
+model again. The retried request follows it.
 """
 Global___StepKind: _TypeAlias = StepKind  # noqa: Y015
 
@@ -309,6 +319,7 @@ class Agent(_message.Message):
     MAIN_SESSION_ID_FIELD_NUMBER: _builtins.int
     PAUSE_PENDING_FIELD_NUMBER: _builtins.int
     AUTO_RECALL_FIELD_NUMBER: _builtins.int
+    STATE_VERSION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -341,6 +352,11 @@ class Agent(_message.Message):
     auto_recall: _builtins.int
     """Memories recalled automatically at the start of each run (0: none);
     unset for the runtime's default.
+    """
+    state_version: _builtins.int
+    """Counts the changes of state, last_error and pause_pending. Answers and
+    events may reach a client in any order: the one with the highest
+    version tells the current state (see AgentStateChanged.state_version).
     """
     @_builtins.property
     def model(self) -> Global___ModelSettings:
@@ -379,10 +395,11 @@ class Agent(_message.Message):
         main_session_id: _builtins.str = ...,
         pause_pending: _builtins.bool = ...,
         auto_recall: _builtins.int | None = ...,
+        state_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "state_version", b"state_version", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto_recall: _TypeAlias = _typing.Literal["auto_recall"]  # noqa: Y015
     _WhichOneofArgType__auto_recall: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall"]  # noqa: Y015
@@ -494,6 +511,7 @@ class Step(_message.Message):
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     SUMMARY_THROUGH_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     agent_id: _builtins.str
@@ -534,6 +552,13 @@ class Step(_message.Message):
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it completed."""
 
+    @_builtins.property
+    def origin(self) -> Global___StepOrigin:
+        """Input steps: the chat message or task they came from. `content` is the
+        text as its sender wrote it; the model reads it after the sender's name
+        (and, in a group, the group's name).
+        """
+
     def __init__(
         self,
         *,
@@ -553,14 +578,61 @@ class Step(_message.Message):
         interrupted: _builtins.bool = ...,
         kind: Global___StepKind.ValueType = ...,
         summary_through: _builtins.int = ...,
+        origin: Global___StepOrigin | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "metrics", b"metrics"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "metrics", b"metrics", "origin", b"origin"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "create_time", b"create_time", "id", b"id", "interrupted", b"interrupted", "kind", b"kind", "metrics", b"metrics", "name", b"name", "reasoning", b"reasoning", "role", b"role", "run_id", b"run_id", "sequence", b"sequence", "session_id", b"session_id", "summary_through", b"summary_through", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "content", b"content", "create_time", b"create_time", "id", b"id", "interrupted", b"interrupted", "kind", b"kind", "metrics", b"metrics", "name", b"name", "origin", b"origin", "reasoning", b"reasoning", "role", b"role", "run_id", b"run_id", "sequence", b"sequence", "session_id", b"session_id", "summary_through", b"summary_through", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Step: _TypeAlias = Step  # noqa: Y015
+
+@_typing.final
+class StepOrigin(_message.Message):
+    """Where an input step came from: a chat message or a task."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    GROUP_NAME_FIELD_NUMBER: _builtins.int
+    DIRECT_FIELD_NUMBER: _builtins.int
+    SENDER_ID_FIELD_NUMBER: _builtins.int
+    SENDER_NAME_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """The chat (IM group) of the message."""
+    group_name: _builtins.str
+    """The chat's name when the message was read."""
+    direct: _builtins.bool
+    """Whether the chat is a direct (two-member) chat."""
+    sender_id: _builtins.str
+    """The member who sent the message."""
+    sender_name: _builtins.str
+    """The sender's display name when the message was read."""
+    message_id: _builtins.str
+    """The IM message."""
+    task_id: _builtins.str
+    """The task, for a task's input (the chat fields are then empty)."""
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        group_name: _builtins.str = ...,
+        direct: _builtins.bool = ...,
+        sender_id: _builtins.str = ...,
+        sender_name: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "group_id", b"group_id", "group_name", b"group_name", "message_id", b"message_id", "sender_id", b"sender_id", "sender_name", b"sender_name", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepOrigin: _TypeAlias = StepOrigin  # noqa: Y015
 
 @_typing.final
 class Run(_message.Message):
@@ -1336,6 +1408,7 @@ class AgentStateChanged(_message.Message):
     STATE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     PAUSE_PENDING_FIELD_NUMBER: _builtins.int
+    STATE_VERSION_FIELD_NUMBER: _builtins.int
     state: Global___AgentState.ValueType
     """The new state."""
     error: _builtins.str
@@ -1344,16 +1417,21 @@ class AgentStateChanged(_message.Message):
     """A pause is pending (see Agent.pause_pending): sent when a pause is
     requested during a run, with state RUNNING.
     """
+    state_version: _builtins.int
+    """The agent's state_version after this change: a client keeps the state
+    of the highest version it has seen (from events or answers).
+    """
     def __init__(
         self,
         *,
         state: Global___AgentState.ValueType = ...,
         error: _builtins.str = ...,
         pause_pending: _builtins.bool = ...,
+        state_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pause_pending", b"pause_pending", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "pause_pending", b"pause_pending", "state", b"state", "state_version", b"state_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2643,3 +2721,70 @@ class GetQueueStatsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetQueueStatsResponse: _TypeAlias = GetQueueStatsResponse  # noqa: Y015
+
+@_typing.final
+class ListToolsRequest(_message.Message):
+    """Request for ListTools."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListToolsRequest: _TypeAlias = ListToolsRequest  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A tool an agent may use."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name (as in Agent.tools)."""
+    description: _builtins.str
+    """What it does, as the model is told."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ListToolsResponse(_message.Message):
+    """Response for ListTools."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Every tool, in the order the runtime offers them."""
+
+    def __init__(
+        self,
+        *,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListToolsResponse: _TypeAlias = ListToolsResponse  # noqa: Y015

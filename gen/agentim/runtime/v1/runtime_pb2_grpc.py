@@ -188,6 +188,11 @@ class RuntimeServiceStub:
                 request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsRequest.SerializeToString,
                 response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsResponse.FromString,
                 _registered_method=True)
+        self.ListTools = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ListTools',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -434,6 +439,13 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTools(self, request, context):
+        """Lists the tools an agent may be given (Agent.tools names them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -586,6 +598,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.GetQueueStats,
                     request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsRequest.FromString,
                     response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsResponse.SerializeToString,
+            ),
+            'ListTools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTools,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1402,6 +1419,33 @@ class RuntimeService:
             '/agentim.runtime.v1.RuntimeService/GetQueueStats',
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsRequest.SerializeToString,
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.GetQueueStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ListTools',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,6 +137,8 @@ class RuntimeServiceStub:
     """Cancels a queued or running task."""
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.GetQueueStatsRequest, _runtime_pb2.GetQueueStatsResponse]
     """An agent's queue length and average waiting time."""
+    ListTools: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListToolsRequest, _runtime_pb2.ListToolsResponse]
+    """Lists the tools an agent may be given (Agent.tools names them)."""
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -247,6 +249,8 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     """Cancels a queued or running task."""
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_runtime_pb2.GetQueueStatsRequest, _runtime_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
     """An agent's queue length and average waiting time."""
+    ListTools: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListToolsRequest, _runtime_pb2.ListToolsResponse]  # type: ignore[assignment]
+    """Lists the tools an agent may be given (Agent.tools names them)."""
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """RuntimeService owns agents: resident loops that wake on IM messages, think
@@ -534,5 +538,13 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_runtime_pb2.GetQueueStatsResponse, _abc.Awaitable[_runtime_pb2.GetQueueStatsResponse]]:
         """An agent's queue length and average waiting time."""
+
+    @_abc_1.abstractmethod
+    def ListTools(
+        self,
+        request: _runtime_pb2.ListToolsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ListToolsResponse, _abc.Awaitable[_runtime_pb2.ListToolsResponse]]:
+        """Lists the tools an agent may be given (Agent.tools names them)."""
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -21,8 +21,9 @@ for tests. What it does with a `CompletionRequest`:
    * anything else: it answers `(offline model) You said: <text>` (the
      text cut to 200 characters) and finishes with `stop`.
 
-   The runtime's envelope of an IM message (`[chat | group_id=...] sender
-   (member_id=...): `) is not part of the text.
+   Who sent an input and where (`ChatMessage.prefix`, `[Team] Ada: `) is
+   not part of the text, nor the envelope of inputs stored before prefixes
+   (`[chat | group_id=...] sender (member_id=...): `).
 
 Text is streamed a few characters per delta and tool arguments in several
 fragments, as a real model would. Tool call ids are `call_<n>`, where n
@@ -146,7 +147,7 @@ def _plan(request: CompletionRequest) -> _Plan:
         return _Plan(thought="The tool has run; I will report its result.", content="\n".join(lines))
 
     text = next((m.content or "" for m in reversed(messages) if m.role is Role.USER), "").strip()
-    # The runtime hands it IM messages as "[chat | group_id=...] sender (member_id=...): text".
+    # Inputs stored before prefixes read "[chat | group_id=...] sender (member_id=...): text".
     text = _ENVELOPE.sub("", text, count=1)
     tools = {tool.name for tool in request.tools}
     instruction = _INSTRUCTION.search(text)

@@ -50,6 +50,7 @@ import asyncio
 import logging
 import random
 import re
+import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -170,7 +171,8 @@ class OpenAIProvider(LLM):
         client = self._client(base_url)
         body: dict[str, object] = {
             "model": model,
-            "messages": [m.to_openai() for m in request.messages],
+            # OpenAI's API shows the model a user message's `name`; others may refuse it.
+            "messages": [m.to_openai(user_names=_is_openai(base_url)) for m in request.messages],
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -421,6 +423,10 @@ def _text(fields: dict[str, Any], name: str) -> str:
     """A string field, or "" when it is missing, null or not a string."""
     value = fields.get(name)
     return value if isinstance(value, str) else ""
+
+
+def _is_openai(base_url: str) -> bool:
+    return urllib.parse.urlsplit(base_url).hostname == "api.openai.com"
 
 
 def _normalize(base_url: str) -> str:
