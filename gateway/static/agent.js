@@ -2,7 +2,7 @@
 // organisation tree) and the agent form.
 
 import { LiveStream, listAll } from "./api.js";
-import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, queueView, sessionsView, showAddNote, stepActions } from "./control.js";
+import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, mergeAgent, queueView, sessionsView, showAddNote, stepActions } from "./control.js";
 import { avatar, h, setChildren } from "./dom.js";
 import { memoryView } from "./memory.js";
 import { applyDelta, renderRunHeader, renderStep, startedStep } from "./steps.js";
@@ -111,8 +111,8 @@ export async function openAgentPanel(ctx, agentId, { tab = "activity" } = {}) {
   try {
     const fresh = (await ctx.api("GET", `/v1/agents/${agentId}`)).agent;
     if (panel !== mine) return;
-    panel.agent = fresh;
-    ctx.upsertAgent({ ...fresh });
+    panel.agent = mergeAgent(panel.agent, fresh);
+    ctx.upsertAgent({ ...panel.agent });
     drawHead();
     await loadActivity(mine);
   } catch (err) {
@@ -165,11 +165,11 @@ function makeHost(mine) {
  */
 function applyAgent(p, agent) {
   const before = p.agent;
-  p.agent = { ...before, ...agent };
+  p.agent = mergeAgent(before, agent);
   // The service says when a pause is pending (whoever asked for it); it ends with the run's state change.
   if (p.agent.state !== "AGENT_STATE_RUNNING") p.pauseRequested = false;
   else if (p.agent.pausePending) p.pauseRequested = true;
-  // A copy: the app updates its agents in place, and the panel compares before and after.
+  // A copy: the app keeps its own, and the panel compares before and after.
   p.ctx.upsertAgent({ ...p.agent });
   drawHead();
   const session = p.agent.mainSessionId;
@@ -355,7 +355,7 @@ function onEvent(event) {
     schedule(seq);
   } else if (event.stateChanged) {
     const changed = event.stateChanged;
-    applyAgent(p, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending) });
+    applyAgent(p, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending), stateVersion: changed.stateVersion });
   } else if (event.taskChanged) {
     p.view?.onTask?.(event.taskChanged);
   } else if (event.mainSessionChanged) {

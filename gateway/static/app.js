@@ -10,7 +10,7 @@ import { renderMarkdown, safeHref } from "./markdown.js";
 import { askToken, field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 import { closeAgentPanel, currentPanelAgent, openAgentAtStep, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
 import { workspaceMemoryView } from "./memory.js";
-import { STATE_LABELS } from "./control.js";
+import { STATE_LABELS, mergeAgent } from "./control.js";
 
 const IDENTITY_KEY = "agentim.identity";
 const KNOWN_KEY = "agentim.known";
@@ -306,7 +306,8 @@ async function loadMembers() {
 async function loadAgents() {
   try {
     const agents = await listAll("/v1/agents", "agents");
-    state.agents = new Map(agents.map((a) => [a.id, a]));
+    // A state the live events brought meanwhile may be newer than the list's.
+    state.agents = new Map(agents.map((a) => [a.id, mergeAgent(state.agents.get(a.id), a)]));
   } catch (err) {
     state.agents = new Map();
     showError(err, "Agents are unavailable");
@@ -398,9 +399,10 @@ function startAgentStream() {
       const agent = state.agents.get(event.agentId);
       if (!agent) return;
       if (event.stateChanged) {
-        agent.state = event.stateChanged.state;
-        agent.lastError = event.stateChanged.error || "";
-        renderAgentState(agent);
+        const changed = event.stateChanged;
+        const updated = mergeAgent(agent, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending), stateVersion: changed.stateVersion });
+        state.agents.set(agent.id, updated);
+        renderAgentState(updated);
       }
     },
     onStatus: (status) => streamStatus("agents", status === "reconnecting" ? "down" : status),
@@ -1138,7 +1140,7 @@ function renderChatHead() {
     head,
     h("button", { class: "icon-btn chat-back", type: "button", title: "Back to the chats", "aria-label": "Back to the chats", testid: "chat-back", onclick: closeChat }, "‹"),
     chatAvatar(group, "small"),
-    h("div", { class: "chat-head-main" }, h("div", { class: "chat-title", testid: "chat-title" }, chatTitle(group)), h("div", { class: "chat-sub muted small" }, agent ? stateDot(agent) : null, subtitle)),
+    h("div", { class: "chat-head-main" }, h("div", { class: "chat-title", testid: "chat-title" }, chatTitle(group)), h("div", { class: "chat-sub muted small", testid: "chat-subtitle", dataset: { agentState: agent ? STATE_LABELS[agent.state] || "unknown" : "" } }, agent ? stateDot(agent) : null, subtitle)),
     agent ? h("button", { class: "btn btn-small", type: "button", testid: "open-agent-panel", onclick: () => openAgentPanel(appContext, agent.id) }, icon("agent", 16), "Agent panel") : null,
     h("button", { class: "icon-btn", type: "button", title: "Chat info and members", testid: "chat-info-button", onclick: showChatInfo }, "⋯"),
   );
@@ -1508,7 +1510,7 @@ const appContext = {
   renderSidebar,
   streamTrouble,
   upsertAgent(agent) {
-    state.agents.set(agent.id, agent);
+    state.agents.set(agent.id, mergeAgent(state.agents.get(agent.id), agent));
     if (!state.members.has(agent.memberId)) refreshMembers();
     renderSidebar();
     if (state.chat) renderChatHead();

@@ -29,6 +29,36 @@ export function isPaused(agent) {
   return agent.state === PAUSED;
 }
 
+/** An agent's state version (int64: a string in JSON, left out when 0). */
+function stateVersion(agent) {
+  try {
+    return BigInt(agent?.stateVersion ?? 0);
+  } catch {
+    return 0n;
+  }
+}
+
+/**
+ * `current` (an agent as shown) updated with `incoming`: a whole Agent from a
+ * response, or some of its fields from an event. Its state (state, lastError,
+ * pausePending, stateVersion) is taken only if its version is at least the
+ * one shown: a response made before a change can arrive after the change's
+ * event (ResumeAgent's IDLE after the run's RUNNING).
+ */
+export function mergeAgent(current, incoming) {
+  if (!current || !("state" in incoming)) return { ...current, ...incoming };
+  const fresh = stateVersion(incoming) >= stateVersion(current);
+  const source = fresh ? incoming : current;
+  return {
+    ...current,
+    ...incoming,
+    state: source.state,
+    lastError: source.lastError || "",
+    pausePending: Boolean(source.pausePending),
+    stateVersion: String(stateVersion(source)),
+  };
+}
+
 function newRequestId() {
   if (crypto.randomUUID) return crypto.randomUUID();
   const b = crypto.getRandomValues(new Uint8Array(16));

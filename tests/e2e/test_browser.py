@@ -33,12 +33,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
-from tests.fake_openai import FakeOpenAI, Reply, text_reply
+from tests.fake_openai import FakeOpenAI, Received, Reply, text_reply
 
 from . import ROOT, in_ci
 
@@ -100,16 +100,28 @@ def _environment(data_dir: Path) -> dict[str, str]:
     return env
 
 
+# The fake endpoint's models: the flaky one is down for its first request
+# and answers after; the slow one streams its answer over a few seconds.
+FLAKY_MODEL = "fake-model"
+SLOW_MODEL = "slow-model"
+
+
 @contextmanager
-def _flaky_model() -> Iterator[str]:
-    """An OpenAI-compatible endpoint, in a thread of its own, that is down
-    for its first request and answers after; yields its URL."""
+def _fake_models() -> Iterator[str]:
+    """An OpenAI-compatible endpoint, in a thread of its own, serving the
+    flaky and the slow model (by the request's model name); yields its URL."""
     loop = asyncio.new_event_loop()
     fake = FakeOpenAI()
-    calls = itertools.count()
+    flaky_calls = itertools.count()
     down = Reply(503, body={"error": {"message": "the model is loading", "type": "server_error"}})
-    fake.responder = lambda _: down if next(calls) == 0 else text_reply("Back now: here is my answer.")
-    thread = threading.Thread(target=loop.run_forever, name="flaky-model", daemon=True)
+
+    def respond(request: Received) -> Reply:
+        if request.body.get("model") == SLOW_MODEL:
+            return replace(text_reply("Slowly, slowly: here is my considered answer."), delay=0.25)
+        return down if next(flaky_calls) == 0 else text_reply("Back now: here is my answer.")
+
+    fake.responder = respond
+    thread = threading.Thread(target=loop.run_forever, name="fake-models", daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
     try:
@@ -271,7 +283,7 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
         assert guarded_address is not None, guarded.report()
         services.insert(0, guarded)
 
-        model_url = stack.enter_context(_flaky_model())
+        model_url = stack.enter_context(_fake_models())
         code, output = _run_browser(node, f"http://{url_address}/", model_url, f"http://{guarded_address}/")
         logs = "\n".join(service.report() for service in services)
         assert code == 0, f"browser script failed (exit {code}); screenshots in {ARTIFACTS}\n{output}\n{logs}"

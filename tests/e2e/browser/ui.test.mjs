@@ -791,6 +791,59 @@ try {
     await shot(page, "21-retry-answered");
   });
 
+  await step("resume with a message waiting: the run starts at once; header and badge say RUNNING, then IDLE", async () => {
+    await newFromMenu(page, "new-agent");
+    const dialog = page.locator(testid("agent-dialog"));
+    await dialog.locator(testid("agent-name")).fill("slowpoke");
+    await dialog.locator(testid("agent-role")).fill("thinker");
+    // The fake endpoint's slow model streams its answer over a few seconds.
+    await dialog.locator(testid("agent-model")).fill("slow-model");
+    await dialog.locator(testid("agent-base-url")).fill(process.env.AGENTIM_FAKE_LLM_URL);
+    await dialog.locator(testid("agent-dialog-submit")).click();
+    await dialog.waitFor({ state: "detached" });
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "slowpoke" }).waitFor();
+    await page.locator(testid("agent-chat")).click();
+    await page.locator(testid("chat-title")).filter({ hasText: "slowpoke" }).waitFor();
+    await panel.locator(testid("agent-pause")).click();
+    await stateIs("paused");
+    await send(page, "Take your time.");
+    await messageFrom(page, "Ada", "Take your time.").waitFor();
+    // The race, made certain: ResumeAgent's answer (IDLE when it was made) reaches
+    // the page only after the run's live state_changed (RUNNING) has.
+    await page.route(
+      /\/v1\/agents\/[^/]+:resume$/,
+      async (route) => {
+        const response = await route.fetch();
+        await new Promise((resolve) => setTimeout(resolve, 1200));
+        await route.fulfill({ response });
+      },
+      { times: 1 },
+    );
+    const resumed = page.waitForResponse(/\/v1\/agents\/[^/]+:resume$/);
+    await panel.locator(testid("agent-resume")).click();
+    await panel.locator(`${testid("step")}[data-role="assistant"][data-live="true"]`).waitFor();
+    const answer = await (await resumed).json();
+    log(`ResumeAgent answered ${answer.agent.state} (version ${answer.agent.stateVersion ?? "none"})`);
+    await page.waitForTimeout(300);
+    const shown = await page.evaluate(async () => {
+      const me = JSON.parse(localStorage.getItem("agentim.identity")).memberId;
+      const response = await fetch("/v1/agents?page_size=200", { headers: { "X-Member-Id": me } });
+      const agent = (await response.json()).agents.find((a) => a.name === "slowpoke");
+      return {
+        api: agent.state,
+        header: document.querySelector('[data-testid="chat-subtitle"]').dataset.agentState,
+        badge: document.querySelector('[data-testid="agent-state"]').dataset.state,
+        streaming: Boolean(document.querySelector('#agent-panel [data-testid="step"][data-live="true"]')),
+      };
+    });
+    if (shown.api !== "AGENT_STATE_RUNNING" || !shown.streaming) throw new Error(`the slow run is not under way: ${JSON.stringify(shown)}`);
+    if (shown.header !== "running" || shown.badge !== "running") throw new Error(`the UI does not say RUNNING while the agent runs: ${JSON.stringify(shown)}`);
+    await shot(page, "22-resumed-running");
+    await messageFrom(page, "slowpoke", "considered answer").waitFor();
+    await stateIs("idle");
+    await page.locator(`${testid("chat-subtitle")}[data-agent-state="idle"]`).waitFor();
+  });
+
   await step("no script error and no refused content in either tab", async () => {
     if (problems.length) throw new Error(problems.join("\n"));
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
