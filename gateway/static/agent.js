@@ -8,16 +8,17 @@ import { memoryView } from "./memory.js";
 import { applyDelta, renderRunHeader, renderStep, startedStep } from "./steps.js";
 import { field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 
-/** The runtime's built-in tools (services/runtime/service_layer/tools.py). */
-export const BUILT_IN_TOOLS = [
-  ["send_message", "send a message to a group it belongs to"],
-  ["send_direct_message", "send a direct message to a member"],
-  ["read_history", "read a group's latest messages"],
-  ["list_groups", "list its groups"],
-  ["list_members", "list the workspace's members"],
-  ["create_group", "create a group"],
-  ["create_sub_agent", "create an agent that reports to it"],
-];
+// The runtime's built-in tools, as it tells them (GET /v1/tools): asked once
+// a page, and again after a failure.
+let toolsAsked = null;
+
+function builtInTools(ctx) {
+  if (!toolsAsked) {
+    toolsAsked = ctx.api("GET", "/v1/tools").then((response) => response.tools || []);
+    toolsAsked.catch(() => (toolsAsked = null));
+  }
+  return toolsAsked;
+}
 
 const AGENT_EVENTS = [
   "run_started",
@@ -693,14 +694,27 @@ function agentFields(ctx, values = {}, { parentChoice = true, excludeId = "" } =
   const temperature = h("input", { type: "number", step: "0.1", min: "0", max: "2", value: model.temperature ?? "", placeholder: "default", testid: "agent-temperature" });
   const maxTokens = h("input", { type: "number", step: "1", min: "1", value: model.maxTokens ?? "", placeholder: "default", testid: "agent-max-tokens" });
   const budget = h("input", { type: "number", step: "1", min: "0", value: Number(values.tokenBudget) ? values.tokenBudget : "", placeholder: "the runtime's default", testid: "agent-budget" });
-  const chosen = new Set(values.tools && values.tools.length ? values.tools : BUILT_IN_TOOLS.map(([t]) => t));
-  const tools = h(
-    "div",
-    { class: "tool-list" },
-    BUILT_IN_TOOLS.map(([tool, what]) =>
-      h("label", { class: "tool-option" }, h("input", { type: "checkbox", value: tool, checked: chosen.has(tool), testid: `agent-tool-${tool}` }), h("code", {}, tool), h("span", { class: "muted small" }, ` — ${what}`)),
-    ),
-  );
+  const tools = h("div", { class: "tool-list", testid: "agent-tools" }, h("span", { class: "muted small" }, "Loading the tools…"));
+  let toolsShown = false;
+  builtInTools(ctx)
+    .then((offered) => {
+      // None chosen means every one.
+      const chosen = new Set(values.tools && values.tools.length ? values.tools : offered.map((t) => t.name));
+      setChildren(
+        tools,
+        offered.map((tool) =>
+          h(
+            "label",
+            { class: "tool-option" },
+            h("input", { type: "checkbox", value: tool.name, checked: chosen.has(tool.name), testid: `agent-tool-${tool.name}` }),
+            h("code", {}, tool.name),
+            tool.description ? h("span", { class: "muted small" }, ` — ${tool.description}`) : null,
+          ),
+        ),
+      );
+      toolsShown = true;
+    })
+    .catch((err) => setChildren(tools, h("span", { class: "form-error", testid: "agent-tools-error" }, `Could not load the tools: ${err.message}. The agent keeps the tools it has.`)));
   const agents = [...ctx.state.agents.values()].filter((a) => a.id !== excludeId);
   const parent = h(
     "select",
@@ -729,7 +743,8 @@ function agentFields(ctx, values = {}, { parentChoice = true, excludeId = "" } =
       role: role.value.trim(),
       systemPrompt: prompt.value,
       model: modelSettings,
-      tools: [...tools.querySelectorAll("input:checked")].map((i) => i.value),
+      // Until the list is shown, what the agent has (none: every tool) stays.
+      tools: toolsShown ? [...tools.querySelectorAll("input:checked")].map((i) => i.value) : values.tools || [],
       tokenBudget: budget.value === "" ? "0" : String(Math.max(0, Math.floor(Number(budget.value)))),
       parentId: parent.value,
     };

@@ -121,9 +121,17 @@ async function createAgent(page, name, role, parent = "") {
   await dialog.locator(testid("agent-role")).fill(role);
   if (parent) await dialog.locator(testid("agent-parent")).selectOption({ label: parent });
   await dialog.locator(testid("agent-prompt")).fill(`You are ${name}, a helpful ${role}.`);
-  for (const tool of ["send_direct_message", "read_history", "list_groups"]) {
+  for (const tool of ["send_direct_message", "read_history", "list_groups", "ask_human"]) {
     if (!(await dialog.locator(testid(`agent-tool-${tool}`)).isChecked())) throw new Error(`tool ${tool} is not offered ticked`);
   }
+  // The tools offered are the runtime's own list, no more, no less.
+  const offered = await dialog.locator('[data-testid^="agent-tool-"]').evaluateAll((inputs) => inputs.map((input) => input.value));
+  const listed = await page.evaluate(async () => {
+    const me = JSON.parse(localStorage.getItem("agentim.identity")).memberId;
+    const response = await fetch("/v1/tools", { headers: { "X-Member-Id": me } });
+    return (await response.json()).tools.map((tool) => tool.name);
+  });
+  if (JSON.stringify(offered) !== JSON.stringify(listed)) throw new Error(`the dialog offers ${offered} where the runtime lists ${listed}`);
   await dialog.locator(testid("agent-dialog-submit")).click();
   await dialog.waitFor({ state: "detached" });
   await page.locator(testid("agent-panel-name")).filter({ hasText: name }).waitFor();
