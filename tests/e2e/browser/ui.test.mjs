@@ -431,6 +431,15 @@ try {
     await assistant.locator(testid("step-reasoning")).waitFor();
     const input = panel.locator(`${testid("step")}[data-role="user"]`).filter({ hasText: "please run" });
     await input.waitFor();
+    // An input names its sender above the text as they wrote it; its ids only on demand.
+    await input.locator(testid("step-origin-sender")).filter({ hasText: /^Ada$/ }).waitFor();
+    await input.locator(testid("step-origin-group")).filter({ hasText: "direct chat" }).waitFor();
+    const inputText = await input.locator(testid("step-content")).innerText();
+    if (inputText.trim() !== "Hello helper, please run make test") throw new Error(`the input step is not the clean text: ${JSON.stringify(inputText)}`);
+    const ids = input.locator(`${testid("step-origin-details")} dl`);
+    if (await ids.isVisible()) throw new Error("the input's ids show without being asked for");
+    await input.locator(`${testid("step-origin-details")} summary`).click();
+    await ids.filter({ hasText: "message" }).waitFor();
     await panel.locator(`${testid("run")}[data-status="RUN_STATUS_COMPLETED"]`).first().waitFor();
     const shown = await assistant.locator(testid("step-content")).innerText();
     if (!shown.includes("(offline model) You said: Hello helper, please run make test")) {
@@ -551,6 +560,28 @@ try {
     await messageFrom(page, "Ada", "[click me](javascript:alert(3))").waitFor();
     await shot(page, "07-hostile-inert");
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
+  });
+
+  await step("in a group, an agent answers its @mention; its input step names the sender and the group", async () => {
+    await page.bringToFront();
+    await switchTo(page, "Ada");
+    await newFromMenu(page, "new-group");
+    const dialog = page.locator(testid("group-dialog"));
+    await dialog.locator(testid("group-name")).fill("Launch team");
+    await dialog.locator(`${testid("group-member-option")}[data-member-name="helper"] input`).check();
+    await dialog.locator(testid("group-dialog-submit")).click();
+    await dialog.waitFor({ state: "detached" });
+    await page.locator(testid("chat-title")).filter({ hasText: "Launch team" }).waitFor();
+    await send(page, "@helper what is the status?");
+    await messageFrom(page, "helper", "what is the status").waitFor();
+    await page.locator(testid("tab-agents")).click();
+    await page.locator(`${testid("tree-node")}[data-agent-name="helper"]`).click();
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "helper" }).waitFor();
+    const input = page.locator(`${testid("agent-panel")} ${testid("step")}[data-role="user"]`).filter({ hasText: "what is the status" });
+    await input.locator(testid("step-origin-sender")).filter({ hasText: /^Ada$/ }).waitFor();
+    await input.locator(testid("step-origin-group")).filter({ hasText: "in Launch team" }).waitFor();
+    await shot(page, "07b-group-input-origin");
+    await page.locator(testid("tab-chats")).click();
   });
 
   // Agent control (issue 5), on an agent of its own so that nothing else wakes it.
