@@ -2,22 +2,23 @@
 // organisation tree) and the agent form.
 
 import { LiveStream, listAll } from "./api.js";
-import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, queueView, sessionsView, showAddNote, stepActions } from "./control.js";
+import { STATE_LABELS, checkpointsView, isPaused, lifecycleButtons, mergeAgent, queueView, sessionsView, showAddNote, stepActions } from "./control.js";
 import { avatar, h, setChildren } from "./dom.js";
 import { memoryView } from "./memory.js";
 import { applyDelta, renderRunHeader, renderStep, startedStep } from "./steps.js";
-import { field, modal, showError, streamStatus, toast } from "./ui.js";
+import { field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 
-/** The runtime's built-in tools (services/runtime/service_layer/tools.py). */
-export const BUILT_IN_TOOLS = [
-  ["send_message", "send a message to a group it belongs to"],
-  ["send_direct_message", "send a direct message to a member"],
-  ["read_history", "read a group's latest messages"],
-  ["list_groups", "list its groups"],
-  ["list_members", "list the workspace's members"],
-  ["create_group", "create a group"],
-  ["create_sub_agent", "create an agent that reports to it"],
-];
+// The runtime's built-in tools, as it tells them (GET /v1/tools): asked once
+// a page, and again after a failure.
+let toolsAsked = null;
+
+function builtInTools(ctx) {
+  if (!toolsAsked) {
+    toolsAsked = ctx.api("GET", "/v1/tools").then((response) => response.tools || []);
+    toolsAsked.catch(() => (toolsAsked = null));
+  }
+  return toolsAsked;
+}
 
 const AGENT_EVENTS = [
   "run_started",
@@ -111,8 +112,8 @@ export async function openAgentPanel(ctx, agentId, { tab = "activity" } = {}) {
   try {
     const fresh = (await ctx.api("GET", `/v1/agents/${agentId}`)).agent;
     if (panel !== mine) return;
-    panel.agent = fresh;
-    ctx.upsertAgent({ ...fresh });
+    panel.agent = mergeAgent(panel.agent, fresh);
+    ctx.upsertAgent({ ...panel.agent });
     drawHead();
     await loadActivity(mine);
   } catch (err) {
@@ -165,11 +166,11 @@ function makeHost(mine) {
  */
 function applyAgent(p, agent) {
   const before = p.agent;
-  p.agent = { ...before, ...agent };
+  p.agent = mergeAgent(before, agent);
   // The service says when a pause is pending (whoever asked for it); it ends with the run's state change.
   if (p.agent.state !== "AGENT_STATE_RUNNING") p.pauseRequested = false;
   else if (p.agent.pausePending) p.pauseRequested = true;
-  // A copy: the app updates its agents in place, and the panel compares before and after.
+  // A copy: the app keeps its own, and the panel compares before and after.
   p.ctx.upsertAgent({ ...p.agent });
   drawHead();
   const session = p.agent.mainSessionId;
@@ -300,6 +301,8 @@ async function catchUp(mine) {
     const page = await mine.ctx.api("GET", `/v1/agents/${mine.agentId}/runs`, { query: { page_size: RUNS_PAGE } });
     for (const run of page.runs || []) mine.runs.set(run.id, run);
     const known = [...mine.steps.keys()];
+    // The open tab (the queue's tasks) may have missed events too.
+    mine.view?.refresh?.();
     await reloadSteps(mine, known.length ? Math.min(...known) - 1 : 0);
   } catch (err) {
     showError(err, "Could not catch up with the agent");
@@ -353,7 +356,7 @@ function onEvent(event) {
     schedule(seq);
   } else if (event.stateChanged) {
     const changed = event.stateChanged;
-    applyAgent(p, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending) });
+    applyAgent(p, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending), stateVersion: changed.stateVersion });
   } else if (event.taskChanged) {
     p.view?.onTask?.(event.taskChanged);
   } else if (event.mainSessionChanged) {
@@ -492,7 +495,7 @@ function drawHead() {
     h(
       "div",
       { class: "panel-actions" },
-      h("button", { class: "btn btn-small", type: "button", testid: "agent-chat", onclick: () => ctx.openDirect(agent.memberId) }, "Chat"),
+      h("button", { class: "btn btn-small", type: "button", testid: "agent-chat", onclick: () => openChatWith(ctx, agent) }, "Chat"),
       h("button", { class: "btn btn-small", type: "button", testid: "agent-wake", title: "Read its unread messages now", onclick: wake }, "Wake"),
       h("button", { class: "btn btn-small", type: "button", testid: "agent-view-as", title: "See the IM as this agent", onclick: () => ctx.switchPerspective(agent.memberId) }, "View as"),
     ),
@@ -527,6 +530,12 @@ function drawHead() {
         )
       : null,
   );
+}
+
+/** The agent's direct chat; a phone shows one thing at a time, so the sheet gives way to it. */
+function openChatWith(ctx, agent) {
+  if (isNarrow()) closeAgentPanel();
+  ctx.openDirect(agent.memberId);
 }
 
 async function wake() {
@@ -685,14 +694,27 @@ function agentFields(ctx, values = {}, { parentChoice = true, excludeId = "" } =
   const temperature = h("input", { type: "number", step: "0.1", min: "0", max: "2", value: model.temperature ?? "", placeholder: "default", testid: "agent-temperature" });
   const maxTokens = h("input", { type: "number", step: "1", min: "1", value: model.maxTokens ?? "", placeholder: "default", testid: "agent-max-tokens" });
   const budget = h("input", { type: "number", step: "1", min: "0", value: Number(values.tokenBudget) ? values.tokenBudget : "", placeholder: "the runtime's default", testid: "agent-budget" });
-  const chosen = new Set(values.tools && values.tools.length ? values.tools : BUILT_IN_TOOLS.map(([t]) => t));
-  const tools = h(
-    "div",
-    { class: "tool-list" },
-    BUILT_IN_TOOLS.map(([tool, what]) =>
-      h("label", { class: "tool-option" }, h("input", { type: "checkbox", value: tool, checked: chosen.has(tool), testid: `agent-tool-${tool}` }), h("code", {}, tool), h("span", { class: "muted small" }, ` — ${what}`)),
-    ),
-  );
+  const tools = h("div", { class: "tool-list", testid: "agent-tools" }, h("span", { class: "muted small" }, "Loading the tools…"));
+  let toolsShown = false;
+  builtInTools(ctx)
+    .then((offered) => {
+      // None chosen means every one.
+      const chosen = new Set(values.tools && values.tools.length ? values.tools : offered.map((t) => t.name));
+      setChildren(
+        tools,
+        offered.map((tool) =>
+          h(
+            "label",
+            { class: "tool-option" },
+            h("input", { type: "checkbox", value: tool.name, checked: chosen.has(tool.name), testid: `agent-tool-${tool.name}` }),
+            h("code", {}, tool.name),
+            tool.description ? h("span", { class: "muted small" }, ` — ${tool.description}`) : null,
+          ),
+        ),
+      );
+      toolsShown = true;
+    })
+    .catch((err) => setChildren(tools, h("span", { class: "form-error", testid: "agent-tools-error" }, `Could not load the tools: ${err.message}. The agent keeps the tools it has.`)));
   const agents = [...ctx.state.agents.values()].filter((a) => a.id !== excludeId);
   const parent = h(
     "select",
@@ -721,7 +743,8 @@ function agentFields(ctx, values = {}, { parentChoice = true, excludeId = "" } =
       role: role.value.trim(),
       systemPrompt: prompt.value,
       model: modelSettings,
-      tools: [...tools.querySelectorAll("input:checked")].map((i) => i.value),
+      // Until the list is shown, what the agent has (none: every tool) stays.
+      tools: toolsShown ? [...tools.querySelectorAll("input:checked")].map((i) => i.value) : values.tools || [],
       tokenBudget: budget.value === "" ? "0" : String(Math.max(0, Math.floor(Number(budget.value)))),
       parentId: parent.value,
     };

@@ -8,13 +8,17 @@
 
 const TOKEN_KEY = "agentim.token";
 
-/** An error the API answered with: its HTTP status, gRPC status name and readable message. */
+/**
+ * An error the API answered with: its HTTP status, gRPC status name and
+ * readable message; `tokenRequired` when the gateway asked for a bearer token.
+ */
 export class ApiError extends Error {
-  constructor(httpStatus, status, message) {
+  constructor(httpStatus, status, message, { tokenRequired = false } = {}) {
     super(message);
     this.name = "ApiError";
     this.httpStatus = httpStatus;
     this.status = status;
+    this.tokenRequired = tokenRequired;
   }
 }
 
@@ -39,8 +43,9 @@ export function setToken(token) {
 }
 
 /**
- * Sets what happens on a 401: `handler(error)` returns a promise that
- * resolves true once a (new) token is stored, to retry the call once.
+ * Sets what happens when the gateway asks for a bearer token: `handler(error)`
+ * returns a promise that resolves true once a (new) token is stored, to
+ * retry the call once.
  */
 export function onUnauthorized(handler) {
   unauthorizedHandler = handler;
@@ -67,7 +72,10 @@ async function readError(response) {
   } catch {
     // Not JSON (a proxy's error page): keep the HTTP status line.
   }
-  return new ApiError(response.status, status, message);
+  // Only a gateway that requires GATEWAY_TOKEN answers with the bearer
+  // challenge; a member id nobody has is 401 too, and no token would help it.
+  const tokenRequired = response.status === 401 && /^bearer\b/i.test(response.headers.get("WWW-Authenticate") || "");
+  return new ApiError(response.status, status, message, { tokenRequired });
 }
 
 /**
@@ -98,7 +106,7 @@ export async function api(method, path, { body, query, member, attempt = 0 } = {
   }
   const error = await readError(response);
   // Asks for a token again while the user keeps offering one (a wrong one answers 401 too).
-  if (response.status === 401 && attempt < 5 && unauthorizedHandler) {
+  if (error.tokenRequired && attempt < 5 && unauthorizedHandler) {
     if (await unauthorizedHandler(error)) return api(method, path, { body, query, member, attempt: attempt + 1 });
   }
   throw error;

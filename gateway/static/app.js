@@ -7,10 +7,10 @@
 import { api, ApiError, getToken, listAll, LiveStream, onUnauthorized, setActingMember, setToken } from "./api.js";
 import { avatar, clear, h, icon, longTime, parseTime, setChildren, shortTime, snippet } from "./dom.js";
 import { renderMarkdown, safeHref } from "./markdown.js";
-import { askToken, field, modal, showError, streamStatus, toast } from "./ui.js";
+import { askToken, field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 import { closeAgentPanel, currentPanelAgent, openAgentAtStep, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
 import { workspaceMemoryView } from "./memory.js";
-import { STATE_LABELS } from "./control.js";
+import { STATE_LABELS, mergeAgent } from "./control.js";
 
 const IDENTITY_KEY = "agentim.identity";
 const KNOWN_KEY = "agentim.known";
@@ -29,6 +29,9 @@ const state = {
   chats: new Map(),
   tab: "chats",
   chat: null, // the open conversation (see openChat)
+  // What a phone shows, one column at a time: the list (chats, contacts,
+  // agents, memory) or the open chat. A wide screen shows both.
+  pane: "list",
   imStream: null,
   agentStream: null,
 };
@@ -212,7 +215,12 @@ function showStart(errorMessage = "") {
       class: "start-section",
       onsubmit: (event) => {
         event.preventDefault();
-        if (memberId.value.trim()) enterAs(memberId.value.trim()).catch(fail);
+        const id = memberId.value.trim();
+        if (!id) return;
+        enterAs(id).catch((err) => {
+          const unknown = err instanceof ApiError && !err.tokenRequired && [400, 401, 404].includes(err.httpStatus);
+          fail(unknown ? new Error(`No member has the id “${id}” (${err.message}).`) : err);
+        });
       },
     },
     h("h2", {}, "Act as a member by id"),
@@ -245,6 +253,9 @@ function showStart(errorMessage = "") {
 // -- entering as a member ------------------------------------------------------
 
 async function enterAs(memberId) {
+  // It travels in a header: printable ASCII only (the browser would not send
+  // most else, and the gateway refuses the rest as if a token were missing).
+  if (!/^[\x21-\x7e]+$/.test(memberId)) throw new Error(`“${memberId}” is not a member id (ids look like 01a2b3c4-…).`);
   const previous = state.me ? state.me.id : "";
   setActingMember(memberId);
   let me;
@@ -295,7 +306,8 @@ async function loadMembers() {
 async function loadAgents() {
   try {
     const agents = await listAll("/v1/agents", "agents");
-    state.agents = new Map(agents.map((a) => [a.id, a]));
+    // A state the live events brought meanwhile may be newer than the list's.
+    state.agents = new Map(agents.map((a) => [a.id, mergeAgent(state.agents.get(a.id), a)]));
   } catch (err) {
     state.agents = new Map();
     showError(err, "Agents are unavailable");
@@ -387,9 +399,10 @@ function startAgentStream() {
       const agent = state.agents.get(event.agentId);
       if (!agent) return;
       if (event.stateChanged) {
-        agent.state = event.stateChanged.state;
-        agent.lastError = event.stateChanged.error || "";
-        renderAgentState(agent);
+        const changed = event.stateChanged;
+        const updated = mergeAgent(agent, { state: changed.state, lastError: changed.error || "", pausePending: Boolean(changed.pausePending), stateVersion: changed.stateVersion });
+        state.agents.set(agent.id, updated);
+        renderAgentState(updated);
       }
     },
     onStatus: (status) => streamStatus("agents", status === "reconnecting" ? "down" : status),
@@ -490,7 +503,8 @@ function onReadUpdated(readState) {
 function canMarkRead() {
   // An agent's unread messages are its inbox: the runtime reads them. Looking
   // through an agent's eyes must not take them away, so only people mark read.
-  return !isAgentMe() && document.visibilityState === "visible";
+  // Nor does a chat a phone keeps behind the list count as read.
+  return !isAgentMe() && document.visibilityState === "visible" && (state.pane === "chat" || !isNarrow());
 }
 
 async function markRead(chat, messageId) {
@@ -523,10 +537,26 @@ function renderShell() {
     h("aside", { class: "agent-panel", id: "agent-panel", testid: "agent-panel", hidden: true }),
   );
   setChildren(root(), shell);
+  showPane(state.chat ? state.pane : "list");
   renderRail();
   renderPerspective();
   renderSidebar();
   renderConversation();
+}
+
+/** Shows the list or the chat on a phone (a wide screen shows both; see style.css). */
+function showPane(pane) {
+  state.pane = pane === "chat" && state.chat ? "chat" : "list";
+  const shell = document.querySelector(".shell");
+  if (shell) shell.dataset.pane = state.pane;
+}
+
+/** Back to the list from a chat (the phone's back button): the chat closes, as on a phone messenger. */
+function closeChat() {
+  state.chat = null;
+  showPane("list");
+  renderConversation();
+  renderSidebar();
 }
 
 function renderRail() {
@@ -542,6 +572,7 @@ function renderRail() {
         testid: `tab-${name}`,
         onclick: () => {
           state.tab = name;
+          showPane("list");
           renderRail();
           renderSidebar();
         },
@@ -980,6 +1011,7 @@ async function openChat(groupId) {
     return;
   }
   state.chat = { group, messages: [], hasOlder: true, loadingOlder: false, replyTo: null, editing: null, quotes: new Map(), mentionIds: new Set() };
+  showPane("chat");
   renderConversation();
   renderSidebar();
   const chat = state.chat;
@@ -1044,6 +1076,7 @@ function renderConversation() {
   if (!box) return;
   const chat = state.chat;
   if (!chat) {
+    showPane("list");
     setChildren(
       box,
       h("div", { class: "conversation-empty", testid: "no-chat" }, h("div", { class: "big-mark" }, icon("chat", 72)), h("p", {}, `Hello, ${state.me.displayName}.`), h("p", { class: "muted" }, "Pick a chat on the left, or press + to start one or to create an agent.")),
@@ -1052,7 +1085,46 @@ function renderConversation() {
   }
   const list = h("div", { class: "message-list", id: "message-list", testid: "message-list", onscroll: () => list.scrollTop < 80 && loadOlder() });
   setChildren(box, h("header", { class: "chat-head", id: "chat-head" }), list, composer());
+  keepPlace(list);
   renderChatHead();
+}
+
+// The reader's place in the open chat: at its end, or at a message (and how
+// far below the top of the list that message is), for a list of this size.
+let place = { atEnd: true, id: "", offset: 0, width: 0, height: 0 };
+let placeFrame = 0;
+// A list that changes size (the agent panel opens beside it, the window is
+// resized, the keyboard of a phone opens) reflows its messages: the reader is
+// put back where they were rather than left wherever scrollTop now points.
+const placeKeeper = new ResizeObserver(() => {
+  const list = document.getElementById("message-list");
+  if (!list) return;
+  if (place.atEnd) list.scrollTop = list.scrollHeight;
+  else {
+    const anchor = place.id && list.querySelector(`[data-message-id="${CSS.escape(place.id)}"]`);
+    if (anchor) list.scrollTop += anchor.getBoundingClientRect().top - list.getBoundingClientRect().top - place.offset;
+  }
+  place.width = list.clientWidth;
+  place.height = list.clientHeight;
+});
+
+function notePlace(list) {
+  placeFrame = 0;
+  if (!list.isConnected) return;
+  // A scroll the browser made as the list changed size (scroll anchoring) is
+  // not the reader's: the keeper above puts the reader back.
+  if (list.clientWidth !== place.width || list.clientHeight !== place.height) return;
+  const atEnd = list.scrollHeight - list.scrollTop - list.clientHeight < 30;
+  const top = list.getBoundingClientRect().top;
+  const anchor = atEnd ? null : [...list.querySelectorAll("[data-message-id]")].find((el) => el.getBoundingClientRect().bottom > top);
+  place = { ...place, atEnd, id: anchor ? anchor.dataset.messageId : "", offset: anchor ? anchor.getBoundingClientRect().top - top : 0 };
+}
+
+function keepPlace(list) {
+  place = { atEnd: true, id: "", offset: 0, width: 0, height: 0 };
+  placeKeeper.disconnect();
+  placeKeeper.observe(list);
+  list.addEventListener("scroll", () => (placeFrame ||= requestAnimationFrame(() => notePlace(list))), { passive: true });
 }
 
 function renderChatHead() {
@@ -1066,8 +1138,9 @@ function renderChatHead() {
   if (agent) subtitle = `${agent.role || "agent"} · ${STATE_LABELS[agent.state] || "unknown"}`;
   setChildren(
     head,
+    h("button", { class: "icon-btn chat-back", type: "button", title: "Back to the chats", "aria-label": "Back to the chats", testid: "chat-back", onclick: closeChat }, "‹"),
     chatAvatar(group, "small"),
-    h("div", { class: "chat-head-main" }, h("div", { class: "chat-title", testid: "chat-title" }, chatTitle(group)), h("div", { class: "chat-sub muted small" }, agent ? stateDot(agent) : null, subtitle)),
+    h("div", { class: "chat-head-main" }, h("div", { class: "chat-title", testid: "chat-title" }, chatTitle(group)), h("div", { class: "chat-sub muted small", testid: "chat-subtitle", dataset: { agentState: agent ? STATE_LABELS[agent.state] || "unknown" : "" } }, agent ? stateDot(agent) : null, subtitle)),
     agent ? h("button", { class: "btn btn-small", type: "button", testid: "open-agent-panel", onclick: () => openAgentPanel(appContext, agent.id) }, icon("agent", 16), "Agent panel") : null,
     h("button", { class: "icon-btn", type: "button", title: "Chat info and members", testid: "chat-info-button", onclick: showChatInfo }, "⋯"),
   );
@@ -1228,7 +1301,8 @@ function composer() {
   const popup = h("ul", { class: "mention-popup", id: "mention-popup", testid: "mention-popup", role: "listbox", hidden: true });
   const bar = h("div", { class: "reply-preview", id: "reply-preview", testid: "reply-preview", hidden: true });
   const send = h("button", { class: "btn btn-primary", type: "button", testid: "composer-send", onclick: () => sendMessage() }, "Send");
-  const mention = { query: null, start: 0, index: 0, options: [] };
+  // insertedAt: the caret just after a mention the picker inserted (with its space), else -1.
+  const mention = { query: null, start: 0, index: 0, options: [], insertedAt: -1 };
 
   const closePopup = () => {
     mention.query = null;
@@ -1237,10 +1311,12 @@ function composer() {
   const insertMention = (member) => {
     const before = input.value.slice(0, mention.start);
     const after = input.value.slice(input.selectionStart);
-    const text = `@${member.displayName} `;
+    // One space after the name: the text that follows may begin with its own.
+    const text = /^\s/.test(after) ? `@${member.displayName}` : `@${member.displayName} `;
     input.value = before + text + after;
-    const caret = before.length + text.length;
+    const caret = before.length + text.length + (text.endsWith(" ") ? 0 : 1);
     input.setSelectionRange(caret, caret);
+    mention.insertedAt = caret;
     state.chat.mentionIds.add(member.id);
     closePopup();
     input.focus();
@@ -1276,7 +1352,10 @@ function composer() {
     mention.index = 0;
     drawPopup();
   };
-  input.addEventListener("input", updatePopup);
+  input.addEventListener("input", () => {
+    mention.insertedAt = -1;
+    updatePopup();
+  });
   input.addEventListener("click", updatePopup);
   input.addEventListener("blur", () => setTimeout(closePopup, 150));
   input.addEventListener("keydown", (event) => {
@@ -1298,6 +1377,12 @@ function composer() {
         closePopup();
         return;
       }
+    }
+    // The space people type after picking a name is the one the picker already put there.
+    if (event.key === " " && !event.isComposing && input.selectionStart === mention.insertedAt && input.selectionEnd === mention.insertedAt && input.value[mention.insertedAt - 1] === " ") {
+      event.preventDefault();
+      mention.insertedAt = -1;
+      return;
     }
     if (event.key === "Escape" && (state.chat?.replyTo || state.chat?.editing)) {
       cancelReply();
@@ -1425,7 +1510,7 @@ const appContext = {
   renderSidebar,
   streamTrouble,
   upsertAgent(agent) {
-    state.agents.set(agent.id, agent);
+    state.agents.set(agent.id, mergeAgent(state.agents.get(agent.id), agent));
     if (!state.members.has(agent.memberId)) refreshMembers();
     renderSidebar();
     if (state.chat) renderChatHead();

@@ -29,6 +29,36 @@ export function isPaused(agent) {
   return agent.state === PAUSED;
 }
 
+/** An agent's state version (int64: a string in JSON, left out when 0). */
+function stateVersion(agent) {
+  try {
+    return BigInt(agent?.stateVersion ?? 0);
+  } catch {
+    return 0n;
+  }
+}
+
+/**
+ * `current` (an agent as shown) updated with `incoming`: a whole Agent from a
+ * response, or some of its fields from an event. Its state (state, lastError,
+ * pausePending, stateVersion) is taken only if its version is at least the
+ * one shown: a response made before a change can arrive after the change's
+ * event (ResumeAgent's IDLE after the run's RUNNING).
+ */
+export function mergeAgent(current, incoming) {
+  if (!current || !("state" in incoming)) return { ...current, ...incoming };
+  const fresh = stateVersion(incoming) >= stateVersion(current);
+  const source = fresh ? incoming : current;
+  return {
+    ...current,
+    ...incoming,
+    state: source.state,
+    lastError: source.lastError || "",
+    pausePending: Boolean(source.pausePending),
+    stateVersion: String(stateVersion(source)),
+  };
+}
+
 function newRequestId() {
   if (crypto.randomUUID) return crypto.randomUUID();
   const b = crypto.getRandomValues(new Uint8Array(16));
@@ -290,6 +320,10 @@ const TASK_STATUS = {
   TASK_STATUS_DEAD: "dead",
 };
 const CANCELLABLE = new Set(["TASK_STATUS_QUEUED", "TASK_STATUS_RUNNING", "TASK_STATUS_FAILED"]);
+// What the queue counts as waiting: queued, or failed and due for a retry (as GetQueueStats does).
+const WAITING = new Set(["TASK_STATUS_QUEUED", "TASK_STATUS_FAILED"]);
+const TASK_PAGES = 5;
+const TASK_PAGE_SIZE = 100;
 
 function byNewest(a, b) {
   return String(b.createTime).localeCompare(String(a.createTime)) || String(b.id).localeCompare(String(a.id));
@@ -297,10 +331,19 @@ function byNewest(a, b) {
 
 /**
  * The Queue tab: submit a task, the agent's tasks live (task_changed
- * events), cancel, and the queue's figures. Returns { element, onTask }.
+ * events), cancel, and the queue's figures. Returns { element, onTask, refresh }.
+ *
+ * The counters are counted from the task list itself, so they cannot
+ * disagree with it. Every change of a task is an event, in order; a response
+ * (a reload, a submit, a cancel) is a snapshot that may be older than an
+ * event that arrived while it was on its way, so it is taken for a task only
+ * when no event about that task came since the request left.
  */
 export function queueView(host) {
   const tasks = new Map();
+  const eventAt = new Map(); // task id -> the event count when its last event came
+  let events = 0;
+  let averageWaitMs = 0;
   let requestId = newRequestId(); // kept until a submit succeeds: a retried click is the same task
   let timer = 0;
   const input = h("textarea", { rows: 3, placeholder: "What should the agent do?", testid: "task-input" });
@@ -314,9 +357,27 @@ export function queueView(host) {
     error.hidden = false;
   };
 
+  /** Takes in tasks from a response to a request sent when `sentAt` events had come. */
+  const adopt = (sentAt, ...snapshot) => {
+    for (const task of snapshot) if ((eventAt.get(task.id) ?? 0) <= sentAt) tasks.set(task.id, task);
+  };
+  const drawStats = () => {
+    const all = [...tasks.values()];
+    const queued = all.filter((t) => WAITING.has(t.status)).length;
+    const running = all.filter((t) => t.status === "TASK_STATUS_RUNNING").length;
+    setChildren(
+      stats,
+      h("span", { testid: "queue-queued", dataset: { value: String(queued) } }, `${queued} queued`),
+      " · ",
+      h("span", { testid: "queue-running", dataset: { value: String(running) } }, `${running} running`),
+      " · ",
+      h("span", { testid: "queue-wait" }, `average wait ${duration(averageWaitMs)}`),
+    );
+  };
   const draw = () => {
     const sorted = [...tasks.values()].sort(byNewest);
     setChildren(list, sorted.length ? sorted.map((task) => taskCard(task)) : h("p", { class: "muted", testid: "no-tasks" }, "No tasks yet."));
+    drawStats();
   };
   const taskCard = (task) => {
     const status = TASK_STATUS[task.status] || "unknown";
@@ -340,23 +401,20 @@ export function queueView(host) {
   };
 
   const refresh = async () => {
+    const sentAt = events;
     try {
-      const [page, queue] = await Promise.all([
-        host.ctx.api("GET", `/v1/agents/${host.agentId}/tasks`, { query: { page_size: 50 } }),
-        host.ctx.api("GET", `/v1/agents/${host.agentId}/queue`),
-      ]);
+      // Every task the counters count (waiting ones may be older than the newest page).
+      const pages = [];
+      let pageToken = "";
+      for (let n = 0; n < TASK_PAGES && (n === 0 || pageToken); n += 1) {
+        const page = await host.ctx.api("GET", `/v1/agents/${host.agentId}/tasks`, { query: { page_size: TASK_PAGE_SIZE, page_token: pageToken } });
+        pages.push(...(page.tasks || []));
+        pageToken = page.nextPageToken || "";
+      }
+      const queue = await host.ctx.api("GET", `/v1/agents/${host.agentId}/queue`);
       if (!host.alive() || !element.isConnected) return;
-      tasks.clear();
-      for (const task of page.tasks || []) tasks.set(task.id, task);
-      const running = queue.running ? "1 running" : "none running";
-      setChildren(
-        stats,
-        h("span", { testid: "queue-queued", dataset: { value: String(queue.queued || 0) } }, `${queue.queued || 0} queued`),
-        " · ",
-        h("span", { testid: "queue-running" }, running),
-        " · ",
-        h("span", { testid: "queue-wait" }, `average wait ${duration(queue.averageWaitMs || 0)}`),
-      );
+      averageWaitMs = queue.averageWaitMs || 0;
+      adopt(sentAt, ...pages);
       draw();
     } catch (err) {
       showError("Could not load the queue", err);
@@ -372,8 +430,9 @@ export function queueView(host) {
     button.disabled = true;
     error.hidden = true;
     try {
+      const sentAt = events;
       const response = await host.ctx.api("POST", `/v1/tasks/${task.id}:cancel`, { body: {} });
-      tasks.set(response.task.id, response.task);
+      adopt(sentAt, response.task);
       draw();
       refreshSoon();
     } catch (err) {
@@ -392,10 +451,11 @@ export function queueView(host) {
     submitButton.disabled = true;
     try {
       const body = { input: input.value, requestId, priority: Math.trunc(Number(priority.value) || 0) };
+      const sentAt = events;
       const response = await host.ctx.api("POST", `/v1/agents/${host.agentId}/tasks`, { body });
       requestId = newRequestId();
       input.value = "";
-      tasks.set(response.task.id, response.task);
+      adopt(sentAt, response.task);
       draw();
       refreshSoon();
       const task = response.task;
@@ -425,10 +485,14 @@ export function queueView(host) {
   refresh();
   return {
     element,
+    refresh,
     onTask(task) {
+      events += 1;
+      eventAt.set(task.id, events);
       tasks.set(task.id, task);
       if (element.isConnected) {
         draw();
+        // Positions in line move for the others.
         refreshSoon();
       }
     },

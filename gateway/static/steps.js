@@ -15,13 +15,14 @@ const ROLE_NAMES = {
 
 const ROLE_LABELS = { system: "System", user: "Input", assistant: "Assistant", tool: "Tool result" };
 
-const KIND_NAMES = { STEP_KIND_SUMMARY: "summary", STEP_KIND_RECALL: "recall" };
+const KIND_NAMES = { STEP_KIND_SUMMARY: "summary", STEP_KIND_RECALL: "recall", STEP_KIND_CUT: "cut" };
 
 /** The label of a step's head: its kind when it has one of its own, else its role. */
 function stepLabel(step, role) {
   const kind = KIND_NAMES[step.kind];
   if (kind === "summary") return `Summary of earlier runs (through #${step.summaryThrough || "?"})`;
   if (kind === "recall") return "Recalled memories";
+  if (kind === "cut") return "Cut short (the stream broke off; asked again)";
   return role === "tool" && step.name ? `${ROLE_LABELS.tool} · ${step.name}` : ROLE_LABELS[role];
 }
 
@@ -88,6 +89,36 @@ function metricsLine(step) {
 }
 
 /**
+ * Where an input came from (a step's `origin`): who wrote it, and in which
+ * group, as a header; the ids only when asked for (they are for people
+ * debugging, not for reading).
+ */
+function renderOrigin(origin) {
+  const ids = [
+    ["group", origin.groupId],
+    ["sender", origin.senderId],
+    ["message", origin.messageId],
+    ["task", origin.taskId],
+  ].filter(([, id]) => id);
+  const where = origin.direct ? "direct chat" : origin.groupName ? origin.groupName : "";
+  return h(
+    "div",
+    { class: "step-origin", testid: "step-origin" },
+    h("strong", { class: "step-origin-sender", testid: "step-origin-sender" }, origin.senderName || (origin.taskId ? "a task" : "someone")),
+    where ? h("span", { class: "step-origin-where", testid: "step-origin-group" }, origin.direct ? " · direct chat" : ` in ${where}`) : null,
+    origin.taskId && origin.senderName ? h("span", { class: "muted" }, " · task") : null,
+    ids.length
+      ? h(
+          "details",
+          { class: "step-origin-ids", testid: "step-origin-details" },
+          h("summary", {}, "details"),
+          h("dl", {}, ids.map(([what, id]) => [h("dt", {}, what), h("dd", {}, h("code", {}, id))])),
+        )
+      : null,
+  );
+}
+
+/**
  * Draws one step, stored or streaming.
  *
  * Options: live (the step is still streaming), reasoningOpen (show the
@@ -125,6 +156,8 @@ export function renderStep(step, { live = false, reasoningOpen, onToggleReasonin
     if (onToggleReasoning) details.firstChild.addEventListener("click", () => onToggleReasoning(!details.open));
     el.append(details);
   }
+  // An input with its origin shows who wrote it above the clean text; older ones, their text as it was.
+  if (role === "user" && step.origin) el.append(renderOrigin(step.origin));
   if (role === "tool") {
     const failed = /^error:/i.test(step.content || "");
     el.append(h("pre", { class: `step-tool-result${failed ? " is-error" : ""}`, testid: "step-content" }, step.content || ""));

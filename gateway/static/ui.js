@@ -2,6 +2,15 @@
 
 import { h } from "./dom.js";
 
+// The width below which the UI shows one column at a time, as a phone
+// messenger does (the same figure as style.css's phone media query).
+const NARROW = window.matchMedia("(max-width: 700px)");
+
+/** True on a phone-sized screen: one column at a time, the agent panel as a full-screen sheet. */
+export function isNarrow() {
+  return NARROW.matches;
+}
+
 /** Shows a short notice; kind "error" stays longer and can be closed. */
 export function toast(message, kind = "info") {
   const box = document.getElementById("toasts");
@@ -108,7 +117,8 @@ export function field(label, control, hint = "") {
 }
 
 /**
- * Asks for an access token after a 401; resolves true when one was saved.
+ * Asks for an access token (after the gateway asked for one, or from the
+ * rail's Token button); resolves true when one was saved.
  */
 export function askToken(error, currentToken, save) {
   return new Promise((resolve) => {
@@ -120,7 +130,12 @@ export function askToken(error, currentToken, save) {
         "div",
         {},
         h("p", {}, "The server refused the request: ", h("strong", {}, error.message)),
-        h("p", { class: "muted" }, "If this server requires an access token (GATEWAY_TOKEN), paste it here. It is kept in this browser only."),
+        h(
+          "p",
+          { class: "muted" },
+          error.tokenRequired ? "This server requires an access token (its GATEWAY_TOKEN): paste it here." : "If this server requires an access token (GATEWAY_TOKEN), paste it here.",
+          " It is kept in this browser only.",
+        ),
         field("Token", input),
       ),
       {

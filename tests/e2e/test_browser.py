@@ -3,12 +3,18 @@
 The script (tests/e2e/browser/ui.test.mjs, playwright-core) creates a
 workspace, two agents and a second person, chats, watches an agent's steps
 stream, checks unread badges, replies, mentions and that hostile content
-stays inert. Then agent control: it pauses a third agent (a message sent
-meanwhile waits), edits one of its steps and adds a note, resumes it and sees
-it go on from the corrected context and answer; forks from a step into a new
-session that becomes the main thread (and makes the first main again);
-creates a checkpoint; queues tasks while paused, cancels one and sees the
-other succeed; restores the checkpoint; terminates and starts the agent.
+stays inert. The main journey (a workspace, an agent, a chat with long
+words, unbroken text, a URL and code, the agent panel, the chat list) runs
+first on a desktop window and then at phone size (390x844), checking at each
+screen that nothing overflows sideways and that a phone shows one column at
+a time. A second gateway that requires a token shows the UI asking for one
+there, and only there. Then agent control: it pauses a third agent (a
+message sent meanwhile waits), edits one of its steps and adds a note,
+resumes it and sees it go on from the corrected context and answer; forks
+from a step into a new session that becomes the main thread (and makes the
+first main again); creates a checkpoint; queues tasks while paused, cancels
+one and sees the other succeed (the queue's counters agreeing with its
+list); restores the checkpoint; terminates and starts the agent.
 Screenshots go to artifacts/browser/.
 """
 
@@ -27,12 +33,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
-from tests.fake_openai import FakeOpenAI, Reply, text_reply
+from tests.fake_openai import FakeOpenAI, Received, Reply, text_reply
 
 from . import ROOT, in_ci
 
@@ -43,7 +49,9 @@ PLAYWRIGHT = ROOT / "node_modules" / "playwright-core"
 GATEWAY = ROOT / "gateway"
 RUNNING = "Agent IM is running"
 START_SECONDS = 90.0
-BROWSER_SECONDS = 120.0
+BROWSER_SECONDS = 240.0
+# The second gateway's: it shows the UI asking for a token only where one is required.
+UI_TOKEN = "browser-test-token"
 STOP_SECONDS = 30.0
 # "IM service listening on 127.0.0.1:50051 (...)" -> {"IM service": "127.0.0.1:50051"}
 _LISTENING = re.compile(r"^(?P<what>.+?) listening on (?P<address>[^\s:]+:\d+)")
@@ -92,16 +100,28 @@ def _environment(data_dir: Path) -> dict[str, str]:
     return env
 
 
+# The fake endpoint's models: the flaky one is down for its first request
+# and answers after; the slow one streams its answer over a few seconds.
+FLAKY_MODEL = "fake-model"
+SLOW_MODEL = "slow-model"
+
+
 @contextmanager
-def _flaky_model() -> Iterator[str]:
-    """An OpenAI-compatible endpoint, in a thread of its own, that is down
-    for its first request and answers after; yields its URL."""
+def _fake_models() -> Iterator[str]:
+    """An OpenAI-compatible endpoint, in a thread of its own, serving the
+    flaky and the slow model (by the request's model name); yields its URL."""
     loop = asyncio.new_event_loop()
     fake = FakeOpenAI()
-    calls = itertools.count()
+    flaky_calls = itertools.count()
     down = Reply(503, body={"error": {"message": "the model is loading", "type": "server_error"}})
-    fake.responder = lambda _: down if next(calls) == 0 else text_reply("Back now: here is my answer.")
-    thread = threading.Thread(target=loop.run_forever, name="flaky-model", daemon=True)
+
+    def respond(request: Received) -> Reply:
+        if request.body.get("model") == SLOW_MODEL:
+            return replace(text_reply("Slowly, slowly: here is my considered answer."), delay=0.25)
+        return down if next(flaky_calls) == 0 else text_reply("Back now: here is my answer.")
+
+    fake.responder = respond
+    thread = threading.Thread(target=loop.run_forever, name="fake-models", daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
     try:
@@ -111,6 +131,10 @@ def _flaky_model() -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+def _announced_listening(lines: list[str]) -> bool:
+    return any(" listening on " in line for line in lines)
 
 
 @dataclass
@@ -189,13 +213,15 @@ def _service(module: str, env: Mapping[str, str], log_path: Path) -> Iterator[Se
             process.stdout.close()
 
 
-def _run_browser(node: str, url: str, model_url: str) -> tuple[int, str]:
+def _run_browser(node: str, url: str, model_url: str, token_url: str) -> tuple[int, str]:
     """Runs the Playwright script; on a timeout it is stopped (SIGTERM lets it close Chromium)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "AGENTIM_UI_URL": url,
         "AGENTIM_FAKE_LLM_URL": model_url,
+        "AGENTIM_TOKEN_UI_URL": token_url,
+        "AGENTIM_TOKEN": UI_TOKEN,
         "AGENTIM_ARTIFACTS": str(ARTIFACTS),
         "CHROMIUM": str(CHROMIUM),
     }
@@ -239,15 +265,26 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
                 "RUNTIME_ADDRESS": addresses["runtime service"],
             }
             gateway = stack.enter_context(_service("gateway", gateway_env, tmp_path / "gateway.log"))
-            announced = gateway.read_until(
-                lambda lines: any(" listening on " in line for line in lines), START_SECONDS
-            )
+            announced = gateway.read_until(_announced_listening, START_SECONDS)
             url_address = next(iter(announced.values()), None)
             assert url_address is not None, gateway.report()
             services.insert(0, gateway)
 
-        model_url = stack.enter_context(_flaky_model())
-        code, output = _run_browser(node, f"http://{url_address}/", model_url)
+        # A second gateway over the same services that requires a token.
+        guarded_env = {
+            **env,
+            "IM_ADDRESS": addresses["IM service"],
+            "RUNTIME_ADDRESS": addresses["runtime service"],
+            "GATEWAY_TOKEN": UI_TOKEN,
+        }
+        guarded = stack.enter_context(_service("gateway", guarded_env, tmp_path / "guarded-gateway.log"))
+        announced = guarded.read_until(_announced_listening, START_SECONDS)
+        guarded_address = next(iter(announced.values()), None)
+        assert guarded_address is not None, guarded.report()
+        services.insert(0, guarded)
+
+        model_url = stack.enter_context(_fake_models())
+        code, output = _run_browser(node, f"http://{url_address}/", model_url, f"http://{guarded_address}/")
         logs = "\n".join(service.report() for service in services)
         assert code == 0, f"browser script failed (exit {code}); screenshots in {ARTIFACTS}\n{output}\n{logs}"
         assert "all browser checks passed" in output, output

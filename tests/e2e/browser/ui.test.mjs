@@ -68,7 +68,34 @@ function watch(page, name) {
 
 const testid = (id) => `[data-testid="${id}"]`;
 
+/** What sticks out sideways: the page wider than the window, or any element past its edges. */
+async function overflowProblems(page) {
+  return page.evaluate(() => {
+    const width = window.innerWidth;
+    const found = [];
+    const pageWidth = document.documentElement.scrollWidth;
+    if (pageWidth > width) found.push(`the page scrolls sideways: ${pageWidth}px wide in a ${width}px window`);
+    for (const el of document.querySelectorAll("body *")) {
+      const box = el.getBoundingClientRect();
+      if (!box.width || !box.height) continue;
+      if (box.width > width + 1 || box.left < -1 || box.right > width + 1) {
+        const classes = typeof el.className === "string" && el.className.trim() ? `.${el.className.trim().split(/\s+/).join(".")}` : "";
+        const id = el.dataset?.testid ? `[${el.dataset.testid}]` : "";
+        found.push(`${el.tagName.toLowerCase()}${classes}${id} spans ${Math.round(box.left)}..${Math.round(box.right)}px`);
+      }
+    }
+    return found;
+  });
+}
+
+async function expectNoOverflow(page, where) {
+  const found = await overflowProblems(page);
+  if (found.length) throw new Error(`${where}: something overflows sideways:\n${found.slice(0, 12).join("\n")}`);
+}
+
+/** A screenshot, after checking that nothing on the screen overflows sideways. */
 async function shot(page, name) {
+  await expectNoOverflow(page, name);
   await page.screenshot({ path: path.join(ARTIFACTS, `${name}.png`) });
   log(`screenshot ${name}.png`);
 }
@@ -94,9 +121,17 @@ async function createAgent(page, name, role, parent = "") {
   await dialog.locator(testid("agent-role")).fill(role);
   if (parent) await dialog.locator(testid("agent-parent")).selectOption({ label: parent });
   await dialog.locator(testid("agent-prompt")).fill(`You are ${name}, a helpful ${role}.`);
-  for (const tool of ["send_direct_message", "read_history", "list_groups"]) {
+  for (const tool of ["send_direct_message", "read_history", "list_groups", "ask_human"]) {
     if (!(await dialog.locator(testid(`agent-tool-${tool}`)).isChecked())) throw new Error(`tool ${tool} is not offered ticked`);
   }
+  // The tools offered are the runtime's own list, no more, no less.
+  const offered = await dialog.locator('[data-testid^="agent-tool-"]').evaluateAll((inputs) => inputs.map((input) => input.value));
+  const listed = await page.evaluate(async () => {
+    const me = JSON.parse(localStorage.getItem("agentim.identity")).memberId;
+    const response = await fetch("/v1/tools", { headers: { "X-Member-Id": me } });
+    return (await response.json()).tools.map((tool) => tool.name);
+  });
+  if (JSON.stringify(offered) !== JSON.stringify(listed)) throw new Error(`the dialog offers ${offered} where the runtime lists ${listed}`);
   await dialog.locator(testid("agent-dialog-submit")).click();
   await dialog.waitFor({ state: "detached" });
   await page.locator(testid("agent-panel-name")).filter({ hasText: name }).waitFor();
@@ -123,24 +158,230 @@ async function step(name, body) {
   log(`✓ ${name}`);
 }
 
+// -- the main journey, on a desktop window and on a phone ----------------------
+
+const DESKTOP = { width: 1440, height: 900 };
+const PHONE = { width: 390, height: 844 };
+const SENTENCE = "The quick brown fox jumps over the lazy dog while the sleepy cat watches the garden from the warm windowsill";
+const UNBROKEN = `Unbroken:${"ABCDEFGHIJ".repeat(24)}`;
+const LONG_URL = `https://example.com/${"a-very-long-path-segment/".repeat(10)}?query=${"z".repeat(60)}`;
+const LONG_CODE = `const answer = "${"y".repeat(160)}"; // ${"a line of code that goes on ".repeat(5)}`;
+const PLAN = ["A plan in many lines:", ...Array.from({ length: 20 }, (_, i) => `- step ${i + 1} of the plan`)].join("\n");
+
+/** Where the main parts of the shell are (a part not shown has no box). */
+async function layout(page) {
+  return page.evaluate(() => {
+    const box = (selector) => {
+      const el = document.querySelector(selector);
+      const r = el ? el.getBoundingClientRect() : null;
+      return r && r.width && r.height ? { left: r.left, right: r.right, top: r.top, bottom: r.bottom, width: r.width, height: r.height } : null;
+    };
+    return {
+      width: window.innerWidth,
+      height: window.innerHeight,
+      rail: box(".rail"),
+      list: box(".sidebar"),
+      chat: box("#conversation"),
+      panel: box("#agent-panel"),
+      back: box('[data-testid="chat-back"]'),
+    };
+  });
+}
+
+/** The message list is scrolled to its end (and long enough to scroll). */
+async function chatAtEnd(page) {
+  return page.evaluate(() => {
+    const list = document.getElementById("message-list");
+    return { scrolls: list.scrollHeight > list.clientHeight + 20, fromEnd: Math.round(list.scrollHeight - list.scrollTop - list.clientHeight) };
+  });
+}
+
+/** A message's bubble: its width, and any word of it broken across two lines. */
+async function bubbleWrap(page, text) {
+  return page.evaluate((text) => {
+    const message = [...document.querySelectorAll('[data-testid="message-list"] [data-testid="message"]')].find((m) => m.textContent.includes(text));
+    if (!message) return null;
+    const content = message.querySelector('[data-testid="message-content"]');
+    const split = [];
+    const walker = document.createTreeWalker(content, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const word of node.data.matchAll(/\S+/g)) {
+        const range = document.createRange();
+        range.setStart(node, word.index);
+        range.setEnd(node, word.index + word[0].length);
+        if (new Set([...range.getClientRects()].map((r) => Math.round(r.top))).size > 1) split.push(word[0]);
+      }
+    }
+    return { width: message.querySelector(".bubble").getBoundingClientRect().width, split };
+  }, text);
+}
+
+/**
+ * The main user journey in a fresh browser profile of the given size:
+ * create a workspace and an agent, chat with it (long words, an unbroken
+ * string, a URL, code, many lines), open its panel, go back to the chat
+ * list. At each screen nothing may stick out sideways; on a phone one column
+ * shows at a time, and the panel is a full-screen sheet.
+ */
+async function mainJourney(label, viewport) {
+  const phone = viewport.width < 700;
+  const journeyContext = await browser.newContext({ viewport, isMobile: phone, hasTouch: phone });
+  try {
+    const p = await journeyContext.newPage();
+    watch(p, label);
+    await step(`${label}: create a workspace`, async () => {
+      await p.goto(BASE);
+      await p.locator(testid("create-workspace-name")).fill(`${label} workspace`);
+      await p.locator(testid("create-workspace-creator")).fill("Pia");
+      await expectNoOverflow(p, `${label} start screen`);
+      await p.locator(testid("create-workspace-submit")).click();
+      await actingAs(p, "Pia");
+      await p.locator(testid("chat-list")).waitFor();
+      const at = await layout(p);
+      if (phone && (at.chat || !at.list || at.list.width !== at.width)) throw new Error(`the phone does not show the list alone: ${JSON.stringify(at)}`);
+    });
+    await step(`${label}: create an agent; its panel opens`, async () => {
+      await createAgent(p, "scout", "researcher");
+      const at = await layout(p);
+      if (phone && (at.panel.left !== 0 || at.panel.top !== 0 || at.panel.width !== at.width || at.panel.height !== at.height)) {
+        throw new Error(`the agent panel is not a full-screen sheet on a phone: ${JSON.stringify(at.panel)}`);
+      }
+      await expectNoOverflow(p, `${label} agent panel of a new agent`);
+    });
+    await step(`${label}: chat with the agent (long words, an unbroken string, a URL, code, many lines)`, async () => {
+      await p.locator(testid("agent-chat")).click();
+      await p.locator(testid("chat-title")).filter({ hasText: "scout" }).waitFor();
+      if (phone) {
+        // The sheet gave way to the chat, which shows alone, with a way back.
+        await p.locator(testid("agent-panel")).waitFor({ state: "hidden" });
+        await p.locator(testid("chat-back")).waitFor();
+        const at = await layout(p);
+        if (at.list || at.rail || !at.chat || at.chat.width !== at.width) throw new Error(`the phone does not show the chat alone: ${JSON.stringify(at)}`);
+      } else {
+        const at = await layout(p);
+        if (at.back) throw new Error("a back button shows on a desktop window");
+        if (!(at.rail.right <= at.list.left + 1 && at.list.right <= at.chat.left + 1 && at.chat.right <= at.panel.left + 1)) {
+          throw new Error(`the desktop is not rail | chat list | chat | agent panel side by side: ${JSON.stringify(at)}`);
+        }
+        await p.locator(testid("agent-panel-close")).click();
+      }
+      for (const text of [SENTENCE, UNBROKEN, LONG_URL, PLAN]) {
+        await send(p, text);
+        await messageFrom(p, "scout", `You said: ${text.slice(0, 20)}`).first().waitFor();
+      }
+      await p.locator(testid("composer-type")).selectOption("CONTENT_TYPE_CODE");
+      await send(p, LONG_CODE);
+      await messageFrom(p, "scout", "You said: const answer").waitFor();
+      const wrap = await bubbleWrap(p, SENTENCE);
+      if (!wrap || wrap.split.length || wrap.width < Math.min(0.6 * viewport.width, 300)) {
+        throw new Error(`a bubble does not wrap at words: ${JSON.stringify(wrap)} in a ${viewport.width}px window`);
+      }
+      const end = await chatAtEnd(p);
+      if (!end.scrolls || end.fromEnd > 4) throw new Error(`the chat is not at its end: ${JSON.stringify(end)}`);
+      await shot(p, `${label}-chat`);
+    });
+    await step(`${label}: the agent panel shows its steps; the chat stays at its end`, async () => {
+      await p.locator(testid("open-agent-panel")).click();
+      const panel = p.locator(testid("agent-panel"));
+      await panel.locator(`${testid("step")}[data-role="user"][data-live="false"]`).filter({ hasText: "ABCDEFGHIJABCDEFGHIJ" }).waitFor();
+      await panel.locator(`${testid("step")}[data-role="assistant"][data-live="false"]`).filter({ hasText: "You said: const answer" }).waitFor();
+      await p.evaluate(() => new Promise((resolve) => requestAnimationFrame(() => requestAnimationFrame(resolve))));
+      if (phone) {
+        const at = await layout(p);
+        if (at.panel.width !== at.width || at.panel.height !== at.height) throw new Error(`the agent panel is not a full-screen sheet: ${JSON.stringify(at.panel)}`);
+      }
+      const end = await chatAtEnd(p);
+      if (end.fromEnd > 4) throw new Error(`opening the agent panel scrolled the chat away from its end: ${JSON.stringify(end)}`);
+      await shot(p, `${label}-agent-panel`);
+      await panel.locator(testid("agent-panel-close")).click();
+      await panel.waitFor({ state: "hidden" });
+      const after = await chatAtEnd(p);
+      if (after.fromEnd > 4) throw new Error(`closing the agent panel left the chat away from its end: ${JSON.stringify(after)}`);
+    });
+    await step(`${label}: the chat list`, async () => {
+      if (phone) {
+        await p.locator(testid("chat-back")).click();
+        await chatItem(p, "scout").waitFor();
+        const at = await layout(p);
+        if (at.chat || !at.list || !at.rail || at.list.width !== at.width || at.rail.top < at.list.bottom - 1) {
+          throw new Error(`the phone's list is not the chat list over a tab bar: ${JSON.stringify(at)}`);
+        }
+      }
+      await chatItem(p, "scout").locator(testid("chat-last")).filter({ hasText: "You said: const answer" }).waitFor();
+      await shot(p, `${label}-chat-list`);
+      if (phone) {
+        // And into the chat again, at its end.
+        await chatItem(p, "scout").click();
+        await p.locator(testid("chat-back")).waitFor();
+        await messageFrom(p, "scout", "You said: const answer").waitFor();
+        const end = await chatAtEnd(p);
+        if (end.fromEnd > 4) throw new Error(`a chat opened again is not at its end: ${JSON.stringify(end)}`);
+      }
+    });
+  } finally {
+    await journeyContext.close();
+  }
+}
+
 const browser = await chromium.launch({ executablePath: EXECUTABLE, args: CHROMIUM_ARGS, headless: true });
 let context;
 let page;
 let exitCode = 0;
 try {
+  await mainJourney("desktop", DESKTOP);
+  await mainJourney("phone", PHONE);
+
   // A new context is a fresh profile: empty localStorage, no cache.
-  context = await browser.newContext({ viewport: { width: 1440, height: 900 } });
+  context = await browser.newContext({ viewport: DESKTOP });
   page = await context.newPage();
   watch(page, "page 1");
 
-  await step("create a workspace with its first human", async () => {
+  await step("a member id nobody has is a plain error: no token is asked for where none is needed", async () => {
     await page.goto(BASE);
+    const nobody = "01a2b3c4-0000-7000-8000-000000000000";
+    expectedRefusals.push(new RegExp(`/v1/members/${nobody}$`));
+    await page.locator(testid("signin-member-id")).fill(nobody);
+    await page.locator(testid("signin-member-id")).press("Enter");
+    await page.locator(testid("start-error")).filter({ hasText: `No member has the id “${nobody}”` }).waitFor();
+    await page.locator(testid("signin-member-id")).fill("not a member id");
+    await page.locator(testid("signin-member-id")).press("Enter");
+    await page.locator(testid("start-error")).filter({ hasText: "is not a member id" }).waitFor();
+    if (await page.locator(testid("token")).count()) throw new Error("a token was asked for on a gateway that requires none");
+  });
+
+  await step("create a workspace with its first human", async () => {
     await page.locator(testid("create-workspace-name")).fill("Acme");
     await page.locator(testid("create-workspace-creator")).fill("Ada");
     await shot(page, "01-start");
     await page.locator(testid("create-workspace-submit")).click();
     await actingAs(page, "Ada");
     await page.locator(testid("no-chat")).waitFor();
+  });
+
+  await step("a gateway that requires a token asks for it, once, and lets the right one in", async () => {
+    const guarded = process.env.AGENTIM_TOKEN_UI_URL;
+    const token = process.env.AGENTIM_TOKEN;
+    if (!guarded || !token) throw new Error("AGENTIM_TOKEN_UI_URL and AGENTIM_TOKEN are not set");
+    const ada = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).memberId);
+    // Another origin: a profile of its own, as far as localStorage goes.
+    expectedRefusals.push(new RegExp(`^${guarded.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}v1/`));
+    const tokenContext = await browser.newContext({ viewport: DESKTOP });
+    try {
+      const guardedPage = await tokenContext.newPage();
+      watch(guardedPage, "token page");
+      await guardedPage.goto(guarded);
+      await guardedPage.locator(testid("signin-member-id")).fill(ada);
+      await guardedPage.locator(testid("signin-member-id")).press("Enter");
+      const dialog = guardedPage.locator(testid("token"));
+      await dialog.filter({ hasText: "This server requires an access token" }).waitFor();
+      await dialog.locator(testid("token-input")).fill(token);
+      await dialog.locator(testid("token-submit")).click();
+      await actingAs(guardedPage, "Ada");
+      await guardedPage.locator(testid("no-chat")).waitFor();
+      if (await dialog.count()) throw new Error("the token dialog stayed open");
+    } finally {
+      await tokenContext.close();
+    }
   });
 
   await step("create two agents (one reporting to the other)", async () => {
@@ -190,6 +431,15 @@ try {
     await assistant.locator(testid("step-reasoning")).waitFor();
     const input = panel.locator(`${testid("step")}[data-role="user"]`).filter({ hasText: "please run" });
     await input.waitFor();
+    // An input names its sender above the text as they wrote it; its ids only on demand.
+    await input.locator(testid("step-origin-sender")).filter({ hasText: /^Ada$/ }).waitFor();
+    await input.locator(testid("step-origin-group")).filter({ hasText: "direct chat" }).waitFor();
+    const inputText = await input.locator(testid("step-content")).innerText();
+    if (inputText.trim() !== "Hello helper, please run make test") throw new Error(`the input step is not the clean text: ${JSON.stringify(inputText)}`);
+    const ids = input.locator(`${testid("step-origin-details")} dl`);
+    if (await ids.isVisible()) throw new Error("the input's ids show without being asked for");
+    await input.locator(`${testid("step-origin-details")} summary`).click();
+    await ids.filter({ hasText: "message" }).waitFor();
     await panel.locator(`${testid("run")}[data-status="RUN_STATUS_COMPLETED"]`).first().waitFor();
     const shown = await assistant.locator(testid("step-content")).innerText();
     if (!shown.includes("(offline model) You said: Hello helper, please run make test")) {
@@ -212,7 +462,19 @@ try {
     await input.press("Enter");
     const value = await input.inputValue();
     if (value !== "tell @bea ") throw new Error(`mention not inserted: ${JSON.stringify(value)}`);
-    await input.pressSequentially("the build is green");
+    // People type a space after a name they picked: it is the one already there.
+    await input.pressSequentially(" the build is green");
+    const typed = await input.inputValue();
+    if (typed !== "tell @bea the build is green") throw new Error(`a double space after the mention: ${JSON.stringify(typed)}`);
+    // Picked in the middle of a text, the name gets no second space either.
+    await input.fill("ask  about it");
+    await input.evaluate((el) => el.setSelectionRange(4, 4));
+    await input.pressSequentially("@hel");
+    await page.locator(`${testid("mention-option")}[data-member-name="helper"]`).waitFor();
+    await input.press("Enter");
+    const middle = await input.inputValue();
+    if (middle !== "ask @helper about it") throw new Error(`a mention in the middle of a text: ${JSON.stringify(middle)}`);
+    await input.fill("tell @bea the build is green");
     await input.press("Enter");
     const panel = page.locator(testid("agent-panel"));
     await panel.locator(`${testid("step-tool-call")}[data-tool="send_direct_message"]`).waitFor();
@@ -298,6 +560,28 @@ try {
     await messageFrom(page, "Ada", "[click me](javascript:alert(3))").waitFor();
     await shot(page, "07-hostile-inert");
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
+  });
+
+  await step("in a group, an agent answers its @mention; its input step names the sender and the group", async () => {
+    await page.bringToFront();
+    await switchTo(page, "Ada");
+    await newFromMenu(page, "new-group");
+    const dialog = page.locator(testid("group-dialog"));
+    await dialog.locator(testid("group-name")).fill("Launch team");
+    await dialog.locator(`${testid("group-member-option")}[data-member-name="helper"] input`).check();
+    await dialog.locator(testid("group-dialog-submit")).click();
+    await dialog.waitFor({ state: "detached" });
+    await page.locator(testid("chat-title")).filter({ hasText: "Launch team" }).waitFor();
+    await send(page, "@helper what is the status?");
+    await messageFrom(page, "helper", "what is the status").waitFor();
+    await page.locator(testid("tab-agents")).click();
+    await page.locator(`${testid("tree-node")}[data-agent-name="helper"]`).click();
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "helper" }).waitFor();
+    const input = page.locator(`${testid("agent-panel")} ${testid("step")}[data-role="user"]`).filter({ hasText: "what is the status" });
+    await input.locator(testid("step-origin-sender")).filter({ hasText: /^Ada$/ }).waitFor();
+    await input.locator(testid("step-origin-group")).filter({ hasText: "in Launch team" }).waitFor();
+    await shot(page, "07b-group-input-origin");
+    await page.locator(testid("tab-chats")).click();
   });
 
   // Agent control (issue 5), on an agent of its own so that nothing else wakes it.
@@ -386,6 +670,20 @@ try {
     await panel.locator(`${testid("checkpoint")}[data-name="before the tasks"]`).waitFor();
   });
 
+  /** The queue's counters are those of the task list shown under them. */
+  const queueAgrees = async () => {
+    const seen = await panel.evaluate((el) => {
+      const statuses = [...el.querySelectorAll('[data-testid="task"]')].map((t) => t.dataset.status);
+      return {
+        queued: Number(el.querySelector('[data-testid="queue-queued"]').dataset.value),
+        running: Number(el.querySelector('[data-testid="queue-running"]').dataset.value),
+        listedQueued: statuses.filter((s) => s === "TASK_STATUS_QUEUED" || s === "TASK_STATUS_FAILED").length,
+        listedRunning: statuses.filter((s) => s === "TASK_STATUS_RUNNING").length,
+      };
+    });
+    if (seen.queued !== seen.listedQueued || seen.running !== seen.listedRunning) throw new Error(`the queue's counters disagree with its tasks: ${JSON.stringify(seen)}`);
+  };
+
   await step("the queue: tasks wait while paused, one is cancelled, the other runs", async () => {
     await panel.locator(testid("agent-pause")).click();
     await stateIs("paused");
@@ -400,13 +698,20 @@ try {
     await panel.locator(testid("queue-stats")).filter({ hasText: "2 queued" }).waitFor();
     await second.locator(testid("task-cancel")).click();
     await panel.locator(`${testid("task")}[data-status="TASK_STATUS_CANCELLED"]`).filter({ hasText: "Second task" }).waitFor();
+    // One waits: the counters say so, and agree with the list.
+    await panel.locator(testid("queue-stats")).filter({ hasText: /^1 queued · 0 running · / }).waitFor();
+    await queueAgrees();
     await shot(page, "11-queue-paused");
     await panel.locator(testid("agent-resume")).click();
     const first = panel.locator(`${testid("task")}[data-status="TASK_STATUS_SUCCEEDED"]`).filter({ hasText: "First task" });
     await first.locator(testid("task-result")).filter({ hasText: "You said" }).waitFor();
-    await panel.locator(testid("queue-stats")).filter({ hasText: "0 queued" }).waitFor();
-    await shot(page, "12-queue-done");
+    await panel.locator(testid("queue-stats")).filter({ hasText: /^0 queued · 0 running · / }).waitFor();
     await stateIs("idle");
+    // Once everything has settled, still so (no late reload brings back a stale figure).
+    await page.waitForTimeout(600);
+    await panel.locator(testid("queue-stats")).filter({ hasText: /^0 queued · 0 running · / }).waitFor();
+    await queueAgrees();
+    await shot(page, "12-queue-done");
   });
 
   await step("restoring the checkpoint takes the task's steps out of the context", async () => {
@@ -475,7 +780,7 @@ try {
       if (type !== "SEGMENT_TYPE_USER_MESSAGE") throw new Error(`the type filter let a ${type} through`);
     }
     await shot(page, "16-workspace-memory");
-    await page.setViewportSize({ width: 390, height: 844 });
+    await page.setViewportSize(PHONE);
     await panel.locator(testid("agent-tab-memory")).click();
     await panel.locator(testid("agent-memory-tab")).locator(testid("memory-query")).fill("PELICAN");
     await panel.locator(testid("agent-memory-tab")).locator(testid("memory-search")).click();
@@ -484,7 +789,7 @@ try {
     await panel.locator(testid("agent-panel-close")).click();
     await everywhere.locator(testid("memory-hit")).first().waitFor();
     await shot(page, "18-workspace-memory-phone");
-    await page.setViewportSize({ width: 1440, height: 900 });
+    await page.setViewportSize(DESKTOP);
     await page.locator(testid("tab-chats")).click();
   });
 
@@ -511,13 +816,71 @@ try {
     // The step that never came is not left "streaming" in the panel.
     await page.locator(`${testid("agent-panel")} ${testid("step")}[data-live="true"]`).waitFor({ state: "detached" });
     await shot(page, "19-failure-in-chat");
-    await page.setViewportSize({ width: 390, height: 844 });
+    await page.setViewportSize(PHONE);
+    // On a phone the panel is a sheet over the chat: closed, the chat and its notice show.
+    await panel.locator(testid("agent-panel-close")).click();
+    await notice.locator(testid("notice-retry")).waitFor();
     await shot(page, "20-failure-in-chat-phone");
-    await page.setViewportSize({ width: 1440, height: 900 });
+    await page.setViewportSize(DESKTOP);
+    await page.locator(testid("open-agent-panel")).click();
+    await page.locator(testid("agent-state")).filter({ hasText: "error" }).waitFor();
     await notice.locator(testid("notice-retry")).click();
     await messageFrom(page, "flaky", "Back now").waitFor();
     await page.locator(testid("agent-state")).filter({ hasText: "idle" }).waitFor();
     await shot(page, "21-retry-answered");
+  });
+
+  await step("resume with a message waiting: the run starts at once; header and badge say RUNNING, then IDLE", async () => {
+    await newFromMenu(page, "new-agent");
+    const dialog = page.locator(testid("agent-dialog"));
+    await dialog.locator(testid("agent-name")).fill("slowpoke");
+    await dialog.locator(testid("agent-role")).fill("thinker");
+    // The fake endpoint's slow model streams its answer over a few seconds.
+    await dialog.locator(testid("agent-model")).fill("slow-model");
+    await dialog.locator(testid("agent-base-url")).fill(process.env.AGENTIM_FAKE_LLM_URL);
+    await dialog.locator(testid("agent-dialog-submit")).click();
+    await dialog.waitFor({ state: "detached" });
+    await page.locator(testid("agent-panel-name")).filter({ hasText: "slowpoke" }).waitFor();
+    await page.locator(testid("agent-chat")).click();
+    await page.locator(testid("chat-title")).filter({ hasText: "slowpoke" }).waitFor();
+    await panel.locator(testid("agent-pause")).click();
+    await stateIs("paused");
+    await send(page, "Take your time.");
+    await messageFrom(page, "Ada", "Take your time.").waitFor();
+    // The race, made certain: ResumeAgent's answer (IDLE when it was made) reaches
+    // the page only after the run's live state_changed (RUNNING) has.
+    await page.route(
+      /\/v1\/agents\/[^/]+:resume$/,
+      async (route) => {
+        const response = await route.fetch();
+        await new Promise((resolve) => setTimeout(resolve, 1200));
+        await route.fulfill({ response });
+      },
+      { times: 1 },
+    );
+    const resumed = page.waitForResponse(/\/v1\/agents\/[^/]+:resume$/);
+    await panel.locator(testid("agent-resume")).click();
+    await panel.locator(`${testid("step")}[data-role="assistant"][data-live="true"]`).waitFor();
+    const answer = await (await resumed).json();
+    log(`ResumeAgent answered ${answer.agent.state} (version ${answer.agent.stateVersion ?? "none"})`);
+    await page.waitForTimeout(300);
+    const shown = await page.evaluate(async () => {
+      const me = JSON.parse(localStorage.getItem("agentim.identity")).memberId;
+      const response = await fetch("/v1/agents?page_size=200", { headers: { "X-Member-Id": me } });
+      const agent = (await response.json()).agents.find((a) => a.name === "slowpoke");
+      return {
+        api: agent.state,
+        header: document.querySelector('[data-testid="chat-subtitle"]').dataset.agentState,
+        badge: document.querySelector('[data-testid="agent-state"]').dataset.state,
+        streaming: Boolean(document.querySelector('#agent-panel [data-testid="step"][data-live="true"]')),
+      };
+    });
+    if (shown.api !== "AGENT_STATE_RUNNING" || !shown.streaming) throw new Error(`the slow run is not under way: ${JSON.stringify(shown)}`);
+    if (shown.header !== "running" || shown.badge !== "running") throw new Error(`the UI does not say RUNNING while the agent runs: ${JSON.stringify(shown)}`);
+    await shot(page, "22-resumed-running");
+    await messageFrom(page, "slowpoke", "considered answer").waitFor();
+    await stateIs("idle");
+    await page.locator(`${testid("chat-subtitle")}[data-agent-state="idle"]`).waitFor();
   });
 
   await step("no script error and no refused content in either tab", async () => {
