@@ -326,7 +326,7 @@ function onEvent(event) {
       }
     }
     const section = p.sections.get(run.id);
-    if (section) section.head.replaceWith((section.head = renderRunHeader(run)));
+    if (section) redrawRunHead(p, run.id);
     else if (p.tab === "activity" && p.loaded) ensureSection(run.id);
   } else if (event.stepStarted) {
     // How many steps this panel saw streaming (for the curious, and the browser test).
@@ -647,7 +647,7 @@ function ensureSection(runId) {
   if (section) return section;
   const list = document.getElementById("agent-activity");
   const run = p.runs.get(runId) || unknownRun(p, runId);
-  const head = renderRunHeader(run);
+  const head = renderRunHeader(run, runUsage(p, runId));
   const steps = h("div", { class: "run-steps" });
   const el = h("section", { class: "run", dataset: { runId } }, head, steps);
   list?.querySelector(".empty-activity")?.remove();
@@ -678,6 +678,26 @@ function drawStep(seq) {
     section.steps.insertBefore(el, after || null);
   }
   p.stepEls.set(seq, el);
+  if (!live) redrawRunHead(p, step.runId || "");
+}
+
+/** The tokens of a run's stored steps (input and output), and whether any count is estimated. */
+function runUsage(p, runId) {
+  const usage = { input: 0, output: 0, estimated: false };
+  for (const step of p.steps.values()) {
+    if ((step.runId || "") !== runId || !step.metrics) continue;
+    usage.input += Number(step.metrics.inputTokens || 0);
+    usage.output += Number(step.metrics.outputTokens || 0);
+    usage.estimated ||= Boolean(step.metrics.usageEstimated);
+  }
+  return usage;
+}
+
+function redrawRunHead(p, runId) {
+  const section = p.sections.get(runId);
+  const run = p.runs.get(runId);
+  if (!section || !run) return;
+  section.head.replaceWith((section.head = renderRunHeader(run, runUsage(p, runId))));
 }
 
 // -- settings ------------------------------------------------------------------

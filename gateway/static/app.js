@@ -1248,7 +1248,10 @@ function renderMessage(message, previous) {
         ? h(
             "div",
             { class: "notice-actions" },
-            h("button", { type: "button", class: "btn btn-small", testid: "notice-retry", onclick: (event) => retryAgent(failure.agent_id, event.currentTarget) }, "Retry"),
+            // Only a failure a wake can retry offers it (a terminated agent must be started first).
+            failure.retry === "WakeAgent"
+              ? h("button", { type: "button", class: "btn btn-small", testid: "notice-retry", onclick: (event) => retryAgent(failure.agent_id, event.currentTarget) }, "Retry")
+              : null,
             state.agents.has(failure.agent_id)
               ? h("button", { type: "button", class: "link-btn", testid: "notice-details", onclick: () => openAgentPanel(appContext, failure.agent_id) }, "Details")
               : null,

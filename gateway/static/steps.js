@@ -188,7 +188,7 @@ const RUN_STATUS = {
 };
 
 /** The header of a run: status, iterations, start and length, error (or, with `note`, of a person's note). */
-export function renderRunHeader(run) {
+export function renderRunHeader(run, usage = null) {
   if (run.note) {
     return h(
       "div",
@@ -204,6 +204,10 @@ export function renderRunHeader(run) {
   if (start) parts.push(shortTime(run.startTime));
   if (Number(run.iterations)) parts.push(`${run.iterations} LLM call${Number(run.iterations) === 1 ? "" : "s"}`);
   if (start && end) parts.push(duration(end - start));
+  if (usage && usage.input + usage.output > 0) {
+    const about = usage.estimated ? "≈ " : "";
+    parts.push(`${about}${(usage.input + usage.output).toLocaleString()} tokens${usage.estimated ? " (estimated)" : ""}`);
+  }
   return h(
     "div",
     { class: `run-head run-${status.replace(/ /g, "-")}`, testid: "run", dataset: { runId: run.id || "", status: run.status || "" } },

@@ -440,7 +440,10 @@ try {
     if (await ids.isVisible()) throw new Error("the input's ids show without being asked for");
     await input.locator(`${testid("step-origin-details")} summary`).click();
     await ids.filter({ hasText: "message" }).waitFor();
-    await panel.locator(`${testid("run")}[data-status="RUN_STATUS_COMPLETED"]`).first().waitFor();
+    const completed = panel.locator(`${testid("run")}[data-status="RUN_STATUS_COMPLETED"]`).first();
+    await completed.waitFor();
+    // A run's header counts its tokens (the offline model reports usage, so not estimated).
+    await completed.filter({ hasText: /\d tokens/ }).waitFor();
     const shown = await assistant.locator(testid("step-content")).innerText();
     if (!shown.includes("(offline model) You said: Hello helper, please run make test")) {
       throw new Error(`unexpected assistant step content: ${shown} (expected the rendered form of ${answer})`);
