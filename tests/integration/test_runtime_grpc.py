@@ -454,8 +454,9 @@ async def test_input_steps_carry_their_origin_and_the_model_reads_names_not_ids(
         assert (origin.group_id, origin.group_name, origin.direct) == (team.group.id, "Launch crew", False)
         assert origin.sender_id == world.members[0].id and origin.message_id == sent.message.id
         assert origin.sender_name == world.members[0].display_name
-        user = fake.requests[0].body["messages"][1]
-        assert user["content"] == f"[Launch crew] {origin.sender_name}: @ada ready?"
+        system, user = fake.requests[0].body["messages"][:2]
+        assert user["content"] == f"{origin.sender_name}: @ada ready?"
+        assert 'group chat "Launch crew"' in system["content"]
         assert world.members[0].id not in str(fake.requests[0].body["messages"])
         # Every state change counted; the answer read last is the newest.
         got = await runtime.stub.GetAgent(rpb.GetAgentRequest(agent_id=ada.id), metadata=world.md(0))

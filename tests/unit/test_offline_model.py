@@ -249,7 +249,7 @@ async def test_streams_interleave_with_other_tasks() -> None:
 
 
 async def test_who_sent_an_input_and_where_is_not_echoed() -> None:
-    said = ChatMessage(role=Role.USER, content="hi there", prefix="[Team] Ada: ")
+    said = ChatMessage(role=Role.USER, content="hi there", prefix="Ada: ")
     stored_before_prefixes = ChatMessage(
         role=Role.USER,
         content=f"[direct chat | group_id={uuid.uuid4()}] Ada (member_id={uuid.uuid4()}): hi there",

@@ -145,9 +145,11 @@ async def test_a_direct_message_gets_an_answer(h: Harness) -> None:
     context = h.llm.last_messages()
     assert context[0].role is Role.SYSTEM and "ada" in (context[0].content or "")
     assert [m.role for m in context[1:]] == [Role.USER]
-    # The model reads the sender's name before the text, and no id.
+    # A direct chat: the text as sent, the sender named once in the system prompt, and no id.
     sent = context[1].to_openai()
-    assert sent["content"] == f"{said.origin.sender_name}: hi ada" and "name" not in sent
+    assert sent["content"] == "hi ada" and "name" not in sent
+    assert f"direct chat with {said.origin.sender_name}" in (context[0].content or "")
+    assert str(h.human) not in str([m.to_openai() for m in context])
 
 
 async def test_a_group_message_reaches_the_model_with_the_group_and_sender_names() -> None:
@@ -161,8 +163,9 @@ async def test_a_group_message_reaches_the_model_with_the_group_and_sender_names
         assert said.message.content == "@ada status?"
         assert said.origin is not None and not said.origin.direct and said.origin.group_name == "Team Alpha"
         name = said.origin.sender_name
-        message = h.llm.last_messages()[1]
-        assert message.to_openai()["content"] == f"[Team Alpha] {name}: @ada status?"
+        system, message = h.llm.last_messages()[:2]
+        assert message.to_openai()["content"] == f"{name}: @ada status?"
+        assert 'group chat "Team Alpha"' in (system.content or "")
         assert str(h.human) not in json.dumps([m.to_openai() for m in h.llm.last_messages()[1:]])
         # OpenAI's own API also gets the sender in `name`; other endpoints only the text.
         assert message.to_openai(user_names=True)["name"] == name

@@ -11,9 +11,9 @@ A run's conversation is named by its input: the `origin` of an input step
 in their text: `[<chat> | group_id=<id>] ...` or `[task <id>] ...`). Steps
 of no run of either kind (notes a person added) belong to every conversation.
 
-The model reads an input step as its sender would say it in the chat: the
-text after the sender's name, and in a group the group's name first
-(`[Team] Ada: ...`); the ids stay with the step (`as_sent`).
+The model reads an input step as it was written, after its sender's name in
+a group (`Ada: ...`); the system prompt names the conversation
+(`conversation_line`); the ids stay with the step (`as_sent`).
 """
 
 from __future__ import annotations
@@ -107,11 +107,30 @@ _NAME_FIELD = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def sender_prefix(origin: Origin) -> str:
-    """How the model is told where an input came from: `Ada: `, `[Team] Ada: `, `[task] `."""
+    """What the model reads before an input's text: in a group, who said it
+    (`Ada: `); nothing in a direct chat or a task, where the system prompt
+    says whose they are (see `conversation_line`). Small models copy such
+    prefixes into their answers: they go only where they are needed."""
+    if origin.task_id is not None or origin.direct:
+        return ""
+    return f"{origin.sender_name or 'someone'}: "
+
+
+def conversation_line(origin: Origin | None) -> str:
+    """The system prompt's word on the conversation a run answers (`origin`:
+    its first input's), or nothing when it is not known."""
+    if origin is None:
+        return ""
     if origin.task_id is not None:
-        return "[task] "
-    said = f"{origin.sender_name or 'someone'}: "
-    return said if origin.direct else f"[{origin.group_name}] {said}"
+        return "You are working on a task a person gave you; your final answer is its result."
+    if origin.direct:
+        return f"This is your direct chat with {origin.sender_name or 'a member'}."
+    return f'This is the group chat "{origin.group_name}"; each message starts with its sender\'s name.'
+
+
+def origin_of_run(steps: Sequence[Step], run_id: uuid.UUID) -> Origin | None:
+    """The origin of a run's first input step (its conversation), if it has one."""
+    return next((s.origin for s in steps if s.run_id == run_id and s.origin is not None), None)
 
 
 def as_sent(step: Step) -> ChatMessage:

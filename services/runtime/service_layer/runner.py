@@ -44,8 +44,10 @@ from services.runtime.domain.context import (
 from services.runtime.domain.conversations import (
     TASKS,
     Conversation,
+    conversation_line,
     conversation_of_input,
     in_conversation,
+    origin_of_run,
     run_conversations,
 )
 from services.runtime.domain.etiquette import (
@@ -1273,7 +1275,7 @@ class AgentRunner:
 
         def fit(tokens: int) -> Fitted:
             return fit_context(
-                system_prompt=self._system_prompt(),
+                system_prompt=self._system_prompt(origin_of_run(self._steps or [], run.id)),
                 steps=self._conversation_steps(run),
                 current_run=run.id,
                 tools=tools,
@@ -1434,19 +1436,20 @@ class AgentRunner:
         used = self.agent.tokens_used + usage.input_tokens + usage.output_tokens
         self.agent = replace(self.agent, tokens_used=used)
 
-    def _system_prompt(self) -> str:
+    def _system_prompt(self, origin: Origin | None = None) -> str:
         agent = self.agent
         identity = f"You are {agent.name}"
         if agent.role:
             identity += f", {agent.role}"
         identity += (
-            f", a member of an instant-messaging workspace (your member_id is {agent.member_id})."
-            " Each message you receive starts with its sender's name ('Ada: ...'), and in a group"
-            " with the group's name ('[Team] Ada: ...')."
+            ", a member of an instant-messaging workspace."
             " Your final answer is posted to the chat that woke you; use tools to write elsewhere."
             " In a group, @name a member to ask them; agents answer only those who @name them or"
             f" reply to them. If you have nothing to add, answer exactly {NO_REPLY} and nothing is posted."
         )
+        where = conversation_line(origin)
+        if where:
+            identity += " " + where
         return f"{identity}\n\n{agent.system_prompt}".strip()
 
     async def _call_tools(

@@ -21,7 +21,7 @@ for tests. What it does with a `CompletionRequest`:
    * anything else: it answers `(offline model) You said: <text>` (the
      text cut to 200 characters) and finishes with `stop`.
 
-   Who sent an input and where (`ChatMessage.prefix`, `[Team] Ada: `) is
+   Who sent an input and where (`ChatMessage.prefix`, `Ada: `) is
    not part of the text, nor the envelope of inputs stored before prefixes
    (`[chat | group_id=...] sender (member_id=...): `).
 
