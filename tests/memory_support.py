@@ -13,8 +13,9 @@ import numpy.typing as npt
 from google.protobuf import timestamp_pb2
 
 from agentim.memory.v1 import memory_pb2 as pb
+from services.memory.domain.lexicon import Lexicon, parse_cedict
 from services.memory.domain.terms import lexical_terms
-from services.memory.service_layer.ports import Embedder, MemberDirectory, MemberInfo, Vector
+from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory, MemberInfo, Vector
 
 START = datetime(2026, 11, 1, 9, 0, tzinfo=UTC)
 
@@ -60,6 +61,26 @@ class FakeEmbedder(Embedder):
         if self.fail:
             raise ConnectionError("the fake embedder is down")
         return self.vector(text)
+
+
+# A few CC-CEDICT entries, in its own format.
+SMALL_CEDICT = """\
+配額 配额 [pei4 e2] /quota/ration/
+部署 部署 [bu4 shu3] /to dispose/to deploy/deployment/
+失敗 失败 [shi1 bai4] /to be defeated/to lose/to fail (e.g. experiments)/failure/defeat/
+值班 值班 [zhi2 ban1] /to work a shift/on duty/
+合作方 合作方 [he2 zuo4 fang1] /(business) partner/
+""".splitlines()
+
+
+class FixedDictionary(Dictionary):
+    """A dictionary that is there at once (or, with `loaded=False`, never)."""
+
+    def __init__(self, lexicon: Lexicon | None = None, *, loaded: bool = True) -> None:
+        self._lexicon = (lexicon or parse_cedict(SMALL_CEDICT)) if loaded else None
+
+    def lexicon(self) -> Lexicon | None:
+        return self._lexicon
 
 
 @dataclass

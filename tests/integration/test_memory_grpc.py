@@ -1,5 +1,8 @@
 """The memory service over gRPC, on SQLite and PostgreSQL: archive, retrieve, expand, forget, stats."""
 
+# Chinese text is written with its own (full-width) punctuation.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +21,7 @@ from tests.integration.memory_harness import (
     start_memory,
     stop_memory,
 )
-from tests.memory_support import START, RunBuilder, stamp
+from tests.memory_support import START, FixedDictionary, RunBuilder, stamp
 
 __all__ = ["memory", "memory_url"]
 
@@ -219,3 +222,40 @@ async def test_a_down_embedder_leaves_lexical_search_working(memory_url: str) ->
         assert stats.pending_embeddings == 0
     finally:
         await stop_memory(running)
+
+
+async def test_a_question_finds_the_fact_told_in_the_other_language_through_the_store(
+    memory_url: str,
+) -> None:
+    running = await start_memory(memory_url, dictionary=FixedDictionary())
+    try:
+        workspace, agent, agent_member = running.new_workspace()
+        run = RunBuilder(workspace, agent, agent_member)
+        run.user("The ledger deploy on Monday failed because the cache ran out of memory.")
+        run.user("ledger的文档修复已经合并了。")
+        for index in range(6):
+            run.user(f"ledger的站会改到十点半了，第{index}次。")
+        await archive(running, run.build())
+        # The fake embedder knows no Chinese: only the translated terms (deploy,
+        # failed) find the English fact, through each backend's lexical index.
+        found = await recall(running, agent_member, agent, "ledger的部署为什么失败了？", limit=3)
+        assert found[0].segment.text.startswith("The ledger deploy on Monday failed")
+    finally:
+        await stop_memory(running)
+
+
+async def test_prefer_recent_gives_the_newest_statement_of_a_fact_first(memory: RunningMemory) -> None:
+    workspace, agent, agent_member = memory.new_workspace()
+    for month, person in enumerate(["Ada", "Finn", "Gus"]):
+        run = RunBuilder(workspace, agent, agent_member, start=START + timedelta(days=30 * month))
+        run.user(f"{person} is on call for billing from now on.")
+        run.user(f"standup notes {month}: nothing about billing")
+        await archive(memory, run.build())
+    await embedded(memory)
+    question = "who is on call for billing?"
+    found = await recall(memory, agent_member, agent, question, limit=3, prefer_recent=True)
+    assert [hit.segment.text for hit in found] == [
+        "Gus is on call for billing from now on.",
+        "Finn is on call for billing from now on.",
+        "Ada is on call for billing from now on.",
+    ]

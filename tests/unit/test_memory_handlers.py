@@ -1,10 +1,14 @@
 """The memory's handlers and its embedding worker, on an in-memory store with fake ports."""
 
+# Chinese text is written with its own (full-width) punctuation.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
 import asyncio
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +28,7 @@ from services.memory.service_layer.handlers import (
     WorkspaceScopeRequest,
 )
 from services.memory.service_layer.ports import Vector
-from tests.memory_support import FakeDirectory, FakeEmbedder, RunBuilder
+from tests.memory_support import START, FakeDirectory, FakeEmbedder, FixedDictionary, RunBuilder
 from tests.unit.memory_fakes import InMemoryStore
 
 
@@ -37,7 +41,9 @@ class HangingEmbedder(FakeEmbedder):
 
 
 class World:
-    def __init__(self, embedder: FakeEmbedder | None = None) -> None:
+    def __init__(
+        self, embedder: FakeEmbedder | None = None, dictionary: FixedDictionary | None = None
+    ) -> None:
         self.store = InMemoryStore()
         self.directory = FakeDirectory()
         self.embedder = embedder or FakeEmbedder()
@@ -47,6 +53,7 @@ class World:
             embedder=self.embedder,
             directory=self.directory,
             query_limits=QueryLimits(query_embedding_seconds=0.05),
+            dictionary=dictionary,
             on_archived=self._count,
         )
         self.worker = EmbeddingWorker(self.store, self.embedder, batch_size=2, retry_initial_seconds=30)
@@ -64,6 +71,16 @@ class World:
     async def archive(self, run: RunBuilder) -> bool:
         result = await self.memory.archive_run(Caller(self.agent_member), run_in(run.build()))
         return result.changed
+
+    async def embedded(self, run: RunBuilder) -> None:
+        """Archives the run and waits until its segments have vectors."""
+        await self.archive(run)
+        self.worker.start()
+        try:
+            await asyncio.wait_for(self.worker.drained(), 5)
+        finally:
+            await self.worker.aclose()
+        self.worker = EmbeddingWorker(self.store, self.embedder, batch_size=2, retry_initial_seconds=30)
 
     async def recall(
         self, query: str, *audience: str, caller: str | None = None, **options: object
@@ -149,6 +166,46 @@ async def test_a_query_whose_vector_is_late_goes_lexical_only() -> None:
         assert await world.recall("ERR_QUOTA_42") == ["deploy failed with ERR_QUOTA_42"]
     finally:
         await world.worker.aclose()
+
+
+async def test_a_question_finds_the_fact_told_in_the_other_language_by_its_words() -> None:
+    facts = [
+        "The billing deploy on Monday failed because the cache ran out of memory.",
+        "search的部署失败了，原因是缓存内存不足。",
+        "billing的文档修复已经合并了。",
+        "Merged the docs fix for billing.",
+        "The search deploy on Friday went fine.",
+    ]
+    question = "billing的部署为什么失败了？"
+    found = []
+    for dictionary in (None, FixedDictionary(loaded=False), FixedDictionary()):
+        world = World(dictionary=dictionary)
+        run = world.run()
+        for fact in facts:
+            run.user(fact)
+        await world.embedded(run)
+        found.append(await world.recall(question, limit=2))
+    # The fake embedder knows no Chinese: without the dictionary (or while it
+    # loads) the English look-alikes win.
+    assert facts[0] not in found[0] and found[1] == found[0]
+    assert facts[0] in found[2]
+
+
+async def test_prefer_recent_puts_the_newest_statement_of_a_fact_first_and_nothing_else() -> None:
+    world = World()
+    for day, text in enumerate(
+        [
+            "Ada is on call for billing from now on.",
+            "Finn is on call for billing from now on.",
+            "Merged the docs fix for billing.",
+        ]
+    ):
+        await world.embedded(world.run().user(text, at=START + timedelta(days=30 * day)))
+    found = await world.recall("who is on call for billing?", prefer_recent=True, limit=3)
+    assert found[:2] == [
+        "Finn is on call for billing from now on.",
+        "Ada is on call for billing from now on.",
+    ]
 
 
 async def test_retrieve_filters_limits_and_duplicates() -> None:

@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from services.memory.adapters.clusters import Stopped, cluster
+from services.memory.domain.lexicon import Concept
 from services.memory.domain.ranking import (
     FusionSettings,
     Hit,
     LanguageMeans,
     best_match_share,
+    concept_coverage,
+    coverage,
     fuse,
     rarity,
     selective_terms,
@@ -56,10 +59,43 @@ def test_without_vectors_the_lexical_ranking_is_all_there_is() -> None:
     assert [h.key for h in fused] == [8, 7]
 
 
-def test_recency_breaks_a_tie_towards_the_newer_segment() -> None:
-    vector = [Hit(1, 0.5), Hit(2, 0.5)]
-    fused = fuse(vector, [], best_match_share=0.0, limit=2, recency_rank={1: 5, 2: 0}, settings=SETTINGS)
-    assert [hit.key for hit in fused] == [2, 1]
+def test_a_translated_match_lifts_its_segment_through_its_own_gate() -> None:
+    vector = [Hit(1, 0.50), Hit(2, 0.45), Hit(4, 0.44), Hit(3, 0.30)]
+    translated = [Hit(4, 1.0), Hit(2, 0.2)]
+    lifted = fuse(vector, [], best_match_share=0.0, limit=4, translated=translated, translated_share=1.0)
+    assert [h.key for h in lifted] == [4, 1, 2, 3]
+    shut = fuse(vector, [], best_match_share=0.0, limit=4, translated=translated, translated_share=0.2)
+    assert [h.key for h in shut] == [1, 2, 4, 3]
+
+
+def test_coverage_counts_the_weighted_share_of_the_query_held_not_length_or_repeats() -> None:
+    weights = {"billing": 2.0, "deploy": 1.0, "failed": 1.0, "absent": 0.0}
+    candidates = {
+        1: {"merged", "docs", "billing"},
+        2: {"the", "billing", "deploy", "on", "monday", "failed", "because", "memory"},
+        3: {"search", "deploy"},
+        4: {"nothing", "here"},
+    }
+    hits = coverage(candidates, ["billing", "deploy", "failed", "absent", "billing"], weights)
+    assert [(h.key, h.score) for h in hits] == [(2, 1.0), (1, 0.5), (3, 0.25)]
+    assert coverage(candidates, ["absent"], weights) == []
+
+
+def test_a_concept_counts_once_with_its_best_alternative_held_whole() -> None:
+    weights = {"quota": 3.0, "配额": 4.0, "合作": 2.0, "作方": 5.0, "partner": 2.0, "gateway": 1.0}
+    concepts = [
+        Concept("quota", (("quota",), ("配额",))),
+        Concept("partner", (("partner",), ("合作", "作方"), ("unseen",))),
+        Concept("gateway", (("gateway",),)),
+    ]
+    candidates = {
+        1: {"gateway", "给合", "合作", "作方", "配额"},  # every concept, in Chinese
+        2: {"the", "quota", "for", "partners"},  # "partners" is not "partner"
+        3: {"合作"},  # half a word is no word
+    }
+    hits = concept_coverage(candidates, concepts, weights)
+    # Best alternatives: 配额 (4), 合作方 (its rarer bigram, 5), gateway (1): 10 in all.
+    assert [(h.key, h.score) for h in hits] == [(1, 1.0), (2, 0.3)]
 
 
 def test_centering_removes_what_every_vector_of_a_language_shares() -> None:

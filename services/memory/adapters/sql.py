@@ -124,7 +124,7 @@ class _PendingArchive:
             self.done.set_result(outcome)
 
 
-def _segment(row: Any) -> StoredSegment:
+def _segment(row: Any, terms: str = "") -> StoredSegment:
     return StoredSegment(
         key=int(row.id),
         workspace_id=row.workspace_id,
@@ -139,6 +139,7 @@ def _segment(row: Any) -> StoredSegment:
         group_id=row.group_id,
         created_at=row.created_at,
         dedup_key=row.dedup_key,
+        terms=terms,
     )
 
 
@@ -543,21 +544,38 @@ class SqlMemoryStore(MemoryStore):
     async def segments(self, keys: Sequence[int]) -> dict[int, StoredSegment]:
         if not keys:
             return {}
-        rows = await self._read(sa.select(*_SEGMENT_COLUMNS).where(segments.c.id.in_(sorted(set(keys)))))
-        return {int(row.id): _segment(row) for row in rows}
+        rows = await self._read(
+            sa.select(*_SEGMENT_COLUMNS, segments.c.terms).where(segments.c.id.in_(sorted(set(keys))))
+        )
+        return {int(row.id): _segment(row, row.terms) for row in rows}
 
     async def lexical_search(
         self, scope: Scope, filters: Filters, terms: Sequence[str], limit: int
     ) -> list[Hit]:
-        async def read() -> list[Hit]:
+        return (await self.lexical_search_each(scope, filters, [terms], limit))[0]
+
+    async def lexical_search_each(
+        self, scope: Scope, filters: Filters, term_lists: Sequence[Sequence[str]], limit: int
+    ) -> list[list[Hit]]:
+        # One transaction, and the terms of every list counted in one statement.
+        async def read() -> list[list[Hit]]:
             async with self._db.transaction(write=False) as conn:
-                total, frequencies = await self.term_frequencies.counts(conn, terms, analyze=self._analyze)
-                kept = selective_terms(frequencies, self._lexical_postings)
-                if self._db.is_sqlite:
-                    return await search.lexical_sqlite(conn, scope, filters, kept, limit)
-                return await search.lexical_postgres(
-                    conn, scope, filters, kept, limit, total=total, frequencies=frequencies
-                )
+                every = [term for terms in term_lists for term in terms]
+                total, frequencies = await self.term_frequencies.counts(conn, every, analyze=self._analyze)
+                found: list[list[Hit]] = []
+                for terms in term_lists:
+                    kept = selective_terms({t: frequencies[t] for t in terms}, self._lexical_postings)
+                    if not kept:
+                        found.append([])
+                    elif self._db.is_sqlite:
+                        found.append(await search.lexical_sqlite(conn, scope, filters, kept, limit))
+                    else:
+                        found.append(
+                            await search.lexical_postgres(
+                                conn, scope, filters, kept, limit, total=total, frequencies=frequencies
+                            )
+                        )
+                return found
 
         return await self._db.retry_read(read)
 

@@ -117,6 +117,9 @@ class StoredSegment:
     group_id: str
     created_at: datetime
     dedup_key: str
+    # Its lexical terms joined by spaces, as indexed (read for ranking; empty
+    # when not read, and then made from the text again).
+    terms: str = ""
 
     @property
     def ref(self) -> Ref:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from services.memory.domain import hybrid
 from services.memory.domain.duplicates import collapse
 from services.memory.domain.errors import (
     DirectoryUnavailable,
@@ -17,6 +18,8 @@ from services.memory.domain.errors import (
     NotFound,
     Unauthenticated,
 )
+from services.memory.domain.hybrid import Candidates, searchable_concepts
+from services.memory.domain.lexicon import translate, translated_terms
 from services.memory.domain.model import (
     ArchivedRun,
     MemoryStats,
@@ -25,11 +28,19 @@ from services.memory.domain.model import (
     RunInfo,
     StoredSegment,
 )
-from services.memory.domain.ranking import FusionSettings, Hit, best_match_share, fuse
+from services.memory.domain.ranking import FusionSettings, Hit
 from services.memory.domain.scope import Filters, ForgetTarget, Scope
 from services.memory.domain.segmentation import RunLimits, SplitSettings, check_run, content_hash, segment_run
+from services.memory.domain.supersession import SupersessionSettings
 from services.memory.domain.terms import language_of, lexical_terms
-from services.memory.service_layer.ports import Embedder, MemberDirectory, MemberInfo, MemoryStore, Vector
+from services.memory.service_layer.ports import (
+    Dictionary,
+    Embedder,
+    MemberDirectory,
+    MemberInfo,
+    MemoryStore,
+    Vector,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +57,8 @@ class Caller:
 class QueryLimits:
     max_query_chars: int = 2000
     max_query_terms: int = 64
+    # Terms searched for a query's words in the other language (see `domain.lexicon`).
+    max_translated_terms: int = 64
     max_audience: int = 1000
     default_limit: int = 10
     max_limit: int = 100
@@ -98,6 +111,9 @@ class Memory:
         store: where segments live.
         embedder: for query vectors (segments are embedded by the worker).
         directory: who members are.
+        dictionary: for looking for a query's words in the other language
+            (Chinese <-> English); without one, or while it loads, search
+            does without.
         on_archived: called after a run's segments changed (wakes the embedder).
     """
 
@@ -111,6 +127,8 @@ class Memory:
         run_limits: RunLimits | None = None,
         query_limits: QueryLimits | None = None,
         fusion: FusionSettings | None = None,
+        supersession: SupersessionSettings | None = None,
+        dictionary: Dictionary | None = None,
         on_archived: Callable[[], None] = lambda: None,
     ) -> None:
         self._store = store
@@ -120,6 +138,8 @@ class Memory:
         self._run_limits = run_limits or RunLimits()
         self.limits = query_limits or QueryLimits()
         self._fusion = fusion or FusionSettings()
+        self._supersession = supersession or SupersessionSettings()
+        self._dictionary = dictionary
         self._on_archived = on_archived
 
     # -- who asks -----------------------------------------------------------
@@ -206,11 +226,17 @@ class Memory:
         if scope is None:
             return Retrieved([], 0)
         terms = list(dict.fromkeys(lexical_terms(query)))[: self.limits.max_query_terms]
+        lexicon = self._dictionary.lexicon() if self._dictionary is not None else None
+        concepts = translate(query, lexicon) if lexicon is not None else []
+        extra = translated_terms(concepts, leave_out=set(terms), limit=self.limits.max_translated_terms)
+        concepts = searchable_concepts(concepts, {*terms, *extra})
         candidates = max(self.limits.candidates, limit * 3)
         # The model embeds the query (on its own thread) while the database searches lexically.
         embedding = asyncio.ensure_future(self._query_vector(query))
         try:
-            lexical = await self._store.lexical_search(scope, filters, terms, candidates) if terms else []
+            lexical, translated = await self._store.lexical_search_each(
+                scope, filters, [terms, extra], candidates
+            )
         except BaseException:
             embedding.cancel()
             raise
@@ -220,25 +246,25 @@ class Memory:
             vector = await self._store.vector_search(
                 scope, filters, query_vector, language_of(query), candidates
             )
-        keys = {hit.key for hit in lexical} | {hit.key for hit in vector}
+        keys = {hit.key for hits in (lexical, translated, vector) for hit in hits}
         found = await self._store.segments(sorted(keys))
-        share = 0.0
-        if lexical and lexical[0].key in found and terms:
-            # The share of the query the best lexical hit holds, each term
-            # weighted by its rarity: a rare name matched says more than "the".
-            best_terms = set(lexical_terms(found[lexical[0].key].text))
-            share = best_match_share(terms, best_terms, await self._store.term_rarity(terms))
-        recency = None
-        if prefer_recent:
-            newest_first = sorted(found.values(), key=lambda s: (s.created_at, s.key), reverse=True)
-            recency = {segment.key: rank for rank, segment in enumerate(newest_first)}
-        fused = fuse(
-            vector,
-            lexical,
-            best_match_share=share,
+        # Rarer terms weigh more: a rare name matched says more than "the".
+        weights = await self._store.term_rarity([*terms, *extra]) if terms or extra else {}
+        fused = hybrid.rank(
+            terms,
+            concepts,
+            Candidates(
+                [hit for hit in vector if hit.key in found],
+                [hit for hit in lexical if hit.key in found],
+                [hit for hit in translated if hit.key in found],
+                terms={key: _terms(segment) for key, segment in found.items()},
+                times={key: segment.created_at.timestamp() for key, segment in found.items()},
+            ),
+            weights,
             limit=len(keys),
-            recency_rank=recency,
-            settings=self._fusion,
+            prefer_recent=prefer_recent,
+            fusion=self._fusion,
+            supersession=self._supersession,
         )
         ranked = [(found[hit.key], hit.score) for hit in fused if hit.key in found]
         return Retrieved(collapse(ranked, limit), await self._store.pending_count(scope))
@@ -309,6 +335,11 @@ class Memory:
                 if identity is not None and identity.workspace_id != member.workspace_id:
                     raise NotAllowed(f"agent {agent_id} is not in your workspace")
         return await self._store.stats(agent_id=agent_id, workspace_id=workspace_id)
+
+
+def _terms(segment: StoredSegment) -> frozenset[str]:
+    """The segment's lexical terms: as the store read them, or made again."""
+    return frozenset(segment.terms.split(" ") if segment.terms else lexical_terms(segment.text))
 
 
 def _check_filters(filters: Filters) -> None:

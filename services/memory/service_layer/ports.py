@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from services.memory.domain.lexicon import Lexicon
 from services.memory.domain.model import (
     ArchivedRun,
     MemoryStats,
@@ -62,6 +63,22 @@ class MemberDirectory(abc.ABC):
         """Closes the connection to the directory. Idempotent."""
 
 
+class Dictionary(abc.ABC):
+    """A bilingual dictionary for cross-language lexical search, which may
+    still be loading."""
+
+    @abc.abstractmethod
+    def lexicon(self) -> Lexicon | None:
+        """The dictionary, or None while it is not loaded (search then goes
+        on without translations)."""
+
+    def start(self) -> None:  # noqa: B027 - most dictionaries are there at once
+        """Starts loading, if it takes a while."""
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Stops loading. Idempotent."""
+
+
 @dataclass(frozen=True, slots=True)
 class PendingSegment:
     key: int
@@ -100,6 +117,15 @@ class MemoryStore(abc.ABC):
         self, scope: Scope, filters: Filters, terms: Sequence[str], limit: int
     ) -> list[Hit]:
         """Segments matching any of `terms`, best first, with a BM25-like score."""
+
+    async def lexical_search_each(
+        self, scope: Scope, filters: Filters, term_lists: Sequence[Sequence[str]], limit: int
+    ) -> list[list[Hit]]:
+        """`lexical_search` of each list of terms (a store may do them together);
+        an empty list finds nothing."""
+        return [
+            await self.lexical_search(scope, filters, terms, limit) if terms else [] for terms in term_lists
+        ]
 
     async def term_rarity(self, terms: Sequence[str]) -> dict[str, float]:
         """How much each term says (`ranking.rarity`: rare terms weigh more, absent
