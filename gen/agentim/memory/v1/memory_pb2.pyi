@@ -535,7 +535,9 @@ class RetrieveRequest(_message.Message):
     limit: _builtins.int
     """Most results; 0 for 10, at most 100."""
     prefer_recent: _builtins.bool
-    """Rank newer segments a little higher (for "the latest value of ...")."""
+    """For "the latest value of ...": several statements of one fact (nearly
+    the same words) rank together at the best one's place, the newest first.
+    """
     @_builtins.property
     def agent(self) -> Global___AgentScope:
         """One agent's."""
