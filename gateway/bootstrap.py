@@ -75,5 +75,6 @@ def build(settings: Settings) -> GatewayApp:
             **({"memory": settings.memory_address} if settings.memory_address else {}),
         },
         call_timeout_seconds=settings.call_timeout_seconds,
+        tls=settings.tls.client,
     )
     return GatewayApp(settings, upstreams)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from services.common.logs import LOG_LEVELS
 from services.common.settings import EnvReader
+from services.common.tls import TlsSettings, read_tls
 
 DEFAULT_STATIC_DIR = Path(__file__).resolve().parent / "static"
 
@@ -54,6 +55,8 @@ class Settings:
     static_dir: Path
     log_level: str
     token: str | None = field(default=None, repr=False)
+    # TLS on its gRPC port and to the services it calls (plaintext by default).
+    tls: TlsSettings = field(default_factory=TlsSettings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -89,6 +92,7 @@ class Settings:
             static_dir=Path(env.text("GATEWAY_STATIC_DIR", str(DEFAULT_STATIC_DIR))).expanduser(),
             log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
             token=token,
+            tls=read_tls(env),
         )
         env.finish()
         return settings

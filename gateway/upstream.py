@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.routes import Route
 from services.common.clients import open_channel
+from services.common.tls import ClientTls
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -31,10 +32,12 @@ class Upstreams:
         call_timeout_seconds: the default deadline of unary calls.
     """
 
-    def __init__(self, addresses: Mapping[str, str], *, call_timeout_seconds: float) -> None:
+    def __init__(
+        self, addresses: Mapping[str, str], *, call_timeout_seconds: float, tls: ClientTls | None = None
+    ) -> None:
         self.addresses = dict(addresses)
         self._channels = {
-            name: open_channel(address, default_timeout_seconds=call_timeout_seconds)
+            name: open_channel(address, default_timeout_seconds=call_timeout_seconds, tls=tls)
             for name, address in self.addresses.items()
         }
         self._callables: dict[tuple[str, str], Any] = {}

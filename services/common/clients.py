@@ -1,11 +1,14 @@
-"""Outgoing gRPC channels: every call between services carries a deadline."""
+"""Outgoing gRPC channels: every call between services carries a deadline,
+and goes over TLS when the service is configured for it (`services.common.tls`)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
+
+from services.common.tls import ClientTls
 
 
 class DefaultDeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
@@ -46,12 +49,35 @@ class DefaultDeadlineInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.
         return await continuation(client_call_details, request)
 
 
-def open_channel(
-    target: str, *, default_timeout_seconds: float = 10.0, max_message_bytes: int = 4 * 1024 * 1024
+def make_channel(
+    target: str,
+    *,
+    tls: ClientTls | None,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
-    """An insecure channel to another service whose unary calls always have a deadline."""
-    return grpc.aio.insecure_channel(
+    """A channel to `target`: over TLS with `tls` (mutual when it holds a certificate), else plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=list(options), interceptors=list(interceptors))
+    return grpc.aio.secure_channel(
         target,
+        tls.credentials(),
+        options=[*options, *tls.options()],
+        interceptors=list(interceptors),
+    )
+
+
+def open_channel(
+    target: str,
+    *,
+    default_timeout_seconds: float = 10.0,
+    max_message_bytes: int = 4 * 1024 * 1024,
+    tls: ClientTls | None = None,
+) -> grpc.aio.Channel:
+    """A channel to another service whose unary calls always have a deadline."""
+    return make_channel(
+        target,
+        tls=tls,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

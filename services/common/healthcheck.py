@@ -6,7 +6,9 @@ is up and ready from one that is starting, draining or cut off from its
 database. It prints one line saying what it saw, for `docker inspect`.
 
 Exit codes: 0 serving, 1 anything else (not serving, unknown service,
-unreachable, timed out), 2 bad arguments.
+unreachable, timed out), 2 bad arguments. It speaks TLS (and shows the
+service's certificate for mutual TLS) as the services do, from the same
+`GRPC_TLS_*` settings (see `services.common.tls`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,24 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.clients import make_channel
+from services.common.settings import ConfigError, EnvReader
+from services.common.tls import ClientTls, read_tls
+
 EXIT_SERVING = 0
 EXIT_UNHEALTHY = 1
 
 
-async def check(target: str, *, service: str = "", deadline_seconds: float = 3.0) -> str:
+async def check(
+    target: str, *, service: str = "", deadline_seconds: float = 3.0, tls: ClientTls | None = None
+) -> str:
     """Asks a server for its health.
 
     Args:
         target: host:port of the server.
         service: the service to ask about; empty for the server as a whole.
         deadline_seconds: deadline of the call.
+        tls: call over TLS; None: plaintext.
 
     Returns:
         The name of the status (``SERVING``, ``NOT_SERVING``, ...).
@@ -38,7 +47,7 @@ async def check(target: str, *, service: str = "", deadline_seconds: float = 3.0
         grpc.aio.AioRpcError: the call failed (unreachable, deadline
             exceeded, unknown service...).
     """
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with make_channel(target, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=deadline_seconds)
     name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
@@ -77,9 +86,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     options = parser.parse_args(argv)
     subject = options.service or "server"
+    env = EnvReader()
+    tls = read_tls(env)
+    try:
+        env.finish()
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return EXIT_UNHEALTHY
     try:
         status = asyncio.run(
-            check(options.address, service=options.service, deadline_seconds=options.timeout)
+            check(options.address, service=options.service, deadline_seconds=options.timeout, tls=tls.client)
         )
     except grpc.aio.AioRpcError as error:
         reason = ": ".join(part for part in (error.code().name, error.details()) if part)

@@ -32,6 +32,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection as grpc_reflection
 
 from services.common.interceptors import ErrorMappingInterceptor, RequestRulesInterceptor, ShutdownGate
+from services.common.tls import ServerTls
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class GrpcServer:
         settle_seconds: how long no call may arrive before grpc's own
             shutdown begins (calls clients have sent meanwhile are then held
             back and refused, not cancelled by grpc).
+        tls: serve TLS (mutual TLS if it names a client CA); None: plaintext.
     """
 
     def __init__(
@@ -190,8 +192,10 @@ class GrpcServer:
         cleanups: Sequence[Cleanup] = (),
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         settle_seconds: float = 0.05,
+        tls: ServerTls | None = None,
     ) -> None:
         self._address = address
+        self._tls = tls
         self._grace = grace_seconds
         self._settle = settle_seconds
         self._closers = list(closers)
@@ -226,7 +230,10 @@ class GrpcServer:
             OSError: the address cannot be bound (for example, it is taken).
         """
         try:
-            self.port = self._server.add_insecure_port(self._address)
+            if self._tls is None:
+                self.port = self._server.add_insecure_port(self._address)
+            else:
+                self.port = self._server.add_secure_port(self._address, self._tls.credentials())
         except RuntimeError as error:
             raise OSError(f"cannot listen on {self._address}: {error}") from error
         if self.port == 0:

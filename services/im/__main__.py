@@ -38,7 +38,10 @@ async def _serve(settings: Settings) -> None:
         host = settings.grpc_address.rpartition(":")[0]
         database = "SQLite" if app.database.is_sqlite else "PostgreSQL"
         signals = "Redis" if settings.redis_url else "in-process"
-        print(f"IM service listening on {host}:{port} ({database}, {signals} event signals)", flush=True)
+        tls = settings.tls.describe()
+        print(
+            f"IM service listening on {host}:{port} ({database}, {signals} event signals, {tls})", flush=True
+        )
         # What start-up built lives as long as the process: keep the collector off it.
         gc.collect()
         gc.freeze()

@@ -85,6 +85,7 @@ def build(settings: Settings) -> IMApp:
     server = GrpcServer(
         address=settings.grpc_address,
         registrars=[lambda s: im_pb2_grpc.add_IMServiceServicer_to_server(servicer, s)],
+        tls=settings.tls.server,
         service_names=[SERVICE_NAME],
         readiness=ready,
         components={SIGNALS_HEALTH_NAME: lambda: not signal.degraded},

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
 from services.common.settings import EnvReader, default_data_dir
+from services.common.tls import TlsSettings, read_tls
 from services.im.domain.rules import Limits
 
 
@@ -24,6 +25,8 @@ class Settings:
     db_pool_size: int
     service_token: str | None = field(repr=False)
     limits: Limits
+    # TLS on its gRPC port and to the services it calls (plaintext by default).
+    tls: TlsSettings = field(default_factory=TlsSettings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -43,6 +46,7 @@ class Settings:
             shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
             db_pool_size=env.integer("IM_DB_POOL_SIZE", 16, minimum=1),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            tls=read_tls(env),
             limits=Limits(
                 max_content_bytes=env.integer("IM_MAX_CONTENT_BYTES", defaults.max_content_bytes, minimum=1),
                 max_metadata_bytes=env.integer(

@@ -41,9 +41,8 @@ async def _serve(settings: Settings) -> None:
             "openai": f"embeddings endpoint {settings.embeddings_base_url}",
             "none": "no embedder (lexical search only)",
         }[settings.embedder]
-        print(
-            f"memory service listening on {host}:{port} ({embedder}, IM at {settings.im_address})", flush=True
-        )
+        where = f"{embedder}, IM at {settings.im_address}, {settings.tls.describe()}"
+        print(f"memory service listening on {host}:{port} ({where})", flush=True)
         gc.collect()
         gc.freeze()
         await app.server.serve_until(stop)

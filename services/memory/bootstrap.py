@@ -113,6 +113,7 @@ def build(
         service_token=settings.service_token,
         deadline_seconds=settings.im_call_timeout_seconds,
         cache_seconds=settings.member_cache_seconds,
+        tls=settings.tls.client,
     )
     if dictionary is None and settings.dictionary == "cedict":
         dictionary = BackgroundDictionary()
@@ -168,6 +169,7 @@ def build(
     server = GrpcServer(
         address=settings.grpc_address,
         registrars=[lambda s: memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, s)],
+        tls=settings.tls.server,
         service_names=[SERVICE_NAME],
         readiness=ready,
         reflection=settings.reflection,

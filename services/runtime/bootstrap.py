@@ -85,6 +85,7 @@ def build(settings: Settings) -> RuntimeApp:
         settings.im_address,
         service_token=settings.service_token,
         deadline_seconds=settings.im_call_timeout_seconds,
+        tls=settings.tls.client,
     )
     llm = ModelRouter(
         offline=OfflineModel(),
@@ -103,6 +104,7 @@ def build(settings: Settings) -> RuntimeApp:
             settings.memory_address,
             service_token=settings.service_token,
             deadline_seconds=settings.memory_call_timeout_seconds,
+            tls=settings.tls.client,
         )
         if settings.memory_address
         else None
@@ -181,6 +183,7 @@ def build(settings: Settings) -> RuntimeApp:
     server = GrpcServer(
         address=settings.grpc_address,
         registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, s)],
+        tls=settings.tls.server,
         service_names=[SERVICE_NAME],
         readiness=ready,
         reflection=settings.reflection,

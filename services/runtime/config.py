@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
 from services.common.settings import EnvReader, default_data_dir
+from services.common.tls import TlsSettings, read_tls
 from services.runtime.domain.etiquette import GroupPolicy
 
 
@@ -44,6 +45,8 @@ class Settings:
     context_tokens: int | None
     llm_api_key: str | None = field(repr=False)
     service_token: str | None = field(repr=False)
+    # TLS on its gRPC port and to the services it calls (plaintext by default).
+    tls: TlsSettings = field(default_factory=TlsSettings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -96,6 +99,7 @@ class Settings:
             context_tokens=env.integer("OPENAI_CONTEXT_TOKENS", 0, minimum=0) or None,
             llm_api_key=env.optional("OPENAI_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            tls=read_tls(env),
         )
         env.finish()
         return settings

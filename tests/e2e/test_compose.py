@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from services.common.settings import ConfigError
+from services.common.tls import make_dev_certs
 
 from . import ROOT, IMProcess, im_environment, in_ci, migrate_im, python_module, running_im
 
@@ -128,7 +129,16 @@ def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> Non
     assert _services(compose)["memory-migrate"]["command"][2:] == ["services.memory", "migrate"]
 
 
-def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
+CERTS_MOUNT = "/certs/"
+
+
+def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path: Path) -> None:
+    # The files the `certs` service writes to its volume, as it writes them.
+    certs = tmp_path / "certs"
+    command = _services(compose)["certs"]["command"]
+    module, arguments = _python_module_command(command)
+    assert module == "services.common.tls" and arguments[:2] == ["make-dev-certs", CERTS_MOUNT.rstrip("/")]
+    make_dev_certs(certs, [name for name in arguments[2:] if not name.startswith("--")])
     checked = []
     for name, service in _services(compose).items():
         if not _our_image(service):
@@ -139,8 +149,12 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any]) -> None:
             continue
         environment = service.get("environment", {})
         assert isinstance(environment, dict), f"{name}: use the mapping form of environment"
+        mounted = {k: str(v).replace(CERTS_MOUNT, f"{certs}/") for k, v in environment.items()}
+        if any(CERTS_MOUNT in str(v) for v in environment.values()):
+            volumes = [str(v).split(":")[:2] for v in service.get("volumes", [])]
+            assert ["certs", "/certs"] in volumes, f"{name} reads /certs but does not mount the certs volume"
         try:
-            settings_class.from_env({k: str(v) for k, v in environment.items()})
+            settings_class.from_env(mounted)
         except ConfigError as error:
             pytest.fail(f"{name}: {error}")
         checked.append(name)

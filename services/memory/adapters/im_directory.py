@@ -14,6 +14,7 @@ import grpc
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common.clients import open_channel
 from services.common.identity import caller_metadata
+from services.common.tls import ClientTls
 from services.memory.domain.errors import DirectoryUnavailable
 from services.memory.service_layer.ports import MemberDirectory, MemberInfo
 
@@ -45,10 +46,11 @@ class GrpcMemberDirectory(MemberDirectory):
         deadline_seconds: float = 5.0,
         cache_seconds: float = 300.0,
         cache_size: int = 10_000,
+        tls: ClientTls | None = None,
     ) -> None:
         self._address = address
         self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
-        self._channel = open_channel(address, default_timeout_seconds=deadline_seconds)
+        self._channel = open_channel(address, default_timeout_seconds=deadline_seconds, tls=tls)
         self._stub = im_pb2_grpc.IMServiceStub(self._channel)
         self._deadline = deadline_seconds
         self._cache_seconds = cache_seconds

@@ -20,7 +20,9 @@ import grpc
 from google.protobuf import field_mask_pb2, json_format
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common.clients import make_channel
 from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
+from services.common.tls import ClientTls
 from services.runtime.service_layer.im_port import (
     IMError,
     IMEvent,
@@ -83,6 +85,7 @@ class GrpcIM(IMPort):
         reconnect_max_seconds: float = 10.0,
         max_message_bytes: int = 4 * 1024 * 1024,
         max_concurrent_calls: int = 256,
+        tls: ClientTls | None = None,
     ) -> None:
         if deadline_seconds <= 0:
             raise ValueError("deadline_seconds must be positive")
@@ -97,8 +100,9 @@ class GrpcIM(IMPort):
         # the channel's own reconnect backoff (by default up to two minutes)
         # must follow ours, or a watch would stay blind long after the IM is back.
         # Every unary call passes its deadline itself.
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = make_channel(
             address,
+            tls=tls,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),

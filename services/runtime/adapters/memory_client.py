@@ -18,6 +18,7 @@ from google.protobuf import timestamp_pb2
 from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.common.clients import open_channel
 from services.common.identity import caller_metadata
+from services.common.tls import ClientTls
 from services.runtime.adapters.im_client import EMBEDDED_SERVICE_TOKEN
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import Agent, StepKind
@@ -120,11 +121,12 @@ class GrpcMemory(MemoryPort):
         service_token: str | None = None,
         deadline_seconds: float = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
+        tls: ClientTls | None = None,
     ) -> None:
         self._address = address
         self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
         self._channel = open_channel(
-            address, default_timeout_seconds=deadline_seconds, max_message_bytes=max_message_bytes
+            address, default_timeout_seconds=deadline_seconds, max_message_bytes=max_message_bytes, tls=tls
         )
         self._stub = memory_pb2_grpc.MemoryServiceStub(self._channel)
 
