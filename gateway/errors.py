@@ -12,10 +12,13 @@ full groups stay 429).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import grpc
+
+from services.common.ratelimit import retry_after_seconds
 
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.OK: 200,
@@ -56,12 +59,21 @@ class HttpError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_grpc(cls, code: grpc.StatusCode, details: str | None) -> HttpError:
+    def from_grpc(
+        cls, code: grpc.StatusCode, details: str | None, trailing_metadata: Any = None
+    ) -> HttpError:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _OVER_SIZE.search(details or ""):
             # gRPC's own size limit (the service's, or this channel's): the
             # request is too large, not a quota to wait for.
             return cls(413, code.name, "the request is larger than the services accept")
-        return cls(http_status(code), code.name, details or code.name.replace("_", " ").lower())
+        headers = {}
+        # A rate limit says when to come back (google.rpc.RetryInfo).
+        wait = retry_after_seconds(trailing_metadata) if trailing_metadata else None
+        if wait is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(wait)))
+        return cls(
+            http_status(code), code.name, details or code.name.replace("_", " ").lower(), headers=headers
+        )
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "status": self.status, "message": self.message}}

@@ -318,7 +318,7 @@ class Gateway:
         try:
             response = await self._upstreams.unary(route, message, metadata)
         except grpc.aio.AioRpcError as error:
-            raise HttpError.from_grpc(error.code(), error.details()) from None
+            raise HttpError.from_grpc(error.code(), error.details(), error.trailing_metadata()) from None
         return web.Response(text=message_json(response), content_type=_JSON)
 
     async def _stream(self, request: web.Request, match: Matched, metadata: Metadata) -> web.StreamResponse:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
 from services.im.adapters.message_log import open_message_log
 from services.im.adapters.read_path import open_read_path
@@ -21,6 +22,20 @@ from services.im.service_layer.ports import EventSignal
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = im_pb2.DESCRIPTOR.services_by_name["IMService"].full_name
+# The calls each member may make only so often (see services.common.ratelimit).
+RATE_LIMITED = {
+    **{f"/{SERVICE_NAME}/{m}": "send" for m in ("SendMessage", "EditMessage")},
+    **{
+        f"/{SERVICE_NAME}/{m}": "create"
+        for m in (
+            "CreateWorkspace",
+            "CreateMember",
+            "CreateGroup",
+            "GetOrCreateDirectGroup",
+            "AddGroupMembers",
+        )
+    },
+}
 # Health of the cross-replica event signals: NOT_SERVING while Redis is
 # unreachable (delivery then reads the database at intervals); the service stays SERVING.
 SIGNALS_HEALTH_NAME = f"{SERVICE_NAME}/signals"
@@ -86,6 +101,7 @@ def build(settings: Settings) -> IMApp:
         address=settings.grpc_address,
         registrars=[lambda s: im_pb2_grpc.add_IMServiceServicer_to_server(servicer, s)],
         tls=settings.tls.server,
+        interceptors=[RateLimitInterceptor(RATE_LIMITED, settings.rate_limits)],
         service_names=[SERVICE_NAME],
         readiness=ready,
         components={SIGNALS_HEALTH_NAME: lambda: not signal.degraded},

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
+from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 from services.im.domain.rules import Limits
@@ -27,6 +28,8 @@ class Settings:
     limits: Limits
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
+    # Per-member rates of sending and creating (services.common.ratelimit).
+    rate_limits: RateLimits = field(default_factory=RateLimits)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -47,6 +50,7 @@ class Settings:
             db_pool_size=env.integer("IM_DB_POOL_SIZE", 16, minimum=1),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
             tls=read_tls(env),
+            rate_limits=read_rate_limits(env),
             limits=Limits(
                 max_content_bytes=env.integer("IM_MAX_CONTENT_BYTES", defaults.max_content_bytes, minimum=1),
                 max_metadata_bytes=env.integer(

@@ -10,6 +10,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from agentim.runtime.v1 import runtime_pb2, runtime_pb2_grpc
+from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
 from services.runtime.adapters.im_client import GrpcIM
 from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
@@ -36,6 +37,11 @@ from services.runtime.service_layer.tools import default_registry
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_name
+# The calls each member may make only so often (see services.common.ratelimit).
+RATE_LIMITED = {
+    f"/{SERVICE_NAME}/{m}": "create"
+    for m in ("CreateAgent", "SubmitTask", "CreateCheckpoint", "ForkFromStep", "AddNote")
+}
 
 
 def utc_now() -> datetime:
@@ -184,6 +190,7 @@ def build(settings: Settings) -> RuntimeApp:
         address=settings.grpc_address,
         registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, s)],
         tls=settings.tls.server,
+        interceptors=[RateLimitInterceptor(RATE_LIMITED, settings.rate_limits)],
         service_names=[SERVICE_NAME],
         readiness=ready,
         reflection=settings.reflection,

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
+from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 from services.runtime.domain.etiquette import GroupPolicy
@@ -47,6 +48,8 @@ class Settings:
     service_token: str | None = field(repr=False)
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
+    # Per-member rates of sending and creating (services.common.ratelimit).
+    rate_limits: RateLimits = field(default_factory=RateLimits)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -100,6 +103,7 @@ class Settings:
             llm_api_key=env.optional("OPENAI_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
             tls=read_tls(env),
+            rate_limits=read_rate_limits(env),
         )
         env.finish()
         return settings

@@ -23,6 +23,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,20 @@ from agentim.memory.v1 import memory_pb2 as mpb
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.request_rules import MAX_JSON_DEPTH
 from tests.conftest import RunningIM, as_member, make_world
-from tests.edge_support import runtime_on
-from tests.faults.harness import scaled
+from tests.edge_support import start_runtime_on
+from tests.faults.harness import UNLIMITED, scaled
 from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime
 
-__all__ = ["runtime_on"]  # a fixture
+
+# (The IM has no rate limits: see conftest.py.)
+@pytest.fixture
+async def runtime_on(im: RunningIM, runtime_url: str) -> AsyncIterator[RunningRuntime]:
+    running = await start_runtime_on(im.address, runtime_url, **UNLIMITED)
+    yield running
+    await running.channel.close()
+    await running.app.stop()
+
 
 SERVICES = [
     im_pb2.DESCRIPTOR.services_by_name["IMService"],
