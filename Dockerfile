@@ -31,7 +31,8 @@ ENV PATH=/opt/agentim/bin:$PATH \
 
 RUN groupadd --system --gid 10001 agentim \
     && useradd --system --uid 10001 --gid agentim --home-dir /var/lib/agentim --create-home \
-       --shell /usr/sbin/nologin agentim
+       --shell /usr/sbin/nologin agentim \
+    && install -d -o agentim -g agentim -m 0700 /var/lib/agentim/keys
 
 COPY --from=build /opt/agentim /opt/agentim
 
@@ -40,5 +41,6 @@ WORKDIR /var/lib/agentim
 # 50051: the IM (gRPC); 50052: the runtime (gRPC); 50053: the memory (gRPC); 8080: the HTTP gateway and web UI.
 EXPOSE 50051 50052 50053 8080
 
-# `exec` hands PID 1 to the server so that SIGTERM starts its graceful shutdown.
+# `exec` hands PID 1 to the server so that SIGTERM starts its graceful shutdown
+# (and SIGHUP reloads its signing keys). On SQLite the IM makes its own key.
 CMD ["sh", "-c", "python -m services.im migrate && exec python -m services.im serve"]

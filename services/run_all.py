@@ -1,6 +1,8 @@
 """Runs the whole system on one machine: `python -m services.run_all`.
 
-Applies every service's migrations, starts the IM service, then the memory
+Applies every service's migrations, makes the IM's signing key if it has
+none (`python -m services.im keygen --if-missing`: on PostgreSQL the IM
+makes none itself), starts the IM service, then the memory
 service and the agent runtime (both pointed at the IM), then the HTTP
 gateway (pointed at the IM and the runtime), prints
 where each listens and the URL to open in a browser, and stops them all
@@ -49,6 +51,12 @@ def main() -> int:
     env = dict(os.environ)
     for module in SERVICES:
         subprocess.run([sys.executable, "-m", module, "migrate"], env=env, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "services.im", "keygen", "--if-missing"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     started: list[subprocess.Popen[str]] = []
     stop = threading.Event()
 

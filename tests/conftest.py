@@ -33,6 +33,7 @@ from services.runtime.adapters import migrate as runtime_migrate
 from services.runtime.adapters.sql import Database as RuntimeDatabase
 from services.runtime.adapters.sql import SqlAgentStore
 from services.runtime.adapters.tables import SCHEMA as RUNTIME_SCHEMA
+from tests.auth_support import auth_environment
 from tests.fake_openai import FakeOpenAI
 from tests.faults.harness import RedisProcess
 
@@ -153,6 +154,7 @@ def settings_for(database_url: str, **overrides: str) -> Settings:
         "DATABASE_URL": database_url,
         "IM_GRPC_ADDRESS": "127.0.0.1:0",
         "LOG_LEVEL": "WARNING",
+        **auth_environment(),
     }
     environ.update(overrides)
     return Settings.from_env(environ)

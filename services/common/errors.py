@@ -12,13 +12,20 @@ import grpc
 
 
 class ServiceError(Exception):
-    """Base of every expected failure; `code` is the gRPC status it maps to."""
+    """Base of every expected failure; `code` is the gRPC status it maps to.
+
+    `retry_after_seconds`, when set, goes to the client as
+    `google.rpc.RetryInfo` (how long to wait before trying again).
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    retry_after_seconds: float | None = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, retry_after_seconds: float | None = None) -> None:
         super().__init__(message)
         self.message = message
+        if retry_after_seconds is not None:
+            self.retry_after_seconds = retry_after_seconds
 
 
 class InvalidArgument(ServiceError):

@@ -5,6 +5,10 @@ runtime, the gateway) adds `x-agentim-service` with the shared service
 token; it may then act for any member, or with no member at all for
 administrative calls. A later issue replaces both with verified tokens
 without changing any request message.
+
+Access tokens (`authorization: Bearer <JWT>`, see `services.common.tokens`)
+are read by `identify`, which the IM's AuthService uses today and every
+RPC will use once `x-member-id` is gone: that is the one place to drop it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from services.common.errors import Unauthenticated
+from services.common.tokens import AccessClaims, PrincipalKind, Verifier
 
+AUTHORIZATION_KEY = "authorization"
 MEMBER_ID_KEY = "x-member-id"
 SERVICE_TOKEN_KEY = "x-agentim-service"
 # Response header of IM WatchEvents: the cursor the stream starts after.
@@ -76,3 +82,66 @@ def caller_metadata(
     if service_token is not None:
         items.append((SERVICE_TOKEN_KEY, service_token))
     return tuple(items)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who a call comes from: the verified claims of its access token, or
+    (until every service takes access tokens) the `x-member-id` principal."""
+
+    claims: AccessClaims | None = None
+    principal: Principal | None = None
+
+    @property
+    def member_id(self) -> uuid.UUID | None:
+        if self.claims is not None:
+            return self.claims.member_id
+        return self.principal.member_id if self.principal is not None else None
+
+    @property
+    def service(self) -> str | None:
+        """The service's name, for a call made with a service's own access token."""
+        if self.claims is not None and self.claims.kind is PrincipalKind.SERVICE:
+            return self.claims.service
+        return None
+
+    @property
+    def can_write(self) -> bool:
+        return self.claims.can_write if self.claims is not None else True
+
+    @property
+    def via_personal_token(self) -> bool:
+        return self.claims is not None and self.claims.personal_token_id is not None
+
+
+async def identify(
+    metadata: Iterable[tuple[str, str | bytes]] | None,
+    *,
+    verifier: Verifier,
+    service_token: str | None,
+) -> Caller | None:
+    """The caller named by the metadata: a verified access token first, else
+    the `x-member-id` principal; None if it names nobody.
+
+    A call that sends `authorization` is judged by it alone: a bad token is
+    refused, never passed over for the other headers.
+
+    Raises:
+        Unauthenticated: a malformed header, or a token that does not verify.
+        Unavailable: the verifier cannot fetch the keys it needs now.
+    """
+    items = list(metadata or ())
+    raw = next((value for key, value in items if key.lower() == AUTHORIZATION_KEY), None)
+    if raw is not None:
+        text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        scheme, _, token = text.strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated(f"{AUTHORIZATION_KEY} must be 'Bearer <access token>'")
+        return Caller(claims=await verifier.verify(token.strip()))
+    principal = principal_from_metadata(items, service_token=service_token)
+    return None if principal is None else Caller(principal=principal)
+
+
+def bearer_metadata(access_token: str) -> tuple[tuple[str, str], ...]:
+    """Metadata for an outgoing call made with an access token."""
+    return ((AUTHORIZATION_KEY, f"Bearer {access_token}"),)

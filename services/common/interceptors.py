@@ -7,9 +7,13 @@ import contextlib
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from services.common.errors import InvalidArgument, ServiceError
 from services.common.outages import describe, unavailable_error
@@ -26,9 +30,21 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
         logger.warning("%s: %s (%s)", method, unavailable.message, describe(error))
         await context.abort(unavailable.code, unavailable.message)
     if isinstance(error, ServiceError):
-        await context.abort(error.code, error.message)
+        await context.abort(error.code, error.message, _details(error))
     logger.error("unexpected error in %s", method, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _details(error: ServiceError) -> tuple[tuple[str, bytes], ...]:
+    """The rich status details of an error (google.rpc.RetryInfo), as trailing metadata."""
+    if error.retry_after_seconds is None:
+        return ()
+    retry = error_details_pb2.RetryInfo()
+    retry.retry_delay.FromTimedelta(timedelta(seconds=max(0.0, error.retry_after_seconds)))
+    detail = any_pb2.Any()
+    detail.Pack(retry)
+    status = status_pb2.Status(code=error.code.value[0], message=error.message, details=[detail])
+    return rpc_status.to_status(status).trailing_metadata
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

@@ -2,9 +2,11 @@
 
 Each member has a bucket per kind of call (sending messages, creating
 things), refilled at a steady rate up to a burst. A call that finds its
-bucket empty is refused with `RESOURCE_EXHAUSTED`, saying when to try again
-in words and as a `google.rpc.RetryInfo` detail (the gateway turns it into
-`429` with `Retry-After`). A zero rate turns a kind of limit off.
+bucket empty is refused with `RESOURCE_EXHAUSTED` (`RateLimited`), saying
+when to try again in words and as a `google.rpc.RetryInfo` detail (the
+gateway turns it into `429` with `Retry-After`). A zero rate turns a kind of
+limit off. The interceptor must sit inside the error-mapping one (as
+`GrpcServer` places the interceptors it is given), which makes the status.
 
 A call that names no member (creating a workspace) counts against its
 peer's address instead. Buckets live in the process: behind several
@@ -15,7 +17,6 @@ memory stays bounded.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -23,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
-from grpc_status import rpc_status
+from google.rpc import error_details_pb2, status_pb2
 
+from services.common.errors import ResourceExhausted
 from services.common.settings import EnvReader
 
 MEMBER_ID_KEY = "x-member-id"
@@ -99,15 +99,9 @@ class TokenBuckets:
         return wait
 
 
-def retry_status(message: str, wait_seconds: float) -> grpc.Status:
-    """RESOURCE_EXHAUSTED with `message` and a RetryInfo of `wait_seconds`."""
-    seconds = math.floor(wait_seconds)
-    info = error_details_pb2.RetryInfo(
-        retry_delay=duration_pb2.Duration(seconds=seconds, nanos=int((wait_seconds - seconds) * 1e9))
-    )
-    detail = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=message)
-    detail.details.add().Pack(info)
-    return rpc_status.to_status(detail)
+class RateLimited(ResourceExhausted):
+    """A member called too often; `retry_after_seconds` says when to come back
+    (the error interceptor sends it as `google.rpc.RetryInfo`)."""
 
 
 def retry_after_seconds(trailing_metadata: Iterable[tuple[str, Any]] | None) -> float | None:
@@ -169,12 +163,11 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
             who = member if member is not None else "peer " + context.peer().rpartition(":")[0]
             wait = self._buckets.take(f"{who} {kind}", rate)
             if wait > 0:
-                message = (
+                raise RateLimited(
                     f"too many calls that {_WORDS[kind]}: at most {rate.per_second:g} a second"
-                    f" (bursts of {rate.burst}); try again in {wait:.1f} s"
+                    f" (bursts of {rate.burst}); try again in {wait:.1f} s",
+                    retry_after_seconds=wait,
                 )
-                status = retry_status(message, wait)
-                await context.abort(status.code, status.details, status.trailing_metadata)
             return await inner(request, context)
 
         return grpc.unary_unary_rpc_method_handler(

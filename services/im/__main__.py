@@ -1,4 +1,4 @@
-"""Command line of the IM service: `python -m services.im {serve,migrate}`."""
+"""Command line of the IM service: `python -m services.im {serve,migrate,keygen}`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import argparse
 import asyncio
 import gc
 import logging
+import signal
 import sys
 
 from services.common.logs import configure_logging
 from services.common.server import stop_on_signals
 from services.common.settings import ConfigError
+from services.common.tokens import KeyRing, KeyRingError, has_signing_key
 from services.im import bootstrap
 from services.im.adapters import migrate
 from services.im.config import Settings
@@ -27,9 +29,29 @@ async def _migrate(settings: Settings) -> None:
     logger.info("IM schema is up to date")
 
 
+def _keygen(settings: Settings, *, upcoming: bool, if_missing: bool) -> None:
+    """Writes a signing key into AUTH_SIGNING_KEYS_DIR (mode 0600); prints its id only."""
+    directory = settings.signing_keys_dir
+    if if_missing and has_signing_key(directory):
+        print(f"{directory} has a signing key already", flush=True)
+        return
+    try:
+        kid = KeyRing.generate(directory, upcoming=upcoming)
+    except (OSError, KeyRingError) as error:
+        raise SystemExit(f"cannot write a key into {directory}: {error}") from None
+    what = "next key (published, not signing until renamed to <kid>.pem)" if upcoming else "signing key"
+    print(f"wrote {what} {kid} to {directory}", flush=True)
+
+
 async def _serve(settings: Settings) -> None:
-    app = bootstrap.build(settings)
+    try:
+        app = bootstrap.build(settings)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        raise SystemExit(2) from None
     with stop_on_signals() as stop:
+        # SIGHUP reads the signing keys and service credentials again (key rotation).
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, app.reload_identity)
         try:
             port = await app.start()
         except OSError as error:
@@ -53,7 +75,18 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m services.im", description="The Agent IM messaging service."
     )
     parser.add_argument(
-        "command", choices=["serve", "migrate"], help="serve the gRPC API, or apply migrations"
+        "command",
+        choices=["serve", "migrate", "keygen"],
+        help="serve the gRPC API, apply migrations, or write a signing key into AUTH_SIGNING_KEYS_DIR",
+    )
+    parser.add_argument(
+        "--next",
+        action="store_true",
+        dest="upcoming",
+        help="keygen: write <kid>.next.pem, published but not signing (the first step of a rotation)",
+    )
+    parser.add_argument(
+        "--if-missing", action="store_true", help="keygen: do nothing if the directory has a signing key"
     )
     options = parser.parse_args(argv)
     try:
@@ -62,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         print(error, file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging(settings.log_level)
+    if options.command == "keygen":
+        _keygen(settings, upcoming=options.upcoming, if_missing=options.if_missing)
+        return
     asyncio.run(_migrate(settings) if options.command == "migrate" else _serve(settings))
 
 

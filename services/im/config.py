@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 
 from services.common.logs import LOG_LEVELS
 from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
+from services.im.domain.access import AuthLimits
 from services.im.domain.rules import Limits
 
 
@@ -26,6 +29,13 @@ class Settings:
     db_pool_size: int
     service_token: str | None = field(repr=False)
     limits: Limits
+    data_dir: Path
+    # Identity: where the signing keys are, which services may get tokens.
+    signing_keys_dir: Path
+    service_credentials_file: Path | None
+    auth_limits: AuthLimits
+    argon2_memory_kib: int
+    argon2_time_cost: int
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
     # Per-member rates of sending and creating (services.common.ratelimit).
@@ -37,6 +47,8 @@ class Settings:
         env = EnvReader(environ)
         data_dir = default_data_dir(env)
         defaults = Limits()
+        auth = AuthLimits()
+        credentials = env.optional("AUTH_SERVICE_CREDENTIALS_FILE")
         settings = cls(
             database_url=env.text("DATABASE_URL", f"sqlite:///{data_dir / 'im.db'}"),
             redis_url=env.optional("REDIS_URL"),
@@ -66,6 +78,24 @@ class Settings:
                     "IM_MAX_UNREAD_PAGE_SIZE", defaults.max_unread_page_size, minimum=1
                 ),
             ),
+            data_dir=data_dir,
+            signing_keys_dir=Path(env.text("AUTH_SIGNING_KEYS_DIR", str(data_dir / "keys"))).expanduser(),
+            service_credentials_file=Path(credentials).expanduser() if credentials else None,
+            auth_limits=AuthLimits(
+                password_min_length=env.integer(
+                    "AUTH_PASSWORD_MIN_LENGTH", auth.password_min_length, minimum=8
+                ),
+                access_token_lifetime=timedelta(
+                    minutes=env.integer("AUTH_ACCESS_TOKEN_MINUTES", 15, minimum=1)
+                ),
+                refresh_token_lifetime=timedelta(days=env.integer("AUTH_REFRESH_TOKEN_DAYS", 30, minimum=1)),
+                sign_in_max_failures=env.integer(
+                    "AUTH_SIGN_IN_MAX_FAILURES", auth.sign_in_max_failures, minimum=1
+                ),
+                sign_in_window=timedelta(minutes=env.integer("AUTH_SIGN_IN_WINDOW_MINUTES", 15, minimum=1)),
+            ),
+            argon2_memory_kib=env.integer("AUTH_ARGON2_MEMORY_KIB", 65536, minimum=1024),
+            argon2_time_cost=env.integer("AUTH_ARGON2_TIME_COST", 3, minimum=1),
         )
         if settings.database_url.split(":", 1)[0].split("+", 1)[0] not in {
             "sqlite",
@@ -86,3 +116,15 @@ class Settings:
         if not self.database_url.startswith("sqlite"):
             return None
         return self.database_url.split("///", 1)[1] if "///" in self.database_url else None
+
+    @property
+    def embedded(self) -> bool:
+        """The embedded default (SQLite): it makes its own keys and service credentials."""
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def credentials_path(self) -> Path | None:
+        """The service credentials file: the configured one, or the embedded default's."""
+        if self.service_credentials_file is not None:
+            return self.service_credentials_file
+        return self.data_dir / "secrets" / "service-credentials" if self.embedded else None

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(rb"^IM service listening on (?P<host>\S+):(?P<port>\d+) ", re.MULTILINE)
 # Settings the tests choose themselves: a developer's or CI's own values
 # (for example AGENTIM_DATA_DIR from the Makefile) must not leak in.
-_SERVICE_PREFIXES = ("AGENTIM_", "IM_", "GRPC_")
+_SERVICE_PREFIXES = ("AGENTIM_", "IM_", "GRPC_", "AUTH_")
 _SERVICE_NAMES = {"DATABASE_URL", "REDIS_URL", "LOG_LEVEL", "SHUTDOWN_GRACE_SECONDS"}
 
 

@@ -56,7 +56,7 @@ STOP_SECONDS = 30.0
 # "IM service listening on 127.0.0.1:50051 (...)" -> {"IM service": "127.0.0.1:50051"}
 _LISTENING = re.compile(r"^(?P<what>.+?) listening on (?P<address>[^\s:]+:\d+)")
 # Settings the test chooses itself: a developer's own must not leak in.
-_SERVICE_PREFIXES = ("AGENTIM_", "IM_", "RUNTIME_", "GATEWAY_", "OPENAI_", "GRPC_", "LLM_", "TOOL_")
+_SERVICE_PREFIXES = ("AGENTIM_", "IM_", "RUNTIME_", "GATEWAY_", "OPENAI_", "GRPC_", "LLM_", "TOOL_", "AUTH_")
 _SERVICE_NAMES = {"DATABASE_URL", "REDIS_URL", "LOG_LEVEL", "SHUTDOWN_GRACE_SECONDS"}
 
 

@@ -116,7 +116,7 @@ def test_compose_file_is_valid() -> None:
 
 def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> None:
     ours = {name: s for name, s in _services(compose).items() if _our_image(s)}
-    assert {"im", "im-migrate"} <= set(ours)
+    assert {"im", "im-migrate", "im-keygen"} <= set(ours)
     for service in ours.values():
         _assert_command_accepted(service.get("command"))
         test = _healthcheck_test(service) if "healthcheck" in service else None
@@ -124,6 +124,7 @@ def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> Non
             _assert_command_accepted(test[1:])
     assert _services(compose)["im"]["command"][2:] == ["services.im", "serve"]
     assert _services(compose)["im-migrate"]["command"][2:] == ["services.im", "migrate"]
+    assert _services(compose)["im-keygen"]["command"][2:] == ["services.im", "keygen", "--if-missing"]
     assert _services(compose)["gateway"]["command"][2:] == ["gateway", "serve"]
     assert _services(compose)["memory"]["command"][2:] == ["services.memory", "serve"]
     assert _services(compose)["memory-migrate"]["command"][2:] == ["services.memory", "migrate"]
@@ -205,6 +206,27 @@ def test_compose_dependencies_exist_and_wait_for_health(compose: dict[str, Any])
     assert services["im"]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
+def test_compose_im_signs_with_a_key_from_its_volume(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    im, keygen = services["im"], services["im-keygen"]
+    # On PostgreSQL the IM refuses to start without a key: the one-shot makes it first.
+    assert im["depends_on"]["im-keygen"]["condition"] == "service_completed_successfully"
+    keys = im["environment"]["AUTH_SIGNING_KEYS_DIR"]
+    assert keygen["environment"]["AUTH_SIGNING_KEYS_DIR"] == keys
+
+    def mounted(service: dict[str, Any]) -> set[str]:
+        found = set()
+        for volume in service.get("volumes", []):
+            if isinstance(volume, dict):
+                found.add(f"{volume.get('source')}:{volume.get('target')}")
+            else:
+                found.add(":".join(str(volume).split(":")[:2]))
+        return found
+
+    assert f"im-keys:{keys}" in mounted(im) and f"im-keys:{keys}" in mounted(keygen)
+    assert "im-keys" in compose.get("volumes", {})
+
+
 def test_compose_gateway_is_published_probed_untrusted_and_waits_for_its_upstreams(
     compose: dict[str, Any],
 ) -> None:
@@ -277,6 +299,17 @@ def test_healthcheck_exits_1_when_nothing_listens() -> None:
 def test_healthcheck_exits_1_when_the_database_is_down(tmp_path: Path) -> None:
     # Nothing listens on port 1: the readiness probe fails, the server says NOT_SERVING.
     env = im_environment(tmp_path, DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
+    # On PostgreSQL the IM makes no signing key of its own: an operator's step.
+    keygen = subprocess.run(
+        python_module("services.im", "keygen"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert keygen.returncode == 0, keygen.stderr
     with running_im(env, tmp_path / "im.log") as im:
         result = _healthcheck(im.address, "--timeout", "5")
         assert result.returncode == 1, result.stdout + result.stderr

@@ -34,7 +34,7 @@ def test_run_all_starts_the_system_and_stops_it(tmp_path: Path) -> None:
     env = {
         key: value
         for key, value in os.environ.items()
-        if not key.startswith(("AGENTIM_", "IM_", "RUNTIME_", "MEMORY_", "OPENAI_", "GATEWAY_"))
+        if not key.startswith(("AGENTIM_", "IM_", "RUNTIME_", "MEMORY_", "OPENAI_", "GATEWAY_", "AUTH_"))
         and key not in {"DATABASE_URL", "REDIS_URL"}
     }
     env.update(

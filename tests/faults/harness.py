@@ -26,11 +26,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.auth_support import auth_environment
+
 ROOT = Path(__file__).resolve().parents[2]
 LONG = os.environ.get("FAULTS_LONG", "").strip().lower() in {"1", "true", "yes"}
 
 # A developer's or CI's own settings must not leak into the processes.
-_OWN_PREFIXES = ("AGENTIM_", "IM_", "GRPC_", "RUNTIME_", "OPENAI_", "LLM_", "GATEWAY_", "TOOL_")
+_OWN_PREFIXES = ("AGENTIM_", "IM_", "GRPC_", "RUNTIME_", "OPENAI_", "LLM_", "GATEWAY_", "TOOL_", "AUTH_")
 _OWN_NAMES = {"DATABASE_URL", "REDIS_URL", "LOG_LEVEL", "SHUTDOWN_GRACE_SECONDS"}
 _LISTENING = re.compile(rb"listening on (?P<host>[^\s:]+):(?P<port>\d+)")
 
@@ -54,6 +56,8 @@ def clean_environment(**settings: str) -> dict[str, str]:
     # The faults come with load from a few members, far past any member's
     # rate limit (those limits have tests of their own).
     env.update(UNLIMITED)
+    # The IM's signing key and service credentials (an IM on PostgreSQL needs a key).
+    env.update(auth_environment())
     env.update(settings)
     return env
 

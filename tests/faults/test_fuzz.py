@@ -22,6 +22,7 @@ import asyncio
 import re
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,10 +37,12 @@ from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentim.im.v1 import im_pb2
+from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2
 from agentim.memory.v1 import memory_pb2 as mpb
 from agentim.runtime.v1 import runtime_pb2 as rpb
+from services.common.identity import bearer_metadata
 from services.common.request_rules import MAX_JSON_DEPTH
+from tests.auth_support import service_secret
 from tests.conftest import RunningIM, as_member, make_world
 from tests.edge_support import start_runtime_on
 from tests.faults.harness import UNLIMITED, scaled
@@ -58,10 +61,12 @@ async def runtime_on(im: RunningIM, runtime_url: str) -> AsyncIterator[RunningRu
 
 SERVICES = [
     im_pb2.DESCRIPTOR.services_by_name["IMService"],
+    auth_pb2.DESCRIPTOR.services_by_name["AuthService"],
     rpb.DESCRIPTOR.services_by_name["RuntimeService"],
     mpb.DESCRIPTOR.services_by_name["MemoryService"],
 ]
 EXAMPLES_PER_RPC = scaled(20, long=300)
+FUZZ_PASSWORD = "fuzzing password"
 STREAM_SETTLE_POLLS = 15
 FORBIDDEN_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 EXCEPTION_NAME = re.compile(r"Traceback|<class |\b[A-Za-z_]\w*(?:Error|Exception)\b")
@@ -401,6 +406,25 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
         )
     ).checkpoint
     members = [*(m.id for m in world.members), agent.member_id]
+    # Identity: a signed-in owner (an account), an invite, a personal token, a service token.
+    auth = auth_pb2_grpc.AuthServiceStub(im.channel)
+    login = f"fz{uuid.uuid4().hex[:8]}"
+    signed_up = await im.stub.CreateWorkspace(
+        im_pb2.CreateWorkspaceRequest(
+            name="fuzzed", creator_display_name="Fuzz", creator_login=login, creator_password=FUZZ_PASSWORD
+        )
+    )
+    tokens = signed_up.tokens
+    invite = await auth.CreateInvite(
+        auth_pb2.CreateInviteRequest(), metadata=bearer_metadata(tokens.access_token)
+    )
+    pat = await auth.CreatePersonalToken(
+        auth_pb2.CreatePersonalTokenRequest(name="fuzz", scope=auth_pb2.PERSONAL_TOKEN_SCOPE_WRITE),
+        metadata=bearer_metadata(tokens.access_token),
+    )
+    service = await auth.IssueServiceToken(
+        auth_pb2.IssueServiceTokenRequest(service="runtime", secret=service_secret("runtime"))
+    )
     known = Known(
         {
             "workspace_id": [world.workspace.id],
@@ -424,6 +448,17 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
             "base_url": ["", "http://127.0.0.1:9/v1"],
             "model": ["", "fake"],
             "path": ["name", "display_name", "avatar", "role", "system_prompt", "model", "tools"],
+            "login": [login, "ghost"],
+            "creator_login": [f"fz{uuid.uuid4().hex[:8]}"],
+            "password": [FUZZ_PASSWORD],
+            "creator_password": [FUZZ_PASSWORD],
+            "old_password": [FUZZ_PASSWORD],
+            "new_password": [FUZZ_PASSWORD + "!"],
+            "refresh_token": [tokens.refresh_token],
+            "invite": [invite.secret],
+            "personal_token_id": [pat.personal_token.id],
+            "secret": [pat.secret, service_secret("runtime")],
+            "service": ["runtime", "memory"],
         }
     )
     callers: dict[str, Any] = {
@@ -432,6 +467,9 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
         "unknown": as_member("018f0000-0000-7000-8000-000000000000"),
         "malformed": as_member("not-a-member-" + "x" * 300),
         "nobody": (),
+        "signed in": bearer_metadata(tokens.access_token),
+        "service": bearer_metadata(service.access_token),
+        "bad token": bearer_metadata(tokens.access_token[:-6] + "AAAAAA"),
     }
     return known, callers
 
@@ -444,6 +482,7 @@ async def test_no_request_gets_internal_or_unknown(
     memory, memory_address = await start_memory_service(im, tmp_path)
     addresses = {
         "IMService": im.address,
+        "AuthService": im.address,
         "RuntimeService": f"127.0.0.1:{runtime_on.app.server.port}",
         "MemoryService": memory_address,
     }

@@ -23,6 +23,7 @@ from services.common.clients import open_channel
 from services.common.server import GrpcServer
 from services.common.settings import ConfigError
 from services.im.config import Settings
+from tests.auth_support import auth_environment
 from tests.conftest import RunningIM, make_world, start_im, stop_im
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -336,6 +337,7 @@ async def test_an_acknowledged_message_survives_a_crash(database_url: str, tmp_p
         "IM_GRPC_ADDRESS": "127.0.0.1:0",
         "LOG_LEVEL": "WARNING",
         "AGENTIM_DATA_DIR": str(tmp_path),
+        **auth_environment(),
     }
     process, address = _serve(env)
     try:

@@ -35,10 +35,13 @@ from services.im.domain.model import (
     Membership,
     Message,
     RecordedEvent,
+    Role,
     Workspace,
     event_group_id,
 )
+from services.im.service_layer.auth_ports import LoginTaken
 from services.im.service_layer.ports import DuplicateRequest, EventSignal, GroupAccess, Transaction
+from tests.unit.auth_fakes import AuthState, FakeAuthRecords
 
 T = TypeVar("T")
 
@@ -84,6 +87,8 @@ class State:
     events: dict[uuid.UUID, list[StoredEvent]] = field(default_factory=dict)
     # (scope, request_id) -> (fingerprint, resource id)
     requests: dict[tuple[uuid.UUID, str], tuple[str, uuid.UUID]] = field(default_factory=dict)
+    # Accounts, tokens, invites, sign-in attempts.
+    auth: AuthState = field(default_factory=AuthState)
 
     def copy(self) -> State:
         return State(
@@ -95,6 +100,7 @@ class State:
             messages=dict(self.messages),
             events={w: list(rows) for w, rows in self.events.items()},
             requests=dict(self.requests),
+            auth=self.auth.copy(),
         )
 
     # -- constraints: each raises what the SQL adapter raises -----------------
@@ -248,7 +254,7 @@ def _recorded(workspace_id: uuid.UUID, row: StoredEvent) -> RecordedEvent:
     )
 
 
-class FakeTransaction(Transaction):
+class FakeTransaction(FakeAuthRecords, Transaction):
     """One unit of work against an `InMemoryStore`; see the module docstring."""
 
     def __init__(self, store: InMemoryStore, *, write: bool) -> None:
@@ -295,11 +301,30 @@ class FakeTransaction(Transaction):
             self._work = self._base.copy()
         try:
             result = change(self._work)
-        except (DuplicateRequest, IntegrityError, LookupError):
+        except (DuplicateRequest, IntegrityError, LookupError, LoginTaken):
             self._aborted = True
             raise
         self._changes.append(change)
         return result
+
+    def _auth(self) -> AuthState:
+        return self._view.auth
+
+    def _auth_change(self, change: Callable[[AuthState], T]) -> T:
+        return self._change(lambda s: change(s.auth))
+
+    async def _auth_unique(
+        self, key: Hashable, exists: Callable[[AuthState], bool], error: Exception
+    ) -> None:
+        await self._insert_unique(key, lambda s: exists(s.auth), error)
+
+    def _set_member_role(self, member_id: uuid.UUID, role: Role) -> None:
+        def change(s: State) -> None:
+            current = s.members.get(member_id)
+            if current is not None:
+                s.members[member_id] = replace(current, role=role)
+
+        self._change(change)
 
     async def _hold(self, key: Hashable) -> None:
         """Waits until no other open transaction holds the key, then holds it until the end."""

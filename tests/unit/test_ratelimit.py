@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from services.common.ratelimit import (
@@ -11,7 +10,6 @@ from services.common.ratelimit import (
     TokenBuckets,
     read_rate_limits,
     retry_after_seconds,
-    retry_status,
 )
 from services.common.settings import ConfigError, EnvReader
 
@@ -48,10 +46,7 @@ def test_a_zero_rate_is_no_limit_and_forgotten_buckets_start_full() -> None:
     assert buckets.take("ada", tight) == 0.0
 
 
-def test_a_refusal_carries_when_to_retry() -> None:
-    status = retry_status("slow down", 1.25)
-    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED and status.details == "slow down"
-    assert retry_after_seconds(status.trailing_metadata) == pytest.approx(1.25)
+def test_no_retry_delay_is_read_where_none_was_sent() -> None:
     assert retry_after_seconds([("other", "x")]) is None and retry_after_seconds(None) is None
 
 

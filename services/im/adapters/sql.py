@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from services.common.outages import DATABASE, as_unavailable, describe, unavailable_error
 from services.common.sql import SqlDatabase, SqliteWorker, UtcDateTime
 from services.im.adapters import codec
+from services.im.adapters.auth_sql import SqlAuthRecords
 from services.im.adapters.tables import (
     SCHEMA,
     event_counters,
@@ -45,6 +46,7 @@ from services.im.domain.model import (
     Membership,
     Message,
     RecordedEvent,
+    Role,
     Workspace,
     event_group_id,
 )
@@ -104,6 +106,8 @@ def _member(row: sa.Row[Any]) -> Member:
         display_name=row.display_name,
         avatar=row.avatar,
         created_at=row.created_at,
+        role=Role(row.role),
+        host=row.host,
     )
 
 
@@ -143,7 +147,7 @@ def _message_values(message: Message) -> dict[str, Any]:
     }
 
 
-class SqlTransaction(Transaction):
+class SqlTransaction(SqlAuthRecords, Transaction):
     """One database transaction on its own connection.
 
     Failures that mean the database cannot serve leave it as
@@ -220,6 +224,10 @@ class SqlTransaction(Transaction):
             self._db.write_lock.release()
 
     @property
+    def on_sqlite(self) -> bool:
+        return self._db.is_sqlite
+
+    @property
     def conn(self) -> AsyncConnection:
         assert self._conn is not None, "use the transaction inside `async with`"
         return self._conn
@@ -282,6 +290,8 @@ class SqlTransaction(Transaction):
                 display_name=member.display_name,
                 avatar=member.avatar,
                 created_at=member.created_at,
+                role=member.role.value,
+                host=member.host,
             )
         )
 

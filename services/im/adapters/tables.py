@@ -41,6 +41,10 @@ members = sa.Table(
     sa.Column("display_name", sa.Text, nullable=False),
     sa.Column("avatar", sa.Text, nullable=False),
     sa.Column("created_at", UtcDateTime, nullable=False),
+    # owner, admin or member (services.im.domain.model.Role).
+    sa.Column("role", sa.String(16), nullable=False, server_default="member"),
+    # For an agent: the service that hosts it.
+    sa.Column("host", sa.String(64), nullable=True),
     sa.Index("ix_members_workspace", "workspace_id", "id"),
 )
 
@@ -108,4 +112,82 @@ requests = sa.Table(
     sa.Column("fingerprint", sa.String(64), nullable=False),
     sa.Column("resource_id", sa.Uuid, nullable=False),
     sa.Column("created_at", UtcDateTime, nullable=False),
+)
+
+
+# Identity (services.im.domain.accounts). No secret is stored in clear:
+# passwords as argon2id hashes, the random secrets as SHA-256 hex.
+
+accounts = sa.Table(
+    "accounts",
+    metadata,
+    sa.Column("member_id", sa.Uuid, primary_key=True),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    # Normalized (case-folded); unique in its workspace.
+    sa.Column("login", sa.String(64), nullable=False),
+    sa.Column("password_hash", sa.Text, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("password_changed_at", UtcDateTime, nullable=False),
+    sa.UniqueConstraint("workspace_id", "login", name="uq_accounts_login"),
+)
+
+# Each row is one refresh token; a session (sign-in) is the family of
+# tokens that rotated out of one another.
+refresh_tokens = sa.Table(
+    "refresh_tokens",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("family_id", sa.Uuid, nullable=False),
+    sa.Column("member_id", sa.Uuid, nullable=False),
+    sa.Column("token_hash", sa.String(64), nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("expires_at", UtcDateTime, nullable=False),
+    sa.Column("used_at", UtcDateTime, nullable=True),
+    sa.Column("revoked_at", UtcDateTime, nullable=True),
+    sa.UniqueConstraint("token_hash", name="uq_refresh_tokens_hash"),
+    sa.Index("ix_refresh_tokens_family", "family_id"),
+    sa.Index("ix_refresh_tokens_member", "member_id"),
+)
+
+invites = sa.Table(
+    "invites",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    sa.Column("role", sa.String(16), nullable=False),
+    sa.Column("secret_hash", sa.String(64), nullable=False),
+    sa.Column("created_by", sa.Uuid, nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("expires_at", UtcDateTime, nullable=False),
+    sa.Column("used_at", UtcDateTime, nullable=True),
+    sa.Column("used_by", sa.Uuid, nullable=True),
+    sa.UniqueConstraint("secret_hash", name="uq_invites_secret_hash"),
+)
+
+personal_tokens = sa.Table(
+    "personal_tokens",
+    metadata,
+    sa.Column("id", sa.Uuid, primary_key=True),
+    sa.Column("member_id", sa.Uuid, nullable=False),
+    sa.Column("workspace_id", sa.Uuid, nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("scope", sa.String(8), nullable=False),
+    sa.Column("secret_hash", sa.String(64), nullable=False),
+    sa.Column("created_at", UtcDateTime, nullable=False),
+    sa.Column("expires_at", UtcDateTime, nullable=False),
+    sa.Column("last_used_at", UtcDateTime, nullable=True),
+    sa.Column("revoked_at", UtcDateTime, nullable=True),
+    sa.UniqueConstraint("secret_hash", name="uq_personal_tokens_secret_hash"),
+    sa.Index("ix_personal_tokens_member", "member_id", "id"),
+)
+
+# Sign-in attempts per login of a workspace in the current window (also for
+# logins with no account: a refusal must not tell whether one exists).
+sign_in_attempts = sa.Table(
+    "sign_in_attempts",
+    metadata,
+    sa.Column("workspace_id", sa.Uuid, primary_key=True),
+    sa.Column("login", sa.String(64), primary_key=True),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("window_start", UtcDateTime, nullable=False),
 )

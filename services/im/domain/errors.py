@@ -41,6 +41,14 @@ class LimitExceeded(IMError, errors.ResourceExhausted):
     pass
 
 
+class TooManyAttempts(IMError, errors.ResourceExhausted):
+    """Refused for a while (sign-in throttling); retry_after_seconds says how long."""
+
+
+class AlreadyTaken(IMError, errors.AlreadyExists):
+    pass
+
+
 class Conflict(IMError, errors.Conflict):
     pass
 

@@ -16,6 +16,14 @@ class MemberKind(enum.StrEnum):
     AGENT = "agent"
 
 
+class Role(enum.StrEnum):
+    """A member's role in its workspace (see `services.im.domain.access`)."""
+
+    OWNER = "owner"
+    ADMIN = "admin"
+    MEMBER = "member"
+
+
 class GroupKind(enum.StrEnum):
     GROUP = "group"
     DIRECT = "direct"
@@ -45,6 +53,10 @@ class Member:
     display_name: str
     avatar: str
     created_at: datetime
+    role: Role = Role.MEMBER
+    # For an agent: the service that hosts it (the only one that may get
+    # tokens for it); None for people and for agents no service created.
+    host: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

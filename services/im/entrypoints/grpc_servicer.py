@@ -7,7 +7,8 @@ from typing import Any, TypeAlias
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common.identity import WATCH_START_CURSOR_KEY, Principal, principal_from_metadata
-from services.im.entrypoints import mappers
+from services.im.entrypoints import auth_mappers, mappers
+from services.im.service_layer.auth import AuthService
 from services.im.service_layer.events import EventFeed
 from services.im.service_layer.handlers import IMService
 
@@ -18,10 +19,13 @@ Context: TypeAlias = Any
 class IMServicer(im_pb2_grpc.IMServiceServicer):
     """Thin translation between the wire and `IMService`."""
 
-    def __init__(self, service: IMService, feed: EventFeed, *, service_token: str | None) -> None:
+    def __init__(
+        self, service: IMService, feed: EventFeed, *, service_token: str | None, accounts: AuthService
+    ) -> None:
         self._service = service
         self._feed = feed
         self._service_token = service_token
+        self._accounts = accounts
 
     def _caller(self, context: Context) -> Principal | None:
         return principal_from_metadata(context.invocation_metadata(), service_token=self._service_token)
@@ -29,16 +33,21 @@ class IMServicer(im_pb2_grpc.IMServiceServicer):
     async def CreateWorkspace(
         self, request: im_pb2.CreateWorkspaceRequest, context: Context
     ) -> im_pb2.CreateWorkspaceResponse:
-        workspace, creator = await self._service.create_workspace(
+        workspace, creator, tokens = await self._accounts.create_workspace(
             name=request.name,
             creator_display_name=request.creator_display_name,
             creator_kind=mappers.member_kind(request.creator_kind),
             creator_avatar=request.creator_avatar,
             request_id=request.request_id,
+            login=request.creator_login,
+            password=request.creator_password,
         )
-        return im_pb2.CreateWorkspaceResponse(
+        response = im_pb2.CreateWorkspaceResponse(
             workspace=mappers.workspace(workspace), creator=mappers.member(creator)
         )
+        if tokens is not None:
+            response.tokens.CopyFrom(auth_mappers.tokens(tokens))
+        return response
 
     async def GetWorkspace(
         self, request: im_pb2.GetWorkspaceRequest, context: Context

@@ -26,6 +26,12 @@ CONTENT_TYPES = {
     im_pb2.CONTENT_TYPE_SYSTEM: model.ContentType.SYSTEM,
 }
 CONTENT_TYPES_OUT = {v: k for k, v in CONTENT_TYPES.items()}
+ROLES = {
+    im_pb2.MEMBER_ROLE_OWNER: model.Role.OWNER,
+    im_pb2.MEMBER_ROLE_ADMIN: model.Role.ADMIN,
+    im_pb2.MEMBER_ROLE_MEMBER: model.Role.MEMBER,
+}
+ROLES_OUT = {v: k for k, v in ROLES.items()}
 GROUP_KINDS_OUT = {
     model.GroupKind.GROUP: im_pb2.GROUP_KIND_GROUP,
     model.GroupKind.DIRECT: im_pb2.GROUP_KIND_DIRECT,
@@ -38,6 +44,14 @@ def member_kind(value: int) -> model.MemberKind | None:
     if value not in MEMBER_KINDS:
         raise InvalidRequest(f"kind {value} is not a known member kind")
     return MEMBER_KINDS[value]  # type: ignore[index]
+
+
+def role(value: int) -> model.Role | None:
+    if value == im_pb2.MEMBER_ROLE_UNSPECIFIED:
+        return None
+    if value not in ROLES:
+        raise InvalidRequest(f"role {value} is not a known role")
+    return ROLES[value]  # type: ignore[index]
 
 
 def content_type(value: int) -> model.ContentType | None:
@@ -70,6 +84,7 @@ def member(m: model.Member) -> im_pb2.Member:
         display_name=m.display_name,
         avatar=m.avatar,
         create_time=timestamp(m.created_at),
+        role=ROLES_OUT[m.role],
     )
 
 

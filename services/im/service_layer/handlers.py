@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, Generic, TypeVar
@@ -40,6 +40,7 @@ from services.im.domain.model import (
     ReadState,
     ReadUpdated,
     RecordedEvent,
+    Role,
     Workspace,
     as_recorded,
     event_group_id,
@@ -58,6 +59,8 @@ from services.im.service_layer.ports import (
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
+# Work done in the transaction that creates a workspace (the creator's account).
+CreationHook = Callable[[Transaction, Workspace, Member], Awaitable[None]]
 
 # Members whose identity (id, workspace) each process remembers.
 IDENTITY_CACHE_SIZE = 100_000
@@ -234,13 +237,50 @@ class IMService:
         creator_avatar: str,
         request_id: str,
     ) -> tuple[Workspace, Member]:
+        workspace, creator, _ = await self.open_workspace(
+            name=name,
+            creator_display_name=creator_display_name,
+            creator_kind=creator_kind,
+            creator_avatar=creator_avatar,
+            request_id=request_id,
+        )
+        return workspace, creator
+
+    async def open_workspace(
+        self,
+        *,
+        name: str,
+        creator_display_name: str,
+        creator_kind: MemberKind | None,
+        creator_avatar: str,
+        request_id: str,
+        fingerprint_extra: Mapping[str, str] | None = None,
+        within: CreationHook | None = None,
+    ) -> tuple[Workspace, Member, bool]:
+        """Creates a workspace with its creator, who owns it.
+
+        Args:
+            fingerprint_extra: more of the request that a retry with the
+                same request_id must repeat (the creator's login).
+            within: run in the creating transaction before it commits (the
+                creator's account); not run when a retry finds the workspace.
+
+        Returns:
+            The workspace, its creator, and whether this call created them
+            (False: an earlier call with the same request_id did).
+        """
         name = rules.check_name(name, "name", required=True)
         display_name = rules.check_name(creator_display_name, "creator_display_name", required=True)
         avatar = rules.check_avatar(creator_avatar)
         kind = creator_kind or MemberKind.HUMAN
         rid = rules.check_request_id(request_id)
         fingerprint = rules.request_fingerprint(
-            op="create_workspace", name=name, creator=display_name, kind=kind.value, avatar=avatar
+            op="create_workspace",
+            name=name,
+            creator=display_name,
+            kind=kind.value,
+            avatar=avatar,
+            **dict(fingerprint_extra or {}),
         )
         # With no caller yet, the request_id alone scopes the retry.
         scope = rules.NIL_SCOPE
@@ -248,7 +288,8 @@ class IMService:
             async with self._uow() as tx:
                 existing = await self._replay(tx, scope, rid, fingerprint)
                 if existing is not None:
-                    return await self._workspace_of_creator(tx, existing)
+                    workspace, creator = await self._workspace_of_creator(tx, existing)
+                    return workspace, creator, False
                 now = self._clock()
                 workspace = Workspace(id=uuid7(), name=name, created_at=now)
                 creator = Member(
@@ -258,6 +299,7 @@ class IMService:
                     display_name=display_name,
                     avatar=avatar,
                     created_at=now,
+                    role=Role.OWNER,
                 )
                 await tx.add_workspace(workspace)
                 await tx.add_member(creator)
@@ -268,8 +310,10 @@ class IMService:
                         if attempt == 0:
                             continue
                         raise
+                if within is not None:
+                    await within(tx, workspace, creator)
                 await tx.commit()
-                return workspace, creator
+                return workspace, creator, True
         raise AssertionError("unreachable")
 
     async def _workspace_of_creator(self, tx: Transaction, creator_id: uuid.UUID) -> tuple[Workspace, Member]:
@@ -337,6 +381,7 @@ class IMService:
                     display_name=display_name,
                     avatar=avatar,
                     created_at=self._clock(),
+                    host=_host_of_new(kind, principal),
                 )
                 await tx.add_member(member)
                 if rid is not None:
@@ -815,6 +860,19 @@ class IMService:
             return Page(items, "")
         items = items[:limit]
         return Page(items, rules.encode_page_token({"after": str(key(items[-1]))}))
+
+
+# The trusted-service header names no service, and the runtime is the only
+# service that creates agents; once services call with their own access
+# tokens, the token's service is the host.
+LEGACY_SERVICE_HOST = "runtime"
+
+
+def _host_of_new(kind: MemberKind, principal: Principal | None) -> str | None:
+    """The host of a member about to be created: the trusted service that creates an agent."""
+    if kind is MemberKind.AGENT and principal is not None and principal.is_service:
+        return LEGACY_SERVICE_HOST
+    return None
 
 
 def _recorded(workspace_id: uuid.UUID, sequence: int, at: datetime, event: Event) -> RecordedEvent:

@@ -27,6 +27,7 @@ from services.im.domain.model import (
     RecordedEvent,
     Workspace,
 )
+from services.im.service_layer.auth_ports import AuthRecords
 
 
 class DuplicateRequest(Exception):
@@ -48,8 +49,10 @@ class GroupAccess:
     reply_to_group: uuid.UUID | None
 
 
-class Transaction(abc.ABC):
+class Transaction(AuthRecords, abc.ABC):
     """One unit of work: everything in it commits together or not at all.
+
+    Its identity part (accounts, tokens, invites) is `AuthRecords`.
 
     Used as `async with uow() as tx: ...; await tx.commit()`; leaving the
     block without commit rolls back.

@@ -110,6 +110,38 @@ GROUP_KIND_DIRECT: GroupKind.ValueType  # 2
 """The two-member chat of a pair of members."""
 Global___GroupKind: _TypeAlias = GroupKind  # noqa: Y015
 
+class _MemberRole:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MemberRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MemberRole.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MEMBER_ROLE_UNSPECIFIED: _MemberRole.ValueType  # 0
+    """Not set."""
+    MEMBER_ROLE_OWNER: _MemberRole.ValueType  # 1
+    """The one member who owns the workspace (its creator, unless ownership
+    was handed over).
+    """
+    MEMBER_ROLE_ADMIN: _MemberRole.ValueType  # 2
+    """Manages members: invites people and changes roles."""
+    MEMBER_ROLE_MEMBER: _MemberRole.ValueType  # 3
+    """Everyone else."""
+
+class MemberRole(_MemberRole, metaclass=_MemberRoleEnumTypeWrapper):
+    """A member's role in its workspace."""
+
+MEMBER_ROLE_UNSPECIFIED: MemberRole.ValueType  # 0
+"""Not set."""
+MEMBER_ROLE_OWNER: MemberRole.ValueType  # 1
+"""The one member who owns the workspace (its creator, unless ownership
+was handed over).
+"""
+MEMBER_ROLE_ADMIN: MemberRole.ValueType  # 2
+"""Manages members: invites people and changes roles."""
+MEMBER_ROLE_MEMBER: MemberRole.ValueType  # 3
+"""Everyone else."""
+Global___MemberRole: _TypeAlias = MemberRole  # noqa: Y015
+
 @_typing.final
 class Workspace(_message.Message):
     """A workspace: the boundary of who can see whom."""
@@ -154,6 +186,7 @@ class Member(_message.Message):
     DISPLAY_NAME_FIELD_NUMBER: _builtins.int
     AVATAR_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
+    ROLE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -164,6 +197,8 @@ class Member(_message.Message):
     """Name shown in chats."""
     avatar: _builtins.str
     """Avatar URL or emoji; may be empty."""
+    role: Global___MemberRole.ValueType
+    """The member's role in the workspace (AuthService.SetMemberRole changes it)."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created."""
@@ -177,14 +212,65 @@ class Member(_message.Message):
         display_name: _builtins.str = ...,
         avatar: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
+        role: Global___MemberRole.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avatar", b"avatar", "create_time", b"create_time", "display_name", b"display_name", "id", b"id", "kind", b"kind", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avatar", b"avatar", "create_time", b"create_time", "display_name", b"display_name", "id", b"id", "kind", b"kind", "role", b"role", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Member: _TypeAlias = Member  # noqa: Y015
+
+@_typing.final
+class Tokens(_message.Message):
+    """What signing in (or creating a workspace with an account, or accepting
+    an invite) gives a person: tokens to call the services with.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCESS_TOKEN_FIELD_NUMBER: _builtins.int
+    REFRESH_TOKEN_FIELD_NUMBER: _builtins.int
+    ACCESS_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    REFRESH_EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    access_token: _builtins.str
+    """A signed access token (a JWT) to send as `authorization: Bearer
+    <access_token>`; valid until access_expire_time (15 minutes).
+    """
+    refresh_token: _builtins.str
+    """An opaque secret that AuthService.RefreshTokens exchanges, once, for
+    new tokens. Keep it secret; using it twice signs the session out.
+    """
+    @_builtins.property
+    def access_expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the access token expires."""
+
+    @_builtins.property
+    def refresh_expire_time(self) -> _timestamp_pb2.Timestamp:
+        """When the refresh token expires (30 days after it was issued)."""
+
+    @_builtins.property
+    def member(self) -> Global___Member:
+        """The member the tokens are for."""
+
+    def __init__(
+        self,
+        *,
+        access_token: _builtins.str = ...,
+        refresh_token: _builtins.str = ...,
+        access_expire_time: _timestamp_pb2.Timestamp | None = ...,
+        refresh_expire_time: _timestamp_pb2.Timestamp | None = ...,
+        member: Global___Member | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["access_expire_time", b"access_expire_time", "member", b"member", "refresh_expire_time", b"refresh_expire_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["access_expire_time", b"access_expire_time", "access_token", b"access_token", "member", b"member", "refresh_expire_time", b"refresh_expire_time", "refresh_token", b"refresh_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tokens: _TypeAlias = Tokens  # noqa: Y015
 
 @_typing.final
 class Group(_message.Message):
@@ -351,6 +437,8 @@ class CreateWorkspaceRequest(_message.Message):
     CREATOR_KIND_FIELD_NUMBER: _builtins.int
     CREATOR_AVATAR_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CREATOR_LOGIN_FIELD_NUMBER: _builtins.int
+    CREATOR_PASSWORD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Display name of the workspace."""
     creator_display_name: _builtins.str
@@ -361,6 +449,15 @@ class CreateWorkspaceRequest(_message.Message):
     """Avatar of the first member."""
     request_id: _builtins.str
     """Client-chosen id making retries return the first result."""
+    creator_login: _builtins.str
+    """Optional: the creator's login (letters, digits, '.', '_', '-', '@';
+    3-64 characters; compared ignoring case). With creator_password it
+    gives the creator (a HUMAN) an account to sign in with.
+    """
+    creator_password: _builtins.str
+    """Optional: the creator's password (at least the configured minimum
+    length, 10 by default). Stored only as an argon2id hash; never echoed.
+    """
     def __init__(
         self,
         *,
@@ -369,10 +466,12 @@ class CreateWorkspaceRequest(_message.Message):
         creator_kind: Global___MemberKind.ValueType = ...,
         creator_avatar: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        creator_login: _builtins.str = ...,
+        creator_password: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["creator_avatar", b"creator_avatar", "creator_display_name", b"creator_display_name", "creator_kind", b"creator_kind", "name", b"name", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["creator_avatar", b"creator_avatar", "creator_display_name", b"creator_display_name", "creator_kind", b"creator_kind", "creator_login", b"creator_login", "creator_password", b"creator_password", "name", b"name", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -386,6 +485,7 @@ class CreateWorkspaceResponse(_message.Message):
 
     WORKSPACE_FIELD_NUMBER: _builtins.int
     CREATOR_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def workspace(self) -> Global___Workspace:
         """The new workspace."""
@@ -394,15 +494,22 @@ class CreateWorkspaceResponse(_message.Message):
     def creator(self) -> Global___Member:
         """Its first member."""
 
+    @_builtins.property
+    def tokens(self) -> Global___Tokens:
+        """The creator's tokens, when the request gave a login and password (a
+        retry with the same request_id and password gets fresh tokens).
+        """
+
     def __init__(
         self,
         *,
         workspace: Global___Workspace | None = ...,
         creator: Global___Member | None = ...,
+        tokens: Global___Tokens | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["creator", b"creator", "workspace", b"workspace"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["creator", b"creator", "tokens", b"tokens", "workspace", b"workspace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["creator", b"creator", "workspace", b"workspace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["creator", b"creator", "tokens", b"tokens", "workspace", b"workspace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -164,8 +164,10 @@ class IMServiceServicer:
     """
 
     def CreateWorkspace(self, request, context):
-        """Creates a workspace together with its first member, who acts for it.
-        This is the only call that needs no caller identity.
+        """Creates a workspace together with its first member, who acts for it
+        and is its owner. This is the only call that needs no caller identity.
+        With creator_login and creator_password the creator also gets an
+        account (see AuthService) and the response carries its tokens.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

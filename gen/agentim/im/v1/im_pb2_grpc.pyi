@@ -41,8 +41,10 @@ class IMServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> IMServiceAsyncStub: ...
     CreateWorkspace: _grpc.UnaryUnaryMultiCallable[_im_pb2.CreateWorkspaceRequest, _im_pb2.CreateWorkspaceResponse]
-    """Creates a workspace together with its first member, who acts for it.
-    This is the only call that needs no caller identity.
+    """Creates a workspace together with its first member, who acts for it
+    and is its owner. This is the only call that needs no caller identity.
+    With creator_login and creator_password the creator also gets an
+    account (see AuthService) and the response carries its tokens.
     """
     GetWorkspace: _grpc.UnaryUnaryMultiCallable[_im_pb2.GetWorkspaceRequest, _im_pb2.GetWorkspaceResponse]
     """Gets a workspace the caller belongs to."""
@@ -112,8 +114,10 @@ class IMServiceAsyncStub(IMServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     CreateWorkspace: _aio.UnaryUnaryMultiCallable[_im_pb2.CreateWorkspaceRequest, _im_pb2.CreateWorkspaceResponse]  # type: ignore[assignment]
-    """Creates a workspace together with its first member, who acts for it.
-    This is the only call that needs no caller identity.
+    """Creates a workspace together with its first member, who acts for it
+    and is its owner. This is the only call that needs no caller identity.
+    With creator_login and creator_password the creator also gets an
+    account (see AuthService) and the response carries its tokens.
     """
     GetWorkspace: _aio.UnaryUnaryMultiCallable[_im_pb2.GetWorkspaceRequest, _im_pb2.GetWorkspaceResponse]  # type: ignore[assignment]
     """Gets a workspace the caller belongs to."""
@@ -186,8 +190,10 @@ class IMServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _im_pb2.CreateWorkspaceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_im_pb2.CreateWorkspaceResponse, _abc.Awaitable[_im_pb2.CreateWorkspaceResponse]]:
-        """Creates a workspace together with its first member, who acts for it.
-        This is the only call that needs no caller identity.
+        """Creates a workspace together with its first member, who acts for it
+        and is its owner. This is the only call that needs no caller identity.
+        With creator_login and creator_password the creator also gets an
+        account (see AuthService) and the response carries its tokens.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,177 @@
+"""The AuthService gRPC servicer: proto in, handler call, proto out."""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+from agentim.im.v1 import auth_pb2, auth_pb2_grpc
+from services.common.identity import Caller, identify
+from services.common.tokens import Verifier
+from services.im.entrypoints import auth_mappers as out
+from services.im.entrypoints import mappers
+from services.im.service_layer.auth import AuthService
+from services.im.service_layer.machine_access import MachineAccess
+
+# grpc.aio.ServicerContext; grpc has no type information.
+Context: TypeAlias = Any
+
+
+class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
+    """Thin translation between the wire and the identity handlers.
+
+    Args:
+        accounts: sign-in, sessions, invites, roles.
+        machines: personal access tokens, service and agent tokens.
+        verifier: verifies the access tokens callers present (the IM's own keys).
+        service_token: the legacy trusted-service token (`x-agentim-service`).
+    """
+
+    def __init__(
+        self,
+        accounts: AuthService,
+        machines: MachineAccess,
+        *,
+        verifier: Verifier,
+        service_token: str | None,
+    ) -> None:
+        self._accounts = accounts
+        self._machines = machines
+        self._verifier = verifier
+        self._service_token = service_token
+
+    async def _caller(self, context: Context) -> Caller | None:
+        return await identify(
+            context.invocation_metadata(), verifier=self._verifier, service_token=self._service_token
+        )
+
+    async def GetSigningKeys(
+        self, request: auth_pb2.GetSigningKeysRequest, context: Context
+    ) -> auth_pb2.GetSigningKeysResponse:
+        return auth_pb2.GetSigningKeysResponse(
+            keys=[out.signing_key(k) for k in self._accounts.signing_keys()]
+        )
+
+    async def SignIn(self, request: auth_pb2.SignInRequest, context: Context) -> auth_pb2.SignInResponse:
+        issued = await self._accounts.sign_in(
+            workspace_id=request.workspace_id, login=request.login, password=request.password
+        )
+        return auth_pb2.SignInResponse(tokens=out.tokens(issued))
+
+    async def RefreshTokens(
+        self, request: auth_pb2.RefreshTokensRequest, context: Context
+    ) -> auth_pb2.RefreshTokensResponse:
+        issued = await self._accounts.refresh(request.refresh_token)
+        return auth_pb2.RefreshTokensResponse(tokens=out.tokens(issued))
+
+    async def SignOut(self, request: auth_pb2.SignOutRequest, context: Context) -> auth_pb2.SignOutResponse:
+        await self._accounts.sign_out(request.refresh_token)
+        return auth_pb2.SignOutResponse()
+
+    async def ChangePassword(
+        self, request: auth_pb2.ChangePasswordRequest, context: Context
+    ) -> auth_pb2.ChangePasswordResponse:
+        issued = await self._accounts.change_password(
+            await self._caller(context),
+            old_password=request.old_password,
+            new_password=request.new_password,
+        )
+        return auth_pb2.ChangePasswordResponse(tokens=out.tokens(issued))
+
+    async def CreateInvite(
+        self, request: auth_pb2.CreateInviteRequest, context: Context
+    ) -> auth_pb2.CreateInviteResponse:
+        invite, secret = await self._accounts.create_invite(
+            await self._caller(context),
+            role=mappers.role(request.role),
+            ttl=out.duration(request.ttl, "ttl") if request.HasField("ttl") else None,
+            request_id=request.request_id,
+        )
+        return auth_pb2.CreateInviteResponse(invite=out.invite(invite), secret=secret)
+
+    async def AcceptInvite(
+        self, request: auth_pb2.AcceptInviteRequest, context: Context
+    ) -> auth_pb2.AcceptInviteResponse:
+        issued = await self._accounts.accept_invite(
+            invite=request.invite,
+            display_name=request.display_name,
+            login=request.login,
+            password=request.password,
+            request_id=request.request_id,
+        )
+        return auth_pb2.AcceptInviteResponse(tokens=out.tokens(issued))
+
+    async def SetMemberRole(
+        self, request: auth_pb2.SetMemberRoleRequest, context: Context
+    ) -> auth_pb2.SetMemberRoleResponse:
+        changed = await self._accounts.set_member_role(
+            await self._caller(context), member_id=request.member_id, role=mappers.role(request.role)
+        )
+        return auth_pb2.SetMemberRoleResponse(member=mappers.member(changed))
+
+    async def CreatePersonalToken(
+        self, request: auth_pb2.CreatePersonalTokenRequest, context: Context
+    ) -> auth_pb2.CreatePersonalTokenResponse:
+        token, secret = await self._machines.create_personal_token(
+            await self._caller(context),
+            name=request.name,
+            scope=out.personal_token_scope(request.scope),
+            expire_time=out.time(request.expire_time, "expire_time")
+            if request.HasField("expire_time")
+            else None,
+            request_id=request.request_id,
+        )
+        return auth_pb2.CreatePersonalTokenResponse(personal_token=out.personal_token(token), secret=secret)
+
+    async def ListPersonalTokens(
+        self, request: auth_pb2.ListPersonalTokensRequest, context: Context
+    ) -> auth_pb2.ListPersonalTokensResponse:
+        page = await self._machines.list_personal_tokens(
+            await self._caller(context), page_size=request.page_size, page_token=request.page_token
+        )
+        return auth_pb2.ListPersonalTokensResponse(
+            personal_tokens=[out.personal_token(t) for t in page.items], next_page_token=page.next_token
+        )
+
+    async def RevokePersonalToken(
+        self, request: auth_pb2.RevokePersonalTokenRequest, context: Context
+    ) -> auth_pb2.RevokePersonalTokenResponse:
+        token = await self._machines.revoke_personal_token(
+            await self._caller(context), personal_token_id=request.personal_token_id
+        )
+        return auth_pb2.RevokePersonalTokenResponse(personal_token=out.personal_token(token))
+
+    async def ExchangePersonalToken(
+        self, request: auth_pb2.ExchangePersonalTokenRequest, context: Context
+    ) -> auth_pb2.ExchangePersonalTokenResponse:
+        issued = await self._machines.exchange_personal_token(request.secret)
+        assert issued.member is not None
+        return auth_pb2.ExchangePersonalTokenResponse(
+            access_token=issued.token,
+            access_expire_time=out.access_expiry(issued),
+            member=mappers.member(issued.member),
+        )
+
+    async def IssueServiceToken(
+        self, request: auth_pb2.IssueServiceTokenRequest, context: Context
+    ) -> auth_pb2.IssueServiceTokenResponse:
+        issued = self._machines.issue_service_token(service=request.service, secret=request.secret)
+        return auth_pb2.IssueServiceTokenResponse(
+            access_token=issued.token, access_expire_time=out.access_expiry(issued)
+        )
+
+    async def IssueAgentTokens(
+        self, request: auth_pb2.IssueAgentTokensRequest, context: Context
+    ) -> auth_pb2.IssueAgentTokensResponse:
+        issued = await self._machines.issue_agent_tokens(
+            await self._caller(context), agent_member_ids=list(request.agent_member_ids)
+        )
+        return auth_pb2.IssueAgentTokensResponse(
+            agent_tokens=[
+                auth_pb2.AgentToken(
+                    member_id=str(i.member.id) if i.member is not None else "",
+                    access_token=i.token,
+                    access_expire_time=out.access_expiry(i),
+                )
+                for i in issued
+            ]
+        )

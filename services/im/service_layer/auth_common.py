@@ -1,0 +1,188 @@
+"""What the IM's identity handlers share: who the caller is, issuing tokens,
+sessions, and request_id replays (`AuthBase`)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
+
+from uuid_utils.compat import uuid7
+
+from services.common.identity import Caller
+from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
+from services.im.domain import access
+from services.im.domain.accounts import RefreshToken
+from services.im.domain.errors import Conflict, NotAllowed, RequestIdReused, Unauthenticated
+from services.im.domain.model import Member, MemberKind
+from services.im.service_layer.auth_ports import Passwords
+from services.im.service_layer.handlers import utc_now
+from services.im.service_layer.ports import DuplicateRequest, Transaction, UnitOfWorkFactory
+
+Clock = Callable[[], datetime]
+WRONG_LOGIN = "the login or password is wrong"
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedAccess:
+    """A signed access token, when it expires, and the member it is for (None for a service)."""
+
+    token: str
+    expires_at: datetime
+    member: Member | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedTokens:
+    """What a sign-in gives: an access token and the refresh token of its session."""
+
+    access: IssuedAccess
+    refresh_token: str
+    refresh_expires_at: datetime
+    member: Member
+
+
+class AuthBase:
+    """What every identity handler shares: the unit of work, keys, limits, clock.
+
+    Args:
+        uow: makes a new transaction.
+        keys: the key ring access tokens are signed with.
+        passwords: hashes and checks passwords.
+        limits: lifetimes and limits.
+        clock: current time, replaceable in tests.
+    """
+
+    def __init__(
+        self,
+        *,
+        uow: UnitOfWorkFactory,
+        keys: KeyRing,
+        passwords: Passwords,
+        limits: access.AuthLimits | None = None,
+        clock: Clock = utc_now,
+    ) -> None:
+        self._uow = uow
+        self._keys = keys
+        self._passwords = passwords
+        self.limits = limits or access.AuthLimits()
+        self._clock = clock
+
+    # -- callers ------------------------------------------------------------------
+
+    async def _member(self, tx: Transaction, caller: Caller | None) -> Member:
+        """The member a call is made as: from its access token or its x-member-id."""
+        if caller is not None and caller.service is not None:
+            raise NotAllowed("this call is made as a member; a service's token names none")
+        if caller is None or caller.member_id is None:
+            raise Unauthenticated(
+                "this call needs the caller: authorization: Bearer <access token> (or x-member-id)"
+            )
+        member = await tx.get_member(caller.member_id)
+        if member is None:
+            raise Unauthenticated(f"member {caller.member_id} does not exist")
+        if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
+            raise Unauthenticated("the access token does not match its member")
+        return member
+
+    @staticmethod
+    def _authority(caller: Caller | None) -> access.Authority:
+        if caller is None:
+            return access.Authority()
+        return access.Authority(can_write=caller.can_write, via_personal_token=caller.via_personal_token)
+
+    # -- tokens -------------------------------------------------------------------
+
+    def _now(self) -> datetime:
+        # Tokens carry whole seconds: what we say expires when is what they say.
+        return self._clock().replace(microsecond=0)
+
+    def _access(
+        self,
+        member: Member,
+        *,
+        scope: Scope = Scope.READ_WRITE,
+        host: str | None = None,
+        personal_token_id: uuid.UUID | None = None,
+        not_after: datetime | None = None,
+    ) -> IssuedAccess:
+        now = self._now()
+        claims = AccessClaims(
+            kind=PrincipalKind.AGENT if member.kind is MemberKind.AGENT else PrincipalKind.HUMAN,
+            member_id=member.id,
+            workspace_id=member.workspace_id,
+            roles=(member.role.value,),
+            scope=scope,
+            host=host,
+            personal_token_id=personal_token_id,
+        ).stamped(now=now, lifetime=self.limits.access_token_lifetime)
+        assert claims.expires_at is not None
+        if not_after is not None and claims.expires_at > not_after:
+            claims = replace(claims, expires_at=not_after.replace(microsecond=0))
+        assert claims.expires_at is not None
+        return IssuedAccess(token=sign(claims, self._keys), expires_at=claims.expires_at, member=member)
+
+    async def _new_session(
+        self, tx: Transaction, member: Member, *, family_id: uuid.UUID | None = None
+    ) -> tuple[str, RefreshToken]:
+        """A refresh token for the member (of a new session, or the next of one)."""
+        now = self._now()
+        secret = access.new_secret(access.REFRESH_TOKEN_PREFIX)
+        token = RefreshToken(
+            id=uuid7(),
+            family_id=family_id or uuid7(),
+            member_id=member.id,
+            token_hash=access.secret_hash(secret),
+            created_at=now,
+            expires_at=now + self.limits.refresh_token_lifetime,
+        )
+        await tx.add_refresh_token(token)
+        return secret, token
+
+    def _tokens(self, member: Member, secret: str, refresh: RefreshToken) -> IssuedTokens:
+        return IssuedTokens(
+            access=self._access(member),
+            refresh_token=secret,
+            refresh_expires_at=refresh.expires_at,
+            member=member,
+        )
+
+    async def _signed_in_again(self, member: Member, password: str) -> IssuedTokens:
+        """A new session for a member whose password is checked here."""
+        async with self._uow(write=False) as tx:
+            account = await tx.get_account(member.id)
+        if account is None or not await self._passwords.verify(account.password_hash, password):
+            raise Unauthenticated(WRONG_LOGIN)
+        async with self._uow() as tx:
+            secret, refresh = await self._new_session(tx, member)
+            await tx.commit()
+        return self._tokens(member, secret, refresh)
+
+    # -- idempotency --------------------------------------------------------------
+
+    @staticmethod
+    async def _replay(
+        tx: Transaction, scope: uuid.UUID, request_id: str | None, fingerprint: str
+    ) -> uuid.UUID | None:
+        """What an earlier call with this request_id created, if any."""
+        if request_id is None:
+            return None
+        found = await tx.find_request(scope, request_id)
+        if found is None:
+            return None
+        used_fingerprint, resource_id = found
+        if used_fingerprint != fingerprint:
+            raise RequestIdReused(f"request_id {request_id!r} was already used for a different request")
+        return resource_id
+
+    @staticmethod
+    async def _remember(
+        tx: Transaction, scope: uuid.UUID, request_id: str | None, fingerprint: str, resource: uuid.UUID
+    ) -> None:
+        if request_id is None:
+            return
+        try:
+            await tx.remember_request(scope, request_id, fingerprint, resource)
+        except DuplicateRequest:
+            raise Conflict(f"another call with request_id {request_id!r} got there first; retry") from None
