@@ -114,6 +114,7 @@ def build(
         deadline_seconds=settings.im_call_timeout_seconds,
         cache_seconds=settings.member_cache_seconds,
         tls=settings.tls.client,
+        service_secret=settings.service_secret.source(),
     )
     if dictionary is None and settings.dictionary == "cedict":
         dictionary = BackgroundDictionary()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.runtime.domain.llm import LLMUnavailable, Role
 from services.runtime.domain.model import (
     Agent,
@@ -38,7 +38,7 @@ class World:
     control: LifecycleService
 
     @property
-    def me(self) -> Principal:
+    def me(self) -> Caller:
         return self.h.me
 
     async def talk(self, agent: Agent, text: str) -> None:
@@ -128,7 +128,7 @@ async def test_unknown_agents_bad_ids_and_strangers(w: World) -> None:
     stranger = w.h.im.human("eve")
     w.h.im.members[stranger.id] = replace(stranger, workspace_id=uuid.uuid4())
     with pytest.raises(errors.NotFound):
-        await w.history.list_sessions(Principal(member_id=stranger.id), str(ada.id))
+        await w.history.list_sessions(Caller(principal=Principal(member_id=stranger.id)), str(ada.id))
     with pytest.raises(errors.Unauthenticated):
         await w.history.list_sessions(None, str(ada.id))
     await w.paused(ada)
