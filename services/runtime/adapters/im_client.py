@@ -156,14 +156,20 @@ class GrpcIM(IMPort):
     # -- plumbing -----------------------------------------------------------
 
     async def _metadata(self, as_member: uuid.UUID | None = None) -> tuple[tuple[str, str], ...]:
-        """The agent's token for a call made as an agent this runtime hosts,
-        else the service's own (and the legacy headers during the transition)."""
+        """The agent's token for a call made as an agent this runtime hosts; its
+        own for a call made as itself; none for a call made for a person.
+
+        The runtime never holds a person's token: a call for a person (to
+        learn the workspace of a caller named by the legacy `x-member-id`)
+        goes with the legacy headers only, and stops working with them.
+        """
         token: str | None = None
         try:
-            if as_member is not None and self.agent_tokens is not None:
+            if as_member is None:
+                if self.service_token is not None:
+                    token = await self.service_token.get()
+            elif self.agent_tokens is not None:
                 token = await self.agent_tokens.get(as_member)
-            if token is None and self.service_token is not None:
-                token = await self.service_token.get()
         except TokenRefused as refused:
             raise _refused(
                 grpc.StatusCode.UNAUTHENTICATED, f"the IM refused the runtime's credential: {refused}"
@@ -172,12 +178,10 @@ class GrpcIM(IMPort):
             unreachable = IMUnavailable(f"the IM at {self._address} is unavailable: {away}")
             unreachable.code = grpc.StatusCode.UNAVAILABLE
             raise unreachable from None
-        legacy = (
-            caller_metadata(member_id=as_member, service_token=self._token)
-            if self._legacy or token is None
-            else ()
-        )
-        return (bearer_metadata(token) if token is not None else ()) + legacy
+        if token is None:
+            return caller_metadata(member_id=as_member, service_token=self._token)
+        legacy = caller_metadata(member_id=as_member, service_token=self._token) if self._legacy else ()
+        return bearer_metadata(token) + legacy
 
     async def _watch_metadata(self) -> tuple[tuple[str, str], ...]:
         try:
