@@ -25,7 +25,7 @@ import grpc
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.common.identity import AUTHORIZATION_KEY, Caller, identify
+from services.common.identity import AUTHORIZATION_KEY, MEMBER_ID_KEY, Caller, identify
 from services.common.tokens import JwksSource, PrincipalKind, Verifier
 
 HUMAN = PrincipalKind.HUMAN
@@ -228,7 +228,8 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
             items = [(k, v) for k, v in items if k.lower() == AUTHORIZATION_KEY]
         caller = await identify(items, verifier=self._verifier, service_token=self._service_token)
         if caller is None:
-            raise Unauthenticated(NEEDS_TOKEN_MESSAGE)
+            legacy = f" (or, for now, `{MEMBER_ID_KEY}`)" if self._trust_member_header else ""
+            raise Unauthenticated(NEEDS_TOKEN_MESSAGE + legacy)
         refusal = rule.refusal(caller)
         if refusal is not None:
             raise PermissionDenied(refusal)

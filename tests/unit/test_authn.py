@@ -127,7 +127,7 @@ async def test_no_credential_is_unauthenticated_and_a_public_rpc_needs_none(ring
 
 
 async def test_a_method_without_a_rule_is_denied_even_to_a_valid_caller(ring: KeyRing) -> None:
-    with pytest.raises(PermissionDenied, match="no access rule for /test.v1.ChatService/Nope"):
+    with pytest.raises(PermissionDenied, match=r"no access rule for /test\.v1\.ChatService/Nope"):
         await interceptor(ring).authenticate(
             "/test.v1.ChatService/Nope", bearer_metadata(sign(person(), ring))
         )
