@@ -106,6 +106,13 @@ class Caller:
         return None
 
     @property
+    def is_service(self) -> bool:
+        """A service's own token, or the legacy trusted-service metadata (which names no service)."""
+        if self.claims is not None:
+            return self.claims.kind is PrincipalKind.SERVICE
+        return self.principal is not None and self.principal.is_service
+
+    @property
     def can_write(self) -> bool:
         return self.claims.can_write if self.claims is not None else True
 

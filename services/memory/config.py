@@ -57,6 +57,9 @@ class Settings:
     # The memory service's credential, exchanged for its access token.
     service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
 
+    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
+    trust_member_header: bool = True
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Reads every setting; raises ConfigError listing all bad ones."""
@@ -117,6 +120,7 @@ class Settings:
             dictionary=dictionary,
             embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             service_secret=read_service_secret(
                 env,
