@@ -100,8 +100,6 @@ def build(settings: Settings) -> RuntimeApp:
         service_name="runtime",
         service_secret=settings.service_secret.source(),
     )
-    # Callers' access tokens are verified with the IM's public keys.
-    verifier = Verifier(im.auth.signing_keys)
     endpoints = EndpointGuard(settings.llm_allowed_hosts, resolve)
     llm = ModelRouter(
         offline=OfflineModel(),
@@ -123,6 +121,7 @@ def build(settings: Settings) -> RuntimeApp:
             deadline_seconds=settings.memory_call_timeout_seconds,
             tls=settings.tls.client,
             credentials=im.service_token,
+            agent_tokens=im.agent_tokens,
         )
         if settings.memory_address
         else None
@@ -195,8 +194,6 @@ def build(settings: Settings) -> RuntimeApp:
         history=history,
         tasks=tasks,
         lifecycle=lifecycle,
-        service_token=settings.service_token,
-        verifier=verifier,
     )
 
     async def ready() -> bool:

@@ -7,8 +7,8 @@ from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from services.common.identity import Caller, identify
-from services.common.tokens import Verifier
+from services.common.authn import current_caller
+from services.common.identity import Caller
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.history_rpcs import HistoryRpcs
 from services.runtime.entrypoints.task_rpcs import TaskRpcs
@@ -43,21 +43,16 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         history: HistoryService,
         tasks: TaskService,
         lifecycle: LifecycleService,
-        service_token: str | None,
-        verifier: Verifier,
     ) -> None:
         self._service = service
         self._lifecycle = lifecycle
         self._history = history
         self._tasks = tasks
-        self._service_token = service_token
-        self._verifier = verifier
 
     async def _caller(self, context: Context) -> Caller | None:
-        # An access token when the call has one, else the legacy x-member-id header.
-        return await identify(
-            context.invocation_metadata(), verifier=self._verifier, service_token=self._service_token
-        )
+        # Verified by the AuthenticationInterceptor: an access token, or the
+        # legacy x-member-id header while AUTH_TRUST_MEMBER_HEADER allows it.
+        return current_caller()
 
     async def CreateAgent(self, request: pb.CreateAgentRequest, context: Context) -> pb.CreateAgentResponse:
         draft = AgentDraft(
