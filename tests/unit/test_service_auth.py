@@ -19,6 +19,7 @@ from services.common.service_auth import (
     secret_from,
 )
 from services.common.settings import ConfigError, EnvReader
+from services.runtime.config import Settings as RuntimeSettings
 
 
 class Clock:
@@ -147,3 +148,15 @@ def test_outside_the_embedded_default_a_credential_is_required(tmp_path: Path) -
         embedded=False,
     )
     assert "aim_svc_z" not in repr(given)
+
+
+def test_the_runtime_refuses_to_start_on_postgresql_without_its_credential() -> None:
+    postgres = {"RUNTIME_DATABASE_URL": "postgresql://x@h/db"}
+    with pytest.raises(ConfigError, match="RUNTIME_SERVICE_SECRET"):
+        RuntimeSettings.from_env(postgres)
+    settings = RuntimeSettings.from_env({**postgres, "RUNTIME_SERVICE_SECRET": "aim_svc_secret"})
+    assert "aim_svc_secret" not in repr(settings)
+    source = settings.service_secret.source()
+    assert source is not None and source() == "aim_svc_secret"
+    with pytest.raises(ConfigError, match="RUNTIME_LLM_ALLOWED_HOSTS"):
+        RuntimeSettings.from_env({"RUNTIME_LLM_ALLOWED_HOSTS": "ok.example.com,http://bad/"})

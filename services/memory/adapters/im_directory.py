@@ -39,8 +39,8 @@ class GrpcMemberDirectory(MemberDirectory):
         cache_seconds: how long an answer is reused.
         cache_size: members remembered at once.
         service_secret: the memory service's credential, exchanged for its
-            SERVICE access token, which every call carries (with the legacy
-            headers until the IM reads access tokens); None: legacy only.
+            SERVICE access token, which every call carries; None (or no
+            secret yet): the legacy headers.
     """
 
     def __init__(
@@ -90,7 +90,8 @@ class GrpcMemberDirectory(MemberDirectory):
                 raise DirectoryUnavailable(
                     f"no service token from the IM at {self._address}: {failed}"
                 ) from None
-            metadata = (bearer_metadata(token) if token is not None else ()) + metadata
+            if token is not None:
+                metadata = bearer_metadata(token)
         try:
             response = await self._stub.GetMember(
                 im_pb2.GetMemberRequest(member_id=member_id),

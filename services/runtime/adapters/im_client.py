@@ -3,10 +3,11 @@
 The runtime calls with its own credentials: a call made as an agent carries
 that agent's AGENT access token, any other its SERVICE access token
 (`services.common.service_auth`); the IM gives the runtime tokens for the
-agents it hosts and for no one else. While the IM's IMService still reads
-the legacy headers, every call also carries them (`x-agentim-service`, and
-`x-member-id` for a call made as a member); an IM that reads access tokens
-judges the call by the token alone. Refusals come
+agents it hosts and for no one else, and judges a call that has a token by
+the token alone. Without a credential (or for a call made for a person,
+whose token the runtime never holds) a call carries the legacy headers
+instead: `x-agentim-service`, and `x-member-id` for a call made as a member,
+which the IM accepts only while `AUTH_TRUST_MEMBER_HEADER` allows. Refusals come
 back as `IMError` carrying the IM's status code and its readable message;
 an IM that cannot be reached within the deadline is `IMUnavailable`.
 """
@@ -83,8 +84,6 @@ class GrpcIM(IMPort):
         service_name: the name the IM knows this service by (`runtime`).
         service_secret: where its credential comes from; None calls with
             the legacy headers only.
-        legacy_headers: also send the legacy headers (until the IM reads
-            access tokens on every call).
     """
 
     def __init__(
@@ -100,7 +99,6 @@ class GrpcIM(IMPort):
         tls: ClientTls | None = None,
         service_name: str = "runtime",
         service_secret: SecretSource | None = None,
-        legacy_headers: bool = True,
     ) -> None:
         if deadline_seconds <= 0:
             raise ValueError("deadline_seconds must be positive")
@@ -134,7 +132,6 @@ class GrpcIM(IMPort):
                 service=service_name, secret=service_secret, issue=self.auth.service_token
             )
             self.agent_tokens = AgentTokens(issue=self.auth.agent_tokens, service=self.service_token)
-        self._legacy = legacy_headers
         self._calls = asyncio.Semaphore(max_concurrent_calls)
         self._closed = False
 
@@ -185,8 +182,7 @@ class GrpcIM(IMPort):
             raise unreachable from None
         if token is None:
             return caller_metadata(member_id=as_member, service_token=self._token)
-        legacy = caller_metadata(member_id=as_member, service_token=self._token) if self._legacy else ()
-        return bearer_metadata(token) + legacy
+        return bearer_metadata(token)
 
     async def _watch_metadata(self) -> tuple[tuple[str, str], ...]:
         try:
