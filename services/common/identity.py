@@ -7,8 +7,9 @@ administrative calls. A later issue replaces both with verified tokens
 without changing any request message.
 
 Access tokens (`authorization: Bearer <JWT>`, see `services.common.tokens`)
-are read by `identify`, which the IM's AuthService uses today and every
-RPC will use once `x-member-id` is gone: that is the one place to drop it.
+are read by `identify`, which `services.common.authn` runs for every RPC of
+every service (the legacy metadata only while `AUTH_TRUST_MEMBER_HEADER`
+is on): that is the one place to drop `x-member-id`.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ class Caller:
         if self.claims is not None and self.claims.kind is PrincipalKind.SERVICE:
             return self.claims.service
         return None
+
+    @property
+    def is_service(self) -> bool:
+        """A service's own token, or the legacy trusted-service metadata (which names no service)."""
+        if self.claims is not None:
+            return self.claims.kind is PrincipalKind.SERVICE
+        return self.principal is not None and self.principal.is_service
 
     @property
     def can_write(self) -> bool:

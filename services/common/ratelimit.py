@@ -8,8 +8,10 @@ gateway turns it into `429` with `Retry-After`). A zero rate turns a kind of
 limit off. The interceptor must sit inside the error-mapping one (as
 `GrpcServer` places the interceptors it is given), which makes the status.
 
-A call that names no member (creating a workspace) counts against its
-peer's address instead. Buckets live in the process: behind several
+Buckets are keyed by the verified caller (`services.common.authn`, which
+must run before this interceptor): the member of a person's or agent's
+token, or the service of a service token. A call with no caller (creating
+a workspace) counts against its peer's address instead. Buckets live in the process: behind several
 replicas a member gets up to that many times the rate, which bounds abuse
 all the same; the buckets of members not seen for a while are dropped, so
 memory stays bounded.
@@ -26,10 +28,10 @@ from typing import Any
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
+from services.common.authn import current_caller
 from services.common.errors import ResourceExhausted
+from services.common.identity import Caller
 from services.common.settings import EnvReader
-
-MEMBER_ID_KEY = "x-member-id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +123,13 @@ def retry_after_seconds(trailing_metadata: Iterable[tuple[str, Any]] | None) -> 
 _WORDS = {"send": "send messages", "create": "create things"}
 
 
-def _member_of(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    for key, value in metadata or ():
-        if key.lower() == MEMBER_ID_KEY:
-            return value.decode() if isinstance(value, bytes) else value
-    return None
+def _bucket_owner(caller: Caller | None) -> str | None:
+    """Whose bucket a call spends from: its member, else its service, else nobody."""
+    if caller is None:
+        return None
+    if caller.member_id is not None:
+        return str(caller.member_id)
+    return f"service:{caller.service}" if caller.service is not None else None
 
 
 class RateLimitInterceptor(grpc.aio.ServerInterceptor):
@@ -156,11 +160,11 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
             return handler
         kind, rate = limited_kind
         inner = handler.unary_unary
-        member = _member_of(handler_call_details.invocation_metadata)
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            # A service acting as a member counts against that member.
-            who = member if member is not None else "peer " + context.peer().rpartition(":")[0]
+            # Read here, in the handler's task, where authentication put it.
+            # A service acting as a member (legacy metadata) counts against that member.
+            who = _bucket_owner(current_caller()) or "peer " + context.peer().rpartition(":")[0]
             wait = self._buckets.take(f"{who} {kind}", rate)
             if wait > 0:
                 raise RateLimited(

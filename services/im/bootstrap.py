@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2, im_pb2_grpc
+from services.common.authn import AuthenticationInterceptor
 from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
 from services.common.settings import ConfigError
@@ -24,6 +25,7 @@ from services.im.adapters.sql import Database
 from services.im.config import Settings
 from services.im.entrypoints.auth_servicer import AuthServicer
 from services.im.entrypoints.grpc_servicer import IMServicer
+from services.im.entrypoints.policy import IM_POLICY
 from services.im.service_layer.auth import AuthService
 from services.im.service_layer.events import EventFeed, EventHub
 from services.im.service_layer.handlers import IMService
@@ -196,8 +198,8 @@ def build(settings: Settings) -> IMApp:
     # The IM checks its own tokens as every service will: through the JWKS
     # (read from its own key ring, so a reload counts at once).
     verifier = Verifier(keyring_source(identity.keys), refetch_seconds=0, max_age_seconds=5)
-    servicer = IMServicer(service, feed, service_token=settings.service_token, accounts=accounts)
-    auth_servicer = AuthServicer(accounts, machines, verifier=verifier, service_token=settings.service_token)
+    servicer = IMServicer(service, feed, accounts=accounts)
+    auth_servicer = AuthServicer(accounts, machines)
 
     async def ready() -> bool:
         return await database.ping()
@@ -210,7 +212,15 @@ def build(settings: Settings) -> IMApp:
         ],
         service_names=[SERVICE_NAME, AUTH_SERVICE_NAME],
         tls=settings.tls.server,
-        interceptors=[RateLimitInterceptor(RATE_LIMITED, settings.rate_limits)],
+        interceptors=[
+            AuthenticationInterceptor(
+                IM_POLICY,
+                verifier,
+                trust_member_header=settings.trust_member_header,
+                service_token=settings.service_token,
+            ),
+            RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),
+        ],
         readiness=ready,
         components={SIGNALS_HEALTH_NAME: lambda: not signal.degraded},
         reflection=settings.reflection,

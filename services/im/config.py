@@ -41,6 +41,9 @@ class Settings:
     # Per-member rates of sending and creating (services.common.ratelimit).
     rate_limits: RateLimits = field(default_factory=RateLimits)
 
+    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
+    trust_member_header: bool = True
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Reads every setting; raises ConfigError listing all bad ones."""
@@ -61,6 +64,7 @@ class Settings:
             shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
             db_pool_size=env.integer("IM_DB_POOL_SIZE", 16, minimum=1),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
             limits=Limits(

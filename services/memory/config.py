@@ -54,6 +54,9 @@ class Settings:
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
 
+    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
+    trust_member_header: bool = True
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Reads every setting; raises ConfigError listing all bad ones."""
@@ -113,6 +116,7 @@ class Settings:
             dictionary=dictionary,
             embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
         )
         env.finish()

@@ -10,8 +10,10 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from agentim.runtime.v1 import runtime_pb2, runtime_pb2_grpc
+from services.common.authn import AuthenticationInterceptor, im_signing_keys
 from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
+from services.common.tokens import Verifier
 from services.runtime.adapters.im_client import GrpcIM
 from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
 from services.runtime.adapters.llm.offline import OfflineModel
@@ -22,6 +24,7 @@ from services.runtime.config import Settings
 from services.runtime.domain.etiquette import ChatterGuard
 from services.runtime.domain.model import Agent
 from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
+from services.runtime.entrypoints.policy import RUNTIME_POLICY
 from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.history import HistoryService
@@ -190,7 +193,15 @@ def build(settings: Settings) -> RuntimeApp:
         address=settings.grpc_address,
         registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, s)],
         tls=settings.tls.server,
-        interceptors=[RateLimitInterceptor(RATE_LIMITED, settings.rate_limits)],
+        interceptors=[
+            AuthenticationInterceptor(
+                RUNTIME_POLICY,
+                Verifier(im_signing_keys(im.channel, timeout_seconds=settings.im_call_timeout_seconds)),
+                trust_member_header=settings.trust_member_header,
+                service_token=settings.service_token,
+            ),
+            RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),
+        ],
         service_names=[SERVICE_NAME],
         readiness=ready,
         reflection=settings.reflection,

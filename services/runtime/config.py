@@ -51,6 +51,9 @@ class Settings:
     # Per-member rates of sending and creating (services.common.ratelimit).
     rate_limits: RateLimits = field(default_factory=RateLimits)
 
+    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
+    trust_member_header: bool = True
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """Reads every setting; raises ConfigError listing all bad ones."""
@@ -102,6 +105,7 @@ class Settings:
             context_tokens=env.integer("OPENAI_CONTEXT_TOKENS", 0, minimum=0) or None,
             llm_api_key=env.optional("OPENAI_API_KEY"),
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
+            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
         )

@@ -7,19 +7,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.im.domain.model import ContentType, Group, Member, MemberKind, Message, Workspace
 from services.im.domain.rules import Limits
 from services.im.service_layer.handlers import IMService
 from services.im.service_layer.ports import TransactionalMessageLog
 from tests.unit.fakes import FakeClock, InMemoryStore, RecordingSignal
 
-SERVICE = Principal(member_id=None, is_service=True)
+SERVICE = Caller(principal=Principal(member_id=None, is_service=True))
 
 
-def me(member: Member) -> Principal:
-    """The principal of a member calling for itself."""
-    return Principal(member_id=member.id)
+def me(member: Member) -> Caller:
+    """A member calling for itself (the legacy x-member-id caller)."""
+    return Caller(principal=Principal(member_id=member.id))
 
 
 def unique(prefix: str) -> str:

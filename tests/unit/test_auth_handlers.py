@@ -102,8 +102,10 @@ class AuthWorld:
 
     async def agent(self, workspace: Workspace, *, by_service: bool) -> Member:
         creator = next(m for m in self.store.state.members.values() if m.workspace_id == workspace.id)
-        principal = (
-            Principal(member_id=None, is_service=True) if by_service else Principal(member_id=creator.id)
+        principal = Caller(
+            principal=Principal(member_id=None, is_service=True)
+            if by_service
+            else Principal(member_id=creator.id)
         )
         return await self.im.create_member(
             principal,

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.im.adapters import codec
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, ShuttingDown, Unauthenticated
 from services.im.domain.model import (
@@ -608,7 +608,7 @@ async def feed(world: World, make_hub: HubFactory) -> EventFeed:
 
 async def watch(
     feed: EventFeed,
-    principal: Principal | None,
+    principal: Caller | None,
     *,
     members: tuple[Member, ...] = (),
     workspace_id: uuid.UUID | None = None,
@@ -725,7 +725,7 @@ async def test_a_service_watches_a_set_of_members(world: World, feed: EventFeed)
 
 async def test_a_service_acting_for_a_member_watches_that_member(world: World, feed: EventFeed) -> None:
     (alice, bob), group = await team(world)
-    acting = Principal(member_id=bob.id, is_service=True)
+    acting = Caller(principal=Principal(member_id=bob.id, is_service=True))
     async with contextlib.aclosing(await watch(feed, acting)) as stream:
         await world.send(alice, group, "to bob")
         (delivery,) = await take(stream, 1)

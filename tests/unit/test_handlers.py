@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.im.domain import rules
 from services.im.domain.errors import (
     Conflict,
@@ -220,7 +220,7 @@ async def test_create_member_refuses_other_workspaces_and_missing_identity(world
         )
     with pytest.raises(Unauthenticated):
         await world.service.create_member(
-            Principal(member_id=uuid.uuid4()),
+            Caller(principal=Principal(member_id=uuid.uuid4())),
             workspace_id="",
             kind=MemberKind.HUMAN,
             display_name="x",

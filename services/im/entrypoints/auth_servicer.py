@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc
-from services.common.identity import Caller, identify
-from services.common.tokens import Verifier
+from services.common.authn import current_caller
+from services.common.identity import Caller
 from services.im.entrypoints import auth_mappers as out
 from services.im.entrypoints import mappers
 from services.im.service_layer.auth import AuthService
@@ -22,27 +22,15 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     Args:
         accounts: sign-in, sessions, invites, roles.
         machines: personal access tokens, service and agent tokens.
-        verifier: verifies the access tokens callers present (the IM's own keys).
-        service_token: the legacy trusted-service token (`x-agentim-service`).
     """
 
-    def __init__(
-        self,
-        accounts: AuthService,
-        machines: MachineAccess,
-        *,
-        verifier: Verifier,
-        service_token: str | None,
-    ) -> None:
+    def __init__(self, accounts: AuthService, machines: MachineAccess) -> None:
         self._accounts = accounts
         self._machines = machines
-        self._verifier = verifier
-        self._service_token = service_token
 
     async def _caller(self, context: Context) -> Caller | None:
-        return await identify(
-            context.invocation_metadata(), verifier=self._verifier, service_token=self._service_token
-        )
+        # Verified by the AuthenticationInterceptor before this handler ran.
+        return current_caller()
 
     async def GetSigningKeys(
         self, request: auth_pb2.GetSigningKeysRequest, context: Context

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeAlias
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
-from services.common.identity import WATCH_START_CURSOR_KEY, Principal, principal_from_metadata
+from services.common.authn import current_caller
+from services.common.identity import WATCH_START_CURSOR_KEY, Caller
 from services.im.entrypoints import auth_mappers, mappers
 from services.im.service_layer.auth import AuthService
 from services.im.service_layer.events import EventFeed
@@ -19,16 +20,14 @@ Context: TypeAlias = Any
 class IMServicer(im_pb2_grpc.IMServiceServicer):
     """Thin translation between the wire and `IMService`."""
 
-    def __init__(
-        self, service: IMService, feed: EventFeed, *, service_token: str | None, accounts: AuthService
-    ) -> None:
+    def __init__(self, service: IMService, feed: EventFeed, *, accounts: AuthService) -> None:
         self._service = service
         self._feed = feed
-        self._service_token = service_token
         self._accounts = accounts
 
-    def _caller(self, context: Context) -> Principal | None:
-        return principal_from_metadata(context.invocation_metadata(), service_token=self._service_token)
+    def _caller(self, context: Context) -> Caller | None:
+        # Verified by the AuthenticationInterceptor before this handler ran.
+        return current_caller()
 
     async def CreateWorkspace(
         self, request: im_pb2.CreateWorkspaceRequest, context: Context

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.im.domain import rules
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, ShuttingDown, Unauthenticated
 from services.im.domain.model import (
@@ -359,7 +359,7 @@ class EventFeed:
 
     async def watch(
         self,
-        principal: Principal | None,
+        caller: Caller | None,
         *,
         member_ids: Iterable[str],
         workspace_id: str,
@@ -369,11 +369,11 @@ class EventFeed:
         watched = rules.parse_ids(member_ids, "member_ids")
         wanted_workspace = rules.parse_optional_id(workspace_id, "workspace_id")
         after = parse_cursor(after_cursor)
-        is_service = principal is not None and principal.is_service
+        is_service = caller is not None and caller.is_service
         from_now = after is None
         async with self._uow(write=False) as tx:
-            if principal is None:
-                raise Unauthenticated("this call needs the acting member in the x-member-id metadata")
+            if caller is None:
+                raise Unauthenticated("this call needs the caller: authorization: Bearer <access token>")
             if wanted_workspace is not None:
                 if not is_service:
                     raise NotAllowed("only a trusted service may watch a whole workspace")
@@ -385,10 +385,10 @@ class EventFeed:
                 member_filter: MemberFilter | None = None
             else:
                 if not watched:
-                    if principal.member_id is None:
+                    if caller.member_id is None:
                         raise InvalidRequest("name member_ids or workspace_id to watch")
-                    watched = (principal.member_id,)
-                if not is_service and watched != (principal.member_id,):
+                    watched = (caller.member_id,)
+                if not is_service and watched != (caller.member_id,):
                     raise NotAllowed("a member may only watch its own events")
                 found = await tx.get_members(list(watched))
                 missing = [m for m in watched if m not in found]

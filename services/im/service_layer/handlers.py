@@ -13,7 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from uuid_utils.compat import uuid7
 
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.im.domain import rules
 from services.im.domain.errors import (
     Conflict,
@@ -123,46 +123,47 @@ class IMService:
 
     # -- identity -----------------------------------------------------------
 
-    async def _acting_member(self, tx: Transaction, principal: Principal | None) -> Member:
-        """The member the caller acts as; a service must name one too.
+    async def _acting_member(self, tx: Transaction, caller: Caller | None) -> Member:
+        """The member the call acts as: the member of its token (or, on the
+        legacy path, of its x-member-id, which a trusted service must add too).
 
         Only the member's id and workspace are to be used: they never change
         (members are never deleted or moved), which is what makes the cache
         safe on every replica. Its name may be stale.
         """
-        if principal is None or principal.member_id is None:
-            raise Unauthenticated("this call needs the acting member in the x-member-id metadata")
-        member = self._identities.get(principal.member_id)
+        if caller is not None and caller.claims is not None and caller.member_id is None:
+            raise NotAllowed("this call is made as a member, and a service's token names none")
+        if caller is None or caller.member_id is None:
+            raise Unauthenticated("this call needs the caller: authorization: Bearer <access token>")
+        member = self._identities.get(caller.member_id)
         if member is None:
-            member = await tx.get_member(principal.member_id)
+            member = await tx.get_member(caller.member_id)
             if member is None:
-                raise Unauthenticated(f"member {principal.member_id} does not exist")
+                raise Unauthenticated(f"member {caller.member_id} does not exist")
             if len(self._identities) >= IDENTITY_CACHE_SIZE:
                 self._identities.pop(next(iter(self._identities)))
             self._identities[member.id] = member
-        return member
+        return _token_matches(caller, member)
 
-    async def _caller(self, principal: Principal | None) -> Member:
+    async def _caller(self, caller: Caller | None) -> Member:
         """`_acting_member` outside a transaction: usually answered from the cache."""
-        if principal is not None and principal.member_id is not None:
-            cached = self._identities.get(principal.member_id)
+        if caller is not None and caller.member_id is not None:
+            cached = self._identities.get(caller.member_id)
             if cached is not None:
-                return cached
+                return _token_matches(caller, cached)
         async with self._uow(write=False) as tx:
-            return await self._acting_member(tx, principal)
+            return await self._acting_member(tx, caller)
 
-    async def _caller_workspace(
-        self, tx: Transaction, principal: Principal | None, requested: str
-    ) -> uuid.UUID:
-        """The workspace a call is about: the caller's own, or for a service, the one named."""
+    async def _caller_workspace(self, tx: Transaction, caller: Caller | None, requested: str) -> uuid.UUID:
+        """The workspace a call is about: the actor's own, or for a service, the one named."""
         wanted = rules.parse_optional_id(requested, "workspace_id")
-        if principal is not None and principal.is_service and principal.member_id is None:
+        if caller is not None and caller.is_service and caller.member_id is None:
             if wanted is None:
                 raise InvalidRequest("workspace_id is required for a service call without a member")
             if await tx.get_workspace(wanted) is None:
                 raise NotFound(f"workspace {wanted} not found")
             return wanted
-        member = await self._acting_member(tx, principal)
+        member = await self._acting_member(tx, caller)
         if wanted is not None and wanted != member.workspace_id:
             raise NotFound(f"workspace {wanted} not found")
         return member.workspace_id
@@ -282,7 +283,7 @@ class IMService:
             avatar=avatar,
             **dict(fingerprint_extra or {}),
         )
-        # With no caller yet, the request_id alone scopes the retry.
+        # With no actor yet, the request_id alone scopes the retry.
         scope = rules.NIL_SCOPE
         for attempt in range(2):
             async with self._uow() as tx:
@@ -323,24 +324,24 @@ class IMService:
             raise NotFound(f"the workspace of member {creator_id} was not found")
         return workspace, creator
 
-    async def get_workspace(self, principal: Principal | None, workspace_id: str) -> Workspace:
+    async def get_workspace(self, caller: Caller | None, workspace_id: str) -> Workspace:
         async with self._uow(write=False) as tx:
             wanted = rules.parse_id(workspace_id, "workspace_id")
-            resolved = await self._caller_workspace(tx, principal, workspace_id)
+            resolved = await self._caller_workspace(tx, caller, workspace_id)
             workspace = await tx.get_workspace(resolved)
             if workspace is None or resolved != wanted:
                 raise NotFound(f"workspace {wanted} not found")
             return workspace
 
     async def list_workspaces(
-        self, principal: Principal | None, *, page_size: int, page_token: str
+        self, caller: Caller | None, *, page_size: int, page_token: str
     ) -> Page[Workspace]:
         limit = rules.page_size(page_size, self.limits)
         after = self._token_id(page_token)
         async with self._uow(write=False) as tx:
             ids: list[uuid.UUID] | None = None
-            if principal is None or principal.member_id is not None or not principal.is_service:
-                ids = [(await self._acting_member(tx, principal)).workspace_id]
+            if caller is None or caller.member_id is not None or not caller.is_service:
+                ids = [(await self._acting_member(tx, caller)).workspace_id]
             items = await tx.list_workspaces(ids=ids, after=after, limit=limit + 1)
         return self._page(items, limit, lambda w: w.id)
 
@@ -348,7 +349,7 @@ class IMService:
 
     async def create_member(
         self,
-        principal: Principal | None,
+        caller: Caller | None,
         *,
         workspace_id: str,
         kind: MemberKind | None,
@@ -363,8 +364,8 @@ class IMService:
         rid = rules.check_request_id(request_id)
         for attempt in range(2):
             async with self._uow() as tx:
-                resolved = await self._caller_workspace(tx, principal, workspace_id)
-                scope = self._request_scope(principal, resolved)
+                resolved = await self._caller_workspace(tx, caller, workspace_id)
+                scope = self._request_scope(caller, resolved)
                 fingerprint = rules.request_fingerprint(
                     op="create_member", ws=str(resolved), kind=kind.value, name=display_name, avatar=avatar
                 )
@@ -381,7 +382,7 @@ class IMService:
                     display_name=display_name,
                     avatar=avatar,
                     created_at=self._clock(),
-                    host=_host_of_new(kind, principal),
+                    host=_host_of_new(kind, caller),
                 )
                 await tx.add_member(member)
                 if rid is not None:
@@ -396,33 +397,33 @@ class IMService:
         raise AssertionError("unreachable")
 
     @staticmethod
-    def _request_scope(principal: Principal | None, workspace_id: uuid.UUID) -> uuid.UUID:
-        if principal is not None and principal.member_id is not None:
-            return principal.member_id
+    def _request_scope(caller: Caller | None, workspace_id: uuid.UUID) -> uuid.UUID:
+        if caller is not None and caller.member_id is not None:
+            return caller.member_id
         return workspace_id
 
-    async def get_member(self, principal: Principal | None, member_id: str) -> Member:
+    async def get_member(self, caller: Caller | None, member_id: str) -> Member:
         wanted = rules.parse_id(member_id, "member_id")
         async with self._uow(write=False) as tx:
             member = await tx.get_member(wanted)
             if member is None:
                 raise NotFound(f"member {wanted} not found")
-            await self._caller_workspace(tx, principal, str(member.workspace_id))
+            await self._caller_workspace(tx, caller, str(member.workspace_id))
             return member
 
     async def list_members(
-        self, principal: Principal | None, *, workspace_id: str, page_size: int, page_token: str
+        self, caller: Caller | None, *, workspace_id: str, page_size: int, page_token: str
     ) -> Page[Member]:
         limit = rules.page_size(page_size, self.limits)
         after = self._token_id(page_token)
         async with self._uow(write=False) as tx:
-            resolved = await self._caller_workspace(tx, principal, workspace_id)
+            resolved = await self._caller_workspace(tx, caller, workspace_id)
             items = await tx.list_members(resolved, after=after, limit=limit + 1)
         return self._page(items, limit, lambda m: m.id)
 
     async def update_member(
         self,
-        principal: Principal | None,
+        caller: Caller | None,
         *,
         member_id: str,
         display_name: str,
@@ -439,10 +440,10 @@ class IMService:
             member = await tx.get_member(wanted)
             if member is None:
                 raise NotFound(f"member {wanted} not found")
-            await self._caller_workspace(tx, principal, str(member.workspace_id))
-            is_self = principal is not None and principal.member_id == member.id
-            if not is_self and not (principal is not None and principal.is_service):
-                raise NotAllowed("a member may only update itself")
+            await self._caller_workspace(tx, caller, str(member.workspace_id))
+            is_self = caller is not None and caller.member_id == member.id
+            if not is_self and not _manages(caller, member):
+                raise NotAllowed("a member may only update itself; a service, only the agents it hosts")
             if "display_name" in fields:
                 member = replace(
                     member, display_name=rules.check_name(display_name, "display_name", required=True)
@@ -456,37 +457,37 @@ class IMService:
     # -- groups -------------------------------------------------------------
 
     async def create_group(
-        self, principal: Principal | None, *, name: str, member_ids: list[str], request_id: str
+        self, caller: Caller | None, *, name: str, member_ids: list[str], request_id: str
     ) -> Group:
         name = rules.check_name(name, "name", required=True)
         others = rules.parse_ids(member_ids, "member_ids")
         rid = rules.check_request_id(request_id)
         for attempt in range(2):
             async with self._uow() as tx:
-                caller = await self._acting_member(tx, principal)
+                actor = await self._acting_member(tx, caller)
                 # Sorted as storage returns them: members who joined together, by id.
-                everyone = tuple(sorted({caller.id, *others}))
+                everyone = tuple(sorted({actor.id, *others}))
                 rules.check_group_size(len(everyone), self.limits)
                 fingerprint = rules.request_fingerprint(
                     op="create_group", name=name, members=sorted(str(m) for m in everyone)
                 )
-                existing = await self._replay(tx, caller.id, rid, fingerprint)
+                existing = await self._replay(tx, actor.id, rid, fingerprint)
                 if existing is not None:
-                    return await self._visible_group(tx, caller, existing)
-                await self._workspace_members(tx, caller.workspace_id, everyone)
+                    return await self._visible_group(tx, actor, existing)
+                await self._workspace_members(tx, actor.workspace_id, everyone)
                 group = Group(
                     id=uuid7(),
-                    workspace_id=caller.workspace_id,
+                    workspace_id=actor.workspace_id,
                     name=name,
                     kind=GroupKind.GROUP,
-                    creator_id=caller.id,
+                    creator_id=actor.id,
                     created_at=self._clock(),
                     member_ids=everyone,
                 )
                 await tx.add_group(group)
                 if rid is not None:
                     try:
-                        await tx.remember_request(caller.id, rid, fingerprint, group.id)
+                        await tx.remember_request(actor.id, rid, fingerprint, group.id)
                     except DuplicateRequest:
                         if attempt == 0:
                             continue
@@ -498,27 +499,27 @@ class IMService:
         raise AssertionError("unreachable")
 
     async def get_or_create_direct_group(
-        self, principal: Principal | None, *, peer_member_id: str
+        self, caller: Caller | None, *, peer_member_id: str
     ) -> tuple[Group, bool]:
         peer_id = rules.parse_id(peer_member_id, "peer_member_id")
         for attempt in range(2):
             async with self._uow() as tx:
-                caller = await self._acting_member(tx, principal)
-                if peer_id == caller.id:
+                actor = await self._acting_member(tx, caller)
+                if peer_id == actor.id:
                     raise InvalidRequest("a direct chat needs another member")
-                await self._workspace_members(tx, caller.workspace_id, (peer_id,))
-                key = rules.direct_key(caller.id, peer_id)
-                existing = await tx.find_direct_group(caller.workspace_id, key)
+                await self._workspace_members(tx, actor.workspace_id, (peer_id,))
+                key = rules.direct_key(actor.id, peer_id)
+                existing = await tx.find_direct_group(actor.workspace_id, key)
                 if existing is not None:
                     return existing, False
                 group = Group(
                     id=uuid7(),
-                    workspace_id=caller.workspace_id,
+                    workspace_id=actor.workspace_id,
                     name="",
                     kind=GroupKind.DIRECT,
-                    creator_id=caller.id,
+                    creator_id=actor.id,
                     created_at=self._clock(),
-                    member_ids=(caller.id, peer_id),
+                    member_ids=(actor.id, peer_id),
                     direct_key=key,
                 )
                 try:
@@ -534,42 +535,42 @@ class IMService:
                 return group, True
         raise AssertionError("unreachable")
 
-    async def get_group(self, principal: Principal | None, group_id: str) -> Group:
+    async def get_group(self, caller: Caller | None, group_id: str) -> Group:
         wanted = rules.parse_id(group_id, "group_id")
         async with self._uow(write=False) as tx:
-            caller = await self._acting_member(tx, principal)
-            return await self._visible_group(tx, caller, wanted)
+            actor = await self._acting_member(tx, caller)
+            return await self._visible_group(tx, actor, wanted)
 
     async def list_groups(
-        self, principal: Principal | None, *, member_id: str, page_size: int, page_token: str
+        self, caller: Caller | None, *, member_id: str, page_size: int, page_token: str
     ) -> Page[Group]:
         limit = rules.page_size(page_size, self.limits)
         after = self._token_id(page_token)
         whose = rules.parse_optional_id(member_id, "member_id")
         async with self._uow(write=False) as tx:
-            if principal is not None and principal.is_service and principal.member_id is None:
+            if caller is not None and caller.is_service and caller.member_id is None:
                 if whose is None:
                     raise InvalidRequest("member_id is required for a service call without a member")
                 target = whose
             else:
-                caller = await self._acting_member(tx, principal)
-                is_service = principal is not None and principal.is_service
-                if whose is not None and whose != caller.id and not is_service:
+                actor = await self._acting_member(tx, caller)
+                is_service = caller is not None and caller.is_service
+                if whose is not None and whose != actor.id and not is_service:
                     raise NotAllowed("a member may only list its own groups")
-                target = whose or caller.id
+                target = whose or actor.id
             items = await tx.list_groups_of(target, after=after, limit=limit + 1)
         return self._page(items, limit, lambda g: g.id)
 
     async def rename_group(
-        self, principal: Principal | None, *, group_id: str, name: str, fields: list[str]
+        self, caller: Caller | None, *, group_id: str, name: str, fields: list[str]
     ) -> Group:
         wanted = rules.parse_id(group_id, "group.id")
         if fields != ["name"]:
             raise InvalidRequest("update_mask must be exactly [name]")
         name = rules.check_name(name, "name", required=True)
         async with self._uow() as tx:
-            caller = await self._acting_member(tx, principal)
-            group = await self._visible_group(tx, caller, wanted)
+            actor = await self._acting_member(tx, caller)
+            group = await self._visible_group(tx, actor, wanted)
             if group.kind is GroupKind.DIRECT:
                 raise WrongState("a direct chat has no name to change")
             await tx.rename_group(group.id, name)
@@ -578,15 +579,15 @@ class IMService:
             return group
 
     async def add_group_members(
-        self, principal: Principal | None, *, group_id: str, member_ids: list[str]
+        self, caller: Caller | None, *, group_id: str, member_ids: list[str]
     ) -> Group:
         wanted = rules.parse_id(group_id, "group_id")
         adding = rules.parse_ids(member_ids, "member_ids")
         if not adding:
             raise InvalidRequest("member_ids is empty")
         async with self._uow() as tx:
-            caller = await self._acting_member(tx, principal)
-            group = await self._visible_group(tx, caller, wanted)
+            actor = await self._acting_member(tx, caller)
+            group = await self._visible_group(tx, actor, wanted)
             if group.kind is GroupKind.DIRECT:
                 raise WrongState("a direct chat always has exactly its two members; create a group instead")
             new = tuple(sorted(m for m in adding if m not in group.member_ids))
@@ -600,19 +601,19 @@ class IMService:
             return group
 
     async def remove_group_members(
-        self, principal: Principal | None, *, group_id: str, member_ids: list[str]
+        self, caller: Caller | None, *, group_id: str, member_ids: list[str]
     ) -> Group:
         wanted = rules.parse_id(group_id, "group_id")
         removing = rules.parse_ids(member_ids, "member_ids")
         if not removing:
             raise InvalidRequest("member_ids is empty")
         async with self._uow() as tx:
-            caller = await self._acting_member(tx, principal)
-            group = await self._visible_group(tx, caller, wanted)
+            actor = await self._acting_member(tx, caller)
+            group = await self._visible_group(tx, actor, wanted)
             if group.kind is GroupKind.DIRECT:
                 raise WrongState("members cannot be removed from a direct chat")
-            others = [m for m in removing if m != caller.id]
-            if others and caller.id != group.creator_id:
+            others = [m for m in removing if m != actor.id]
+            if others and actor.id != group.creator_id:
                 raise NotAllowed("only the group's creator may remove other members; anyone may leave")
             gone = tuple(m for m in removing if m in group.member_ids)
             if not gone:
@@ -626,7 +627,7 @@ class IMService:
 
     async def send_message(
         self,
-        principal: Principal | None,
+        caller: Caller | None,
         *,
         group_id: str,
         content_type: ContentType | None,
@@ -658,12 +659,12 @@ class IMService:
         # The hot path is one atomic append that stores the message only if
         # the request is valid; only when it stores nothing do we look closer
         # to say why.
-        caller = await self._caller(principal)
+        actor = await self._caller(caller)
         message = Message(
             id=uuid7(),
-            workspace_id=caller.workspace_id,
+            workspace_id=actor.workspace_id,
             group_id=target,
-            sender_id=caller.id,
+            sender_id=actor.id,
             content_type=kind,
             content=content,
             mentions=mentioned,
@@ -680,11 +681,11 @@ class IMService:
                 [_recorded(message.workspace_id, sequence, at, MessageCreated(message=message))]
             )
             return message
-        access = await self._messages.access(target, [caller.id, *mentioned], reply_to)
-        if access is None or access.workspace_id != caller.workspace_id:
+        access = await self._messages.access(target, [actor.id, *mentioned], reply_to)
+        if access is None or access.workspace_id != actor.workspace_id:
             raise NotFound(f"group {target} not found")
-        if caller.id not in access.members:
-            raise NotAMember(f"member {caller.id} is not in group {target}")
+        if actor.id not in access.members:
+            raise NotAMember(f"member {actor.id} is not in group {target}")
         outsiders = [m for m in mentioned if m not in access.members]
         if outsiders:
             raise InvalidRequest(f"mentioned members are not in the group: {[str(m) for m in outsiders]}")
@@ -692,7 +693,7 @@ class IMService:
             raise InvalidRequest(f"reply_to_message_id {reply_to} is not a message of this group")
         # A valid request that stored nothing: its request_id was used before.
         async with self._uow(write=False) as tx:
-            earlier = await tx.find_message_by_request(caller.id, rid) if rid is not None else None
+            earlier = await tx.find_message_by_request(actor.id, rid) if rid is not None else None
         if earlier is not None:
             return self._retried(earlier, fingerprint, rid or "")
         raise Conflict(f"group {target} changed while the message was sent; send it again")
@@ -703,15 +704,15 @@ class IMService:
             raise RequestIdReused(f"request_id {request_id!r} was already used for a different message")
         return earlier
 
-    async def edit_message(self, principal: Principal | None, *, message_id: str, content: str) -> Message:
+    async def edit_message(self, caller: Caller | None, *, message_id: str, content: str) -> Message:
         wanted = rules.parse_id(message_id, "message_id")
         if not content.strip():
             raise InvalidRequest("content is empty")
         rules.check_content(content, self.limits)
         async with self._uow() as tx:
-            caller = await self._acting_member(tx, principal)
-            message = await self._visible_message(tx, caller, wanted)
-            if message.sender_id != caller.id:
+            actor = await self._acting_member(tx, caller)
+            message = await self._visible_message(tx, actor, wanted)
+            if message.sender_id != actor.id:
                 raise NotAllowed("only the sender may edit a message")
             edited = replace(message, content=content, edited_at=self._clock())
             await tx.edit_message(edited.id, content, edited.edited_at or self._clock())
@@ -725,15 +726,15 @@ class IMService:
         await self._visible_group(tx, member, message.group_id)
         return message
 
-    async def get_message(self, principal: Principal | None, message_id: str) -> Message:
+    async def get_message(self, caller: Caller | None, message_id: str) -> Message:
         wanted = rules.parse_id(message_id, "message_id")
         async with self._uow(write=False) as tx:
-            caller = await self._acting_member(tx, principal)
-            return await self._visible_message(tx, caller, wanted)
+            actor = await self._acting_member(tx, caller)
+            return await self._visible_message(tx, actor, wanted)
 
     async def list_messages(
         self,
-        principal: Principal | None,
+        caller: Caller | None,
         *,
         group_id: str,
         page_size: int,
@@ -756,8 +757,8 @@ class IMService:
         if before is not None and after is not None:
             raise InvalidRequest("set before_message_id or after_message_id, not both")
         async with self._uow(write=False) as tx:
-            caller = await self._acting_member(tx, principal)
-            await self._visible_group(tx, caller, target)
+            actor = await self._acting_member(tx, caller)
+            await self._visible_group(tx, actor, target)
             items = await tx.list_messages(target, before=before, after=after, limit=limit + 1)
         forward = after is not None
         more = len(items) > limit
@@ -773,50 +774,46 @@ class IMService:
 
     # -- read state ---------------------------------------------------------
 
-    async def mark_read(
-        self, principal: Principal | None, *, group_id: str, up_to_message_id: str
-    ) -> ReadState:
+    async def mark_read(self, caller: Caller | None, *, group_id: str, up_to_message_id: str) -> ReadState:
         target = rules.parse_id(group_id, "group_id")
         up_to = rules.parse_id(up_to_message_id, "up_to_message_id")
-        caller = await self._caller(principal)
+        actor = await self._caller(caller)
         at = self._clock()
-        marked = await self._inbox.mark_read(caller, target, up_to, at)
+        marked = await self._inbox.mark_read(actor, target, up_to, at)
         match marked.outcome:
             case ReadOutcome.NO_GROUP:
                 raise NotFound(f"group {target} not found")
             case ReadOutcome.NOT_A_MEMBER:
-                raise NotAMember(f"member {caller.id} is not in group {target}")
+                raise NotAMember(f"member {actor.id} is not in group {target}")
             case ReadOutcome.NOT_IN_GROUP:
                 raise InvalidRequest(f"up_to_message_id {up_to} is not a message of this group")
         state = marked.state
         assert state is not None
         if marked.sequence is not None:
             await self._signal_committed(
-                [_recorded(caller.workspace_id, marked.sequence, at, ReadUpdated(read_state=state))]
+                [_recorded(actor.workspace_id, marked.sequence, at, ReadUpdated(read_state=state))]
             )
         return state
 
-    async def get_all_unread(
-        self, principal: Principal | None, *, page_size: int
-    ) -> tuple[list[Message], int]:
+    async def get_all_unread(self, caller: Caller | None, *, page_size: int) -> tuple[list[Message], int]:
         limit = rules.page_size(
             page_size or self.limits.max_unread_page_size,
             self.limits,
             maximum=self.limits.max_unread_page_size,
         )
-        caller = await self._caller(principal)
-        messages, total = await self._inbox.unread(caller.id, limit=limit)
+        actor = await self._caller(caller)
+        messages, total = await self._inbox.unread(actor.id, limit=limit)
         return messages, total - len(messages)
 
-    async def list_chats(self, principal: Principal | None, *, page_size: int, page_token: str) -> Page[Chat]:
+    async def list_chats(self, caller: Caller | None, *, page_size: int, page_token: str) -> Page[Chat]:
         limit = rules.page_size(page_size, self.limits)
         start: tuple[str, str] | None = None
         if page_token:
             token = rules.decode_page_token(page_token, {"activity", "group"})
             start = (token["activity"], token["group"])
         async with self._uow(write=False) as tx:
-            caller = await self._acting_member(tx, principal)
-            groups = await tx.list_groups_of(caller.id, after=None, limit=None)
+            actor = await self._acting_member(tx, caller)
+            groups = await tx.list_groups_of(actor.id, after=None, limit=None)
             last = await tx.last_messages([g.id for g in groups])
 
             def activity(group: Group) -> datetime:
@@ -830,7 +827,7 @@ class IMService:
             if start is not None:
                 ordered = [g for g in ordered if key(g) < start]
             page = ordered[:limit]
-            counts = await tx.unread_counts(caller.id, [g.id for g in page])
+            counts = await tx.unread_counts(actor.id, [g.id for g in page])
         chats = [
             Chat(
                 group=g,
@@ -868,11 +865,32 @@ class IMService:
 LEGACY_SERVICE_HOST = "runtime"
 
 
-def _host_of_new(kind: MemberKind, principal: Principal | None) -> str | None:
+def _host_of_new(kind: MemberKind, caller: Caller | None) -> str | None:
     """The host of a member about to be created: the trusted service that creates an agent."""
-    if kind is MemberKind.AGENT and principal is not None and principal.is_service:
-        return LEGACY_SERVICE_HOST
+    if caller is None or not caller.is_service:
+        return None
+    if caller.service is not None and kind is not MemberKind.AGENT:
+        raise NotAllowed("a service creates only agent members")
+    if kind is MemberKind.AGENT:
+        return caller.service or LEGACY_SERVICE_HOST
     return None
+
+
+def _token_matches(caller: Caller, member: Member) -> Member:
+    """The member, once sure its token was issued for its workspace (members never move)."""
+    if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
+        raise Unauthenticated("the access token names another workspace than its member's")
+    return member
+
+
+def _manages(caller: Caller | None, member: Member) -> bool:
+    """Whether a service may change `member`: with its own token, only an
+    agent it hosts; with the legacy trusted-service metadata, anyone."""
+    if caller is None or not caller.is_service:
+        return False
+    if caller.service is None:
+        return True
+    return member.kind is MemberKind.AGENT and member.host == caller.service
 
 
 def _recorded(workspace_id: uuid.UUID, sequence: int, at: datetime, event: Event) -> RecordedEvent:

@@ -57,6 +57,11 @@ class GrpcMemberDirectory(MemberDirectory):
         self._cache_size = cache_size
         self._cache: OrderedDict[str, tuple[float, MemberInfo]] = OrderedDict()
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the IM (the memory service also fetches the IM's signing keys over it)."""
+        return self._channel
+
     async def member(self, member_id: str) -> MemberInfo | None:
         now = time.monotonic()
         cached = self._cache.get(member_id)

@@ -114,6 +114,11 @@ class GrpcIM(IMPort):
         self._calls = asyncio.Semaphore(max_concurrent_calls)
         self._closed = False
 
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel to the IM (the runtime also fetches the IM's signing keys over it)."""
+        return self._channel
+
     async def __aenter__(self) -> GrpcIM:
         return self
 

@@ -1,0 +1,217 @@
+"""Every IM call authenticated by access tokens, over real gRPC (SQLite and PostgreSQL).
+
+Bad credentials are UNAUTHENTICATED; valid ones act as their own member
+and nobody else; services act only for what their rules allow; and the
+attacks of issue 11's "Anyone can be anyone", made with another member's
+own valid token, are refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import field_mask_pb2
+
+from agentim.im.v1 import im_pb2
+from services.common.identity import bearer_metadata
+from tests.authn_support import (
+    Cast,
+    claims_of,
+    expired_token,
+    foreign_token,
+    make_cast,
+    read_only,
+    tampered_token,
+)
+from tests.conftest import RunningIM, as_member
+
+
+async def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    return caught.value.code(), caught.value.details() or ""
+
+
+@pytest.fixture
+async def cast(im: RunningIM) -> Cast:
+    return await make_cast(im)
+
+
+def list_groups() -> im_pb2.ListGroupsRequest:
+    return im_pb2.ListGroupsRequest()
+
+
+async def test_a_call_without_a_credential_is_unauthenticated(im: RunningIM, cast: Cast) -> None:
+    code, message = await status_of(im.stub.ListGroups(list_groups()))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer" in message
+    assert len((await im.stub.ListGroups(list_groups(), metadata=cast.member.md)).groups) == 1
+
+
+async def test_expired_tampered_and_foreign_tokens_are_unauthenticated(
+    im: RunningIM, cast: Cast, tmp_path: Path
+) -> None:
+    claims = claims_of(cast.member, cast.workspace)
+    for token in [
+        expired_token(claims),
+        tampered_token(cast.member.access_token),
+        foreign_token(claims, tmp_path / "keys"),
+        "not-a-jwt",
+    ]:
+        code, _ = await status_of(im.stub.ListGroups(list_groups(), metadata=bearer_metadata(token)))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    # A bad token is never passed over for the legacy header beside it.
+    both = (*bearer_metadata(tampered_token(cast.member.access_token)), *as_member(cast.member.id))
+    assert (await status_of(im.stub.ListGroups(list_groups(), metadata=both)))[
+        0
+    ] == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_read_only_token_reads_but_does_not_send(im: RunningIM, cast: Cast) -> None:
+    reader = await read_only(im, cast.member)
+    assert [g.id for g in (await im.stub.ListGroups(list_groups(), metadata=reader)).groups] == [
+        cast.group.id
+    ]
+    code, message = await status_of(
+        im.stub.SendMessage(im_pb2.SendMessageRequest(group_id=cast.group.id, content="hi"), metadata=reader)
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "read-only" in message
+
+
+async def test_a_token_acts_as_its_own_member_whatever_else_the_call_names(im: RunningIM, cast: Cast) -> None:
+    # The legacy header naming the owner is ignored beside a token: the member sends as itself.
+    sent = await im.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=cast.group.id, content="mine"),
+        metadata=(*cast.member.md, *as_member(cast.owner.id)),
+    )
+    assert sent.message.sender_id == cast.member.id
+    # Naming another member's groups is refused.
+    code, _ = await status_of(
+        im.stub.ListGroups(im_pb2.ListGroupsRequest(member_id=cast.owner.id), metadata=cast.member.md)
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_the_memory_service_reads_the_directory_and_sends_nothing(im: RunningIM, cast: Cast) -> None:
+    found = await im.stub.GetMember(im_pb2.GetMemberRequest(member_id=cast.member.id), metadata=cast.memory)
+    assert found.member.id == cast.member.id
+    for call in [
+        im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=cast.group.id, content="x"), metadata=cast.memory
+        ),
+        im.stub.ListGroups(im_pb2.ListGroupsRequest(member_id=cast.member.id), metadata=cast.memory),
+    ]:
+        assert (await status_of(call))[0] == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_the_runtime_service_cannot_act_as_a_person(im: RunningIM, cast: Cast) -> None:
+    send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="forged")
+    # Its own token names no member, and no metadata can name one for it.
+    for metadata in [cast.runtime, (*cast.runtime, *as_member(cast.owner.id))]:
+        code, _ = await status_of(im.stub.SendMessage(send, metadata=metadata))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+    # It creates agents (hosted by it), never people.
+    code, _ = await status_of(
+        im.stub.CreateMember(
+            im_pb2.CreateMemberRequest(
+                kind=im_pb2.MEMBER_KIND_HUMAN, display_name="puppet", workspace_id=cast.workspace.id
+            ),
+            metadata=cast.runtime,
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # It renames the agents it hosts, and nobody else.
+    rename = im_pb2.UpdateMemberRequest(update_mask=field_mask_pb2.FieldMask(paths=["display_name"]))
+    rename.member.display_name = "renamed"
+    rename.member.id = cast.agent.id
+    renamed = await im.stub.UpdateMember(rename, metadata=cast.runtime)
+    assert renamed.member.display_name == "renamed"
+    rename.member.id = cast.owner.id
+    assert (await status_of(im.stub.UpdateMember(rename, metadata=cast.runtime)))[0] == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+
+
+async def test_an_agent_token_acts_as_its_agent(im: RunningIM, cast: Cast) -> None:
+    sent = await im.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=cast.group.id, content="beep"), metadata=cast.agent.md
+    )
+    assert sent.message.sender_id == cast.agent.id
+
+
+async def test_the_runtime_watches_a_whole_workspace_and_people_do_not(im: RunningIM, cast: Cast) -> None:
+    request = im_pb2.WatchEventsRequest(workspace_id=cast.workspace.id)
+    stream = im.stub.WatchEvents(request, metadata=cast.runtime)
+    assert await stream.initial_metadata() is not None
+    stream.cancel()
+    refused = im.stub.WatchEvents(request, metadata=cast.owner.md)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await refused.read()
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_without_trust_in_the_member_header_only_tokens_work(im_factory: Any) -> None:
+    strict: RunningIM = await im_factory(AUTH_TRUST_MEMBER_HEADER="false")
+    cast = await make_cast(strict)
+    code, message = await status_of(strict.stub.ListGroups(list_groups(), metadata=as_member(cast.member.id)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "x-member-id" not in message
+    assert len((await strict.stub.ListGroups(list_groups(), metadata=cast.member.md)).groups) == 1
+
+
+async def test_anyone_can_no_longer_be_anyone(im: RunningIM, cast: Cast) -> None:
+    """Issue 11's attacks, made by a member of the workspace with their own valid token."""
+    intruder = cast.outsider.md
+    # Read a private group.
+    for call in [
+        im.stub.GetGroup(im_pb2.GetGroupRequest(group_id=cast.group.id), metadata=intruder),
+        im.stub.ListMessages(im_pb2.ListMessagesRequest(group_id=cast.group.id), metadata=intruder),
+        im.stub.GetMessage(im_pb2.GetMessageRequest(message_id=cast.message.id), metadata=intruder),
+    ]:
+        assert (await status_of(call))[0] == grpc.StatusCode.PERMISSION_DENIED
+    # Send into it.
+    code, _ = await status_of(
+        im.stub.SendMessage(im_pb2.SendMessageRequest(group_id=cast.group.id, content="x"), metadata=intruder)
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # Edit another's message (even as a member of the group).
+    code, _ = await status_of(
+        im.stub.EditMessage(
+            im_pb2.EditMessageRequest(message_id=cast.message.id, content="forged"), metadata=cast.member.md
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    # Mark read for someone else: the token's member is the only one it marks.
+    code, _ = await status_of(
+        im.stub.MarkRead(
+            im_pb2.MarkReadRequest(group_id=cast.group.id, up_to_message_id=cast.message.id),
+            metadata=(*intruder, *as_member(cast.member.id)),
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    unread = await im.stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=cast.member.md)
+    assert [m.id for m in unread.messages] == [cast.message.id]
+    # Add oneself to the group.
+    code, _ = await status_of(
+        im.stub.AddGroupMembers(
+            im_pb2.AddGroupMembersRequest(group_id=cast.group.id, member_ids=[cast.outsider.id]),
+            metadata=intruder,
+        )
+    )
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    members = (
+        await im.stub.GetGroup(im_pb2.GetGroupRequest(group_id=cast.group.id), metadata=cast.owner.md)
+    ).group
+    assert cast.outsider.id not in members.member_ids
+
+
+async def test_rate_limits_count_against_the_verified_caller(im_factory: Any) -> None:
+    limited: RunningIM = await im_factory(LIMIT_SEND_PER_SECOND="0.001", LIMIT_SEND_BURST="1")
+    cast = await make_cast(limited)  # the owner spends its one send here
+    send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="hi")
+    # The member's token spends the member's bucket, whoever the legacy header names beside it.
+    await limited.stub.SendMessage(send, metadata=(*cast.member.md, *as_member(cast.admin.id)))
+    code, _ = await status_of(limited.stub.SendMessage(send, metadata=cast.member.md))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await limited.stub.SendMessage(send, metadata=cast.admin.md)
