@@ -7,8 +7,9 @@ administrative calls. A later issue replaces both with verified tokens
 without changing any request message.
 
 Access tokens (`authorization: Bearer <JWT>`, see `services.common.tokens`)
-are read by `identify`, which the IM's AuthService uses today and every
-RPC will use once `x-member-id` is gone: that is the one place to drop it.
+are read by `identify`, which `services.common.authn` runs for every RPC of
+every service (the legacy metadata only while `AUTH_TRUST_MEMBER_HEADER`
+is on): that is the one place to drop `x-member-id`.
 """
 
 from __future__ import annotations

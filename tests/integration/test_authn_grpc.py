@@ -204,3 +204,14 @@ async def test_anyone_can_no_longer_be_anyone(im: RunningIM, cast: Cast) -> None
         await im.stub.GetGroup(im_pb2.GetGroupRequest(group_id=cast.group.id), metadata=cast.owner.md)
     ).group
     assert cast.outsider.id not in members.member_ids
+
+
+async def test_rate_limits_count_against_the_verified_caller(im_factory: Any) -> None:
+    limited: RunningIM = await im_factory(LIMIT_SEND_PER_SECOND="0.001", LIMIT_SEND_BURST="1")
+    cast = await make_cast(limited)  # the owner spends its one send here
+    send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="hi")
+    # The member's token spends the member's bucket, whoever the legacy header names beside it.
+    await limited.stub.SendMessage(send, metadata=(*cast.member.md, *as_member(cast.admin.id)))
+    code, _ = await status_of(limited.stub.SendMessage(send, metadata=cast.member.md))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await limited.stub.SendMessage(send, metadata=cast.admin.md)

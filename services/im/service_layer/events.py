@@ -373,7 +373,7 @@ class EventFeed:
         from_now = after is None
         async with self._uow(write=False) as tx:
             if caller is None:
-                raise Unauthenticated("this call needs the acting member in the x-member-id metadata")
+                raise Unauthenticated("this call needs the caller: authorization: Bearer <access token>")
             if wanted_workspace is not None:
                 if not is_service:
                     raise NotAllowed("only a trusted service may watch a whole workspace")

@@ -143,16 +143,14 @@ class IMService:
             if len(self._identities) >= IDENTITY_CACHE_SIZE:
                 self._identities.pop(next(iter(self._identities)))
             self._identities[member.id] = member
-        if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
-            raise Unauthenticated("the access token names another workspace than its member's")
-        return member
+        return _token_matches(caller, member)
 
     async def _caller(self, caller: Caller | None) -> Member:
         """`_acting_member` outside a transaction: usually answered from the cache."""
         if caller is not None and caller.member_id is not None:
             cached = self._identities.get(caller.member_id)
             if cached is not None:
-                return cached
+                return _token_matches(caller, cached)
         async with self._uow(write=False) as tx:
             return await self._acting_member(tx, caller)
 
@@ -876,6 +874,13 @@ def _host_of_new(kind: MemberKind, caller: Caller | None) -> str | None:
     if kind is MemberKind.AGENT:
         return caller.service or LEGACY_SERVICE_HOST
     return None
+
+
+def _token_matches(caller: Caller, member: Member) -> Member:
+    """The member, once sure its token was issued for its workspace (members never move)."""
+    if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
+        raise Unauthenticated("the access token names another workspace than its member's")
+    return member
 
 
 def _manages(caller: Caller | None, member: Member) -> bool:
