@@ -50,8 +50,6 @@ GATEWAY = ROOT / "gateway"
 RUNNING = "Agent IM is running"
 START_SECONDS = 90.0
 BROWSER_SECONDS = 240.0
-# The second gateway's: it shows the UI asking for a token only where one is required.
-UI_TOKEN = "browser-test-token"
 STOP_SECONDS = 30.0
 # "IM service listening on 127.0.0.1:50051 (...)" -> {"IM service": "127.0.0.1:50051"}
 _LISTENING = re.compile(r"^(?P<what>.+?) listening on (?P<address>[^\s:]+:\d+)")
@@ -213,15 +211,13 @@ def _service(module: str, env: Mapping[str, str], log_path: Path) -> Iterator[Se
             process.stdout.close()
 
 
-def _run_browser(node: str, url: str, model_url: str, token_url: str) -> tuple[int, str]:
+def _run_browser(node: str, url: str, model_url: str) -> tuple[int, str]:
     """Runs the Playwright script; on a timeout it is stopped (SIGTERM lets it close Chromium)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "AGENTIM_UI_URL": url,
         "AGENTIM_FAKE_LLM_URL": model_url,
-        "AGENTIM_TOKEN_UI_URL": token_url,
-        "AGENTIM_TOKEN": UI_TOKEN,
         "AGENTIM_ARTIFACTS": str(ARTIFACTS),
         "CHROMIUM": str(CHROMIUM),
     }
@@ -270,21 +266,8 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
             assert url_address is not None, gateway.report()
             services.insert(0, gateway)
 
-        # A second gateway over the same services that requires a token.
-        guarded_env = {
-            **env,
-            "IM_ADDRESS": addresses["IM service"],
-            "RUNTIME_ADDRESS": addresses["runtime service"],
-            "GATEWAY_TOKEN": UI_TOKEN,
-        }
-        guarded = stack.enter_context(_service("gateway", guarded_env, tmp_path / "guarded-gateway.log"))
-        announced = guarded.read_until(_announced_listening, START_SECONDS)
-        guarded_address = next(iter(announced.values()), None)
-        assert guarded_address is not None, guarded.report()
-        services.insert(0, guarded)
-
         model_url = stack.enter_context(_fake_models())
-        code, output = _run_browser(node, f"http://{url_address}/", model_url, f"http://{guarded_address}/")
+        code, output = _run_browser(node, f"http://{url_address}/", model_url)
         logs = "\n".join(service.report() for service in services)
         assert code == 0, f"browser script failed (exit {code}); screenshots in {ARTIFACTS}\n{output}\n{logs}"
         assert "all browser checks passed" in output, output

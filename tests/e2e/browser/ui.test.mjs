@@ -152,6 +152,8 @@ function chatItem(page, name) {
   return page.locator(`${testid("chat-item")}[data-chat-name="${name}"]`);
 }
 
+const PASSWORD = "correct horse battery staple";
+
 async function step(name, body) {
   log(`… ${name}`);
   await body();
@@ -233,6 +235,8 @@ async function mainJourney(label, viewport) {
       await p.goto(BASE);
       await p.locator(testid("create-workspace-name")).fill(`${label} workspace`);
       await p.locator(testid("create-workspace-creator")).fill("Pia");
+      await p.locator(testid("create-workspace-login")).fill("pia");
+      await p.locator(testid("create-workspace-password")).fill(PASSWORD);
       await expectNoOverflow(p, `${label} start screen`);
       await p.locator(testid("create-workspace-submit")).click();
       await actingAs(p, "Pia");
@@ -336,52 +340,31 @@ try {
   page = await context.newPage();
   watch(page, "page 1");
 
-  await step("a member id nobody has is a plain error: no token is asked for where none is needed", async () => {
+  await step("create a workspace with a password: its creator is signed in", async () => {
     await page.goto(BASE);
-    const nobody = "01a2b3c4-0000-7000-8000-000000000000";
-    expectedRefusals.push(new RegExp(`/v1/members/${nobody}$`));
-    await page.locator(testid("signin-member-id")).fill(nobody);
-    await page.locator(testid("signin-member-id")).press("Enter");
-    await page.locator(testid("start-error")).filter({ hasText: `No member has the id “${nobody}”` }).waitFor();
-    await page.locator(testid("signin-member-id")).fill("not a member id");
-    await page.locator(testid("signin-member-id")).press("Enter");
-    await page.locator(testid("start-error")).filter({ hasText: "is not a member id" }).waitFor();
-    if (await page.locator(testid("token")).count()) throw new Error("a token was asked for on a gateway that requires none");
-  });
-
-  await step("create a workspace with its first human", async () => {
     await page.locator(testid("create-workspace-name")).fill("Acme");
     await page.locator(testid("create-workspace-creator")).fill("Ada");
+    await page.locator(testid("create-workspace-login")).fill("ada");
+    await page.locator(testid("create-workspace-password")).fill(PASSWORD);
     await shot(page, "01-start");
     await page.locator(testid("create-workspace-submit")).click();
     await actingAs(page, "Ada");
+    await page.locator(testid("signed-in-as")).filter({ hasText: "Signed in as Ada (owner)" }).waitFor();
     await page.locator(testid("no-chat")).waitFor();
+    // No script can read the session: the cookie is HttpOnly.
+    if ((await page.evaluate(() => document.cookie)).includes("agentim_session")) throw new Error("the session cookie is readable by scripts");
   });
 
-  await step("a gateway that requires a token asks for it, once, and lets the right one in", async () => {
-    const guarded = process.env.AGENTIM_TOKEN_UI_URL;
-    const token = process.env.AGENTIM_TOKEN;
-    if (!guarded || !token) throw new Error("AGENTIM_TOKEN_UI_URL and AGENTIM_TOKEN are not set");
-    const ada = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).memberId);
-    // Another origin: a profile of its own, as far as localStorage goes.
-    expectedRefusals.push(new RegExp(`^${guarded.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}v1/`));
-    const tokenContext = await browser.newContext({ viewport: DESKTOP });
-    try {
-      const guardedPage = await tokenContext.newPage();
-      watch(guardedPage, "token page");
-      await guardedPage.goto(guarded);
-      await guardedPage.locator(testid("signin-member-id")).fill(ada);
-      await guardedPage.locator(testid("signin-member-id")).press("Enter");
-      const dialog = guardedPage.locator(testid("token"));
-      await dialog.filter({ hasText: "This server requires an access token" }).waitFor();
-      await dialog.locator(testid("token-input")).fill(token);
-      await dialog.locator(testid("token-submit")).click();
-      await actingAs(guardedPage, "Ada");
-      await guardedPage.locator(testid("no-chat")).waitFor();
-      if (await dialog.count()) throw new Error("the token dialog stayed open");
-    } finally {
-      await tokenContext.close();
-    }
+  await step("sign out, then sign in with the password", async () => {
+    const workspace = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).workspaceId);
+    await page.locator(testid("sign-out")).click();
+    await page.locator(testid("signin-form")).waitFor();
+    await shot(page, "01b-sign-in");
+    await page.locator(testid("signin-workspace")).fill(workspace);
+    await page.locator(testid("signin-login")).fill("ada");
+    await page.locator(testid("signin-password")).fill(PASSWORD);
+    await page.locator(testid("signin-submit")).click();
+    await actingAs(page, "Ada");
   });
 
   await step("create two agents (one reporting to the other)", async () => {
