@@ -98,7 +98,7 @@ compose-config: system-deps
 	docker-compose -f docker-compose.yml config -q
 
 pytest: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist worksteal
 
 test: install check-gen lint typecheck buf-lint buf-breaking pytest
 

@@ -3,11 +3,17 @@
 PostgreSQL and Redis tests use AGENTIM_TEST_DATABASE_URL and
 AGENTIM_TEST_REDIS_URL (defaults: the local servers). When one is
 unreachable they skip with the reason, except under CI=true, where they fail.
+
+Under pytest-xdist (`make test` runs two workers) each worker has a database
+of its own (`<name>_gw0`, `<name>_gw1`, created on first use) and a Redis
+database number of its own, so that no test sees another worker's rows, and
+tests that cut every connection to their database cut only their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import uuid
@@ -16,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 import redis.asyncio as redis
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
@@ -37,8 +45,26 @@ from tests.auth_support import auth_environment
 from tests.fake_openai import FakeOpenAI
 from tests.faults.harness import RedisProcess
 
-POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("AGENTIM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_BASE_POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
+_BASE_REDIS_URL = os.environ.get("AGENTIM_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _worker_urls() -> tuple[str, str]:
+    """This worker's PostgreSQL and Redis URLs (the configured ones without xdist)."""
+    if not _WORKER.startswith("gw"):
+        return _BASE_POSTGRES_URL, _BASE_REDIS_URL
+    number = int(_WORKER.removeprefix("gw"))
+    postgres = make_url(_BASE_POSTGRES_URL)
+    server, _, db = _BASE_REDIS_URL.partition("://")[2].partition("/")
+    redis_db = int(db or 0) + 1 + number
+    return (
+        postgres.set(database=f"{postgres.database}_{_WORKER}").render_as_string(hide_password=False),
+        f"redis://{server}/{redis_db}",
+    )
+
+
+POSTGRES_URL, REDIS_URL = _worker_urls()
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
@@ -51,6 +77,26 @@ def unavailable(reason: str) -> None:
 
 # Whether PostgreSQL answered, once per session (None: not asked yet).
 _postgres: dict[str, bool] = {}
+
+
+async def _create_worker_database() -> None:
+    """Creates this xdist worker's database if it is missing (nothing to do without xdist)."""
+    if POSTGRES_URL == _BASE_POSTGRES_URL:
+        return
+    name = make_url(POSTGRES_URL).database
+    admin = await asyncpg.connect(_BASE_POSTGRES_URL)
+    try:
+        if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", name):
+            await admin.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await admin.close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before any test (and any fixture's event loop) so every PostgreSQL user finds it;
+    # an unreachable server is reported by the tests that need it.
+    with contextlib.suppress(OSError, asyncpg.PostgresError):
+        asyncio.run(_create_worker_database())
 
 
 async def _prepare_postgres() -> None:

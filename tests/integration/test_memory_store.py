@@ -346,6 +346,15 @@ async def test_runs_archived_at_once_share_transactions_and_keep_their_own_outco
 async def test_lexical_search_leaves_out_terms_found_in_more_segments_than_its_budget(
     memory_url: str,
 ) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        if not memory_url.startswith("sqlite"):
+            # Common terms come from the planner's statistics of the whole table,
+            # which on a shared database depend on the tests before.
+            memory_url = await stack.enter_async_context(_fresh_postgres_database())
+        await _common_terms_are_left_out(memory_url)
+
+
+async def _common_terms_are_left_out(memory_url: str) -> None:
     replica = await start_memory(memory_url, MEMORY_LEXICAL_POSTINGS="4")
     try:
         workspace, agent, member = replica.new_workspace()

@@ -23,7 +23,7 @@ def test_parse_id_accepts_a_uuid() -> None:
     assert rules.parse_id(str(value), "group_id") == value
 
 
-@pytest.mark.parametrize("raw", ["", "nope", "1234", str(uuid.uuid4())[:-1], "x" * 500])
+@pytest.mark.parametrize("raw", ["", "nope", "1234", "0e25b00a-04a2-4059-ae28-a2dc1ea22ed", "x" * 500])
 def test_parse_id_refuses_empty_and_malformed_ids(raw: str) -> None:
     with pytest.raises(InvalidRequest) as caught:
         rules.parse_id(raw, "group_id")
