@@ -34,8 +34,11 @@ UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # meanwhile (a page sends several at once): refreshing again with the spent
 # refresh token would count as theft and sign the person out.
 _REFRESH_REUSE_SECONDS = 60.0
-# A personal token's exchanged access token is used until this close to its expiry.
+# A personal token's exchanged access token is used until this close to its
+# expiry, and for this long at most: a token revoked through another replica
+# stops working here within that time (through this one, at once).
 _EXCHANGE_MARGIN_SECONDS = 60.0
+_EXCHANGE_REUSE_SECONDS = 60.0
 
 
 def permission_denied(message: str) -> HttpError:
@@ -192,8 +195,15 @@ class Authenticator:
             else now
         )
         self._forget_expired(now)
-        self._exchanged[key] = (credentials, expires - _EXCHANGE_MARGIN_SECONDS)
+        usable_until = min(expires - _EXCHANGE_MARGIN_SECONDS, now + _EXCHANGE_REUSE_SECONDS)
+        self._exchanged[key] = (credentials, usable_until)
         return credentials
+
+    def forget_exchanges(self, member_id: str) -> None:
+        """Drops the member's exchanged personal tokens (one was revoked: which one,
+        the cache cannot tell); the others are exchanged again on their next use."""
+        for key in [k for k, (c, _) in self._exchanged.items() if c.member_id == member_id]:
+            del self._exchanged[key]
 
     def _forget_expired(self, now: float) -> None:
         for key in [k for k, (_, until) in self._exchanged.items() if until <= now]:

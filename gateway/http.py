@@ -284,6 +284,8 @@ class Gateway:
             response = await self._stream(request, match, metadata, credentials)
         else:
             response = await self._unary(request, match, metadata)
+            if route.revokes_personal_token and credentials is not None:
+                self._auth.forget_exchanges(credentials.member_id)
         renewed = credentials is not None and credentials.renewed and credentials.session is not None
         # (A stream's response set it before it started.)
         if renewed and not response.prepared:

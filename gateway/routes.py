@@ -70,6 +70,9 @@ class Route:
     opens_session: bool = False
     # A POST that only reads (a search): allowed with a read-only token.
     reads_only: bool = False
+    # Revokes a personal token of the caller's: the gateway forgets the
+    # access tokens it exchanged the caller's personal tokens for.
+    revokes_personal_token: bool = False
     params: tuple[str, ...] = field(init=False)
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -201,7 +204,13 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/auth/invites", AUTH, "CreateInvite"),
     Route("POST", "/v1/auth/personal-tokens", AUTH, "CreatePersonalToken"),
     Route("GET", "/v1/auth/personal-tokens", AUTH, "ListPersonalTokens"),
-    Route("POST", "/v1/auth/personal-tokens/{personal_token_id}:revoke", AUTH, "RevokePersonalToken"),
+    Route(
+        "POST",
+        "/v1/auth/personal-tokens/{personal_token_id}:revoke",
+        AUTH,
+        "RevokePersonalToken",
+        revokes_personal_token=True,
+    ),
 )
 
 # RPCs given no HTTP route: the runtime archives its agents' runs (acting as

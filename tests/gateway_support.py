@@ -12,6 +12,7 @@ import asyncio
 import json
 import uuid
 from dataclasses import dataclass, field
+from http.cookies import SimpleCookie
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import aiohttp
 
 from gateway import bootstrap
 from gateway.config import Settings
-from gateway.sessions import new_session_key
+from gateway.sessions import COOKIE_NAME, new_session_key
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from tests.auth_support import auth_dir
 
@@ -128,6 +129,64 @@ class Api:
         reply = await self.call(method, path, **kwargs)
         assert reply.status == 200, (method, path, reply.status, reply.body)
         return reply.body
+
+
+# The password of the accounts the tests make.
+PASSWORD = "correct horse battery"
+
+
+class Browser:
+    """A browser's view of one gateway: it keeps the session cookie and sends the CSRF token."""
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.cookie: str | None = None
+        self.csrf: str | None = None
+
+    def keep(self, reply: Reply) -> None:
+        raw = reply.headers.getall("Set-Cookie", [])
+        for header in raw:
+            parsed = SimpleCookie()
+            parsed.load(header)
+            if COOKIE_NAME in parsed:
+                self.cookie = parsed[COOKIE_NAME].value or None
+
+    async def call(self, method: str, path: str, *, csrf: bool = True, **kwargs: Any) -> Reply:
+        headers = dict(kwargs.pop("headers", {}) or {})
+        if self.cookie:
+            headers["Cookie"] = f"{COOKIE_NAME}={self.cookie}"
+        if csrf and self.csrf:
+            headers["X-CSRF-Token"] = self.csrf
+        reply = await self.api.call(method, path, headers=headers, **kwargs)
+        self.keep(reply)
+        return reply
+
+    async def ok(self, method: str, path: str, **kwargs: Any) -> Any:
+        reply = await self.call(method, path, **kwargs)
+        assert reply.status == 200, (method, path, reply.status, reply.body)
+        return reply.body
+
+    async def who(self) -> Any:
+        session = await self.ok("GET", "/v1/auth/session")
+        self.csrf = session["csrfToken"]
+        return session
+
+
+async def new_workspace(api: Api, login: str = "ada") -> tuple[Browser, Reply]:
+    browser = Browser(api)
+    reply = await browser.call(
+        "POST",
+        "/v1/workspaces",
+        body={
+            "name": f"ws-{uuid.uuid4().hex[:6]}",
+            "creatorDisplayName": "Ada",
+            "creatorLogin": login,
+            "creatorPassword": PASSWORD,
+        },
+    )
+    assert reply.status == 200, reply.body
+    await browser.who()
+    return browser, reply
 
 
 @dataclass

@@ -28,7 +28,7 @@ from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from tests.conftest import RunningIM, start_im, stop_im
 from tests.faults.harness import LONG
-from tests.gateway_support import WAIT, Api, as_member, sse, start_gateway, write_static
+from tests.gateway_support import WAIT, Api, as_member, new_workspace, sse, start_gateway, write_static
 from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime, start_runtime, stop_runtime
 
@@ -659,9 +659,11 @@ def with_real_ids(known: dict[str, str]) -> Any:
     return realize
 
 
-def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> tuple[int, list[str]]:
-    """Runs every operation in both modes; returns the number of requests and the failures."""
-    member = known["member_id"]
+def fuzz(
+    document: dict[str, Any], base_url: str, known: dict[str, str], headers: dict[str, str]
+) -> tuple[int, list[str]]:
+    """Runs every operation in both modes, signed in by `headers`; returns the number of
+    requests and the failures."""
     schema = schemathesis.openapi.from_dict(document)
     failures: list[str] = []
     calls = 0
@@ -690,7 +692,7 @@ def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> tupl
             def check(case: schemathesis.Case[Any]) -> None:
                 nonlocal calls
                 calls += 1
-                response = case.call(base_url=base_url, headers=as_member(member), timeout=REQUEST_TIMEOUT_S)
+                response = case.call(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S)
                 if response.status_code >= 500:
                     failures.append(
                         f"{response.status_code} {response.text[:300]}\n  {case.as_curl_command()}"
@@ -700,34 +702,35 @@ def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> tupl
     return calls, failures
 
 
-async def real_objects(http: aiohttp.ClientSession, base: str) -> dict[str, str]:
-    """A workspace with two people, a group, a message and an agent; their ids by path parameter name."""
+async def real_objects(api: Api) -> tuple[dict[str, str], str]:
+    """A workspace with two people, a group, a message, an agent and a spare personal
+    token, made by its owner signed in with a password (session cookie + CSRF token);
+    their ids by path parameter name, and a personal access token of the owner's."""
+    owner, created = await new_workspace(api, login="fuzzer")
+    workspace, me = created.body["workspace"]["id"], created.body["creator"]["id"]
+    person = {"displayName": "o", "kind": "MEMBER_KIND_HUMAN"}
+    other = (await owner.ok("POST", f"/v1/workspaces/{workspace}/members", body=person))["member"]["id"]
+    group = (await owner.ok("POST", "/v1/groups", body={"name": "g", "memberIds": [other]}))["group"]["id"]
+    sent = await owner.ok("POST", f"/v1/groups/{group}/messages", body={"content": "hi"})
+    message = sent["message"]["id"]
+    agent = (await owner.ok("POST", "/v1/agents", body={"name": "fuzzy"}))["agent"]["id"]
 
-    async def post(path: str, body: dict[str, Any], member: str | None = None) -> Any:
-        headers = as_member(member) if member else {}
-        async with http.post(f"{base}{path}", json=body, headers=headers) as response:
-            assert response.status == 200, await response.text()
-            return await response.json()
+    async def personal_token(name: str) -> Any:
+        body = {"name": name, "scope": "PERSONAL_TOKEN_SCOPE_WRITE"}
+        return await owner.ok("POST", "/v1/auth/personal-tokens", body=body)
 
-    created = await post(
-        "/v1/workspaces", {"name": f"fuzz-{uuid.uuid4().hex[:6]}", "creatorDisplayName": "f"}
-    )
-    workspace, me = created["workspace"]["id"], created["creator"]["id"]
-    other = (
-        await post(
-            f"/v1/workspaces/{workspace}/members", {"displayName": "o", "kind": "MEMBER_KIND_HUMAN"}, me
-        )
-    )["member"]["id"]
-    group = (await post("/v1/groups", {"name": "g", "memberIds": [other]}, me))["group"]["id"]
-    message = (await post(f"/v1/groups/{group}/messages", {"content": "hi"}, me))["message"]["id"]
-    agent = (await post("/v1/agents", {"name": "fuzzy"}, me))["agent"]["id"]
-    return {
+    fuzzer = await personal_token("fuzzer")
+    # Fuzzed revocations may take this one; the fuzzer's own stays.
+    spare = await personal_token("spare")
+    known = {
         "workspace_id": workspace,
         "member_id": me,
         "group_id": group,
         "message_id": message,
         "agent_id": agent,
+        "personal_token_id": spare["personalToken"]["id"],
     }
+    return known, fuzzer["secret"]
 
 
 async def test_no_route_answers_5xx_to_fuzzed_requests(stack: Stack) -> None:
@@ -736,9 +739,11 @@ async def test_no_route_answers_5xx_to_fuzzed_requests(stack: Stack) -> None:
     # Streams end by themselves, so that each fuzzed SSE request completes.
     app, api = await stack.gateway_with(GATEWAY_SSE_MAX_SECONDS="0.2")
     try:
-        known = await real_objects(stack.http, api.base)
+        known, secret = await real_objects(api)
         document = await api.ok("GET", "/openapi.json")
-        calls, failures = await asyncio.to_thread(fuzz, document, api.base, known)
+        # As a program would: its owner's personal access token (exchanged by the gateway).
+        signed_in = {"Authorization": f"Bearer {secret}"}
+        calls, failures = await asyncio.to_thread(fuzz, document, api.base, known, signed_in)
     finally:
         await app.stop()
     operations = sum(len(item) for item in document["paths"].values())

@@ -5,73 +5,14 @@ runtime). No credential may reach the gateway's log."""
 from __future__ import annotations
 
 import logging
-import uuid
-from http.cookies import SimpleCookie
-from typing import Any
 
 import pytest
 
 from gateway.sessions import COOKIE_NAME
-from tests.gateway_support import Api, Reply, as_member, sse
+from tests.gateway_support import PASSWORD, Browser, as_member, new_workspace, sse
 from tests.integration.test_gateway_http import Stack, stack
 
 __all__ = ["stack"]  # a fixture
-
-PASSWORD = "correct horse battery"
-
-
-class Browser:
-    """A browser's view of one gateway: it keeps the session cookie and sends the CSRF token."""
-
-    def __init__(self, api: Api) -> None:
-        self.api = api
-        self.cookie: str | None = None
-        self.csrf: str | None = None
-
-    def keep(self, reply: Reply) -> None:
-        raw = reply.headers.getall("Set-Cookie", [])
-        for header in raw:
-            parsed = SimpleCookie()
-            parsed.load(header)
-            if COOKIE_NAME in parsed:
-                self.cookie = parsed[COOKIE_NAME].value or None
-
-    async def call(self, method: str, path: str, *, csrf: bool = True, **kwargs: Any) -> Reply:
-        headers = dict(kwargs.pop("headers", {}) or {})
-        if self.cookie:
-            headers["Cookie"] = f"{COOKIE_NAME}={self.cookie}"
-        if csrf and self.csrf:
-            headers["X-CSRF-Token"] = self.csrf
-        reply = await self.api.call(method, path, headers=headers, **kwargs)
-        self.keep(reply)
-        return reply
-
-    async def ok(self, method: str, path: str, **kwargs: Any) -> Any:
-        reply = await self.call(method, path, **kwargs)
-        assert reply.status == 200, (method, path, reply.status, reply.body)
-        return reply.body
-
-    async def who(self) -> Any:
-        session = await self.ok("GET", "/v1/auth/session")
-        self.csrf = session["csrfToken"]
-        return session
-
-
-async def new_workspace(api: Api, login: str = "ada") -> tuple[Browser, Reply]:
-    browser = Browser(api)
-    reply = await browser.call(
-        "POST",
-        "/v1/workspaces",
-        body={
-            "name": f"ws-{uuid.uuid4().hex[:6]}",
-            "creatorDisplayName": "Ada",
-            "creatorLogin": login,
-            "creatorPassword": PASSWORD,
-        },
-    )
-    assert reply.status == 200, reply.body
-    await browser.who()
-    return browser, reply
 
 
 async def test_creating_a_workspace_signs_in_with_an_http_only_cookie_and_no_token_in_the_body(
@@ -236,6 +177,9 @@ async def test_personal_tokens_work_as_bearer_and_a_read_token_cannot_post(stack
     assert "secret" not in str(tokens)
     revoked = await ada.ok("POST", f"/v1/auth/personal-tokens/{read['personalToken']['id']}:revoke")
     assert revoked["personalToken"]["revokeTime"]
+    # Its exchange was cached, and is forgotten: refused at once; the other token still works.
+    assert (await stack.api.call("GET", "/v1/groups", headers=reader)).status == 401
+    assert (await stack.api.call("GET", "/v1/groups", headers=writer)).status == 200
 
 
 async def test_admins_invite_people_who_accept_and_are_signed_in(stack: Stack) -> None:
