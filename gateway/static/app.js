@@ -643,7 +643,7 @@ function renderRail() {
     tab("agents", "agent", "Agents"),
     tab("memory", "search", "Memory"),
     h("div", { class: "rail-spacer" }),
-    h("button", { class: "rail-tab", type: "button", title: "Your account: tokens, invites, roles", testid: "account", onclick: () => showAccount() }, h("span", { class: "rail-icon" }, icon("key")), h("span", { class: "rail-label" }, "Account")),
+    h("button", { class: "rail-tab", type: "button", title: "Your account: tokens, invites, roles", testid: "account-button", onclick: () => showAccount() }, h("span", { class: "rail-icon" }, icon("key")), h("span", { class: "rail-label" }, "Account")),
     h("button", { class: "rail-tab", type: "button", title: "Leave this workspace view", testid: "sign-out", onclick: signOut }, h("span", { class: "rail-icon" }, icon("exit")), h("span", { class: "rail-label" }, "Sign out")),
   );
   renderUnreadTotal();
@@ -669,13 +669,16 @@ function renderPerspective() {
     h("optgroup", { label: "You" }, state.person ? option(state.person) : null),
     h("optgroup", { label: "Your agents" }, viewableAgents().map(option)),
   );
+  // Redrawn while open (a member joined, an agent was made), the menu stays open.
+  const wasOpen = head.querySelector('[data-testid="new-menu"]')?.hidden === false;
   const menu = h(
     "div",
-    { class: "menu", hidden: true, testid: "new-menu" },
+    { class: "menu", hidden: !wasOpen, testid: "new-menu" },
     h("button", { type: "button", testid: "new-direct", onclick: () => (closeMenu(), showNewDirect()) }, icon("chat", 16), "New direct chat"),
     h("button", { type: "button", testid: "new-group", onclick: () => (closeMenu(), showNewGroup()) }, icon("group", 16), "New group chat"),
     h("button", { type: "button", testid: "new-agent", onclick: () => (closeMenu(), showCreateAgent(appContext)) }, icon("agent", 16), "Create an agent"),
-    h("button", { type: "button", testid: "new-member", onclick: () => (closeMenu(), showNewMember()) }, icon("person", 16), "Add a person"),
+    // People join by an invite link (they choose their own login and password).
+    isAdmin() ? h("button", { type: "button", testid: "new-member", onclick: () => (closeMenu(), showAccount()) }, icon("person", 16), "Invite a person") : null,
   );
   const closeMenu = () => {
     menu.hidden = true;
@@ -724,6 +727,11 @@ function viewableAgents() {
   return [...state.members.values()].filter((m) => m.kind === AGENT && ids.has(m.id));
 }
 
+/** The person may see the IM as this member: themselves or an agent of theirs (the gateway refuses anyone else). */
+function canView(memberId) {
+  return memberId === state.person?.id || viewableAgents().some((m) => m.id === memberId);
+}
+
 // -- the account: personal tokens, invites, roles ---------------------------------
 
 function showAccount() {
@@ -732,18 +740,26 @@ function showAccount() {
     h("div", { class: "secret-once" }, h("p", { class: "muted small" }, `${label} It is shown only this once.`), h("input", { readonly: true, value, testid, onfocus: (e) => e.target.select() }));
 
   const tokenList = h("ul", { class: "token-list", testid: "token-list" });
+  const revoke = async (token) => {
+    try {
+      await api("POST", `/v1/auth/personal-tokens/${token.id}:revoke`, { member: "" });
+      await loadTokens();
+    } catch (err) {
+      showError(err, "Token not revoked");
+    }
+  };
   const loadTokens = async () => {
     const tokens = (await api("GET", "/v1/auth/personal-tokens", { member: "" })).personalTokens || [];
+    if (!tokens.length) return setChildren(tokenList, h("li", { class: "muted small empty" }, "No tokens yet. A program sends one as Authorization: Bearer <token>."));
     setChildren(
       tokenList,
       tokens.map((t) =>
         h(
           "li",
-          { dataset: { tokenName: t.name } },
-          h("span", {}, `${t.name} · ${t.scope === "PERSONAL_TOKEN_SCOPE_WRITE" ? "read and write" : "read"}${t.revokeTime ? " · revoked" : ""}`),
-          t.revokeTime
-            ? null
-            : h("button", { class: "btn btn-small", type: "button", testid: "token-revoke", onclick: async () => { await api("POST", `/v1/auth/personal-tokens/${t.id}:revoke`, { member: "" }); loadTokens().catch(showError); } }, "Revoke"),
+          { testid: "token", dataset: { tokenName: t.name, revoked: String(Boolean(t.revokeTime)) } },
+          h("span", { class: "token-name" }, t.name),
+          h("span", { class: "muted small" }, `${t.scope === "PERSONAL_TOKEN_SCOPE_WRITE" ? "read and write" : "read"}${t.revokeTime ? " · revoked" : ""}`),
+          t.revokeTime ? null : h("button", { class: "btn btn-small", type: "button", testid: "token-revoke", onclick: () => revoke(t) }, "Revoke"),
         ),
       ),
     );
@@ -898,7 +914,7 @@ function renderContacts(body) {
         { class: "contact-actions" },
         m.id !== state.me.id ? h("button", { class: "btn btn-small", type: "button", onclick: () => openDirect(m.id) }, "Message") : null,
         agent ? h("button", { class: "btn btn-small", type: "button", onclick: () => openAgentPanel(appContext, agent.id) }, "Agent") : null,
-        m.id !== state.me.id ? h("button", { class: "btn btn-small", type: "button", title: "See the IM as this member", onclick: () => switchPerspective(m.id) }, "View as") : null,
+        m.id !== state.me.id && canView(m.id) ? h("button", { class: "btn btn-small", type: "button", title: "See the IM as this member", onclick: () => switchPerspective(m.id) }, "View as") : null,
       ),
     );
   };
@@ -908,7 +924,7 @@ function renderContacts(body) {
     h("ul", { class: "contact-list" }, members.filter((m) => m.kind !== AGENT).map(row)),
     h("div", { class: "list-title" }, "Agents"),
     h("ul", { class: "contact-list" }, members.filter((m) => m.kind === AGENT).map(row)),
-    h("div", { class: "list-actions" }, h("button", { class: "btn", type: "button", onclick: showNewMember }, "Add a person"), h("button", { class: "btn", type: "button", onclick: () => showCreateAgent(appContext) }, "Create an agent")),
+    h("div", { class: "list-actions" }, isAdmin() ? h("button", { class: "btn", type: "button", onclick: showAccount }, "Invite a person") : null, h("button", { class: "btn", type: "button", onclick: () => showCreateAgent(appContext) }, "Create an agent")),
   );
 }
 
@@ -985,11 +1001,18 @@ function others() {
   return [...state.members.values()].filter((m) => m.id !== state.me.id);
 }
 
-function showNewDirect() {
+/** The members, fresh: someone may have joined (by an invite) since they were loaded. */
+async function freshMembers() {
+  await refreshMembers();
+  return others();
+}
+
+async function showNewDirect() {
+  const people = await freshMembers();
   const list = h(
     "div",
     { class: "picker" },
-    others().map((m) =>
+    people.map((m) =>
       h(
         "button",
         { class: "member-pick", type: "button", testid: "direct-peer", dataset: { memberName: m.displayName }, onclick: () => (dialog.close(), openDirect(m.id)) },
@@ -999,13 +1022,14 @@ function showNewDirect() {
       ),
     ),
   );
-  if (!others().length) list.append(h("p", { class: "muted" }, "Nobody else is in this workspace yet: add a person or create an agent first."));
+  if (!people.length) list.append(h("p", { class: "muted" }, "Nobody else is in this workspace yet: invite a person or create an agent first."));
   const dialog = modal("New direct chat", list, { testid: "direct-dialog" });
 }
 
-function showNewGroup() {
+async function showNewGroup() {
+  const people = await freshMembers();
   const name = h("input", { placeholder: "e.g. Launch team", testid: "group-name", maxlength: 100 });
-  const picker = memberPicker(others(), { testid: "group-member-option" });
+  const picker = memberPicker(people, { testid: "group-member-option" });
   modal("New group chat", h("div", {}, field("Group name", name), h("div", { class: "field-label" }, "Members"), picker), {
     submitLabel: "Create group",
     testid: "group-dialog",
@@ -1014,25 +1038,6 @@ function showNewGroup() {
       const response = await api("POST", "/v1/groups", { body: { name: name.value.trim(), memberIds: picker.values(), requestId: uuid4() } });
       upsertGroup(response.group);
       await openChat(response.group.id);
-    },
-  });
-}
-
-function showNewMember() {
-  const name = h("input", { placeholder: "e.g. Bob", testid: "member-name", maxlength: 100 });
-  const emoji = h("input", { placeholder: "optional, e.g. 🦊", maxlength: 8, testid: "member-avatar" });
-  modal("Add a person", h("div", {}, field("Name", name), field("Avatar", emoji, "An emoji; empty shows the initial."), h("p", { class: "muted small" }, "Agents are created with “Create an agent”, which also starts them.")), {
-    submitLabel: "Add",
-    testid: "member-dialog",
-    onSubmit: async () => {
-      if (!name.value.trim()) throw new Error("Give the person a name.");
-      const response = await api("POST", `/v1/workspaces/${state.workspace.id}/members`, {
-        body: { kind: HUMAN, displayName: name.value.trim(), avatar: emoji.value.trim(), requestId: uuid4() },
-      });
-      state.members.set(response.member.id, response.member);
-      renderPerspective();
-      renderSidebar();
-      toast(`${response.member.displayName} was added. Use “Acting as” to see the IM as them.`);
     },
   });
 }

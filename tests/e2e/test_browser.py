@@ -1,14 +1,19 @@
 """The web UI in a real browser: the whole system as `make run` starts it, driven by headless Chromium.
 
 The script (tests/e2e/browser/ui.test.mjs, playwright-core) creates a
-workspace, two agents and a second person, chats, watches an agent's steps
-stream, checks unread badges, replies, mentions and that hostile content
-stays inert. The main journey (a workspace, an agent, a chat with long
+workspace with a password (its creator signed in by an HttpOnly session
+cookie), signs out and in again, creates two agents, chats, watches an
+agent's steps stream, and checks replies, mentions and that hostile content
+stays inert. The owner invites a second person from the account dialog (the
+link shown once); a second browser opens the link, joins and is signed in,
+and sees an unread badge appear live. That person creates a read-only
+personal access token (shown once), which a program uses to read but not to
+send, and revokes it; signing out returns to the sign-in page, and the old
+cookie is refused. The main journey (a workspace, an agent, a chat with long
 words, unbroken text, a URL and code, the agent panel, the chat list) runs
 first on a desktop window and then at phone size (390x844), checking at each
 screen that nothing overflows sideways and that a phone shows one column at
-a time. A second gateway that requires a token shows the UI asking for one
-there, and only there. Then agent control: it pauses a third agent (a
+a time. Then agent control: it pauses a third agent (a
 message sent meanwhile waits), edits one of its steps and adds a note,
 resumes it and sees it go on from the corrected context and answer; forks
 from a step into a new session that becomes the main thread (and makes the
