@@ -7,8 +7,10 @@ import logging
 
 from aiohttp import web
 
+from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.http import Gateway
+from gateway.sessions import SessionSealer, load_or_create_key
 from gateway.upstream import Upstreams
 
 logger = logging.getLogger(__name__)
@@ -17,13 +19,14 @@ logger = logging.getLogger(__name__)
 class GatewayApp:
     """The HTTP server with its upstream channels; `start`, then `stop` (idempotent)."""
 
-    def __init__(self, settings: Settings, upstreams: Upstreams) -> None:
+    def __init__(self, settings: Settings, upstreams: Upstreams, authenticator: Authenticator) -> None:
         self.settings = settings
         self.upstreams = upstreams
-        self.gateway = Gateway(settings, upstreams)
+        self.gateway = Gateway(settings, upstreams, authenticator)
         self._runner = web.AppRunner(
             self.gateway.application(),
-            # Query strings may carry an access token: no access log.
+            # No access log: a logged request line or header could show a
+            # credential; errors are logged by the gateway, path only.
             access_log=None,
             # A client that goes away cancels its handler, and so its gRPC call.
             handler_cancellation=True,
@@ -71,10 +74,18 @@ def build(settings: Settings) -> GatewayApp:
     upstreams = Upstreams(
         {
             "im": settings.im_address,
+            # The IM process serves AuthService too.
+            "auth": settings.im_address,
             "runtime": settings.runtime_address,
             **({"memory": settings.memory_address} if settings.memory_address else {}),
         },
         call_timeout_seconds=settings.call_timeout_seconds,
         tls=settings.tls.client,
     )
-    return GatewayApp(settings, upstreams)
+    key = settings.session_key or load_or_create_key(settings.session_key_file)
+    authenticator = Authenticator(
+        upstreams.channel("auth"),
+        SessionSealer(key),
+        refresh_margin_seconds=settings.refresh_margin_seconds,
+    )
+    return GatewayApp(settings, upstreams, authenticator)

@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.sessions import SessionKeyError, parse_session_key
 from services.common.logs import LOG_LEVELS
-from services.common.settings import EnvReader
+from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 
 DEFAULT_STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -37,7 +38,16 @@ class Settings:
         shutdown_grace_seconds: how long shutdown lets requests finish.
         static_dir: the web UI's files.
         log_level: logging level.
-        token: the bearer token every /v1 call must present; None: open.
+        session_key: the key session cookies are sealed with
+            (GATEWAY_SESSION_KEY); None: the embedded default's, made under
+            `$AGENTIM_DATA_DIR/secrets/` on first start.
+        session_key_file: where the embedded default keeps its key.
+        cookie_secure: mark the session cookie Secure even when the request
+            did not come over HTTPS (behind a proxy that ends TLS).
+        refresh_margin_seconds: a session's access token this close to its
+            expiry is refreshed before the request is forwarded.
+        oidc_issuer: the OpenID Connect issuer people may sign in with (the
+            sign-in page shows its button); None: none.
     """
 
     http_address: str
@@ -54,7 +64,11 @@ class Settings:
     shutdown_grace_seconds: float
     static_dir: Path
     log_level: str
-    token: str | None = field(default=None, repr=False)
+    session_key: bytes | None = field(default=None, repr=False)
+    session_key_file: Path = Path("data/secrets/gateway-session.key")
+    cookie_secure: bool = False
+    refresh_margin_seconds: float = 60.0
+    oidc_issuer: str | None = None
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
 
@@ -71,9 +85,25 @@ class Settings:
                 env.problem(
                     f"GATEWAY_CORS_ORIGINS: expected '*' or origins like https://host:port, got {origin!r}"
                 )
-        token = env.optional("GATEWAY_TOKEN")
-        if token is not None and not token.isprintable():
-            env.problem("GATEWAY_TOKEN: must be printable text")
+        if env.optional("GATEWAY_TOKEN") is not None:
+            env.problem(
+                "GATEWAY_TOKEN: no longer used; people sign in, and programs send"
+                " Authorization: Bearer <personal access token> (see docs/security.md)"
+            )
+        session_key: bytes | None = None
+        raw_key = env.optional("GATEWAY_SESSION_KEY")
+        if raw_key is not None:
+            try:
+                session_key = parse_session_key(raw_key)
+            except SessionKeyError as error:
+                env.problem(f"GATEWAY_SESSION_KEY: {error} (make one with `python -m gateway keygen`)")
+        elif env.optional("DATABASE_URL") or env.optional("REDIS_URL"):
+            # Beside a shared database there may be several gateways: each
+            # needs the same key, and a generated one would differ.
+            env.problem(
+                "GATEWAY_SESSION_KEY: required with DATABASE_URL or REDIS_URL"
+                " (make one with `python -m gateway keygen`; every replica needs the same)"
+            )
         settings = cls(
             http_address=env.address("GATEWAY_HTTP_ADDRESS", "127.0.0.1:8080"),
             im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
@@ -91,7 +121,11 @@ class Settings:
             shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
             static_dir=Path(env.text("GATEWAY_STATIC_DIR", str(DEFAULT_STATIC_DIR))).expanduser(),
             log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
-            token=token,
+            session_key=session_key,
+            session_key_file=default_data_dir(env) / "secrets" / "gateway-session.key",
+            cookie_secure=env.flag("GATEWAY_COOKIE_SECURE", False),
+            refresh_margin_seconds=env.number("GATEWAY_REFRESH_MARGIN_SECONDS", 60.0),
+            oidc_issuer=env.optional("OIDC_ISSUER"),
             tls=read_tls(env),
         )
         env.finish()

@@ -9,7 +9,6 @@ errors become the JSON error body in one middleware.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,7 +17,9 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from agentim.im.v1 import im_pb2
 from gateway import openapi, sse
+from gateway.auth import Authenticator, Credentials, permission_denied
 from gateway.config import Settings
 from gateway.errors import (
     HttpError,
@@ -28,21 +29,21 @@ from gateway.errors import (
     not_found,
     too_large,
     too_large_upstream,
-    unauthenticated,
 )
 from gateway.routes import (
     SSE_MEMBER_PARAM,
-    SSE_TOKEN_PARAM,
+    Access,
     Matched,
     MethodNotAllowed,
     Resume,
     Route,
     RouteTable,
 )
+from gateway.sessions import COOKIE_NAME, CSRF_HEADER, Session
 from gateway.transcoding import build_request, dumps, message_json
 from gateway.upstream import Metadata, Upstreams
 from services.common.errors import InvalidArgument
-from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
+from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata, caller_metadata
 from services.common.request_rules import check_request
 
 logger = logging.getLogger(__name__)
@@ -50,10 +51,15 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MEMBER_HEADER = "X-Member-Id"
-CORS_ALLOW_HEADERS = "Authorization, X-Member-Id, Content-Type, Last-Event-ID"
+CORS_ALLOW_HEADERS = f"Authorization, X-Member-Id, {CSRF_HEADER}, Content-Type, Last-Event-ID"
 CORS_ALLOW_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_MAX_AGE_S = 600
 _JSON = "application/json"
+# How long a checked "view as" stands before it is checked again.
+VIEW_CHECK_SECONDS = 60.0
+# The session cookie's life: the refresh token's (30 days by default); the
+# IM decides when the session really ends.
+SESSION_COOKIE_MAX_AGE_S = 30 * 24 * 3600
 _HTTP_STATUS_NAMES = {
     400: "INVALID_ARGUMENT",
     401: "UNAUTHENTICATED",
@@ -118,12 +124,20 @@ class Gateway:
         table: the route table.
     """
 
-    def __init__(self, settings: Settings, upstreams: Upstreams, table: RouteTable | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        upstreams: Upstreams,
+        authenticator: Authenticator,
+        table: RouteTable | None = None,
+    ) -> None:
         self._settings = settings
         self._upstreams = upstreams
+        self._auth = authenticator
         self.table = table or RouteTable()
         self._openapi = dumps(openapi.build(tuple(self.table.routes)))
-        self._token = settings.token.encode() if settings.token is not None else None
+        # (caller, member) -> until when the caller may view as that member.
+        self._views: dict[tuple[str, str], float] = {}
         self._origins = set(settings.cors_origins)
         self._streams: set[asyncio.Future[None]] = set()
         self.shutting_down = False
@@ -144,6 +158,9 @@ class Gateway:
         app.router.add_get("/static/{path:.+}", self._static)
         app.router.add_get("/healthz", self._health)
         app.router.add_get("/openapi.json", self._openapi_doc)
+        app.router.add_get("/v1/auth/session", self._session)
+        app.router.add_post("/v1/auth/sign-out", self._sign_out)
+        app.router.add_get("/v1/auth/options", self._options)
         app.router.add_route("*", "/v1{tail:(/.*)?}", self._api)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
@@ -162,7 +179,7 @@ class Gateway:
                 raise
             status = _HTTP_STATUS_NAMES.get(error.status, "UNKNOWN")
             response = error_response(HttpError(error.status, status, error.reason))
-        # The path only: query strings may hold an access token.
+        # The path only: never a header, cookie or query string.
         logger.debug(
             "%s %s %s %.1f ms",
             request.method,
@@ -248,38 +265,163 @@ class Gateway:
 
     async def _api(self, request: web.Request) -> web.StreamResponse:
         match = self.table.match(request.method, request.rel_url.raw_path)
-        streaming = isinstance(match, Matched) and match.route.streaming
-        self._authorize(request, streaming=streaming)
         if match is None:
             raise not_found(f"no route for {request.path[:200]!r}")
         if isinstance(match, MethodNotAllowed):
             raise method_not_allowed(match.allowed)
-        metadata = self._metadata(request, streaming=streaming)
-        if streaming:
-            return await self._stream(request, match, metadata)
-        return await self._unary(request, match, metadata)
+        route = match.route
+        credentials: Credentials | None = None
+        if route.access is Access.SIGNED_IN:
+            credentials = await self._credentials(request)
+            if route.writes and not credentials.can_write:
+                raise permission_denied("this token may only read")
+        elif route.opens_session and request.content_type != _JSON:
+            # A cross-site form cannot send JSON without CORS's permission:
+            # nobody signs a browser into an account of theirs.
+            raise bad_request(f"send the request as {_JSON}")
+        metadata = await self._metadata(request, credentials, streaming=route.streaming)
+        if route.streaming:
+            response = await self._stream(request, match, metadata, credentials)
+        else:
+            response = await self._unary(request, match, metadata)
+            if route.revokes_personal_token and credentials is not None:
+                self._auth.forget_exchanges(credentials.member_id)
+        renewed = credentials is not None and credentials.renewed and credentials.session is not None
+        # (A stream's response set it before it started.)
+        if renewed and not response.prepared:
+            assert credentials is not None and credentials.session is not None
+            self._set_cookie(request, response, credentials.session)
+        return response
 
-    def _authorize(self, request: web.Request, *, streaming: bool) -> None:
-        if self._token is None:
-            return
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        candidate: str | None = presented.strip() if scheme.lower() == "bearer" else None
-        if not candidate and streaming:
-            candidate = request.query.get(SSE_TOKEN_PARAM)
-        if not candidate:
-            raise unauthenticated("this gateway requires Authorization: Bearer <token>")
-        if not hmac.compare_digest(candidate.encode(errors="surrogateescape"), self._token):
-            raise unauthenticated("the bearer token is not valid")
+    async def _credentials(self, request: web.Request) -> Credentials:
+        return await self._auth.authenticate(
+            method=request.method,
+            authorization=request.headers.get("Authorization"),
+            cookie=request.cookies.get(COOKIE_NAME),
+            csrf=request.headers.get(CSRF_HEADER),
+        )
 
-    def _metadata(self, request: web.Request, *, streaming: bool) -> Metadata:
-        member = request.headers.get(MEMBER_HEADER, "").strip()
-        if not member and streaming:
-            member = request.query.get(SSE_MEMBER_PARAM, "").strip()
-        if not member:
+    async def _metadata(
+        self, request: web.Request, credentials: Credentials | None, *, streaming: bool
+    ) -> Metadata:
+        """The caller's access token, and (until every service takes access
+        tokens) the member whose view it asks for in `x-member-id`."""
+        if credentials is None:
             return ()
-        if not _valid_member_id(member):
-            raise unauthenticated(f"{MEMBER_HEADER} is not a valid member id")
-        return caller_metadata(member_id=member)
+        acting = request.headers.get(MEMBER_HEADER, "").strip()
+        if not acting and streaming:
+            acting = request.query.get(SSE_MEMBER_PARAM, "").strip()
+        if acting and acting != credentials.member_id:
+            await self._check_view(credentials, acting)
+        return bearer_metadata(credentials.access_token) + caller_metadata(
+            member_id=acting or credentials.member_id
+        )
+
+    async def _check_view(self, credentials: Credentials, member_id: str) -> None:
+        """Lets a person view as an agent of their workspace, and as nobody else.
+
+        Raises:
+            HttpError: 403 for a person, 404 for a member the caller cannot see.
+        """
+        if not _valid_member_id(member_id):
+            raise bad_request(f"{MEMBER_HEADER} is not a valid member id")
+        key = (credentials.member_id, member_id)
+        now = time.monotonic()
+        if self._views.get(key, 0.0) > now:
+            return
+        route = self.table.match("GET", f"/v1/members/{member_id}")
+        assert isinstance(route, Matched)
+        request = self._upstreams.new_request(route.route)
+        setattr(request, "member_id", member_id)  # noqa: B010
+        try:
+            found: Any = await self._upstreams.unary(
+                route.route,
+                request,
+                bearer_metadata(credentials.access_token) + caller_metadata(member_id=credentials.member_id),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise HttpError.from_grpc(error.code(), error.details()) from None
+        if (
+            found.member.kind != im_pb2.MEMBER_KIND_AGENT
+            or found.member.workspace_id != credentials.workspace_id
+        ):
+            raise permission_denied("you may view as yourself and as the workspace's agents only")
+        if len(self._views) > 10_000:
+            self._views.clear()
+        self._views[key] = now + VIEW_CHECK_SECONDS
+
+    def _set_cookie(self, request: web.Request, response: web.StreamResponse, session: Session) -> None:
+        response.set_cookie(
+            COOKIE_NAME,
+            self._auth.sealer.seal(session),
+            path="/",
+            httponly=True,
+            samesite="Lax",
+            secure=self._settings.cookie_secure or request.secure,
+            # Outlives its access token: the refresh token renews it.
+            max_age=SESSION_COOKIE_MAX_AGE_S,
+        )
+
+    def _clear_cookie(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.del_cookie(
+            COOKIE_NAME,
+            path="/",
+            httponly=True,
+            samesite="Lax",
+            secure=self._settings.cookie_secure or request.secure,
+        )
+
+    # --- sessions ----------------------------------------------------------------------
+
+    async def _session(self, request: web.Request) -> web.StreamResponse:
+        """Who is signed in (the member, fresh from the IM), with the session's CSRF token."""
+        credentials = await self._credentials(request)
+        if credentials.session is None:
+            raise bad_request("GET /v1/auth/session describes a browser session; none was sent")
+        metadata = bearer_metadata(credentials.access_token) + caller_metadata(
+            member_id=credentials.member_id
+        )
+        member_route = self.table.match("GET", f"/v1/members/{credentials.member_id}")
+        workspace_route = self.table.match("GET", f"/v1/workspaces/{credentials.workspace_id}")
+        assert isinstance(member_route, Matched) and isinstance(workspace_route, Matched)
+        member_request = im_pb2.GetMemberRequest(member_id=credentials.member_id)
+        workspace_request = im_pb2.GetWorkspaceRequest(workspace_id=credentials.workspace_id)
+        try:
+            member: Any = await self._upstreams.unary(member_route.route, member_request, metadata)
+            workspace: Any = await self._upstreams.unary(workspace_route.route, workspace_request, metadata)
+        except grpc.aio.AioRpcError as error:
+            raise HttpError.from_grpc(error.code(), error.details()) from None
+        body = (
+            '{"member":'
+            + message_json(member.member)
+            + ',"workspace":'
+            + message_json(workspace.workspace)
+            + ',"csrfToken":'
+            + dumps(self._auth.sealer.csrf_token(credentials.session))
+            + "}"
+        )
+        response = web.Response(text=body, content_type=_JSON, headers={"Cache-Control": "no-store"})
+        if credentials.renewed:
+            self._set_cookie(request, response, credentials.session)
+        return response
+
+    async def _sign_out(self, request: web.Request) -> web.StreamResponse:
+        """Ends the session (its refresh token revoked at the IM) and clears the cookie.
+
+        Without a valid session there is nothing to end: it still clears the cookie.
+        """
+        cookie = request.cookies.get(COOKIE_NAME)
+        session = self._auth.sealer.open(cookie) if cookie else None
+        if session is not None:
+            if not self._auth.sealer.csrf_matches(session, request.headers.get(CSRF_HEADER)):
+                raise permission_denied(f"signing out needs the session's CSRF token in {CSRF_HEADER}")
+            await self._auth.sign_out(session)
+        response = web.Response(text="{}", content_type=_JSON)
+        self._clear_cookie(request, response)
+        return response
+
+    async def _options(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text=dumps({"oidc": self._settings.oidc_issuer is not None}), content_type=_JSON)
 
     async def _body(self, request: web.Request) -> bytes:
         limit = self._settings.max_body_bytes
@@ -316,12 +458,24 @@ class Gateway:
         )
         self._check(message)
         try:
-            response = await self._upstreams.unary(route, message, metadata)
+            response: Any = await self._upstreams.unary(route, message, metadata)
         except grpc.aio.AioRpcError as error:
             raise HttpError.from_grpc(error.code(), error.details(), error.trailing_metadata()) from None
-        return web.Response(text=message_json(response), content_type=_JSON)
+        session: Session | None = None
+        if route.opens_session and response.HasField("tokens"):
+            # The tokens stay with the gateway, sealed in the cookie: no page script can read them.
+            previous = self._auth.sealer.open(request.cookies.get(COOKIE_NAME, ""))
+            keep = previous if previous is not None and route.access is Access.SIGNED_IN else None
+            session = self._auth.session_from(response.tokens, previous=keep)
+            response.ClearField("tokens")
+        answer = web.Response(text=message_json(response), content_type=_JSON)
+        if session is not None:
+            self._set_cookie(request, answer, session)
+        return answer
 
-    async def _stream(self, request: web.Request, match: Matched, metadata: Metadata) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, match: Matched, metadata: Metadata, credentials: Credentials | None
+    ) -> web.StreamResponse:
         if self.shutting_down:
             # On a connection kept alive: it would outlive the streams just ended.
             raise shutting_down()
@@ -331,7 +485,7 @@ class Gateway:
             body=None,
             query=request.query.items(),
             path_params=match.path_params,
-            skip=(SSE_MEMBER_PARAM, SSE_TOKEN_PARAM),
+            skip=(SSE_MEMBER_PARAM,),
         )
         self._check(message)
         start = int(getattr(message, "after_sequence", 0)) if route.resume is Resume.STEP_SEQUENCE else 0
@@ -351,6 +505,8 @@ class Gateway:
                     "X-Accel-Buffering": "no",
                 }
             )
+            if credentials is not None and credentials.renewed and credentials.session is not None:
+                self._set_cookie(request, response, credentials.session)
             await response.prepare(request)
             # The subscription is in place: say so at once.
             await response.write(

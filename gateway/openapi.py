@@ -9,7 +9,9 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from gateway.routes import SSE_MEMBER_PARAM, SSE_TOKEN_PARAM, Resume, Route
+from agentim.im.v1 import im_pb2
+from gateway.routes import SSE_MEMBER_PARAM, Access, Resume, Route
+from gateway.sessions import COOKIE_NAME, CSRF_HEADER
 
 _INT32 = {FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SFIXED32}
 _UINT32 = {FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32}
@@ -152,7 +154,7 @@ def _operation(route: Route, builder: SchemaBuilder) -> dict[str, Any]:
     ]
     operation: dict[str, Any] = {
         "operationId": route.operation or route.rpc,
-        "tags": ["IMService" if route.service == "im" else "RuntimeService"],
+        "tags": [method.containing_service.name],
         "summary": f"{method.containing_service.full_name}.{route.rpc}",
     }
     if not route.has_body:
@@ -175,13 +177,7 @@ def _operation(route: Route, builder: SchemaBuilder) -> dict[str, Any]:
             {
                 "name": SSE_MEMBER_PARAM,
                 "in": "query",
-                "description": "The acting member, for clients that cannot set X-Member-Id (EventSource).",
-                "schema": {"type": "string"},
-            },
-            {
-                "name": SSE_TOKEN_PARAM,
-                "in": "query",
-                "description": "The bearer token, for clients that cannot set Authorization (EventSource).",
+                "description": "Whose view to stream, for clients that cannot set X-Member-Id (EventSource).",
                 "schema": {"type": "string"},
             },
         ]
@@ -202,6 +198,12 @@ def _operation(route: Route, builder: SchemaBuilder) -> dict[str, Any]:
         }
     else:
         ok = {"description": "OK", "content": {"application/json": {"schema": builder.message(response)}}}
+        if route.opens_session:
+            ok["description"] = (
+                "OK. The `tokens` are not in the body: they open the browser session"
+                f" (the `{COOKIE_NAME}` cookie); GET /v1/auth/session tells its CSRF token."
+            )
+            ok["headers"] = {"Set-Cookie": {"schema": {"type": "string"}}}
     operation["parameters"] = parameters
     operation["responses"] = {
         "200": ok,
@@ -210,8 +212,98 @@ def _operation(route: Route, builder: SchemaBuilder) -> dict[str, Any]:
             "content": {"application/json": {"schema": _ref("Error")}},
         },
     }
-    operation["security"] = [{"bearerToken": [], "memberId": []}, {"memberId": []}, {}]
+    operation["security"] = [] if route.access is Access.PUBLIC else SIGNED_IN
     return operation
+
+
+# A program sends a bearer token; a browser its session cookie and, on
+# state-changing requests, the session's CSRF token.
+SIGNED_IN: list[dict[str, list[str]]] = [
+    {"bearerToken": []},
+    {"session": [], "csrfToken": []},
+    {"session": []},
+]
+
+SESSION_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["member", "workspace", "csrfToken"],
+    "properties": {
+        "member": {"$ref": "#/components/schemas/agentim.im.v1.Member"},
+        "workspace": {"$ref": "#/components/schemas/agentim.im.v1.Workspace"},
+        "csrfToken": {
+            "type": "string",
+            "description": f"Send it in {CSRF_HEADER} on state-changing requests.",
+        },
+    },
+}
+
+
+def _session_operations() -> dict[str, dict[str, Any]]:
+    """The gateway's own routes (no RPC of their own)."""
+    error = {"description": "An error.", "content": {"application/json": {"schema": _ref("Error")}}}
+    return {
+        "/v1/auth/session": {
+            "get": {
+                "operationId": "GetSession",
+                "tags": ["Gateway"],
+                "summary": "Who is signed in: the member, the workspace, and the session's CSRF token.",
+                "parameters": [],
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"application/json": {"schema": _ref("Session")}},
+                    },
+                    "default": error,
+                },
+                "security": SIGNED_IN,
+            }
+        },
+        "/v1/auth/sign-out": {
+            "post": {
+                "operationId": "SignOut",
+                "tags": ["Gateway"],
+                "summary": "Ends the browser session: its refresh token is revoked and the cookie cleared.",
+                "parameters": [],
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    "default": error,
+                },
+                "security": [{"session": [], "csrfToken": []}, {}],
+            }
+        },
+        "/v1/auth/options": {
+            "get": {
+                "operationId": "GetSignInOptions",
+                "tags": ["Gateway"],
+                "summary": "How people may sign in here (for the sign-in page).",
+                "parameters": [],
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["oidc"],
+                                    "properties": {
+                                        "oidc": {
+                                            "type": "boolean",
+                                            "description": "OpenID Connect sign-in is configured.",
+                                        }
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "default": error,
+                },
+                "security": [],
+            }
+        },
+    }
 
 
 def build(routes: tuple[Route, ...] | list[Route], *, title: str = "Agent IM HTTP API") -> dict[str, Any]:
@@ -220,6 +312,10 @@ def build(routes: tuple[Route, ...] | list[Route], *, title: str = "Agent IM HTT
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         paths.setdefault(route.openapi_path, {})[route.method.lower()] = _operation(route, builder)
+    # The session's schema refers to these.
+    builder.message(im_pb2.Member.DESCRIPTOR)
+    builder.message(im_pb2.Workspace.DESCRIPTOR)
+    paths.update(_session_operations())
     return {
         "openapi": "3.1.0",
         "info": {
@@ -227,19 +323,26 @@ def build(routes: tuple[Route, ...] | list[Route], *, title: str = "Agent IM HTT
             "version": "v1",
             "description": (
                 "The IM and agent runtime gRPC APIs over HTTP/JSON (proto3 JSON mapping) "
-                "and Server-Sent Events. Name the acting member in `X-Member-Id`."
+                "and Server-Sent Events. Programs authenticate with `Authorization: Bearer <access token"
+                " or personal access token>`; browsers sign in (POST /v1/auth/sign-in) and then send the"
+                " session cookie, and the session's CSRF token in `X-CSRF-Token` on state-changing requests."
             ),
         },
         "paths": paths,
         "components": {
-            "schemas": {"Error": ERROR_SCHEMA, **dict(sorted(builder.schemas.items()))},
+            "schemas": {
+                "Error": ERROR_SCHEMA,
+                "Session": SESSION_SCHEMA,
+                **dict(sorted(builder.schemas.items())),
+            },
             "securitySchemes": {
-                "memberId": {"type": "apiKey", "in": "header", "name": "X-Member-Id"},
                 "bearerToken": {
                     "type": "http",
                     "scheme": "bearer",
-                    "description": "Required on /v1 routes when the gateway has GATEWAY_TOKEN set.",
+                    "description": "An access token, or a personal access token (`aim_pat_...`).",
                 },
+                "session": {"type": "apiKey", "in": "cookie", "name": COOKIE_NAME},
+                "csrfToken": {"type": "apiKey", "in": "header", "name": CSRF_HEADER},
             },
         },
     }

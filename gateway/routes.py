@@ -17,12 +17,14 @@ from urllib.parse import unquote
 
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-from agentim.im.v1 import im_pb2
+from agentim.im.v1 import auth_pb2, im_pb2
 from agentim.memory.v1 import memory_pb2
 from agentim.runtime.v1 import runtime_pb2
 
 SERVICES: Mapping[str, ServiceDescriptor] = {
     "im": im_pb2.DESCRIPTOR.services_by_name["IMService"],
+    # Served by the IM process, beside IMService.
+    "auth": auth_pb2.DESCRIPTOR.services_by_name["AuthService"],
     "runtime": runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"],
     "memory": memory_pb2.DESCRIPTOR.services_by_name["MemoryService"],
 }
@@ -30,6 +32,15 @@ SERVICES: Mapping[str, ServiceDescriptor] = {
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
 # A path parameter is one segment, and stops before a `:verb` suffix.
 _SEGMENT = r"([^/:]+)"
+
+
+class Access(enum.Enum):
+    """What credentials a route needs."""
+
+    # A signed-in caller (session cookie, or Authorization: Bearer).
+    SIGNED_IN = "signed_in"
+    # Anyone: the call proves who it is by itself (a password, an invite).
+    PUBLIC = "public"
 
 
 class Resume(enum.Enum):
@@ -53,6 +64,15 @@ class Route:
     resume: Resume = Resume.NONE
     # The OpenAPI operationId when one RPC serves several routes; else the RPC's name.
     operation: str = ""
+    access: Access = Access.SIGNED_IN
+    # The response's `tokens` open a browser session: they go into the
+    # session cookie, never into the response body.
+    opens_session: bool = False
+    # A POST that only reads (a search): allowed with a read-only token.
+    reads_only: bool = False
+    # Revokes a personal token of the caller's: the gateway forgets the
+    # access tokens it exchanged the caller's personal tokens for.
+    revokes_personal_token: bool = False
     params: tuple[str, ...] = field(init=False)
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -89,16 +109,23 @@ class Route:
     def has_body(self) -> bool:
         return self.method in {"POST", "PATCH", "PUT"}
 
+    @property
+    def writes(self) -> bool:
+        """Changes something: refused to a read-only token."""
+        return self.method != "GET" and not self.reads_only
 
-IM, RT, MEM = "im", "runtime", "memory"
+
+IM, AUTH, RT, MEM = "im", "auth", "runtime", "memory"
 
 ROUTES: tuple[Route, ...] = (
-    Route("POST", "/v1/workspaces", IM, "CreateWorkspace"),
+    # With creator_login and creator_password, creating a workspace signs its creator in.
+    Route("POST", "/v1/workspaces", IM, "CreateWorkspace", access=Access.PUBLIC, opens_session=True),
     Route("GET", "/v1/workspaces", IM, "ListWorkspaces"),
     Route("GET", "/v1/workspaces/{workspace_id}", IM, "GetWorkspace"),
     Route("POST", "/v1/workspaces/{workspace_id}/members", IM, "CreateMember"),
     Route("GET", "/v1/workspaces/{workspace_id}/members", IM, "ListMembers"),
     Route("GET", "/v1/members/{member_id}", IM, "GetMember"),
+    Route("POST", "/v1/members/{member_id}:setRole", AUTH, "SetMemberRole"),
     Route("PATCH", "/v1/members/{member.id}", IM, "UpdateMember"),
     Route("POST", "/v1/groups", IM, "CreateGroup"),
     Route("POST", "/v1/groups:direct", IM, "GetOrCreateDirectGroup"),
@@ -151,23 +178,61 @@ ROUTES: tuple[Route, ...] = (
     # Long-term memory: an agent's (what its audience may see, the caller
     # included) and a workspace's, for the people searching it.
     Route(
-        "POST", "/v1/agents/{agent.agent_id}/memory:search", MEM, "Retrieve", operation="SearchAgentMemory"
+        "POST",
+        "/v1/agents/{agent.agent_id}/memory:search",
+        MEM,
+        "Retrieve",
+        operation="SearchAgentMemory",
+        reads_only=True,
     ),
-    Route("POST", "/v1/agents/{agent.agent_id}/memory:expand", MEM, "Expand", operation="ExpandAgentMemory"),
+    Route(
+        "POST",
+        "/v1/agents/{agent.agent_id}/memory:expand",
+        MEM,
+        "Expand",
+        operation="ExpandAgentMemory",
+        reads_only=True,
+    ),
     Route("GET", "/v1/agents/{agent_id}/memory", MEM, "GetMemoryStats"),
     Route("POST", "/v1/agents/{agent_id}/memory:forget", MEM, "Forget"),
-    Route("POST", "/v1/memory:search", MEM, "Retrieve", operation="SearchWorkspaceMemory"),
-    Route("POST", "/v1/memory:expand", MEM, "Expand", operation="ExpandWorkspaceMemory"),
+    Route("POST", "/v1/memory:search", MEM, "Retrieve", operation="SearchWorkspaceMemory", reads_only=True),
+    Route("POST", "/v1/memory:expand", MEM, "Expand", operation="ExpandWorkspaceMemory", reads_only=True),
+    # Accounts and sessions (sign-out and who-am-I are the gateway's own: see gateway.http).
+    Route("POST", "/v1/auth/sign-in", AUTH, "SignIn", access=Access.PUBLIC, opens_session=True),
+    Route("POST", "/v1/auth/accept-invite", AUTH, "AcceptInvite", access=Access.PUBLIC, opens_session=True),
+    Route("POST", "/v1/auth/password", AUTH, "ChangePassword", opens_session=True),
+    Route("POST", "/v1/auth/invites", AUTH, "CreateInvite"),
+    Route("POST", "/v1/auth/personal-tokens", AUTH, "CreatePersonalToken"),
+    Route("GET", "/v1/auth/personal-tokens", AUTH, "ListPersonalTokens"),
+    Route(
+        "POST",
+        "/v1/auth/personal-tokens/{personal_token_id}:revoke",
+        AUTH,
+        "RevokePersonalToken",
+        revokes_personal_token=True,
+    ),
 )
 
-# RPCs only services call, given no HTTP route: the runtime archives its
-# agents' runs (acting as each agent); no browser has a run to archive.
-INTERNAL_RPCS = frozenset({("memory", "ArchiveRun")})
+# RPCs given no HTTP route: the runtime archives its agents' runs (acting as
+# each agent), and no browser has a run to archive; the gateway itself
+# refreshes, signs out and exchanges tokens (a refresh token never leaves the
+# session cookie); only services get service and agent tokens.
+INTERNAL_RPCS = frozenset(
+    {
+        ("memory", "ArchiveRun"),
+        ("auth", "GetSigningKeys"),
+        ("auth", "RefreshTokens"),
+        ("auth", "SignOut"),
+        ("auth", "ExchangePersonalToken"),
+        ("auth", "IssueServiceToken"),
+        ("auth", "IssueAgentTokens"),
+    }
+)
 
-# Query parameters SSE routes accept besides request fields: browsers'
-# EventSource can set no header.
+# The query parameter SSE routes accept besides request fields: the member
+# whose view to stream (browsers' EventSource can set no header). It is no
+# credential: the caller is the session's (or the Authorization header's).
 SSE_MEMBER_PARAM = "member_id"
-SSE_TOKEN_PARAM = "access_token"
 
 
 @dataclass(frozen=True)

@@ -36,11 +36,19 @@ class Upstreams:
         self, addresses: Mapping[str, str], *, call_timeout_seconds: float, tls: ClientTls | None = None
     ) -> None:
         self.addresses = dict(addresses)
-        self._channels = {
-            name: open_channel(address, default_timeout_seconds=call_timeout_seconds, tls=tls)
-            for name, address in self.addresses.items()
-        }
+        # One channel per address (the IM serves two of the route table's services).
+        by_address: dict[str, grpc.aio.Channel] = {}
+        for address in self.addresses.values():
+            if address not in by_address:
+                by_address[address] = open_channel(
+                    address, default_timeout_seconds=call_timeout_seconds, tls=tls
+                )
+        self._channels = {name: by_address[address] for name, address in self.addresses.items()}
         self._callables: dict[tuple[str, str], Any] = {}
+
+    def channel(self, service: str) -> grpc.aio.Channel:
+        """The channel to a service (by the route table's service key)."""
+        return self._channels[service]
 
     def serves(self, route: Route) -> bool:
         """Whether the route's service has an address (memory may have none)."""
@@ -85,7 +93,11 @@ class Upstreams:
 
     async def health(self, *, timeout_seconds: float = 2.0) -> dict[str, str]:
         """Each upstream's grpc.health.v1 status name (or the error that prevented asking)."""
-        names: Sequence[str] = list(self._channels)
+        # A service sharing another's channel (AuthService, in the IM) is asked once, by the first name.
+        first: dict[int, str] = {}
+        for name, channel in self._channels.items():
+            first.setdefault(id(channel), name)
+        names: Sequence[str] = list(first.values())
 
         async def check(name: str) -> str:
             stub = health_pb2_grpc.HealthStub(self._channels[name])
@@ -100,5 +112,5 @@ class Upstreams:
 
     async def aclose(self) -> None:
         """Closes every channel (ending calls still open). Idempotent."""
-        for channel in self._channels.values():
+        for channel in set(self._channels.values()):
             await channel.close()

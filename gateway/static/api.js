@@ -1,28 +1,29 @@
 // The gateway's HTTP API and its Server-Sent Event streams.
 //
 // Requests and responses are the proto3 JSON mapping of the gRPC messages
-// (lowerCamelCase fields, enum names, int64 as strings). The acting member
-// goes in X-Member-Id; a bearer token (only when the server requires one)
-// is kept in localStorage. EventSource cannot send headers, so streams take
-// both as query parameters.
-
-const TOKEN_KEY = "agentim.token";
+// (lowerCamelCase fields, enum names, int64 as strings). The person is
+// signed in by the session cookie (HttpOnly: no script here sees a token);
+// every state-changing request carries the session's CSRF token. The member
+// whose view is shown (the person, or one of their agents) goes in
+// X-Member-Id; EventSource cannot send headers, so streams take it as a
+// query parameter (it is no credential: the cookie is).
 
 /**
  * An error the API answered with: its HTTP status, gRPC status name and
- * readable message; `tokenRequired` when the gateway asked for a bearer token.
+ * readable message; `signInRequired` when the session is missing or over.
  */
 export class ApiError extends Error {
-  constructor(httpStatus, status, message, { tokenRequired = false } = {}) {
+  constructor(httpStatus, status, message) {
     super(message);
     this.name = "ApiError";
     this.httpStatus = httpStatus;
     this.status = status;
-    this.tokenRequired = tokenRequired;
+    this.signInRequired = httpStatus === 401;
   }
 }
 
 let actingMember = "";
+let csrfToken = "";
 let unauthorizedHandler = null;
 
 export function setActingMember(memberId) {
@@ -33,20 +34,12 @@ export function getActingMember() {
   return actingMember;
 }
 
-export function getToken() {
-  return localStorage.getItem(TOKEN_KEY) || "";
+/** The session's CSRF token (GET /v1/auth/session tells it). */
+export function setCsrfToken(token) {
+  csrfToken = token || "";
 }
 
-export function setToken(token) {
-  if (token) localStorage.setItem(TOKEN_KEY, token);
-  else localStorage.removeItem(TOKEN_KEY);
-}
-
-/**
- * Sets what happens when the gateway asks for a bearer token: `handler(error)`
- * returns a promise that resolves true once a (new) token is stored, to
- * retry the call once.
- */
+/** Sets what happens when a call finds no session (401): `handler(error)`. */
 export function onUnauthorized(handler) {
   unauthorizedHandler = handler;
 }
@@ -72,22 +65,18 @@ async function readError(response) {
   } catch {
     // Not JSON (a proxy's error page): keep the HTTP status line.
   }
-  // Only a gateway that requires GATEWAY_TOKEN answers with the bearer
-  // challenge; a member id nobody has is 401 too, and no token would help it.
-  const tokenRequired = response.status === 401 && /^bearer\b/i.test(response.headers.get("WWW-Authenticate") || "");
-  return new ApiError(response.status, status, message, { tokenRequired });
+  return new ApiError(response.status, status, message);
 }
 
 /**
  * Calls the API. Options: body (sent as JSON), query, member (overrides the
  * acting member; "" sends none).
  */
-export async function api(method, path, { body, query, member, attempt = 0 } = {}) {
+export async function api(method, path, { body, query, member } = {}) {
   const headers = { Accept: "application/json" };
   const who = member === undefined ? actingMember : member;
   if (who) headers["X-Member-Id"] = who;
-  const token = getToken();
-  if (token) headers.Authorization = `Bearer ${token}`;
+  if (method !== "GET" && csrfToken) headers["X-CSRF-Token"] = csrfToken;
   if (body !== undefined) headers["Content-Type"] = "application/json";
   let response;
   try {
@@ -96,6 +85,7 @@ export async function api(method, path, { body, query, member, attempt = 0 } = {
       headers,
       body: body === undefined ? undefined : JSON.stringify(body),
       cache: "no-store",
+      credentials: "same-origin",
     });
   } catch (error) {
     throw new ApiError(0, "UNAVAILABLE", `The server cannot be reached (${error.message}).`);
@@ -105,10 +95,7 @@ export async function api(method, path, { body, query, member, attempt = 0 } = {
     return text ? JSON.parse(text) : {};
   }
   const error = await readError(response);
-  // Asks for a token again while the user keeps offering one (a wrong one answers 401 too).
-  if (error.tokenRequired && attempt < 5 && unauthorizedHandler) {
-    if (await unauthorizedHandler(error)) return api(method, path, { body, query, member, attempt: attempt + 1 });
-  }
+  if (error.signInRequired && unauthorizedHandler) unauthorizedHandler(error);
   throw error;
 }
 
@@ -163,7 +150,7 @@ export class LiveStream {
 
   open() {
     if (this.closed) return;
-    const query = { ...this.query, member_id: actingMember, access_token: getToken() };
+    const query = { ...this.query, member_id: actingMember };
     const resumeFrom = this.resume ? this.resume() : this.lastId;
     if (resumeFrom && this.resumeParam) query[this.resumeParam] = resumeFrom;
     const source = new EventSource(buildUrl(this.path, query));

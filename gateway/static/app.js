@@ -1,13 +1,13 @@
 // Agent IM web UI: a WeChat-style messenger over the gateway's HTTP API.
 //
-// One acting member at a time (any member of the workspace, human or
-// agent); everything shown is what that member sees. State lives in
+// A person signs in (the session is an HttpOnly cookie); the view is theirs,
+// or that of an agent of theirs; everything shown is what that member sees. State lives in
 // `state`; each view is re-drawn from it by a render function.
 
-import { api, ApiError, getToken, listAll, LiveStream, onUnauthorized, setActingMember, setToken } from "./api.js";
+import { api, ApiError, listAll, LiveStream, onUnauthorized, setActingMember, setCsrfToken } from "./api.js";
 import { avatar, clear, h, icon, longTime, parseTime, setChildren, shortTime, snippet } from "./dom.js";
 import { renderMarkdown, safeHref } from "./markdown.js";
-import { askToken, field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
+import { field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 import { closeAgentPanel, currentPanelAgent, openAgentAtStep, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
 import { workspaceMemoryView } from "./memory.js";
 import { STATE_LABELS, mergeAgent } from "./control.js";
@@ -22,6 +22,8 @@ const AGENT = "MEMBER_KIND_AGENT";
 const DIRECT = "GROUP_KIND_DIRECT";
 
 const state = {
+  // The signed-in person (GET /v1/auth/session), whoever the view is of.
+  person: null,
   me: null,
   workspace: null,
   members: new Map(),
@@ -103,9 +105,9 @@ function preview(message) {
 }
 
 function remember() {
-  localStorage.setItem(IDENTITY_KEY, JSON.stringify({ memberId: state.me.id, workspaceId: state.workspace.id }));
+  localStorage.setItem(IDENTITY_KEY, JSON.stringify({ memberId: state.me.id, personId: state.person?.id, workspaceId: state.workspace.id }));
   const known = loadKnown().filter((k) => k.workspaceId !== state.workspace.id);
-  known.unshift({ workspaceId: state.workspace.id, workspaceName: state.workspace.name, memberId: state.me.id });
+  known.unshift({ workspaceId: state.workspace.id, workspaceName: state.workspace.name });
   localStorage.setItem(KNOWN_KEY, JSON.stringify(known.slice(0, 20)));
 }
 
@@ -132,100 +134,126 @@ function showStart(errorMessage = "") {
   stopStreams();
   closeAgentPanel();
   state.me = null;
+  state.person = null;
   state.chat = null;
+  setCsrfToken("");
   document.title = "Agent IM";
   const error = h("div", { class: "form-error", role: "alert", testid: "start-error", hidden: !errorMessage }, errorMessage);
   const fail = (err) => {
     error.textContent = err.message || String(err);
     error.hidden = false;
   };
+  const password = (testid) => h("input", { type: "password", required: true, minlength: 8, autocomplete: "current-password", testid });
+  const login = (testid) => h("input", { required: true, autocomplete: "username", maxlength: 64, testid });
 
-  const wsName = h("input", { required: true, placeholder: "e.g. Acme", testid: "create-workspace-name", maxlength: 100 });
-  const creator = h("input", { required: true, placeholder: "e.g. Ada", testid: "create-workspace-creator", maxlength: 100 });
-  const create = h(
-    "form",
-    {
-      class: "start-section",
-      onsubmit: async (event) => {
-        event.preventDefault();
-        if (!wsName.value.trim() || !creator.value.trim()) return fail(new Error("Give the workspace and yourself a name."));
-        try {
-          const response = await api("POST", "/v1/workspaces", {
-            member: "",
-            body: { name: wsName.value.trim(), creatorDisplayName: creator.value.trim(), creatorKind: HUMAN, requestId: uuid4() },
-          });
-          await enterAs(response.creator.id);
-        } catch (err) {
-          fail(err);
-        }
+  const invite = new URLSearchParams(window.location.hash.slice(1)).get("invite");
+  let section;
+  if (invite) {
+    const name = h("input", { required: true, maxlength: 100, testid: "invite-name" });
+    const user = login("invite-login");
+    const secret = password("invite-password");
+    secret.autocomplete = "new-password";
+    section = h(
+      "form",
+      {
+        class: "start-section",
+        testid: "invite-form",
+        onsubmit: async (event) => {
+          event.preventDefault();
+          try {
+            await api("POST", "/v1/auth/accept-invite", {
+              member: "",
+              body: { invite, displayName: name.value.trim(), login: user.value.trim(), password: secret.value, requestId: uuid4() },
+            });
+            history.replaceState(null, "", window.location.pathname);
+            await startSession();
+          } catch (err) {
+            fail(err);
+          }
+        },
       },
-    },
-    h("h2", {}, "Create a workspace"),
-    h("p", { class: "muted" }, "You become its first member and can then add people and agents."),
-    field("Workspace name", wsName),
-    field("Your name", creator),
-    h("button", { class: "btn btn-primary", type: "submit", testid: "create-workspace-submit" }, "Create and enter"),
-  );
-
-  const known = loadKnown();
-  const memberList = h("div", { class: "start-members", testid: "start-members" });
-  const pickWorkspace = async (entry) => {
-    setChildren(memberList, h("div", { class: "muted" }, "Loading members…"));
-    try {
-      setActingMember(entry.memberId);
-      const members = await listAll(`/v1/workspaces/${entry.workspaceId}/members`, "members");
-      setChildren(
-        memberList,
-        members.map((m) =>
-          h(
-            "button",
-            { class: "member-pick", type: "button", testid: "start-member", dataset: { memberName: m.displayName }, onclick: () => enterAs(m.id).catch(fail) },
-            avatar(m.displayName, { avatarText: m.avatar, kind: m.kind, seed: m.id }),
-            h("span", {}, m.displayName),
-            h("span", { class: "kind-tag" }, m.kind === AGENT ? "agent" : "person"),
-          ),
-        ),
-      );
-    } catch (err) {
-      clear(memberList);
-      fail(err);
-    }
-  };
-  const workspaceSelect = h(
-    "select",
-    { testid: "start-workspace", onchange: () => workspaceSelect.value && pickWorkspace(known[Number(workspaceSelect.value)]) },
-    h("option", { value: "" }, "Choose a workspace…"),
-    known.map((k, i) => h("option", { value: String(i) }, k.workspaceName || k.workspaceId)),
-  );
-  const continueSection = known.length
-    ? h(
-        "div",
-        { class: "start-section" },
-        h("h2", {}, "Continue in a workspace"),
-        h("p", { class: "muted" }, "Pick a workspace you used in this browser, then the member to act as — a person or an agent."),
-        field("Workspace", workspaceSelect),
-        memberList,
-      )
-    : null;
-
-  const memberId = h("input", { placeholder: "member id (UUID)", testid: "signin-member-id" });
-  const signIn = h(
-    "form",
-    {
-      class: "start-section",
-      onsubmit: (event) => {
-        event.preventDefault();
-        const id = memberId.value.trim();
-        if (!id) return;
-        enterAs(id).catch((err) => {
-          const unknown = err instanceof ApiError && !err.tokenRequired && [400, 401, 404].includes(err.httpStatus);
-          fail(unknown ? new Error(`No member has the id “${id}” (${err.message}).`) : err);
-        });
+      h("h2", {}, "Join the workspace"),
+      h("p", { class: "muted" }, "You were invited. Choose your name, a login and a password."),
+      field("Your name", name),
+      field("Login", user),
+      field("Password", secret),
+      h("button", { class: "btn btn-primary", type: "submit", testid: "invite-submit" }, "Join"),
+    );
+  } else {
+    const known = loadKnown();
+    const workspace = h("input", { required: true, placeholder: "workspace id", value: known[0]?.workspaceId || "", testid: "signin-workspace" });
+    const user = login("signin-login");
+    const secret = password("signin-password");
+    const oidc = h("button", { class: "btn", type: "button", hidden: true, disabled: true, testid: "signin-oidc", title: "Single sign-on is not available yet" }, "Sign in with your organisation");
+    api("GET", "/v1/auth/options", { member: "" })
+      .then((options) => (oidc.hidden = !options.oidc))
+      .catch(() => {});
+    const signIn = h(
+      "form",
+      {
+        class: "start-section",
+        testid: "signin-form",
+        onsubmit: async (event) => {
+          event.preventDefault();
+          try {
+            await api("POST", "/v1/auth/sign-in", {
+              member: "",
+              body: { workspaceId: workspace.value.trim(), login: user.value.trim(), password: secret.value },
+            });
+            await startSession();
+          } catch (err) {
+            fail(err);
+          }
+        },
       },
-    },
-    h("h2", {}, "Act as a member by id"),
-    h("div", { class: "inline-form" }, memberId, h("button", { class: "btn", type: "submit" }, "Enter")),
-  );
+      h("h2", {}, "Sign in"),
+      known.length > 1 ? h("p", { class: "muted small" }, `Workspaces used in this browser: ${known.map((k) => `${k.workspaceName} (${k.workspaceId})`).join(", ")}`) : null,
+      field("Workspace", workspace),
+      field("Login", user),
+      field("Password", secret),
+      h("div", { class: "inline-form" }, h("button", { class: "btn btn-primary", type: "submit", testid: "signin-submit" }, "Sign in"), oidc),
+    );
+
+    const wsName = h("input", { required: true, placeholder: "e.g. Acme", testid: "create-workspace-name", maxlength: 100 });
+    const creator = h("input", { required: true, placeholder: "e.g. Ada", testid: "create-workspace-creator", maxlength: 100 });
+    const creatorLogin = login("create-workspace-login");
+    const creatorPassword = password("create-workspace-password");
+    creatorPassword.autocomplete = "new-password";
+    const create = h(
+      "form",
+      {
+        class: "start-section",
+        onsubmit: async (event) => {
+          event.preventDefault();
+          if (!wsName.value.trim() || !creator.value.trim()) return fail(new Error("Give the workspace and yourself a name."));
+          try {
+            await api("POST", "/v1/workspaces", {
+              member: "",
+              body: {
+                name: wsName.value.trim(),
+                creatorDisplayName: creator.value.trim(),
+                creatorKind: HUMAN,
+                creatorLogin: creatorLogin.value.trim(),
+                creatorPassword: creatorPassword.value,
+                requestId: uuid4(),
+              },
+            });
+            await startSession();
+          } catch (err) {
+            fail(err);
+          }
+        },
+      },
+      h("h2", {}, "Create a workspace"),
+      h("p", { class: "muted" }, "You become its owner and can then invite people and create agents."),
+      field("Workspace name", wsName),
+      field("Your name", creator),
+      field("Login", creatorLogin),
+      field("Password", creatorPassword, "At least 10 characters."),
+      h("button", { class: "btn btn-primary", type: "submit", testid: "create-workspace-submit" }, "Create and sign in"),
+    );
+    section = [known.length ? signIn : create, known.length ? create : signIn];
+  }
 
   setChildren(
     root(),
@@ -238,16 +266,32 @@ function showStart(errorMessage = "") {
         h("div", { class: "brand" }, h("span", { class: "brand-mark" }, icon("chat", 30)), h("h1", {}, "Agent IM")),
         h("p", { class: "tagline" }, "A messenger where people and AI agents are equal members."),
         error,
-        create,
-        continueSection,
-        signIn,
+        section,
       ),
     ),
   );
-  if (known.length === 1) {
-    workspaceSelect.value = "0";
-    pickWorkspace(known[0]);
+}
+
+/** Reads the session (who is signed in, its CSRF token) and enters the person's own view. */
+async function startSession() {
+  const session = await api("GET", "/v1/auth/session", { member: "" });
+  setCsrfToken(session.csrfToken);
+  state.person = session.member;
+  const last = loadIdentity();
+  // Back to the view used last (the person's, or an agent's) when it was this person's.
+  const view = last && last.personId === session.member.id && last.memberId ? last.memberId : session.member.id;
+  try {
+    await enterAs(view);
+  } catch (err) {
+    if (view === session.member.id) throw err;
+    await enterAs(session.member.id);
   }
+}
+
+const ROLE_LABELS = { MEMBER_ROLE_OWNER: "owner", MEMBER_ROLE_ADMIN: "admin", MEMBER_ROLE_MEMBER: "member" };
+
+function isAdmin() {
+  return ["MEMBER_ROLE_OWNER", "MEMBER_ROLE_ADMIN"].includes(state.person?.role);
 }
 
 // -- entering as a member ------------------------------------------------------
@@ -343,7 +387,13 @@ async function refreshAgents() {
   renderSidebar();
 }
 
-function signOut() {
+async function signOut() {
+  try {
+    await api("POST", "/v1/auth/sign-out", { member: "" });
+  } catch (err) {
+    showError(err, "Could not sign out");
+    return;
+  }
   localStorage.removeItem(IDENTITY_KEY);
   showStart();
 }
@@ -593,7 +643,7 @@ function renderRail() {
     tab("agents", "agent", "Agents"),
     tab("memory", "search", "Memory"),
     h("div", { class: "rail-spacer" }),
-    h("button", { class: "rail-tab", type: "button", title: "Access token", onclick: () => askToken(new Error("change the access token"), getToken(), setToken) }, h("span", { class: "rail-icon" }, icon("key")), h("span", { class: "rail-label" }, "Token")),
+    h("button", { class: "rail-tab", type: "button", title: "Your account: tokens, invites, roles", testid: "account-button", onclick: () => showAccount() }, h("span", { class: "rail-icon" }, icon("key")), h("span", { class: "rail-label" }, "Account")),
     h("button", { class: "rail-tab", type: "button", title: "Leave this workspace view", testid: "sign-out", onclick: signOut }, h("span", { class: "rail-icon" }, icon("exit")), h("span", { class: "rail-label" }, "Sign out")),
   );
   renderUnreadTotal();
@@ -612,21 +662,23 @@ function renderUnreadTotal() {
 function renderPerspective() {
   const head = document.getElementById("side-head");
   if (!head) return;
-  const members = [...state.members.values()];
   const option = (m) => h("option", { value: m.id, selected: m.id === state.me.id }, m.displayName);
   const select = h(
     "select",
-    { class: "perspective", testid: "perspective-select", title: "See the IM as this member", onchange: () => switchPerspective(select.value) },
-    h("optgroup", { label: "People" }, members.filter((m) => m.kind !== AGENT).map(option)),
-    h("optgroup", { label: "Agents" }, members.filter((m) => m.kind === AGENT).map(option)),
+    { class: "perspective", testid: "perspective-select", title: "See the IM as yourself or as an agent of yours", onchange: () => switchPerspective(select.value) },
+    h("optgroup", { label: "You" }, state.person ? option(state.person) : null),
+    h("optgroup", { label: "Your agents" }, viewableAgents().map(option)),
   );
+  // Redrawn while open (a member joined, an agent was made), the menu stays open.
+  const wasOpen = head.querySelector('[data-testid="new-menu"]')?.hidden === false;
   const menu = h(
     "div",
-    { class: "menu", hidden: true, testid: "new-menu" },
+    { class: "menu", hidden: !wasOpen, testid: "new-menu" },
     h("button", { type: "button", testid: "new-direct", onclick: () => (closeMenu(), showNewDirect()) }, icon("chat", 16), "New direct chat"),
     h("button", { type: "button", testid: "new-group", onclick: () => (closeMenu(), showNewGroup()) }, icon("group", 16), "New group chat"),
     h("button", { type: "button", testid: "new-agent", onclick: () => (closeMenu(), showCreateAgent(appContext)) }, icon("agent", 16), "Create an agent"),
-    h("button", { type: "button", testid: "new-member", onclick: () => (closeMenu(), showNewMember()) }, icon("person", 16), "Add a person"),
+    // People join by an invite link (they choose their own login and password).
+    isAdmin() ? h("button", { type: "button", testid: "new-member", onclick: () => (closeMenu(), showAccount()) }, icon("person", 16), "Invite a person") : null,
   );
   const closeMenu = () => {
     menu.hidden = true;
@@ -655,10 +707,139 @@ function renderPerspective() {
     ),
     h("div", { class: "acting-row" }, avatar(state.me.displayName, { avatarText: state.me.avatar, kind: state.me.kind, seed: state.me.id, size: "small" }), select, plus, menu),
     h("span", { class: "sr-only", testid: "me-name" }, state.me.displayName),
+    state.person
+      ? h("div", { class: "muted small", testid: "signed-in-as" }, `Signed in as ${state.person.displayName} (${ROLE_LABELS[state.person.role] || "member"})`)
+      : null,
     isAgentMe()
       ? h("div", { class: "agent-view-note", testid: "agent-view-note" }, "Seen through an agent's eyes: opening a chat does not mark it read, so the agent still gets its messages.")
       : null,
   );
+}
+
+/**
+ * The agent members whose view the person may take: the agents they own. An
+ * API without agent owners (no `ownerId`) offers every agent, as before.
+ */
+function viewableAgents() {
+  const agents = [...state.agents.values()];
+  const owned = agents.some((a) => "ownerId" in a) ? agents.filter((a) => a.ownerId === state.person?.id) : agents;
+  const ids = new Set(owned.map((a) => a.memberId));
+  return [...state.members.values()].filter((m) => m.kind === AGENT && ids.has(m.id));
+}
+
+/** The person may see the IM as this member: themselves or an agent of theirs (the gateway refuses anyone else). */
+function canView(memberId) {
+  return memberId === state.person?.id || viewableAgents().some((m) => m.id === memberId);
+}
+
+// -- the account: personal tokens, invites, roles ---------------------------------
+
+function showAccount() {
+  const body = h("div", { class: "account", testid: "account-dialog" });
+  const shownOnce = (label, value, testid) =>
+    h("div", { class: "secret-once" }, h("p", { class: "muted small" }, `${label} It is shown only this once.`), h("input", { readonly: true, value, testid, onfocus: (e) => e.target.select() }));
+
+  const tokenList = h("ul", { class: "token-list", testid: "token-list" });
+  const revoke = async (token) => {
+    try {
+      await api("POST", `/v1/auth/personal-tokens/${token.id}:revoke`, { member: "" });
+      await loadTokens();
+    } catch (err) {
+      showError(err, "Token not revoked");
+    }
+  };
+  const loadTokens = async () => {
+    const tokens = (await api("GET", "/v1/auth/personal-tokens", { member: "" })).personalTokens || [];
+    if (!tokens.length) return setChildren(tokenList, h("li", { class: "muted small empty" }, "No tokens yet. A program sends one as Authorization: Bearer <token>."));
+    setChildren(
+      tokenList,
+      tokens.map((t) =>
+        h(
+          "li",
+          { testid: "token", dataset: { tokenName: t.name, revoked: String(Boolean(t.revokeTime)) } },
+          h("span", { class: "token-name" }, t.name),
+          h("span", { class: "muted small" }, `${t.scope === "PERSONAL_TOKEN_SCOPE_WRITE" ? "read and write" : "read"}${t.revokeTime ? " · revoked" : ""}`),
+          t.revokeTime ? null : h("button", { class: "btn btn-small", type: "button", testid: "token-revoke", onclick: () => revoke(t) }, "Revoke"),
+        ),
+      ),
+    );
+  };
+  const tokenName = h("input", { required: true, maxlength: 200, placeholder: "e.g. my script", testid: "token-name" });
+  const tokenScope = h("select", { testid: "token-scope" }, h("option", { value: "PERSONAL_TOKEN_SCOPE_READ" }, "read"), h("option", { value: "PERSONAL_TOKEN_SCOPE_WRITE" }, "read and write"));
+  const tokenSecret = h("div", {});
+  const tokenForm = h(
+    "form",
+    {
+      class: "inline-form",
+      onsubmit: async (event) => {
+        event.preventDefault();
+        try {
+          const made = await api("POST", "/v1/auth/personal-tokens", { member: "", body: { name: tokenName.value.trim(), scope: tokenScope.value, requestId: uuid4() } });
+          setChildren(tokenSecret, shownOnce("Send it as Authorization: Bearer <token>.", made.secret, "token-secret"));
+          tokenName.value = "";
+          await loadTokens();
+        } catch (err) {
+          showError(err, "No token made");
+        }
+      },
+    },
+    tokenName,
+    tokenScope,
+    h("button", { class: "btn", type: "submit", testid: "token-create" }, "Create"),
+  );
+  body.append(h("h3", {}, "Personal access tokens"), tokenForm, tokenSecret, tokenList);
+
+  if (isAdmin()) {
+    const inviteRole = h("select", { testid: "invite-role" }, h("option", { value: "MEMBER_ROLE_MEMBER" }, "member"), h("option", { value: "MEMBER_ROLE_ADMIN" }, "admin"));
+    const inviteLink = h("div", {});
+    const inviteForm = h(
+      "form",
+      {
+        class: "inline-form",
+        onsubmit: async (event) => {
+          event.preventDefault();
+          try {
+            const made = await api("POST", "/v1/auth/invites", { member: "", body: { role: inviteRole.value, requestId: uuid4() } });
+            const link = `${window.location.origin}/#invite=${encodeURIComponent(made.secret)}`;
+            setChildren(inviteLink, shownOnce("Send this link to the person you invite; it works once.", link, "invite-link"));
+          } catch (err) {
+            showError(err, "No invite made");
+          }
+        },
+      },
+      inviteRole,
+      h("button", { class: "btn", type: "submit", testid: "invite-create" }, "Invite a person"),
+    );
+    const people = [...state.members.values()].filter((m) => m.kind !== AGENT && m.id !== state.person?.id);
+    const roles = h(
+      "ul",
+      { class: "role-list", testid: "role-list" },
+      people.map((m) => {
+        const select = h(
+          "select",
+          {
+            testid: "role-select",
+            dataset: { memberName: m.displayName },
+            onchange: async () => {
+              try {
+                const changed = await api("POST", `/v1/members/${m.id}:setRole`, { member: "", body: { role: select.value } });
+                state.members.set(m.id, changed.member);
+                toast(`${m.displayName} is now ${ROLE_LABELS[changed.member.role]}.`);
+              } catch (err) {
+                showError(err, "Role not changed");
+              }
+            },
+          },
+          ["MEMBER_ROLE_MEMBER", "MEMBER_ROLE_ADMIN", "MEMBER_ROLE_OWNER"].map((r) => h("option", { value: r, selected: m.role === r }, ROLE_LABELS[r])),
+        );
+        return h("li", {}, h("span", {}, m.displayName), select);
+      }),
+    );
+    body.append(h("h3", {}, "Invite people"), inviteForm, inviteLink, h("h3", {}, "Roles"), people.length ? roles : h("p", { class: "muted" }, "Nobody else yet."));
+  }
+  body.append(h("div", { class: "account-actions" }, h("button", { class: "btn", type: "button", testid: "sign-out-account", onclick: signOut }, "Sign out")));
+  modal("Your account", body, { testid: "account" });
+  loadTokens().catch((err) => showError(err, "Could not list tokens"));
 }
 
 function renderSidebar() {
@@ -733,7 +914,7 @@ function renderContacts(body) {
         { class: "contact-actions" },
         m.id !== state.me.id ? h("button", { class: "btn btn-small", type: "button", onclick: () => openDirect(m.id) }, "Message") : null,
         agent ? h("button", { class: "btn btn-small", type: "button", onclick: () => openAgentPanel(appContext, agent.id) }, "Agent") : null,
-        m.id !== state.me.id ? h("button", { class: "btn btn-small", type: "button", title: "See the IM as this member", onclick: () => switchPerspective(m.id) }, "View as") : null,
+        m.id !== state.me.id && canView(m.id) ? h("button", { class: "btn btn-small", type: "button", title: "See the IM as this member", onclick: () => switchPerspective(m.id) }, "View as") : null,
       ),
     );
   };
@@ -743,7 +924,7 @@ function renderContacts(body) {
     h("ul", { class: "contact-list" }, members.filter((m) => m.kind !== AGENT).map(row)),
     h("div", { class: "list-title" }, "Agents"),
     h("ul", { class: "contact-list" }, members.filter((m) => m.kind === AGENT).map(row)),
-    h("div", { class: "list-actions" }, h("button", { class: "btn", type: "button", onclick: showNewMember }, "Add a person"), h("button", { class: "btn", type: "button", onclick: () => showCreateAgent(appContext) }, "Create an agent")),
+    h("div", { class: "list-actions" }, isAdmin() ? h("button", { class: "btn", type: "button", onclick: showAccount }, "Invite a person") : null, h("button", { class: "btn", type: "button", onclick: () => showCreateAgent(appContext) }, "Create an agent")),
   );
 }
 
@@ -820,11 +1001,18 @@ function others() {
   return [...state.members.values()].filter((m) => m.id !== state.me.id);
 }
 
-function showNewDirect() {
+/** The members, fresh: someone may have joined (by an invite) since they were loaded. */
+async function freshMembers() {
+  await refreshMembers();
+  return others();
+}
+
+async function showNewDirect() {
+  const people = await freshMembers();
   const list = h(
     "div",
     { class: "picker" },
-    others().map((m) =>
+    people.map((m) =>
       h(
         "button",
         { class: "member-pick", type: "button", testid: "direct-peer", dataset: { memberName: m.displayName }, onclick: () => (dialog.close(), openDirect(m.id)) },
@@ -834,13 +1022,14 @@ function showNewDirect() {
       ),
     ),
   );
-  if (!others().length) list.append(h("p", { class: "muted" }, "Nobody else is in this workspace yet: add a person or create an agent first."));
+  if (!people.length) list.append(h("p", { class: "muted" }, "Nobody else is in this workspace yet: invite a person or create an agent first."));
   const dialog = modal("New direct chat", list, { testid: "direct-dialog" });
 }
 
-function showNewGroup() {
+async function showNewGroup() {
+  const people = await freshMembers();
   const name = h("input", { placeholder: "e.g. Launch team", testid: "group-name", maxlength: 100 });
-  const picker = memberPicker(others(), { testid: "group-member-option" });
+  const picker = memberPicker(people, { testid: "group-member-option" });
   modal("New group chat", h("div", {}, field("Group name", name), h("div", { class: "field-label" }, "Members"), picker), {
     submitLabel: "Create group",
     testid: "group-dialog",
@@ -849,25 +1038,6 @@ function showNewGroup() {
       const response = await api("POST", "/v1/groups", { body: { name: name.value.trim(), memberIds: picker.values(), requestId: uuid4() } });
       upsertGroup(response.group);
       await openChat(response.group.id);
-    },
-  });
-}
-
-function showNewMember() {
-  const name = h("input", { placeholder: "e.g. Bob", testid: "member-name", maxlength: 100 });
-  const emoji = h("input", { placeholder: "optional, e.g. 🦊", maxlength: 8, testid: "member-avatar" });
-  modal("Add a person", h("div", {}, field("Name", name), field("Avatar", emoji, "An emoji; empty shows the initial."), h("p", { class: "muted small" }, "Agents are created with “Create an agent”, which also starts them.")), {
-    submitLabel: "Add",
-    testid: "member-dialog",
-    onSubmit: async () => {
-      if (!name.value.trim()) throw new Error("Give the person a name.");
-      const response = await api("POST", `/v1/workspaces/${state.workspace.id}/members`, {
-        body: { kind: HUMAN, displayName: name.value.trim(), avatar: emoji.value.trim(), requestId: uuid4() },
-      });
-      state.members.set(response.member.id, response.member);
-      renderPerspective();
-      renderSidebar();
-      toast(`${response.member.displayName} was added. Use “Acting as” to see the IM as them.`);
     },
   });
 }
@@ -1526,13 +1696,11 @@ const appContext = {
 
 // -- start -----------------------------------------------------------------------
 
-let tokenPrompt = null;
 // The workspace memory search, kept across redraws of the sidebar.
 let workspaceMemory = null;
-onUnauthorized((error) => {
-  // One dialog for every call refused at once.
-  tokenPrompt = tokenPrompt || askToken(error, getToken(), setToken).finally(() => (tokenPrompt = null));
-  return tokenPrompt;
+onUnauthorized(() => {
+  // The session ended (signed out elsewhere, expired): back to the sign-in page, once.
+  if (state.person) showStart("Your session has ended: sign in again.");
 });
 
 document.addEventListener("click", (event) => {
@@ -1547,15 +1715,10 @@ window.addEventListener("unhandledrejection", (event) => {
 });
 
 async function boot() {
-  const identity = loadIdentity();
-  if (!identity || !identity.memberId) {
-    showStart();
-    return;
-  }
   try {
-    await enterAs(identity.memberId);
+    await startSession();
   } catch (err) {
-    showStart(`Could not continue as the last member: ${err.message}`);
+    showStart(err instanceof ApiError && err.httpStatus === 401 ? "" : `Could not continue: ${err.message}`);
   }
 }
 

@@ -1,14 +1,19 @@
 """The web UI in a real browser: the whole system as `make run` starts it, driven by headless Chromium.
 
 The script (tests/e2e/browser/ui.test.mjs, playwright-core) creates a
-workspace, two agents and a second person, chats, watches an agent's steps
-stream, checks unread badges, replies, mentions and that hostile content
-stays inert. The main journey (a workspace, an agent, a chat with long
+workspace with a password (its creator signed in by an HttpOnly session
+cookie), signs out and in again, creates two agents, chats, watches an
+agent's steps stream, and checks replies, mentions and that hostile content
+stays inert. The owner invites a second person from the account dialog (the
+link shown once); a second browser opens the link, joins and is signed in,
+and sees an unread badge appear live. That person creates a read-only
+personal access token (shown once), which a program uses to read but not to
+send, and revokes it; signing out returns to the sign-in page, and the old
+cookie is refused. The main journey (a workspace, an agent, a chat with long
 words, unbroken text, a URL and code, the agent panel, the chat list) runs
 first on a desktop window and then at phone size (390x844), checking at each
 screen that nothing overflows sideways and that a phone shows one column at
-a time. A second gateway that requires a token shows the UI asking for one
-there, and only there. Then agent control: it pauses a third agent (a
+a time. Then agent control: it pauses a third agent (a
 message sent meanwhile waits), edits one of its steps and adds a note,
 resumes it and sees it go on from the corrected context and answer; forks
 from a step into a new session that becomes the main thread (and makes the
@@ -50,8 +55,6 @@ GATEWAY = ROOT / "gateway"
 RUNNING = "Agent IM is running"
 START_SECONDS = 90.0
 BROWSER_SECONDS = 240.0
-# The second gateway's: it shows the UI asking for a token only where one is required.
-UI_TOKEN = "browser-test-token"
 STOP_SECONDS = 30.0
 # "IM service listening on 127.0.0.1:50051 (...)" -> {"IM service": "127.0.0.1:50051"}
 _LISTENING = re.compile(r"^(?P<what>.+?) listening on (?P<address>[^\s:]+:\d+)")
@@ -213,15 +216,13 @@ def _service(module: str, env: Mapping[str, str], log_path: Path) -> Iterator[Se
             process.stdout.close()
 
 
-def _run_browser(node: str, url: str, model_url: str, token_url: str) -> tuple[int, str]:
+def _run_browser(node: str, url: str, model_url: str) -> tuple[int, str]:
     """Runs the Playwright script; on a timeout it is stopped (SIGTERM lets it close Chromium)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
         "AGENTIM_UI_URL": url,
         "AGENTIM_FAKE_LLM_URL": model_url,
-        "AGENTIM_TOKEN_UI_URL": token_url,
-        "AGENTIM_TOKEN": UI_TOKEN,
         "AGENTIM_ARTIFACTS": str(ARTIFACTS),
         "CHROMIUM": str(CHROMIUM),
     }
@@ -270,21 +271,8 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
             assert url_address is not None, gateway.report()
             services.insert(0, gateway)
 
-        # A second gateway over the same services that requires a token.
-        guarded_env = {
-            **env,
-            "IM_ADDRESS": addresses["IM service"],
-            "RUNTIME_ADDRESS": addresses["runtime service"],
-            "GATEWAY_TOKEN": UI_TOKEN,
-        }
-        guarded = stack.enter_context(_service("gateway", guarded_env, tmp_path / "guarded-gateway.log"))
-        announced = guarded.read_until(_announced_listening, START_SECONDS)
-        guarded_address = next(iter(announced.values()), None)
-        assert guarded_address is not None, guarded.report()
-        services.insert(0, guarded)
-
         model_url = stack.enter_context(_fake_models())
-        code, output = _run_browser(node, f"http://{url_address}/", model_url, f"http://{guarded_address}/")
+        code, output = _run_browser(node, f"http://{url_address}/", model_url)
         logs = "\n".join(service.report() for service in services)
         assert code == 0, f"browser script failed (exit {code}); screenshots in {ARTIFACTS}\n{output}\n{logs}"
         assert "all browser checks passed" in output, output

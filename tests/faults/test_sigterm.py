@@ -46,6 +46,7 @@ from tests.faults.load import (
     watching_health,
 )
 from tests.faults.test_im_kill import all_contents
+from tests.gateway_support import member_token
 
 CALLERS = 20
 LOAD_SECONDS = 0.6
@@ -356,12 +357,17 @@ async def test_sigterm_of_the_runtime_under_load_is_graceful(
 # --- the gateway ----------------------------------------------------------------
 
 
+def signed_in(chat: Chat) -> dict[str, str]:
+    """The member's access token, as a program sends it to the gateway."""
+    return {"Authorization": f"Bearer {member_token(chat.member_id)}"}
+
+
 async def post_message(session: aiohttp.ClientSession, base: str, chat: Chat, key: str) -> None:
     try:
         async with session.post(
             f"{base}/v1/groups/{chat.group_id}/messages",
             json={"content": key, "requestId": key},
-            headers={"X-Member-Id": chat.member_id},
+            headers=signed_in(chat),
         ) as response:
             body = await response.json(content_type=None)
     except aiohttp.ClientError as error:
@@ -373,7 +379,7 @@ async def post_message(session: aiohttp.ClientSession, base: str, chat: Chat, ke
 
 def event_streams(session: aiohttp.ClientSession, base: str, chat: Chat, streams: Streams) -> None:
     for _ in range(3):
-        streams.open_sse(session, f"{base}/v1/events?member_id={chat.member_id}", {})
+        streams.open_sse(session, f"{base}/v1/events", signed_in(chat))
 
 
 async def test_sigterm_of_the_gateway_under_load_is_graceful(tmp_path: Path) -> None:

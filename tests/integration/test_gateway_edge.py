@@ -8,7 +8,7 @@ import re
 import uuid
 
 from gateway.config import DEFAULT_STATIC_DIR
-from tests.gateway_support import Api
+from tests.gateway_support import Api, as_member
 from tests.integration.test_gateway_http import Stack, people, stack
 
 __all__ = ["stack"]  # a fixture
@@ -68,7 +68,7 @@ async def test_hostile_paths_and_queries_are_400(stack: Stack) -> None:
         f"/v1/groups/{group}/messages?before_message_id=%FF",
         f"/v1/agents?page_size={2**40}",
     ]:
-        async with api.http.get(api.base + path, headers={"X-Member-Id": ada}) as response:
+        async with api.http.get(api.base + path, headers=as_member(ada)) as response:
             body = await response.json()
             assert response.status == 400, (path, response.status, body)
             assert body["error"]["status"] == "INVALID_ARGUMENT", (path, body)
@@ -134,13 +134,13 @@ async def test_every_response_carries_the_security_headers(stack: Stack) -> None
         ("GET", "/nowhere", None),
         ("POST", "/v1/groups", ada),
     ]:
-        headers = {"X-Member-Id": member} if member else {}
+        headers = as_member(member) if member else {}
         async with api.http.request(
             method, api.base + path, headers=headers, data=b"{" if method == "POST" else None
         ) as response:
             assert response.headers.get("Content-Security-Policy") == policy, (path, response.status)
             for name, value in SECURITY_HEADERS.items():
                 assert response.headers.get(name) == value, (path, name)
-    async with api.http.get(f"{api.base}/v1/events?member_id={ada}") as stream:
+    async with api.http.get(f"{api.base}/v1/events", headers=as_member(ada)) as stream:
         assert stream.status == 200 and stream.headers.get("X-Frame-Options") == "DENY"
         assert stream.headers.get("Content-Security-Policy") == policy

@@ -28,7 +28,7 @@ from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from tests.conftest import RunningIM, start_im, stop_im
 from tests.faults.harness import LONG
-from tests.gateway_support import WAIT, Api, sse, start_gateway, write_static
+from tests.gateway_support import WAIT, Api, as_member, new_workspace, sse, start_gateway, write_static
 from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime, start_runtime, stop_runtime
 
@@ -259,40 +259,6 @@ async def test_bodies_over_the_limit_get_413(stack: Stack) -> None:
         await app.stop()
 
 
-async def test_a_token_guards_the_api_but_not_health_static_or_the_document(stack: Stack) -> None:
-    app, api = await stack.gateway_with(GATEWAY_TOKEN="s3cret-token")
-    try:
-        ada = (await people(stack.api, 1)).ids[0]
-        missing = await api.call("GET", "/v1/workspaces", member=ada)
-        assert missing.status == 401 and missing.error["status"] == "UNAUTHENTICATED"
-        assert missing.headers["WWW-Authenticate"] == "Bearer"
-        wrong = await api.call("GET", "/v1/workspaces", member=ada, headers={"Authorization": "Bearer nope"})
-        assert wrong.status == 401
-        not_bearer = await api.call(
-            "GET", "/v1/workspaces", member=ada, headers={"Authorization": "s3cret-token"}
-        )
-        assert not_bearer.status == 401
-        right = await api.call(
-            "GET", "/v1/workspaces", member=ada, headers={"Authorization": "Bearer s3cret-token"}
-        )
-        assert right.status == 200
-        # Unknown paths say nothing without the token.
-        assert (await api.call("GET", "/v1/nothing")).status == 401
-        # access_token is for EventSource only.
-        query = await api.call("GET", "/v1/workspaces", member=ada, params={"access_token": "s3cret-token"})
-        assert query.status == 401
-        async with sse(
-            stack.http, f"{api.base}/v1/events", params={"member_id": ada, "access_token": "s3cret-token"}
-        ) as stream:
-            assert stream.retry is None or stream.retry > 0
-        refused = await api.call("GET", "/v1/events", params={"member_id": ada, "access_token": "nope"})
-        assert refused.status == 401
-        for open_path in ("/healthz", "/openapi.json", "/"):
-            assert (await api.call("GET", open_path)).status == 200, open_path
-    finally:
-        await app.stop()
-
-
 async def test_cors_answers_configured_origins_only(stack: Stack) -> None:
     app, api = await stack.gateway_with(GATEWAY_CORS_ORIGINS="https://ui.example, http://localhost:5173")
     try:
@@ -340,7 +306,7 @@ async def test_im_events_stream_and_resume_with_last_event_id(stack: Stack) -> N
         await api.ok("POST", f"/v1/groups/{group['id']}/messages", member=ada, body={"content": text})
 
     url = f"{api.base}/v1/events"
-    async with sse(stack.http, url, params={"member_id": bea}) as stream:
+    async with sse(stack.http, url, member=bea) as stream:
         for text in ("m1", "m2", "m3"):
             await send(text)
         events = [await stream.next() for _ in range(2)]
@@ -352,16 +318,14 @@ async def test_im_events_stream_and_resume_with_last_event_id(stack: Stack) -> N
     assert resume_from
     for text in ("m4", "m5"):
         await send(text)
-    async with sse(
-        stack.http, url, params={"member_id": bea}, headers={"Last-Event-ID": resume_from}
-    ) as again:
+    async with sse(stack.http, url, member=bea, headers={"Last-Event-ID": resume_from}) as again:
         resumed = [await again.next() for _ in range(3)]
         nothing_more = asyncio.ensure_future(again.next(0.3))
         with pytest.raises(TimeoutError):
             await nothing_more
     assert [e.json["messageCreated"]["message"]["content"] for e in resumed if e] == ["m3", "m4", "m5"]
     # The same with the query parameter, and the sequence is gap-free.
-    async with sse(stack.http, url, params={"member_id": bea, "after_cursor": resume_from}) as by_query:
+    async with sse(stack.http, url, member=bea, params={"after_cursor": resume_from}) as by_query:
         replay = [await by_query.next() for _ in range(3)]
     sequences = [int(e.json["sequence"]) for e in replay if e]
     assert sequences == list(range(sequences[0], sequences[0] + 3))
@@ -372,14 +336,14 @@ async def test_a_stream_that_breaks_before_any_event_resumes_where_it_began(stac
     ada, bea = (await people(api, 2)).ids
     group = (await api.ok("POST", "/v1/groups:direct", member=ada, body={"peerMemberId": bea}))["group"]
     url = f"{api.base}/v1/events"
-    async with sse(stack.http, url, params={"member_id": bea}) as stream:
+    async with sse(stack.http, url, member=bea) as stream:
         ping = asyncio.ensure_future(stream.next(0.3))
         with pytest.raises(TimeoutError):
             await ping
         start = stream.last_event_id
     assert start, "the opening carries the start cursor as the event id"
     await api.ok("POST", f"/v1/groups/{group['id']}/messages", member=ada, body={"content": "while away"})
-    async with sse(stack.http, url, params={"member_id": bea}, headers={"Last-Event-ID": start}) as again:
+    async with sse(stack.http, url, member=bea, headers={"Last-Event-ID": start}) as again:
         event = await again.next()
     assert event is not None and event.json["messageCreated"]["message"]["content"] == "while away"
 
@@ -387,7 +351,7 @@ async def test_a_stream_that_breaks_before_any_event_resumes_where_it_began(stac
 async def test_stream_errors_before_opening_are_plain_http_errors(stack: Stack) -> None:
     api = stack.api
     ada = (await people(api, 1)).ids[0]
-    unknown = await api.call("GET", f"/v1/agents/{uuid.uuid4()}/events", params={"member_id": ada})
+    unknown = await api.call("GET", f"/v1/agents/{uuid.uuid4()}/events", member=ada)
     assert unknown.status == 404 and unknown.error["status"] == "NOT_FOUND"
     anonymous = await api.call("GET", "/v1/events")
     assert anonymous.status == 401
@@ -403,7 +367,7 @@ async def test_heartbeats_keep_idle_streams_open_and_disconnects_free_them(stack
     app, api = await stack.gateway_with(GATEWAY_SSE_HEARTBEAT_SECONDS="0.05")
     try:
         ada = (await people(stack.api, 1)).ids[0]
-        async with sse(stack.http, f"{api.base}/v1/events", headers={"X-Member-Id": ada}) as stream:
+        async with sse(stack.http, f"{api.base}/v1/events", headers=as_member(ada)) as stream:
             waiting = asyncio.ensure_future(stream.next(0.4))
             with pytest.raises(TimeoutError):
                 await waiting
@@ -417,7 +381,7 @@ async def test_heartbeats_keep_idle_streams_open_and_disconnects_free_them(stack
 async def test_shutdown_ends_open_streams_with_an_unavailable_error_event(stack: Stack) -> None:
     app, api = await stack.gateway_with()
     ada = (await people(stack.api, 1)).ids[0]
-    async with sse(stack.http, f"{api.base}/v1/events", headers={"X-Member-Id": ada}) as stream:
+    async with sse(stack.http, f"{api.base}/v1/events", headers=as_member(ada)) as stream:
         stopping = asyncio.ensure_future(app.stop())
         # Said, so that the client knows to reconnect, not just dropped.
         ended = await stream.next()
@@ -432,7 +396,7 @@ async def test_a_streams_life_can_be_bounded(stack: Stack) -> None:
     app, api = await stack.gateway_with(GATEWAY_SSE_MAX_SECONDS="0.2")
     try:
         ada = (await people(stack.api, 1)).ids[0]
-        async with sse(stack.http, f"{api.base}/v1/events", headers={"X-Member-Id": ada}) as stream:
+        async with sse(stack.http, f"{api.base}/v1/events", headers=as_member(ada)) as stream:
             assert await stream.next() is None
     finally:
         await app.stop()
@@ -475,12 +439,13 @@ async def test_agent_routes_and_a_person_watching_an_agent_answer(stack: Stack) 
         "group"
     ]
 
-    all_agents = sse(stack.http, f"{api.base}/v1/agent-events", params={"member_id": ada})
+    all_agents = sse(stack.http, f"{api.base}/v1/agent-events", member=ada)
     async with (
         sse(
             stack.http,
             f"{api.base}/v1/agents/{agent['id']}/events",
-            params={"member_id": ada, "live_only": "true"},
+            member=ada,
+            params={"live_only": "true"},
         ) as stream,
         all_agents as workspace_stream,
     ):
@@ -509,7 +474,7 @@ async def test_agent_routes_and_a_person_watching_an_agent_answer(stack: Stack) 
 
     # Resuming after step 1 sends step 2 only (as a snapshot); after 2, nothing.
     url = f"{api.base}/v1/agents/{agent['id']}/events"
-    async with sse(stack.http, url, headers={"X-Member-Id": ada, "Last-Event-ID": "1"}) as resumed:
+    async with sse(stack.http, url, headers=as_member(ada, **{"Last-Event-ID": "1"})) as resumed:
         snapshot = await resumed.next()
         quiet = asyncio.ensure_future(resumed.next(0.3))
         with pytest.raises(TimeoutError):
@@ -587,7 +552,7 @@ async def agent_that_answered(stack: Stack) -> tuple[Api, str, str]:
         "group"
     ]
     await api.ok("POST", f"/v1/groups/{chat['id']}/messages", member=ada, body={"content": "hello"})
-    async with sse(stack.http, f"{api.base}{base}/events", params={"member_id": ada}) as stream:
+    async with sse(stack.http, f"{api.base}{base}/events", member=ada) as stream:
         await stream.until("run_ended")
     return api, ada, base
 
@@ -632,9 +597,7 @@ async def test_agent_lifecycle_intervention_checkpoint_and_task_routes(stack: St
 
 async def test_agent_fork_session_retry_and_terminate_routes(stack: Stack) -> None:
     api, ada, base = await agent_that_answered(stack)
-    async with sse(
-        stack.http, f"{api.base}{base}/events", params={"member_id": ada, "live_only": "true"}
-    ) as live:
+    async with sse(stack.http, f"{api.base}{base}/events", member=ada, params={"live_only": "true"}) as live:
         forked = await api.ok("POST", f"{base}/steps/1:fork", member=ada, body={})
         await live.until("run_ended")
     sessions = (await api.ok("GET", f"{base}/sessions", member=ada))["sessions"]
@@ -643,9 +606,7 @@ async def test_agent_fork_session_retry_and_terminate_routes(stack: Stack) -> No
     steps = await api.ok("GET", f"{base}/steps", member=ada, params={"session_id": sessions[1]["id"]})
     assert steps["steps"][0]["content"].endswith("hello")
 
-    async with sse(
-        stack.http, f"{api.base}{base}/events", params={"member_id": ada, "live_only": "true"}
-    ) as live:
+    async with sse(stack.http, f"{api.base}{base}/events", member=ada, params={"live_only": "true"}) as live:
         await api.ok("POST", f"{base}/steps/2:retry", member=ada)
         await live.until("run_ended")
     terminated = await api.ok(
@@ -662,7 +623,8 @@ async def test_the_openapi_document_lists_every_route(stack: Stack) -> None:
     document = await stack.api.ok("GET", "/openapi.json")
     operations = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
     routes = {(r.method, r.openapi_path) for r in stack.gateway.gateway.table.routes}
-    assert operations == routes and len(routes) == 59
+    own = {("GET", "/v1/auth/session"), ("POST", "/v1/auth/sign-out"), ("GET", "/v1/auth/options")}
+    assert operations == routes | own and len(routes) == 67
 
 
 async def test_a_taken_port_is_refused(stack: Stack) -> None:
@@ -697,9 +659,11 @@ def with_real_ids(known: dict[str, str]) -> Any:
     return realize
 
 
-def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> tuple[int, list[str]]:
-    """Runs every operation in both modes; returns the number of requests and the failures."""
-    member = known["member_id"]
+def fuzz(
+    document: dict[str, Any], base_url: str, known: dict[str, str], headers: dict[str, str]
+) -> tuple[int, list[str]]:
+    """Runs every operation in both modes, signed in by `headers`; returns the number of
+    requests and the failures."""
     schema = schemathesis.openapi.from_dict(document)
     failures: list[str] = []
     calls = 0
@@ -728,9 +692,7 @@ def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> tupl
             def check(case: schemathesis.Case[Any]) -> None:
                 nonlocal calls
                 calls += 1
-                response = case.call(
-                    base_url=base_url, headers={"X-Member-Id": member}, timeout=REQUEST_TIMEOUT_S
-                )
+                response = case.call(base_url=base_url, headers=headers, timeout=REQUEST_TIMEOUT_S)
                 if response.status_code >= 500:
                     failures.append(
                         f"{response.status_code} {response.text[:300]}\n  {case.as_curl_command()}"
@@ -740,34 +702,35 @@ def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> tupl
     return calls, failures
 
 
-async def real_objects(http: aiohttp.ClientSession, base: str) -> dict[str, str]:
-    """A workspace with two people, a group, a message and an agent; their ids by path parameter name."""
+async def real_objects(api: Api) -> tuple[dict[str, str], str]:
+    """A workspace with two people, a group, a message, an agent and a spare personal
+    token, made by its owner signed in with a password (session cookie + CSRF token);
+    their ids by path parameter name, and a personal access token of the owner's."""
+    owner, created = await new_workspace(api, login="fuzzer")
+    workspace, me = created.body["workspace"]["id"], created.body["creator"]["id"]
+    person = {"displayName": "o", "kind": "MEMBER_KIND_HUMAN"}
+    other = (await owner.ok("POST", f"/v1/workspaces/{workspace}/members", body=person))["member"]["id"]
+    group = (await owner.ok("POST", "/v1/groups", body={"name": "g", "memberIds": [other]}))["group"]["id"]
+    sent = await owner.ok("POST", f"/v1/groups/{group}/messages", body={"content": "hi"})
+    message = sent["message"]["id"]
+    agent = (await owner.ok("POST", "/v1/agents", body={"name": "fuzzy"}))["agent"]["id"]
 
-    async def post(path: str, body: dict[str, Any], member: str | None = None) -> Any:
-        headers = {"X-Member-Id": member} if member else {}
-        async with http.post(f"{base}{path}", json=body, headers=headers) as response:
-            assert response.status == 200, await response.text()
-            return await response.json()
+    async def personal_token(name: str) -> Any:
+        body = {"name": name, "scope": "PERSONAL_TOKEN_SCOPE_WRITE"}
+        return await owner.ok("POST", "/v1/auth/personal-tokens", body=body)
 
-    created = await post(
-        "/v1/workspaces", {"name": f"fuzz-{uuid.uuid4().hex[:6]}", "creatorDisplayName": "f"}
-    )
-    workspace, me = created["workspace"]["id"], created["creator"]["id"]
-    other = (
-        await post(
-            f"/v1/workspaces/{workspace}/members", {"displayName": "o", "kind": "MEMBER_KIND_HUMAN"}, me
-        )
-    )["member"]["id"]
-    group = (await post("/v1/groups", {"name": "g", "memberIds": [other]}, me))["group"]["id"]
-    message = (await post(f"/v1/groups/{group}/messages", {"content": "hi"}, me))["message"]["id"]
-    agent = (await post("/v1/agents", {"name": "fuzzy"}, me))["agent"]["id"]
-    return {
+    fuzzer = await personal_token("fuzzer")
+    # Fuzzed revocations may take this one; the fuzzer's own stays.
+    spare = await personal_token("spare")
+    known = {
         "workspace_id": workspace,
         "member_id": me,
         "group_id": group,
         "message_id": message,
         "agent_id": agent,
+        "personal_token_id": spare["personalToken"]["id"],
     }
+    return known, fuzzer["secret"]
 
 
 async def test_no_route_answers_5xx_to_fuzzed_requests(stack: Stack) -> None:
@@ -776,9 +739,11 @@ async def test_no_route_answers_5xx_to_fuzzed_requests(stack: Stack) -> None:
     # Streams end by themselves, so that each fuzzed SSE request completes.
     app, api = await stack.gateway_with(GATEWAY_SSE_MAX_SECONDS="0.2")
     try:
-        known = await real_objects(stack.http, api.base)
+        known, secret = await real_objects(api)
         document = await api.ok("GET", "/openapi.json")
-        calls, failures = await asyncio.to_thread(fuzz, document, api.base, known)
+        # As a program would: its owner's personal access token (exchanged by the gateway).
+        signed_in = {"Authorization": f"Bearer {secret}"}
+        calls, failures = await asyncio.to_thread(fuzz, document, api.base, known, signed_in)
     finally:
         await app.stop()
     operations = sum(len(item) for item in document["paths"].values())

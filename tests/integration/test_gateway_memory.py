@@ -80,9 +80,7 @@ async def told(stack: Stack, text: str) -> tuple[str, str, str, str]:
     chat = (await api.ok("POST", "/v1/groups:direct", member=ada, body={"peerMemberId": agent["memberId"]}))[
         "group"
     ]
-    async with sse(
-        stack.http, f"{api.base}/v1/agents/{agent['id']}/events", params={"member_id": ada}
-    ) as events:
+    async with sse(stack.http, f"{api.base}/v1/agents/{agent['id']}/events", member=ada) as events:
         await api.ok("POST", f"/v1/groups/{chat['id']}/messages", member=ada, body={"content": text})
         seen = await events.until("run_ended")
     run = seen[-1].json["event"]["runEnded"]["id"]

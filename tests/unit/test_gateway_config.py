@@ -12,7 +12,8 @@ def test_defaults() -> None:
     settings = Settings.from_env({})
     assert settings.http_address == "127.0.0.1:8080"
     assert (settings.im_address, settings.runtime_address) == ("127.0.0.1:50051", "127.0.0.1:50052")
-    assert settings.token is None and settings.cors_origins == ()
+    assert settings.session_key is None and settings.cors_origins == ()
+    assert settings.session_key_file.name == "gateway-session.key" and not settings.cookie_secure
     assert settings.max_body_bytes == 1024 * 1024 and settings.heartbeat_seconds == 15.0
     assert settings.static_dir == DEFAULT_STATIC_DIR and settings.sse_max_seconds == 0
 
@@ -26,7 +27,7 @@ def test_every_problem_is_reported_at_once_and_the_token_never() -> None:
                 "GATEWAY_MAX_BODY_BYTES": "lots",
                 "GATEWAY_CORS_ORIGINS": "https://ok.example, ftp://bad, https://x.example/path",
                 "GATEWAY_CALL_TIMEOUT_SECONDS": "0",
-                "GATEWAY_TOKEN": "secret\x01token",
+                "GATEWAY_SESSION_KEY": "secret-but-short",
                 "LOG_LEVEL": "LOUD",
             }
         )
@@ -38,7 +39,18 @@ def test_every_problem_is_reported_at_once_and_the_token_never() -> None:
     assert "secret" not in problems
 
 
-def test_origins_and_token() -> None:
-    settings = Settings.from_env({"GATEWAY_CORS_ORIGINS": "https://a.example/, *", "GATEWAY_TOKEN": "t0k"})
+def test_origins_and_session_key() -> None:
+    key = "ab" * 32
+    settings = Settings.from_env(
+        {"GATEWAY_CORS_ORIGINS": "https://a.example/, *", "GATEWAY_SESSION_KEY": key}
+    )
     assert settings.cors_origins == ("https://a.example", "*")
-    assert settings.token == "t0k" and "t0k" not in repr(settings)
+    assert settings.session_key == bytes.fromhex(key) and key not in repr(settings)
+
+
+def test_a_shared_database_needs_a_session_key_and_gateway_token_is_gone() -> None:
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_env({"DATABASE_URL": "postgresql://db/x", "GATEWAY_TOKEN": "t0k"})
+    problems = "\n".join(raised.value.problems)
+    assert "GATEWAY_SESSION_KEY: required" in problems and "GATEWAY_TOKEN: no longer used" in problems
+    assert "t0k" not in problems

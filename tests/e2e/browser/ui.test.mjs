@@ -47,7 +47,8 @@ const log = (text) => console.log(`[${((Date.now() - started) / 1000).toFixed(1)
 const dialogs = [];
 const problems = [];
 // Calls the test makes the server refuse on purpose: Chromium logs each refused fetch as a console error.
-const expectedRefusals = [];
+// A page opened without a session asks who is signed in, and hears 401: that is how it knows to show the sign-in page.
+const expectedRefusals = [/\/v1\/auth\/session$/];
 
 function watch(page, name) {
   page.setDefaultTimeout(TIMEOUT);
@@ -152,6 +153,8 @@ function chatItem(page, name) {
   return page.locator(`${testid("chat-item")}[data-chat-name="${name}"]`);
 }
 
+const PASSWORD = "correct horse battery staple";
+
 async function step(name, body) {
   log(`… ${name}`);
   await body();
@@ -233,6 +236,8 @@ async function mainJourney(label, viewport) {
       await p.goto(BASE);
       await p.locator(testid("create-workspace-name")).fill(`${label} workspace`);
       await p.locator(testid("create-workspace-creator")).fill("Pia");
+      await p.locator(testid("create-workspace-login")).fill("pia");
+      await p.locator(testid("create-workspace-password")).fill(PASSWORD);
       await expectNoOverflow(p, `${label} start screen`);
       await p.locator(testid("create-workspace-submit")).click();
       await actingAs(p, "Pia");
@@ -325,6 +330,7 @@ async function mainJourney(label, viewport) {
 
 const browser = await chromium.launch({ executablePath: EXECUTABLE, args: CHROMIUM_ARGS, headless: true });
 let context;
+let bobContext;
 let page;
 let exitCode = 0;
 try {
@@ -336,52 +342,31 @@ try {
   page = await context.newPage();
   watch(page, "page 1");
 
-  await step("a member id nobody has is a plain error: no token is asked for where none is needed", async () => {
+  await step("create a workspace with a password: its creator is signed in", async () => {
     await page.goto(BASE);
-    const nobody = "01a2b3c4-0000-7000-8000-000000000000";
-    expectedRefusals.push(new RegExp(`/v1/members/${nobody}$`));
-    await page.locator(testid("signin-member-id")).fill(nobody);
-    await page.locator(testid("signin-member-id")).press("Enter");
-    await page.locator(testid("start-error")).filter({ hasText: `No member has the id “${nobody}”` }).waitFor();
-    await page.locator(testid("signin-member-id")).fill("not a member id");
-    await page.locator(testid("signin-member-id")).press("Enter");
-    await page.locator(testid("start-error")).filter({ hasText: "is not a member id" }).waitFor();
-    if (await page.locator(testid("token")).count()) throw new Error("a token was asked for on a gateway that requires none");
-  });
-
-  await step("create a workspace with its first human", async () => {
     await page.locator(testid("create-workspace-name")).fill("Acme");
     await page.locator(testid("create-workspace-creator")).fill("Ada");
+    await page.locator(testid("create-workspace-login")).fill("ada");
+    await page.locator(testid("create-workspace-password")).fill(PASSWORD);
     await shot(page, "01-start");
     await page.locator(testid("create-workspace-submit")).click();
     await actingAs(page, "Ada");
+    await page.locator(testid("signed-in-as")).filter({ hasText: "Signed in as Ada (owner)" }).waitFor();
     await page.locator(testid("no-chat")).waitFor();
+    // No script can read the session: the cookie is HttpOnly.
+    if ((await page.evaluate(() => document.cookie)).includes("agentim_session")) throw new Error("the session cookie is readable by scripts");
   });
 
-  await step("a gateway that requires a token asks for it, once, and lets the right one in", async () => {
-    const guarded = process.env.AGENTIM_TOKEN_UI_URL;
-    const token = process.env.AGENTIM_TOKEN;
-    if (!guarded || !token) throw new Error("AGENTIM_TOKEN_UI_URL and AGENTIM_TOKEN are not set");
-    const ada = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).memberId);
-    // Another origin: a profile of its own, as far as localStorage goes.
-    expectedRefusals.push(new RegExp(`^${guarded.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}v1/`));
-    const tokenContext = await browser.newContext({ viewport: DESKTOP });
-    try {
-      const guardedPage = await tokenContext.newPage();
-      watch(guardedPage, "token page");
-      await guardedPage.goto(guarded);
-      await guardedPage.locator(testid("signin-member-id")).fill(ada);
-      await guardedPage.locator(testid("signin-member-id")).press("Enter");
-      const dialog = guardedPage.locator(testid("token"));
-      await dialog.filter({ hasText: "This server requires an access token" }).waitFor();
-      await dialog.locator(testid("token-input")).fill(token);
-      await dialog.locator(testid("token-submit")).click();
-      await actingAs(guardedPage, "Ada");
-      await guardedPage.locator(testid("no-chat")).waitFor();
-      if (await dialog.count()) throw new Error("the token dialog stayed open");
-    } finally {
-      await tokenContext.close();
-    }
+  await step("sign out, then sign in with the password", async () => {
+    const workspace = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).workspaceId);
+    await page.locator(testid("sign-out")).click();
+    await page.locator(testid("signin-form")).waitFor();
+    await shot(page, "01b-sign-in");
+    await page.locator(testid("signin-workspace")).fill(workspace);
+    await page.locator(testid("signin-login")).fill("ada");
+    await page.locator(testid("signin-password")).fill(PASSWORD);
+    await page.locator(testid("signin-submit")).click();
+    await actingAs(page, "Ada");
   });
 
   await step("create two agents (one reporting to the other)", async () => {
@@ -494,57 +479,91 @@ try {
     await shot(page, "05-agent-to-agent");
   });
 
-  let second;
-  await step("a second human sees an unread badge appear live, and clear when the chat opens", async () => {
+  // Bob signs in in a browser of his own: its own cookies, its own session.
+  let bob;
+  await step("the owner invites a second person from the account dialog; the link is shown once", async () => {
     await switchTo(page, "Ada");
-    await newFromMenu(page, "new-member");
-    await page.locator(testid("member-name")).fill("Bob");
-    await page.locator(testid("member-dialog-submit")).click();
-    await page.locator(testid("member-dialog")).waitFor({ state: "detached" });
-    await switchTo(page, "Bob");
-    await page.locator(testid("no-chat")).waitFor();
+    await page.locator(testid("account-button")).click();
+    const account = page.locator(testid("account-dialog"));
+    await account.locator(testid("invite-role")).selectOption("MEMBER_ROLE_MEMBER");
+    await account.locator(testid("invite-create")).click();
+    const link = await account.locator(testid("invite-link")).inputValue();
+    if (!link.startsWith(`${new URL(BASE).origin}/#invite=`)) throw new Error(`not an invite link: ${link}`);
+    await shot(page, "06a-account-owner");
+    await page.keyboard.press("Escape");
+    await account.waitFor({ state: "detached" });
+    // Opened again, the dialog no longer has it: only the invited person holds the secret.
+    await page.locator(testid("account-button")).click();
+    await account.locator(testid("token-list")).waitFor();
+    if (await account.locator(testid("invite-link")).count()) throw new Error("the invite link is shown again");
+    await page.setViewportSize(PHONE);
+    await shot(page, "06b-account-owner-phone");
+    await page.keyboard.press("Escape");
+    await account.waitFor({ state: "detached" });
+    await page.setViewportSize(DESKTOP);
 
-    // A second tab acts as Ada and writes to Bob.
-    second = await context.newPage();
-    watch(second, "page 2");
-    await second.goto(BASE);
-    await actingAs(second, "Bob");
-    await switchTo(second, "Ada");
-    await newFromMenu(second, "new-direct");
-    await second.locator(`${testid("direct-peer")}[data-member-name="Bob"]`).click();
-    await second.locator(testid("chat-title")).filter({ hasText: "Bob" }).waitFor();
-    await send(second, "Hi Bob, lunch at *noon*?");
+    bobContext = await browser.newContext({ viewport: DESKTOP });
+    bob = await bobContext.newPage();
+    watch(bob, "Bob");
+    await bob.goto(link);
+    const form = bob.locator(testid("invite-form"));
+    await form.locator(testid("invite-name")).fill("Bob");
+    await form.locator(testid("invite-login")).fill("bob");
+    await form.locator(testid("invite-password")).fill(PASSWORD);
+    await shot(bob, "06c-accept-invite");
+    await form.locator(testid("invite-submit")).click();
+    await actingAs(bob, "Bob");
+    await bob.locator(testid("signed-in-as")).filter({ hasText: "Signed in as Bob (member)" }).waitFor();
+    await bob.locator(testid("no-chat")).waitFor();
+    if (bob.url().includes("invite=")) throw new Error(`the spent invite stays in the address: ${bob.url()}`);
+    // Bob sees the IM as himself or as an agent (agents have no owner yet: any agent); never as Ada.
+    const views = await bob.locator(`${testid("perspective-select")} option`).allTextContents();
+    if (views[0] !== "Bob" || views.includes("Ada")) throw new Error(`Bob may view as ${views}`);
+    // A member invites nobody.
+    await bob.locator(testid("new-menu-button")).click();
+    await bob.locator(testid("new-direct")).waitFor();
+    if (await bob.locator(testid("new-member")).count()) throw new Error("a member is offered to invite people");
+    await bob.locator(testid("new-menu-button")).click();
+  });
+
+  await step("a second human sees an unread badge appear live, and clear when the chat opens", async () => {
+    // Ada writes to Bob, who joined after her page loaded its members.
+    await newFromMenu(page, "new-direct");
+    await page.locator(`${testid("direct-peer")}[data-member-name="Bob"]`).click();
+    await page.locator(testid("chat-title")).filter({ hasText: "Bob" }).waitFor();
+    await send(page, "Hi Bob, lunch at *noon*?");
     // Most recent activity first in Ada's chat list.
-    await second.locator(`${testid("chat-item")}:first-child[data-chat-name="Bob"]`).waitFor();
+    await page.locator(`${testid("chat-item")}:first-child[data-chat-name="Bob"]`).waitFor();
 
-    const item = chatItem(page, "Ada");
+    const item = chatItem(bob, "Ada");
     await item.locator(testid("chat-unread")).filter({ hasText: /^1$/ }).waitFor();
     await item.locator(testid("chat-last")).filter({ hasText: "Hi Bob, lunch" }).waitFor();
-    await shot(page, "06-unread-badge");
+    await shot(bob, "06-unread-badge");
     await item.click();
-    await messageFrom(page, "Ada", "lunch at").locator("em").filter({ hasText: "noon" }).waitFor();
+    await messageFrom(bob, "Ada", "lunch at").locator("em").filter({ hasText: "noon" }).waitFor();
     await item.locator(testid("chat-unread")).waitFor({ state: "detached" });
-    await page.locator(`${testid("chat-item")}[data-chat-name="Ada"][data-unread="0"]`).waitFor();
+    await bob.locator(`${testid("chat-item")}[data-chat-name="Ada"][data-unread="0"]`).waitFor();
   });
 
   await step("a reply is shown with its quote", async () => {
-    const original = messageFrom(page, "Ada", "lunch at");
+    const original = messageFrom(bob, "Ada", "lunch at");
     await original.hover();
     await original.locator(testid("reply-button")).click();
-    await page.locator(testid("reply-preview")).filter({ hasText: "Replying to Ada" }).waitFor();
-    await send(page, "Sure, see you there");
-    for (const p of [page, second]) {
+    await bob.locator(testid("reply-preview")).filter({ hasText: "Replying to Ada" }).waitFor();
+    await send(bob, "Sure, see you there");
+    for (const p of [bob, page]) {
       await messageFrom(p, "Bob", "Sure, see you there").locator(testid("message-quote")).filter({ hasText: "lunch at" }).waitFor();
     }
   });
 
   await step("hostile content renders inert", async () => {
-    await send(second, HOSTILE);
-    await second.locator(testid("composer-type")).selectOption("CONTENT_TYPE_CODE");
-    await send(second, "<b>not bold</b>\n<img src=x onerror=alert(7)>");
+    await send(page, HOSTILE);
+    await page.locator(testid("composer-type")).selectOption("CONTENT_TYPE_CODE");
+    await send(page, "<b>not bold</b>\n<img src=x onerror=alert(7)>");
+    await page.locator(testid("composer-type")).selectOption("CONTENT_TYPE_TEXT");
     // A message sent after the hostile ones: once it shows, they have been drawn (and any handler would have run).
-    await send(second, "end of test");
-    for (const p of [page, second]) {
+    await send(page, "end of test");
+    for (const p of [bob, page]) {
       await messageFrom(p, "Ada", "end of test").waitFor();
       const list = p.locator(testid("message-list"));
       await messageFrom(p, "Ada", "<img src=x onerror=alert(1)>").waitFor();
@@ -560,9 +579,74 @@ try {
       if (injected.elements || injected.badLinks || injected.handlers) throw new Error(`hostile content was not inert: ${JSON.stringify(injected)}`);
       if ((await list.locator('a[href^="javascript"]').count()) !== 0) throw new Error("a javascript: link was rendered");
     }
-    await messageFrom(page, "Ada", "[click me](javascript:alert(3))").waitFor();
-    await shot(page, "07-hostile-inert");
+    await messageFrom(bob, "Ada", "[click me](javascript:alert(3))").waitFor();
+    await shot(bob, "07-hostile-inert");
     if (dialogs.length) throw new Error(`a dialog fired: ${dialogs.join("; ")}`);
+  });
+
+  await step("a member creates a personal access token (shown once), a program uses it, and it is revoked", async () => {
+    await bob.locator(testid("account-button")).click();
+    const account = bob.locator(testid("account-dialog"));
+    // A member has no invites or roles to manage.
+    await account.locator(testid("token-list")).waitFor();
+    if (await account.locator(testid("invite-create")).count()) throw new Error("a member is offered to invite people");
+    await account.locator(testid("token-name")).fill("lunch bot");
+    await account.locator(testid("token-scope")).selectOption("PERSONAL_TOKEN_SCOPE_READ");
+    await account.locator(testid("token-create")).click();
+    const secret = await account.locator(testid("token-secret")).inputValue();
+    if (!secret.startsWith("aim_pat_")) throw new Error(`not a personal access token: ${secret.slice(0, 8)}…`);
+    const listed = account.locator(`${testid("token")}[data-token-name="lunch bot"]`);
+    await listed.filter({ hasText: "read" }).waitFor();
+    if ((await listed.innerText()).includes(secret.slice(8))) throw new Error("the token list shows the secret");
+    await shot(bob, "07c-personal-token");
+    // A program (no browser, no cookie) reads with it; a read token cannot send.
+    const asProgram = (method, where, body) =>
+      fetch(new URL(where, BASE), {
+        method,
+        headers: { Authorization: `Bearer ${secret}`, "Content-Type": "application/json" },
+        body: body === undefined ? undefined : JSON.stringify(body),
+      });
+    const chats = await asProgram("GET", "/v1/chats");
+    if (chats.status !== 200) throw new Error(`the token cannot read: ${chats.status} ${await chats.text()}`);
+    const group = (await chats.json()).chats[0].group.id;
+    const sent = await asProgram("POST", `/v1/groups/${group}/messages`, { content: "from a script" });
+    if (sent.status !== 403) throw new Error(`a read token sent a message: ${sent.status} ${await sent.text()}`);
+    await bob.setViewportSize(PHONE);
+    await shot(bob, "07d-personal-token-phone");
+    await bob.setViewportSize(DESKTOP);
+    await listed.locator(testid("token-revoke")).click();
+    await listed.filter({ hasText: "revoked" }).waitFor();
+    if (await listed.locator(testid("token-revoke")).count()) throw new Error("a revoked token can be revoked again");
+    const refused = await asProgram("GET", "/v1/chats");
+    if (refused.status !== 401) throw new Error(`a revoked token still works: ${refused.status}`);
+    await bob.keyboard.press("Escape");
+    await account.waitFor({ state: "detached" });
+    // Opened again, the secret is not shown any more.
+    await bob.locator(testid("account-button")).click();
+    await listed.waitFor();
+    if (await account.locator(testid("token-secret")).count()) throw new Error("the token's secret is shown again");
+    await bob.keyboard.press("Escape");
+  });
+
+  await step("signing out returns to the sign-in page and ends the session", async () => {
+    const [cookie] = (await bobContext.cookies()).filter((c) => c.name === "agentim_session");
+    if (!cookie || !cookie.httpOnly || cookie.sameSite !== "Lax") throw new Error(`the session cookie: ${JSON.stringify(cookie && { ...cookie, value: "…" })}`);
+    // On a phone, from the chat list's tab bar.
+    await bob.setViewportSize(PHONE);
+    await bob.locator(testid("chat-back")).click();
+    await shot(bob, "07e-chat-list-phone");
+    await bob.locator(testid("sign-out")).click();
+    const signIn = bob.locator(testid("signin-form"));
+    await signIn.waitFor();
+    // The workspace this browser used is filled in.
+    const workspace = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).workspaceId);
+    if ((await signIn.locator(testid("signin-workspace")).inputValue()) !== workspace) throw new Error("the sign-in page does not offer the workspace used last");
+    await shot(bob, "07f-sign-in-phone");
+    if ((await bobContext.cookies()).some((c) => c.name === "agentim_session")) throw new Error("the session cookie outlived sign-out");
+    // The old cookie, sent again, is refused: the session ended at the server too.
+    const replayed = await fetch(new URL("/v1/chats", BASE), { headers: { Cookie: `agentim_session=${cookie.value}` } });
+    if (replayed.status !== 401) throw new Error(`a signed-out session still works: ${replayed.status}`);
+    await bobContext.close();
   });
 
   await step("in a group, an agent answers its @mention; its input step names the sender and the group", async () => {
@@ -895,7 +979,8 @@ try {
   exitCode = 1;
   console.error(`FAILED: ${error.stack || error}`);
   if (problems.length) console.error(`browser problems:\n${problems.join("\n")}`);
-  for (const [i, p] of (context ? context.pages() : []).entries()) {
+  const open = [context, bobContext].filter((c) => c && c.pages).flatMap((c) => { try { return c.pages(); } catch { return []; } });
+  for (const [i, p] of open.entries()) {
     await p.screenshot({ path: path.join(ARTIFACTS, `failure-page${i + 1}.png`) }).catch(() => {});
     const text = await p.locator("body").innerText().catch(() => "");
     console.error(`--- page ${i + 1} text ---\n${text.slice(0, 3000)}`);
