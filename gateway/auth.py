@@ -3,8 +3,7 @@ access token, or a personal access token; and the calls to the IM's
 AuthService that keep sessions alive (refresh, sign-out, exchange).
 
 The gateway is not a principal: every call it forwards carries the caller's
-own access token. Until every service takes access tokens, it also names the
-caller in `x-member-id`, which it takes only from a verified token.
+own access token, and nothing else names who the caller is.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from gateway.sessions import COOKIE_NAME, CSRF_HEADER, Session
 from gateway.transcoding import build_request, dumps, message_json
 from gateway.upstream import Metadata, Upstreams
 from services.common.errors import InvalidArgument
-from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata, caller_metadata
+from services.common.identity import VIEW_AS_KEY, WATCH_START_CURSOR_KEY, bearer_metadata
 from services.common.request_rules import check_request
 
 logger = logging.getLogger(__name__)
@@ -304,8 +304,8 @@ class Gateway:
     async def _metadata(
         self, request: web.Request, credentials: Credentials | None, *, streaming: bool
     ) -> Metadata:
-        """The caller's access token, and (until every service takes access
-        tokens) the member whose view it asks for in `x-member-id`."""
+        """The caller's access token and, for a view through an agent's eyes
+        (the browser's `X-Member-Id`), that agent in `x-agentim-view-as`."""
         if credentials is None:
             return ()
         acting = request.headers.get(MEMBER_HEADER, "").strip()
@@ -313,9 +313,10 @@ class Gateway:
             acting = request.query.get(SSE_MEMBER_PARAM, "").strip()
         if acting and acting != credentials.member_id:
             await self._check_view(credentials, acting)
-        return bearer_metadata(credentials.access_token) + caller_metadata(
-            member_id=acting or credentials.member_id
-        )
+        metadata = bearer_metadata(credentials.access_token)
+        if acting and acting != credentials.member_id:
+            metadata += ((VIEW_AS_KEY, acting),)
+        return metadata
 
     async def _check_view(self, credentials: Credentials, member_id: str) -> None:
         """Lets a person view as an agent of their workspace, and as nobody else.
@@ -337,7 +338,7 @@ class Gateway:
             found: Any = await self._upstreams.unary(
                 route.route,
                 request,
-                bearer_metadata(credentials.access_token) + caller_metadata(member_id=credentials.member_id),
+                bearer_metadata(credentials.access_token),
             )
         except grpc.aio.AioRpcError as error:
             raise HttpError.from_grpc(error.code(), error.details()) from None
@@ -378,9 +379,7 @@ class Gateway:
         credentials = await self._credentials(request)
         if credentials.session is None:
             raise bad_request("GET /v1/auth/session describes a browser session; none was sent")
-        metadata = bearer_metadata(credentials.access_token) + caller_metadata(
-            member_id=credentials.member_id
-        )
+        metadata = bearer_metadata(credentials.access_token)
         member_route = self.table.match("GET", f"/v1/members/{credentials.member_id}")
         workspace_route = self.table.match("GET", f"/v1/workspaces/{credentials.workspace_id}")
         assert isinstance(member_route, Matched) and isinstance(workspace_route, Matched)

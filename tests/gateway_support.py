@@ -26,13 +26,27 @@ from tests.auth_support import auth_dir
 
 WAIT = 10.0
 SESSION_KEY = new_session_key()
-# The workspace of tokens made for a bare member id; the services as of
-# today act on the member id alone.
+# The workspace of every member a gateway answer has shown (see `Api.call`),
+# so that a token made for a bare member id names the member's workspace, as
+# the services check; an unknown member gets the nil workspace (refused).
+_WORKSPACES: dict[str, str] = {}
 UNKNOWN_WORKSPACE = uuid.UUID(int=0)
+
+
+def _learn_workspaces(body: Any) -> None:
+    if isinstance(body, dict):
+        if isinstance(body.get("id"), str) and isinstance(body.get("workspaceId"), str):
+            _WORKSPACES[body["id"]] = body["workspaceId"]
+        for value in body.values():
+            _learn_workspaces(value)
+    elif isinstance(body, list):
+        for value in body:
+            _learn_workspaces(value)
 
 
 def member_token(member: str, *, workspace: str | None = None, read_only: bool = False) -> str:
     """An access token for a member, signed with the test IMs' key."""
+    workspace = workspace or _WORKSPACES.get(member)
     claims = AccessClaims(
         kind=PrincipalKind.HUMAN,
         member_id=uuid.UUID(member),
@@ -123,6 +137,7 @@ class Api:
                 parsed: Any = json.loads(text)
             except ValueError:
                 parsed = text
+            _learn_workspaces(parsed)
             return Reply(response.status, parsed, response.headers)
 
     async def ok(self, method: str, path: str, **kwargs: Any) -> Any:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import inspect
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +27,7 @@ import grpc
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.common.identity import AUTHORIZATION_KEY, MEMBER_ID_KEY, Caller, identify
+from services.common.identity import AUTHORIZATION_KEY, MEMBER_ID_KEY, VIEW_AS_KEY, Caller, identify
 from services.common.tokens import JwksSource, PrincipalKind, Verifier
 
 HUMAN = PrincipalKind.HUMAN
@@ -203,7 +205,9 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
         *,
         trust_member_header: bool,
         service_token: str | None,
+        honour_view_as: bool = False,
     ) -> None:
+        self._honour_view_as = honour_view_as
         self._policy = policy
         self._verifier = verifier
         self._trust_member_header = trust_member_header
@@ -225,7 +229,7 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
             return None
         items = list(metadata or ())
         if not self._trust_member_header:
-            items = [(k, v) for k, v in items if k.lower() == AUTHORIZATION_KEY]
+            items = [(k, v) for k, v in items if k.lower() in {AUTHORIZATION_KEY, VIEW_AS_KEY}]
         caller = await identify(items, verifier=self._verifier, service_token=self._service_token)
         if caller is None:
             legacy = f" (or, for now, `{MEMBER_ID_KEY}`)" if self._trust_member_header else ""
@@ -233,6 +237,8 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
         refusal = rule.refusal(caller)
         if refusal is not None:
             raise PermissionDenied(refusal)
+        if self._honour_view_as:
+            caller = _with_view(caller, items, writes=rule.writes)
         return caller
 
     async def intercept_service(
@@ -252,6 +258,38 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
             _current_caller.set(await self.authenticate(method, metadata))
 
         return wrap_behaviour(handler, before=admit)
+
+
+def _with_view(caller: Caller, items: list[tuple[str, str | bytes]], *, writes: bool) -> Caller:
+    """The caller reading through an agent's eyes, if it asks to (VIEW_AS_KEY).
+
+    Only a person's token may ask, only an admin or the owner of the
+    workspace, and only to read: the view acts as the agent, so a write would
+    be the agent's. That the member is an agent of the caller's workspace is
+    the service's to check (it knows its members).
+
+    Raises:
+        PermissionDenied: anyone else, or a writing call.
+        Unauthenticated: the header holds no member id.
+    """
+    raw = next((value for key, value in items if key.lower() == VIEW_AS_KEY), None)
+    if raw is None:
+        return caller
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    try:
+        viewed = uuid.UUID(text.strip())
+    except ValueError:
+        raise Unauthenticated(f"{VIEW_AS_KEY} is not a valid member id") from None
+    if viewed == caller.member_id:
+        return caller
+    claims = caller.claims
+    if claims is None or claims.kind is not PrincipalKind.HUMAN:
+        raise PermissionDenied(f"only a person's access token may carry {VIEW_AS_KEY}")
+    if not {"owner", "admin"} & set(claims.roles):
+        raise PermissionDenied("only the workspace's admins may view as one of its agents")
+    if writes:
+        raise PermissionDenied("a view as an agent is read-only")
+    return dataclasses.replace(caller, view_as=viewed)
 
 
 def wrap_behaviour(

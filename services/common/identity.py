@@ -25,6 +25,10 @@ from services.common.tokens import AccessClaims, PrincipalKind, Verifier
 AUTHORIZATION_KEY = "authorization"
 MEMBER_ID_KEY = "x-member-id"
 SERVICE_TOKEN_KEY = "x-agentim-service"
+# A person's read-only view through an agent's eyes (the web UI's "view as"):
+# honoured by the IM alone, for reading calls, for an admin of the agent's
+# workspace (see `services.common.authn`).
+VIEW_AS_KEY = "x-agentim-view-as"
 # Response header of IM WatchEvents: the cursor the stream starts after.
 WATCH_START_CURSOR_KEY = "x-agentim-start-cursor"
 
@@ -92,9 +96,13 @@ class Caller:
 
     claims: AccessClaims | None = None
     principal: Principal | None = None
+    # The agent whose view a person reads (VIEW_AS_KEY); the call acts as it.
+    view_as: uuid.UUID | None = None
 
     @property
     def member_id(self) -> uuid.UUID | None:
+        if self.view_as is not None:
+            return self.view_as
         if self.claims is not None:
             return self.claims.member_id
         return self.principal.member_id if self.principal is not None else None

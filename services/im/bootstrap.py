@@ -218,6 +218,7 @@ def build(settings: Settings) -> IMApp:
                 verifier,
                 trust_member_header=settings.trust_member_header,
                 service_token=settings.service_token,
+                honour_view_as=True,
             ),
             RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),
         ],

@@ -16,7 +16,7 @@ import pytest
 from google.protobuf import field_mask_pb2
 
 from agentim.im.v1 import im_pb2
-from services.common.identity import bearer_metadata
+from services.common.identity import VIEW_AS_KEY, bearer_metadata
 from tests.authn_support import (
     Cast,
     claims_of,
@@ -215,3 +215,38 @@ async def test_rate_limits_count_against_the_verified_caller(im_factory: Any) ->
     code, _ = await status_of(limited.stub.SendMessage(send, metadata=cast.member.md))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     await limited.stub.SendMessage(send, metadata=cast.admin.md)
+
+
+async def test_an_admin_reads_through_an_agents_eyes_and_nobody_else_does(im: RunningIM, cast: Cast) -> None:
+    private = await im.stub.CreateGroup(
+        im_pb2.CreateGroupRequest(name="the agent's own", member_ids=[cast.agent.id]), metadata=cast.agent.md
+    )
+
+    def view(member: str) -> tuple[tuple[str, str], ...]:
+        return ((VIEW_AS_KEY, member),)
+
+    async def group_ids(metadata: Any) -> set[str]:
+        listed = await im.stub.ListGroups(list_groups(), metadata=metadata)
+        return {group.id for group in listed.groups}
+
+    assert private.group.id not in await group_ids(cast.owner.md)
+    assert private.group.id in await group_ids(cast.owner.md + view(cast.agent.id))
+    assert private.group.id in await group_ids(cast.admin.md + view(cast.agent.id))
+    # A plain member, another kind of token, a write, or a person's view: refused.
+    refused = [
+        im.stub.ListGroups(list_groups(), metadata=cast.member.md + view(cast.agent.id)),
+        im.stub.ListGroups(list_groups(), metadata=cast.agent.md + view(cast.owner.id)),
+        im.stub.SendMessage(
+            im_pb2.SendMessageRequest(group_id=private.group.id, content="as the agent?"),
+            metadata=cast.owner.md + view(cast.agent.id),
+        ),
+        im.stub.ListGroups(list_groups(), metadata=cast.owner.md + view(cast.member.id)),
+        im.stub.ListGroups(list_groups(), metadata=cast.stranger.md + view(cast.agent.id)),
+    ]
+    for call in refused:
+        code, _ = await status_of(call)
+        assert code is grpc.StatusCode.PERMISSION_DENIED
+    history = await im.stub.ListMessages(
+        im_pb2.ListMessagesRequest(group_id=private.group.id), metadata=cast.agent.md
+    )
+    assert list(history.messages) == []

@@ -877,7 +877,14 @@ def _host_of_new(kind: MemberKind, caller: Caller | None) -> str | None:
 
 
 def _token_matches(caller: Caller, member: Member) -> Member:
-    """The member, once sure its token was issued for its workspace (members never move)."""
+    """The member, once sure its token was issued for its workspace (members never move),
+    and that a view through someone else's eyes is an agent's."""
+    if caller.view_as is not None:
+        if member.kind is not MemberKind.AGENT or (
+            caller.claims is not None and caller.claims.workspace_id != member.workspace_id
+        ):
+            raise NotAllowed("a person may view as an agent of their workspace, and as no one else")
+        return member
     if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
         raise Unauthenticated("the access token names another workspace than its member's")
     return member
