@@ -157,7 +157,7 @@ def build(
         if settings.retention_days > 0
         else None
     )
-    servicer = MemoryServicer(memory, service_token=settings.service_token)
+    servicer = MemoryServicer(memory)
     # The IM's signing keys come over the directory's channel; a directory
     # given by a test has none, so the keys get a channel of their own.
     keys_channel = directory.channel if isinstance(directory, GrpcMemberDirectory) else None

@@ -130,8 +130,7 @@ class GrpcMemory(MemoryPort):
         self._address = address
         self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
         # Every call is made as an agent: with its AGENT token, else the
-        # runtime's SERVICE token; the legacy headers go along until the
-        # memory service's handlers read access tokens.
+        # runtime's SERVICE token; the legacy headers only without either.
         self._credentials = credentials
         self._agent_tokens = agent_tokens
         self._channel = open_channel(
@@ -150,7 +149,7 @@ class GrpcMemory(MemoryPort):
                 token = await self._credentials.get()
         except (TokenRefused, errors.Unavailable) as failed:
             raise MemoryUnavailable(f"no service token for the memory at {self._address}: {failed}") from None
-        return (bearer_metadata(token) if token is not None else ()) + legacy
+        return bearer_metadata(token) if token is not None else legacy
 
     async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID) -> Any:
         metadata = await self._metadata(as_member)
