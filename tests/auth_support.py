@@ -39,6 +39,17 @@ def auth_environment() -> dict[str, str]:
         "AUTH_SERVICE_CREDENTIALS_FILE": str(root / "secrets" / "service-credentials"),
         "AUTH_ARGON2_MEMORY_KIB": "8192",
         "AUTH_ARGON2_TIME_COST": "1",
+        # Where the runtime and the memory service find their credentials.
+        **service_environment(),
+    }
+
+
+def service_environment() -> dict[str, str]:
+    """The runtime's and the memory service's settings naming their credentials."""
+    root = auth_dir()
+    return {
+        "RUNTIME_SERVICE_SECRET_FILE": str(root / "secrets" / "runtime.secret"),
+        "MEMORY_SERVICE_SECRET_FILE": str(root / "secrets" / "memory.secret"),
     }
 
 

@@ -14,6 +14,7 @@ import pytest
 from agentim.runtime.v1 import runtime_pb2_grpc
 from services.runtime import bootstrap as runtime_bootstrap
 from services.runtime.config import Settings as RuntimeSettings
+from tests.auth_support import service_environment
 from tests.conftest import RunningIM
 from tests.integration.test_runtime_grpc import RunningRuntime
 
@@ -27,6 +28,7 @@ async def start_runtime_on(im_address: str, url: str, **overrides: str) -> Runni
         "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
         "IM_ADDRESS": im_address,
         "LOG_LEVEL": "WARNING",
+        **service_environment(),
         **overrides,
     }
     app = runtime_bootstrap.build(RuntimeSettings.from_env(environ))

@@ -1,4 +1,4 @@
-"""Command line of the IM service: `python -m services.im {serve,migrate,keygen}`."""
+"""Command line of the IM service: `python -m services.im {serve,migrate,keygen,credentials}`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from services.common.settings import ConfigError
 from services.common.tokens import KeyRing, KeyRingError, has_signing_key
 from services.im import bootstrap
 from services.im.adapters import migrate
+from services.im.adapters.service_credentials import EMBEDDED_SERVICES, ensure_embedded_credentials
 from services.im.config import Settings
 
 logger = logging.getLogger("services.im")
@@ -41,6 +42,22 @@ def _keygen(settings: Settings, *, upcoming: bool, if_missing: bool) -> None:
         raise SystemExit(f"cannot write a key into {directory}: {error}") from None
     what = "next key (published, not signing until renamed to <kid>.pem)" if upcoming else "signing key"
     print(f"wrote {what} {kid} to {directory}", flush=True)
+
+
+def _credentials(settings: Settings) -> None:
+    """Makes AUTH_SERVICE_CREDENTIALS_FILE and the runtime's and memory's secrets
+    beside it (mode 0600), unless it exists; prints no secret."""
+    path = settings.credentials_path
+    if path is None:
+        raise SystemExit("credentials: set AUTH_SERVICE_CREDENTIALS_FILE (where to write them)")
+    if path.exists():
+        print(f"{path} exists already", flush=True)
+        return
+    try:
+        ensure_embedded_credentials(path)
+    except OSError as error:
+        raise SystemExit(f"cannot write the service credentials into {path.parent}: {error}") from None
+    print(f"wrote the credentials of {', '.join(EMBEDDED_SERVICES)} to {path.parent}", flush=True)
 
 
 async def _serve(settings: Settings) -> None:
@@ -76,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "command",
-        choices=["serve", "migrate", "keygen"],
-        help="serve the gRPC API, apply migrations, or write a signing key into AUTH_SIGNING_KEYS_DIR",
+        choices=["serve", "migrate", "keygen", "credentials"],
+        help="serve the gRPC API, apply migrations, write a signing key into AUTH_SIGNING_KEYS_DIR,"
+        " or write the services' credentials (AUTH_SERVICE_CREDENTIALS_FILE, if missing)",
     )
     parser.add_argument(
         "--next",
@@ -97,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(settings.log_level)
     if options.command == "keygen":
         _keygen(settings, upcoming=options.upcoming, if_missing=options.if_missing)
+        return
+    if options.command == "credentials":
+        _credentials(settings)
         return
     asyncio.run(_migrate(settings) if options.command == "migrate" else _serve(settings))
 

@@ -118,6 +118,7 @@ def build(
         deadline_seconds=settings.im_call_timeout_seconds,
         cache_seconds=settings.member_cache_seconds,
         tls=settings.tls.client,
+        service_secret=settings.service_secret.source(),
     )
     if dictionary is None and settings.dictionary == "cedict":
         dictionary = BackgroundDictionary()
@@ -156,7 +157,7 @@ def build(
         if settings.retention_days > 0
         else None
     )
-    servicer = MemoryServicer(memory, service_token=settings.service_token)
+    servicer = MemoryServicer(memory)
     # The IM's signing keys come over the directory's channel; a directory
     # given by a test has none, so the keys get a channel of their own.
     keys_channel = directory.channel if isinstance(directory, GrpcMemberDirectory) else None

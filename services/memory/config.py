@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
+from services.common.service_auth import ServiceSecretSettings, read_service_secret
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS
@@ -53,6 +54,8 @@ class Settings:
     service_token: str | None = field(repr=False)
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
+    # The memory service's credential, exchanged for its access token.
+    service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
 
     # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
     trust_member_header: bool = True
@@ -80,10 +83,11 @@ class Settings:
         if dictionary not in DICTIONARIES:
             env.problem(f"MEMORY_DICTIONARY: expected one of {sorted(DICTIONARIES)}, got {dictionary!r}")
             dictionary = "none"
+        database_url = env.text(
+            "MEMORY_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'memory.db'}")
+        )
         settings = cls(
-            database_url=env.text(
-                "MEMORY_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'memory.db'}")
-            ),
+            database_url=database_url,
             grpc_address=env.address("MEMORY_GRPC_ADDRESS", "127.0.0.1:50053"),
             im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
             log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
@@ -118,6 +122,13 @@ class Settings:
             service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
             trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
+            service_secret=read_service_secret(
+                env,
+                prefix="MEMORY",
+                service="memory",
+                data_dir=data_dir,
+                embedded=database_url.startswith("sqlite"),
+            ),
         )
         env.finish()
         return settings

@@ -19,6 +19,7 @@ from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
 from services.runtime.adapters.llm.offline import OfflineModel
 from services.runtime.adapters.llm.openai_provider import OpenAIProvider
 from services.runtime.adapters.memory_client import GrpcMemory
+from services.runtime.adapters.resolver import resolve
 from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.config import Settings
 from services.runtime.domain.etiquette import ChatterGuard
@@ -27,6 +28,7 @@ from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
 from services.runtime.entrypoints.policy import RUNTIME_POLICY
 from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.archiver import Archiver
+from services.runtime.service_layer.endpoint_guard import EndpointGuard
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.lifecycle import LifecycleService
@@ -95,7 +97,10 @@ def build(settings: Settings) -> RuntimeApp:
         service_token=settings.service_token,
         deadline_seconds=settings.im_call_timeout_seconds,
         tls=settings.tls.client,
+        service_name="runtime",
+        service_secret=settings.service_secret.source(),
     )
+    endpoints = EndpointGuard(settings.llm_allowed_hosts, resolve)
     llm = ModelRouter(
         offline=OfflineModel(),
         endpoint=lambda url: OpenAIProvider(
@@ -106,6 +111,7 @@ def build(settings: Settings) -> RuntimeApp:
             max_retries=settings.llm_max_retries,
         ),
         default_base_url=settings.llm_base_url,
+        guard=endpoints,
     )
     # Long-term memory, unless MEMORY_ADDRESS is empty.
     memory = (
@@ -114,6 +120,8 @@ def build(settings: Settings) -> RuntimeApp:
             service_token=settings.service_token,
             deadline_seconds=settings.memory_call_timeout_seconds,
             tls=settings.tls.client,
+            credentials=im.service_token,
+            agent_tokens=im.agent_tokens,
         )
         if settings.memory_address
         else None
@@ -159,7 +167,9 @@ def build(settings: Settings) -> RuntimeApp:
         run_ended=archiver.notify if archiver is not None else lambda: None,
     )
     supervisor = Supervisor(env)
-    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now)
+    service = AgentService(
+        store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now, endpoints=endpoints
+    )
     services.append(service)
     history = HistoryService(
         store=store, supervisor=supervisor, hub=hub, im=im, agents=service, clock=utc_now
@@ -180,7 +190,10 @@ def build(settings: Settings) -> RuntimeApp:
     supervisor.use_tasks(tasks)
     lifecycle = LifecycleService(agents=service, supervisor=supervisor, clear_queue=tasks.clear_queue)
     servicer = RuntimeServicer(
-        service, history=history, tasks=tasks, lifecycle=lifecycle, service_token=settings.service_token
+        service,
+        history=history,
+        tasks=tasks,
+        lifecycle=lifecycle,
     )
 
     async def ready() -> bool:

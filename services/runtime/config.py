@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 
 from services.common.logs import LOG_LEVELS
 from services.common.ratelimit import RateLimits, read_rate_limits
+from services.common.service_auth import ServiceSecretSettings, read_service_secret
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
+from services.runtime.domain.endpoints import AllowedHosts
 from services.runtime.domain.etiquette import GroupPolicy
 
 
@@ -50,6 +52,10 @@ class Settings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # Per-member rates of sending and creating (services.common.ratelimit).
     rate_limits: RateLimits = field(default_factory=RateLimits)
+    # The runtime's credential, exchanged for its access tokens.
+    service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
+    # The hosts agents' model.base_url may name (RUNTIME_LLM_ALLOWED_HOSTS).
+    llm_allowed_hosts: AllowedHosts = field(default_factory=AllowedHosts)
 
     # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
     trust_member_header: bool = True
@@ -68,10 +74,16 @@ class Settings:
         base_url = env.text("OPENAI_BASE_URL", "")
         if base_url and not base_url.startswith(("http://", "https://")):
             env.problem("OPENAI_BASE_URL: expected an http(s) URL")
+        database_url = env.text(
+            "RUNTIME_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'runtime.db'}")
+        )
+        try:
+            allowed = AllowedHosts.parse(env.text("RUNTIME_LLM_ALLOWED_HOSTS", ""), trusted_url=base_url)
+        except ValueError as malformed:
+            env.problem(str(malformed))
+            allowed = AllowedHosts(trusted_url=base_url)
         settings = cls(
-            database_url=env.text(
-                "RUNTIME_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'runtime.db'}")
-            ),
+            database_url=database_url,
             grpc_address=env.address("RUNTIME_GRPC_ADDRESS", "127.0.0.1:50052"),
             im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
             log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),
@@ -108,6 +120,14 @@ class Settings:
             trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
+            service_secret=read_service_secret(
+                env,
+                prefix="RUNTIME",
+                service="runtime",
+                data_dir=data_dir,
+                embedded=database_url.startswith("sqlite"),
+            ),
+            llm_allowed_hosts=allowed,
         )
         env.finish()
         return settings

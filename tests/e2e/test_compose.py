@@ -23,6 +23,7 @@ import yaml
 
 from services.common.settings import ConfigError
 from services.common.tls import make_dev_certs
+from services.im.adapters.service_credentials import ensure_embedded_credentials
 
 from . import ROOT, IMProcess, im_environment, in_ci, migrate_im, python_module, running_im
 
@@ -131,6 +132,7 @@ def test_compose_runs_real_commands_of_our_image(compose: dict[str, Any]) -> Non
 
 
 CERTS_MOUNT = "/certs/"
+SECRETS_MOUNT = "/var/lib/agentim/secrets/"
 
 
 def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path: Path) -> None:
@@ -140,6 +142,10 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path
     module, arguments = _python_module_command(command)
     assert module == "services.common.tls" and arguments[:2] == ["make-dev-certs", CERTS_MOUNT.rstrip("/")]
     make_dev_certs(certs, [name for name in arguments[2:] if not name.startswith("--")])
+    # The files the `service-credentials` service writes to its volume.
+    assert _services(compose)["service-credentials"]["command"][2:] == ["services.im", "credentials"]
+    secrets = tmp_path / "secrets"
+    ensure_embedded_credentials(secrets / "service-credentials")
     checked = []
     for name, service in _services(compose).items():
         if not _our_image(service):
@@ -150,7 +156,15 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path
             continue
         environment = service.get("environment", {})
         assert isinstance(environment, dict), f"{name}: use the mapping form of environment"
-        mounted = {k: str(v).replace(CERTS_MOUNT, f"{certs}/") for k, v in environment.items()}
+        mounted = {
+            k: str(v).replace(CERTS_MOUNT, f"{certs}/").replace(SECRETS_MOUNT, f"{secrets}/")
+            for k, v in environment.items()
+        }
+        if any(SECRETS_MOUNT in str(v) for v in environment.values()):
+            volumes = [str(v).split(":")[:2] for v in service.get("volumes", [])]
+            assert ["service-secrets", SECRETS_MOUNT.rstrip("/")] in volumes, (
+                f"{name} reads {SECRETS_MOUNT} but does not mount the service-secrets volume"
+            )
         if any(CERTS_MOUNT in str(v) for v in environment.values()):
             volumes = [str(v).split(":")[:2] for v in service.get("volumes", [])]
             assert ["certs", "/certs"] in volumes, f"{name} reads /certs but does not mount the certs volume"

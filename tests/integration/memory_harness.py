@@ -19,6 +19,7 @@ from services.memory.adapters.sql import Database
 from services.memory.adapters.tables import SCHEMA
 from services.memory.config import Settings
 from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory
+from tests.auth_support import service_environment
 from tests.conftest import POSTGRES_URL, unavailable
 from tests.memory_support import FakeDirectory, FakeEmbedder
 
@@ -72,6 +73,7 @@ def settings_for(url: str, **overrides: str) -> Settings:
         # CC-CEDICT takes seconds to load: tests that want a dictionary pass a small one.
         "MEMORY_DICTIONARY": "none",
         "LOG_LEVEL": "WARNING",
+        **service_environment(),
         **overrides,
     }
     return Settings.from_env(environ)

@@ -35,6 +35,7 @@ from services.runtime import bootstrap as runtime_bootstrap
 from services.runtime.adapters import migrate as runtime_migrate
 from services.runtime.adapters.sql import Database as RuntimeDatabase
 from services.runtime.config import Settings as RuntimeSettings
+from tests.auth_support import service_environment
 from tests.conftest import POSTGRES_URL, RunningIM, make_world, start_im, stop_im
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
@@ -172,6 +173,7 @@ async def test_a_runtime_whose_database_refuses_answers_unavailable(tmp_path: Pa
             "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
             "IM_ADDRESS": im.address,
             "LOG_LEVEL": "WARNING",
+            **service_environment(),
         }
     )
     app = runtime_bootstrap.build(settings)
@@ -202,6 +204,7 @@ async def test_a_runtime_whose_connections_were_cut_serves_the_next_calls(
             "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
             "IM_ADDRESS": im.address,
             "LOG_LEVEL": "WARNING",
+            **service_environment(),
         }
     )
     app = runtime_bootstrap.build(settings)

@@ -19,6 +19,7 @@ from services.runtime import bootstrap
 from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database
 from services.runtime.config import Settings
+from tests.auth_support import service_environment
 from tests.conftest import RunningIM, World, as_member, make_world
 from tests.fake_openai import FakeOpenAI, Reply, text_reply
 from tests.holding_proxy import HoldingProxy
@@ -43,6 +44,7 @@ async def start_runtime(im_address: str, database_file: Path, **overrides: str) 
         "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
         "IM_ADDRESS": im_address,
         "LOG_LEVEL": "WARNING",
+        **service_environment(),
         **overrides,
     }
     app = bootstrap.build(Settings.from_env(environ))

@@ -55,6 +55,7 @@ def make_agent(workspace_id: uuid.UUID | None = None, **fields: Any) -> Agent:
         "parent_id": None,
         "created_at": now(),
         "updated_at": now(),
+        "owner_id": uuid.uuid4(),
     }
     values.update(fields)
     return Agent(**values)
@@ -690,7 +691,7 @@ async def test_the_migration_gives_every_existing_agent_its_main_session(runtime
         store = SqlAgentStore(database)
         agent = make_agent()
         # As revision 0002 stored an agent: without the columns added since.
-        added_since = {"pause_pending", "auto_recall", "context_tokens", "state_version"}
+        added_since = {"pause_pending", "auto_recall", "context_tokens", "state_version", "owner_id"}
         row = {c.name: v for c, v in agent_row(agent).items() if c.name not in added_since}
         async with database.engine.begin() as conn:
             await conn.execute(agents.insert().values(**row))
@@ -702,6 +703,9 @@ async def test_the_migration_gives_every_existing_agent_its_main_session(runtime
             None,
             0,
         )
+        # Made before owners were kept: it has none (admins control it).
+        upgraded = await store.get_agent(agent.id)
+        assert upgraded is not None and upgraded.owner_id is None
     finally:
         await database.aclose()
 

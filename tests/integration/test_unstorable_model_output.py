@@ -58,8 +58,9 @@ async def test_nul_and_lone_surrogates_from_the_model_are_stored_as_replacement_
         ),
     )
     # Only this agent talks to the scripted server (its own base_url): agents
-    # other tests left in a shared database use the offline model.
-    runtime = await start_runtime_on(im.address, runtime_url)
+    # other tests left in a shared database use the offline model. It is on
+    # loopback, which agents may reach only when it is listed.
+    runtime = await start_runtime_on(im.address, runtime_url, RUNTIME_LLM_ALLOWED_HOSTS="127.0.0.1")
     try:
         world = await make_world(im.stub, people=1)
         md = world.md(0)

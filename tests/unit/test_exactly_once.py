@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
@@ -125,8 +125,8 @@ class System:
     lineage: list[System]
 
     @property
-    def me(self) -> Principal:
-        return Principal(member_id=self.human)
+    def me(self) -> Caller:
+        return Caller(principal=Principal(member_id=self.human))
 
     async def agent(self, name: str = "ada", **fields: Any) -> Agent:
         return await self.agents.create_agent(self.me, AgentDraft(name=name, **fields))

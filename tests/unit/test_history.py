@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 import pytest
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
+from services.common.tokens import AccessClaims, PrincipalKind
 from services.runtime.domain.llm import LLMUnavailable, Role
 from services.runtime.domain.model import (
     Agent,
@@ -21,7 +22,7 @@ from services.runtime.domain.model import (
     MainSessionChanged,
     StepsRewritten,
 )
-from services.runtime.service_layer.agents import AgentDraft
+from services.runtime.service_layer.agents import AgentDraft, NotAllowed
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import Watcher
 from services.runtime.service_layer.lifecycle import LifecycleService
@@ -38,7 +39,7 @@ class World:
     control: LifecycleService
 
     @property
-    def me(self) -> Principal:
+    def me(self) -> Caller:
         return self.h.me
 
     async def talk(self, agent: Agent, text: str) -> None:
@@ -128,7 +129,7 @@ async def test_unknown_agents_bad_ids_and_strangers(w: World) -> None:
     stranger = w.h.im.human("eve")
     w.h.im.members[stranger.id] = replace(stranger, workspace_id=uuid.uuid4())
     with pytest.raises(errors.NotFound):
-        await w.history.list_sessions(Principal(member_id=stranger.id), str(ada.id))
+        await w.history.list_sessions(Caller(principal=Principal(member_id=stranger.id)), str(ada.id))
     with pytest.raises(errors.Unauthenticated):
         await w.history.list_sessions(None, str(ada.id))
     await w.paused(ada)
@@ -484,3 +485,29 @@ async def test_a_fork_after_an_answer_waits_for_the_next_message(w: World) -> No
     fork, _ = await w.history.fork_from_step(w.me, str(ada.id), 2, new_agent=False)
     await w.h.settle(ada)
     assert len(w.h.llm.requests) == 1 and len(w.h.store.steps[fork.id]) == 2
+
+
+async def test_a_clone_and_a_sub_agent_belong_to_the_owner_of_the_agent_they_come_from(w: World) -> None:
+    workspace = w.h.im.members[w.h.human].workspace_id
+
+    def token(member: uuid.UUID, role: str) -> Caller:
+        claims = AccessClaims(
+            kind=PrincipalKind.HUMAN, member_id=member, workspace_id=workspace, roles=(role,)
+        )
+        return Caller(claims=claims)
+
+    owner, admin = token(w.h.human, "member"), token(uuid.uuid4(), "admin")
+    other = token(uuid.uuid4(), "member")
+    ada = await w.h.service.create_agent(owner, AgentDraft(name="ada"))
+    assert ada.owner_id == w.h.human
+    await w.talk(ada, "hi")
+    await w.paused(ada)
+    with pytest.raises(NotAllowed):
+        await w.history.fork_from_step(other, str(ada.id), 2, new_agent=True)
+    _, clone = await w.history.fork_from_step(admin, str(ada.id), 2, new_agent=True)
+    assert clone.owner_id == w.h.human
+    child = await w.h.service.create_child(ada, "kid", "", "")
+    assert child.owner_id == w.h.human
+    # The admin created neither; the owner controls both.
+    await w.history.list_sessions(owner, str(clone.id))
+    await w.h.service.list_steps(owner, str(child.id), after_sequence=0, page_size=10, run_id="")

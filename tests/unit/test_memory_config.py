@@ -24,7 +24,16 @@ def test_an_endpoint_selects_the_openai_embedder_and_its_key_is_never_shown() ->
     )
     assert settings.embedder == "openai" and settings.embeddings_api_key == "sk-secret"
     assert "sk-secret" not in repr(settings)
-    assert Settings.from_env({"DATABASE_URL": "postgresql://x@h/db"}).database_url == "postgresql://x@h/db"
+    on_postgres = Settings.from_env(
+        {"DATABASE_URL": "postgresql://x@h/db", "MEMORY_SERVICE_SECRET": "aim_svc_x"}
+    )
+    assert on_postgres.database_url == "postgresql://x@h/db" and "aim_svc_x" not in repr(on_postgres)
+
+
+def test_on_postgresql_the_memory_service_needs_its_credential() -> None:
+    with pytest.raises(ConfigError) as error:
+        Settings.from_env({"DATABASE_URL": "postgresql://x@h/db"})
+    assert "MEMORY_SERVICE_SECRET" in "\n".join(error.value.problems)
 
 
 def test_every_problem_is_reported_at_once() -> None:

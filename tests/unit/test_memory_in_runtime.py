@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 import pytest
 
 from agentim.runtime.v1 import runtime_pb2 as pb
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.runtime.adapters.memory_client import archived_run
 from services.runtime.domain.conversations import (
     TASKS,
@@ -60,7 +60,9 @@ class World:
     bob: uuid.UUID
 
     async def agent(self) -> Agent:
-        return await self.service.create_agent(Principal(member_id=self.alice), AgentDraft(name="ada"))
+        return await self.service.create_agent(
+            Caller(principal=Principal(member_id=self.alice)), AgentDraft(name="ada")
+        )
 
     async def settle(self, agent: Agent) -> None:
         runner = self.supervisor.runner(agent.id)
@@ -432,7 +434,7 @@ def test_a_recalled_memory_reads_with_its_ref_type_and_time() -> None:
 
 
 async def test_how_much_an_agent_recalls_is_its_own_setting(world: World) -> None:
-    me = Principal(member_id=world.alice)
+    me = Caller(principal=Principal(member_id=world.alice))
     quiet = await world.service.create_agent(me, AgentDraft(name="quiet", auto_recall=0))
     assert quiet.auto_recall == 0
     direct = world.im.group("", world.alice, quiet.member_id, direct=True)

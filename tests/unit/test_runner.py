@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import (
     ContentDelta,
@@ -57,8 +57,8 @@ class Harness:
     human: uuid.UUID
 
     @property
-    def me(self) -> Principal:
-        return Principal(member_id=self.human)
+    def me(self) -> Caller:
+        return Caller(principal=Principal(member_id=self.human))
 
     async def agent(self, name: str = "ada", **fields: object) -> Agent:
         return await self.service.create_agent(self.me, AgentDraft(name=name, **fields))  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller, Principal
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.model import (
@@ -46,7 +46,7 @@ class Queue:
     supervisor: Supervisor
     agents: AgentService
     tasks: TaskService
-    me: Principal
+    me: Caller
 
     async def agent(self, name: str = "ada") -> Agent:
         return await self.agents.create_agent(self.me, AgentDraft(name=name))
@@ -90,7 +90,9 @@ async def make_queue(*, run_tasks: bool = False, **options: object) -> AsyncIter
     if run_tasks:
         supervisor.use_tasks(tasks)
     human = im.human("alice")
-    yield Queue(im, store, hub, clock, supervisor, agents, tasks, Principal(member_id=human.id))
+    yield Queue(
+        im, store, hub, clock, supervisor, agents, tasks, Caller(principal=Principal(member_id=human.id))
+    )
     await supervisor.aclose()
 
 
@@ -199,11 +201,11 @@ async def test_fifty_concurrent_submissions_with_one_request_id_make_one_task(q:
 async def test_submissions_are_checked(q: Queue) -> None:
     ada = await q.agent()
     stranger_im_member = q.im.human("mallory")
-    other_workspace = Principal(member_id=stranger_im_member.id)
+    other_workspace = Caller(principal=Principal(member_id=stranger_im_member.id))
     q.im.members[stranger_im_member.id] = stranger_im_member.__class__(
         stranger_im_member.id, uuid.uuid4(), "human", "mallory"
     )
-    cases: list[tuple[type[errors.ServiceError], Principal | None, str, dict[str, object]]] = [
+    cases: list[tuple[type[errors.ServiceError], Caller | None, str, dict[str, object]]] = [
         (errors.Unauthenticated, None, str(ada.id), {}),
         (errors.NotFound, other_workspace, str(ada.id), {}),
         (errors.InvalidArgument, q.me, "not-an-id", {}),
@@ -485,7 +487,7 @@ async def test_tasks_of_other_workspaces_are_not_found(q: Queue) -> None:
     task = await q.submit(ada)
     stranger = q.im.human("mallory")
     q.im.members[stranger.id] = stranger.__class__(stranger.id, uuid.uuid4(), "human", "mallory")
-    them = Principal(member_id=stranger.id)
+    them = Caller(principal=Principal(member_id=stranger.id))
     for call in (q.tasks.get_task, q.tasks.cancel_task):
         with pytest.raises(errors.NotFound):
             await call(them, str(task.id))

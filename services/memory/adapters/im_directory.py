@@ -12,8 +12,10 @@ from collections import OrderedDict
 import grpc
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common import errors
 from services.common.clients import open_channel
-from services.common.identity import caller_metadata
+from services.common.identity import bearer_metadata, caller_metadata
+from services.common.service_auth import AuthClient, SecretSource, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
 from services.memory.domain.errors import DirectoryUnavailable
 from services.memory.service_layer.ports import MemberDirectory, MemberInfo
@@ -36,6 +38,9 @@ class GrpcMemberDirectory(MemberDirectory):
         deadline_seconds: deadline of each call.
         cache_seconds: how long an answer is reused.
         cache_size: members remembered at once.
+        service_secret: the memory service's credential, exchanged for its
+            SERVICE access token, which every call carries; None (or no
+            secret yet): the legacy headers.
     """
 
     def __init__(
@@ -47,10 +52,20 @@ class GrpcMemberDirectory(MemberDirectory):
         cache_seconds: float = 300.0,
         cache_size: int = 10_000,
         tls: ClientTls | None = None,
+        service_secret: SecretSource | None = None,
     ) -> None:
         self._address = address
         self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
         self._channel = open_channel(address, default_timeout_seconds=deadline_seconds, tls=tls)
+        self.credentials = (
+            ServiceToken(
+                service="memory",
+                secret=service_secret,
+                issue=AuthClient(self._channel, deadline_seconds=deadline_seconds).service_token,
+            )
+            if service_secret is not None
+            else None
+        )
         self._stub = im_pb2_grpc.IMServiceStub(self._channel)
         self._deadline = deadline_seconds
         self._cache_seconds = cache_seconds
@@ -67,10 +82,20 @@ class GrpcMemberDirectory(MemberDirectory):
         cached = self._cache.get(member_id)
         if cached is not None and now - cached[0] < self._cache_seconds:
             return cached[1]
+        metadata = caller_metadata(member_id=member_id, service_token=self._token)
+        if self.credentials is not None:
+            try:
+                token = await self.credentials.get()
+            except (TokenRefused, errors.Unavailable) as failed:
+                raise DirectoryUnavailable(
+                    f"no service token from the IM at {self._address}: {failed}"
+                ) from None
+            if token is not None:
+                metadata = bearer_metadata(token)
         try:
             response = await self._stub.GetMember(
                 im_pb2.GetMemberRequest(member_id=member_id),
-                metadata=caller_metadata(member_id=member_id, service_token=self._token),
+                metadata=metadata,
                 timeout=self._deadline,
             )
         except grpc.aio.AioRpcError as error:

@@ -6,7 +6,7 @@ from typing import Any, TypeAlias
 
 from agentim.memory.v1 import memory_pb2 as pb
 from agentim.memory.v1 import memory_pb2_grpc
-from services.common.identity import principal_from_metadata
+from services.common.authn import current_caller
 from services.memory.domain.errors import InvalidRequest
 from services.memory.domain.scope import ForgetTarget
 from services.memory.entrypoints import mappers
@@ -19,16 +19,18 @@ Context: TypeAlias = Any
 class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
     """Thin translation between the wire and the use cases."""
 
-    def __init__(self, memory: Memory, *, service_token: str | None) -> None:
+    def __init__(self, memory: Memory) -> None:
         self._memory = memory
-        self._service_token = service_token
 
     def _caller(self, context: Context) -> Caller:
-        principal = principal_from_metadata(context.invocation_metadata(), service_token=self._service_token)
-        if principal is None:
+        # Verified by the AuthenticationInterceptor: an access token (a
+        # person's, an agent's the runtime holds, or a service's own), or the
+        # legacy headers while AUTH_TRUST_MEMBER_HEADER allows them.
+        verified = current_caller()
+        if verified is None:
             return Caller(member_id=None)
-        member = str(principal.member_id) if principal.member_id is not None else None
-        return Caller(member_id=member, is_service=principal.is_service)
+        member = str(verified.member_id) if verified.member_id is not None else None
+        return Caller(member_id=member, is_service=verified.is_service)
 
     async def ArchiveRun(self, request: pb.ArchiveRunRequest, context: Context) -> pb.ArchiveRunResponse:
         caller = self._caller(context)

@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who calls: a member (`x-member-id`), possibly through a trusted service."""
+    """Who calls: a member (from its access token, or the legacy `x-member-id`),
+    or a service acting for nobody (`is_service`, an administrator's call)."""
 
     member_id: str | None
     is_service: bool = False
@@ -146,7 +147,7 @@ class Memory:
 
     async def _member(self, caller: Caller) -> MemberInfo:
         if caller.member_id is None:
-            raise Unauthenticated("name the acting member in the x-member-id metadata")
+            raise Unauthenticated("this call needs the acting member: authorization: Bearer <access token>")
         found = await self._directory.member(caller.member_id)
         if found is None:
             raise Unauthenticated(f"member {caller.member_id} is not known to the IM")

@@ -1,7 +1,13 @@
 """The IM port over the IM service's gRPC API.
 
-The runtime is a trusted service: every call carries the service token, and
-calls made for an agent also name the agent in `x-member-id`. Refusals come
+The runtime calls with its own credentials: a call made as an agent carries
+that agent's AGENT access token, any other its SERVICE access token
+(`services.common.service_auth`); the IM gives the runtime tokens for the
+agents it hosts and for no one else, and judges a call that has a token by
+the token alone. Without a credential (or for a call made for a person,
+whose token the runtime never holds) a call carries the legacy headers
+instead: `x-agentim-service`, and `x-member-id` for a call made as a member,
+which the IM accepts only while `AUTH_TRUST_MEMBER_HEADER` allows. Refusals come
 back as `IMError` carrying the IM's status code and its readable message;
 an IM that cannot be reached within the deadline is `IMUnavailable`.
 """
@@ -20,8 +26,10 @@ import grpc
 from google.protobuf import field_mask_pb2, json_format
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
+from services.common import errors
 from services.common.clients import make_channel
-from services.common.identity import WATCH_START_CURSOR_KEY, caller_metadata
+from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata, caller_metadata
+from services.common.service_auth import AgentTokens, AuthClient, SecretSource, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
 from services.runtime.service_layer.im_port import (
     IMError,
@@ -73,6 +81,9 @@ class GrpcIM(IMPort):
         max_message_bytes: largest message sent or received.
         max_concurrent_calls: unary calls in flight at once; more wait their
             turn (one grpc.aio channel cancels calls beyond about a thousand).
+        service_name: the name the IM knows this service by (`runtime`).
+        service_secret: where its credential comes from; None calls with
+            the legacy headers only.
     """
 
     def __init__(
@@ -86,6 +97,8 @@ class GrpcIM(IMPort):
         max_message_bytes: int = 4 * 1024 * 1024,
         max_concurrent_calls: int = 256,
         tls: ClientTls | None = None,
+        service_name: str = "runtime",
+        service_secret: SecretSource | None = None,
     ) -> None:
         if deadline_seconds <= 0:
             raise ValueError("deadline_seconds must be positive")
@@ -111,6 +124,14 @@ class GrpcIM(IMPort):
             ],
         )
         self._stub = im_pb2_grpc.IMServiceStub(self._channel)
+        self.auth = AuthClient(self._channel, deadline_seconds=deadline_seconds)
+        self.service_token: ServiceToken | None = None
+        self.agent_tokens: AgentTokens | None = None
+        if service_secret is not None:
+            self.service_token = ServiceToken(
+                service=service_name, secret=service_secret, issue=self.auth.service_token
+            )
+            self.agent_tokens = AgentTokens(issue=self.auth.agent_tokens, service=self.service_token)
         self._calls = asyncio.Semaphore(max_concurrent_calls)
         self._closed = False
 
@@ -130,19 +151,53 @@ class GrpcIM(IMPort):
         if self._closed:
             return
         self._closed = True
+        if self.agent_tokens is not None:
+            await self.agent_tokens.aclose()
         await self._channel.close()
 
     # -- plumbing -----------------------------------------------------------
 
-    def _metadata(self, as_member: uuid.UUID | None = None) -> tuple[tuple[str, str], ...]:
-        return caller_metadata(member_id=as_member, service_token=self._token)
+    async def _metadata(self, as_member: uuid.UUID | None = None) -> tuple[tuple[str, str], ...]:
+        """The agent's token for a call made as an agent this runtime hosts; its
+        own for a call made as itself; none for a call made for a person.
+
+        The runtime never holds a person's token: a call for a person (to
+        learn the workspace of a caller named by the legacy `x-member-id`)
+        goes with the legacy headers only, and stops working with them.
+        """
+        token: str | None = None
+        try:
+            if as_member is None:
+                if self.service_token is not None:
+                    token = await self.service_token.get()
+            elif self.agent_tokens is not None:
+                token = await self.agent_tokens.get(as_member)
+        except TokenRefused as refused:
+            raise _refused(
+                grpc.StatusCode.UNAUTHENTICATED, f"the IM refused the runtime's credential: {refused}"
+            ) from None
+        except errors.Unavailable as away:
+            unreachable = IMUnavailable(f"the IM at {self._address} is unavailable: {away}")
+            unreachable.code = grpc.StatusCode.UNAVAILABLE
+            raise unreachable from None
+        if token is None:
+            return caller_metadata(member_id=as_member, service_token=self._token)
+        return bearer_metadata(token)
+
+    async def _watch_metadata(self) -> tuple[tuple[str, str], ...]:
+        try:
+            return await self._metadata()
+        except IMUnavailable:
+            # The IM is away: the watch fails UNAVAILABLE too, and is reopened.
+            return caller_metadata(service_token=self._token)
 
     async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID | None = None) -> Any:
         if self._closed:
             raise IMUnavailable(f"the IM client for {self._address} is closed")
         try:
             async with self._calls:
-                return await rpc(request, metadata=self._metadata(as_member), timeout=self._deadline)
+                metadata = await self._metadata(as_member)
+                return await rpc(request, metadata=metadata, timeout=self._deadline)
         except grpc.aio.AioRpcError as error:
             raise self._error(error) from None
 
@@ -349,11 +404,12 @@ class GrpcIM(IMPort):
         backoff = self._initial_backoff
         failures = 0
         while True:
+            metadata = await self._watch_metadata()
             call = self._stub.WatchEvents(
                 im_pb2.WatchEventsRequest(
                     workspace_id=scope, member_ids=watched_members, after_cursor=cursor
                 ),
-                metadata=self._metadata(),
+                metadata=metadata,
             )
             try:
                 headers = await call.initial_metadata()

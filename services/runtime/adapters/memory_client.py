@@ -16,8 +16,10 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
+from services.common import errors
 from services.common.clients import open_channel
-from services.common.identity import caller_metadata
+from services.common.identity import bearer_metadata, caller_metadata
+from services.common.service_auth import AgentTokens, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
 from services.runtime.adapters.im_client import EMBEDDED_SERVICE_TOKEN
 from services.runtime.domain.llm import Role
@@ -122,9 +124,15 @@ class GrpcMemory(MemoryPort):
         deadline_seconds: float = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
         tls: ClientTls | None = None,
+        credentials: ServiceToken | None = None,
+        agent_tokens: AgentTokens | None = None,
     ) -> None:
         self._address = address
         self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
+        # Every call is made as an agent: with its AGENT token, else the
+        # runtime's SERVICE token; the legacy headers only without either.
+        self._credentials = credentials
+        self._agent_tokens = agent_tokens
         self._channel = open_channel(
             address, default_timeout_seconds=deadline_seconds, max_message_bytes=max_message_bytes, tls=tls
         )
@@ -133,11 +141,20 @@ class GrpcMemory(MemoryPort):
     async def aclose(self) -> None:
         await self._channel.close()
 
-    async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID) -> Any:
+    async def _metadata(self, as_member: uuid.UUID) -> tuple[tuple[str, str], ...]:
+        legacy = caller_metadata(member_id=as_member, service_token=self._token)
         try:
-            return await rpc(
-                request, metadata=caller_metadata(member_id=as_member, service_token=self._token)
-            )
+            token = await self._agent_tokens.get(as_member) if self._agent_tokens is not None else None
+            if token is None and self._credentials is not None:
+                token = await self._credentials.get()
+        except (TokenRefused, errors.Unavailable) as failed:
+            raise MemoryUnavailable(f"no service token for the memory at {self._address}: {failed}") from None
+        return bearer_metadata(token) if token is not None else legacy
+
+    async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID) -> Any:
+        metadata = await self._metadata(as_member)
+        try:
+            return await rpc(request, metadata=metadata)
         except grpc.aio.AioRpcError as error:
             reason = f"memory at {self._address}: {error.code().name}: {error.details()}"
             if error.code() in _UNREACHABLE:

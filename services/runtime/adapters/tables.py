@@ -42,6 +42,8 @@ agents = sa.Table(
     sa.Column("pause_pending", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("auto_recall", sa.Integer, nullable=True),
     sa.Column("state_version", sa.BigInteger, nullable=False, server_default="0"),
+    # The member who owns it; NULL for agents made before owners were kept.
+    sa.Column("owner_id", sa.Uuid, nullable=True),
     sa.Index("ix_agents_workspace", "workspace_id", "id"),
     sa.Index("ix_agents_parent", "parent_id", "id"),
 )

@@ -65,6 +65,9 @@ class Agent:
     # the state keeps the one of the highest version, whatever order the
     # answers and events reach it in.
     state_version: int = 0
+    # The member who owns it (controls it with the workspace's admins); None
+    # for an agent created before owners were recorded: admins only.
+    owner_id: uuid.UUID | None = None
 
     def with_state(self, state: AgentState, last_error: str, *, pause_pending: bool = False) -> Agent:
         """This agent in `state` (a new state version if anything changed)."""

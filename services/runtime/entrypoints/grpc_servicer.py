@@ -7,7 +7,8 @@ from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from services.common.identity import Principal, principal_from_metadata
+from services.common.authn import current_caller
+from services.common.identity import Caller
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.history_rpcs import HistoryRpcs
 from services.runtime.entrypoints.task_rpcs import TaskRpcs
@@ -42,16 +43,16 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         history: HistoryService,
         tasks: TaskService,
         lifecycle: LifecycleService,
-        service_token: str | None,
     ) -> None:
         self._service = service
         self._lifecycle = lifecycle
         self._history = history
         self._tasks = tasks
-        self._service_token = service_token
 
-    def _caller(self, context: Context) -> Principal | None:
-        return principal_from_metadata(context.invocation_metadata(), service_token=self._service_token)
+    async def _caller(self, context: Context) -> Caller | None:
+        # Verified by the AuthenticationInterceptor: an access token, or the
+        # legacy x-member-id header while AUTH_TRUST_MEMBER_HEADER allows it.
+        return current_caller()
 
     async def CreateAgent(self, request: pb.CreateAgentRequest, context: Context) -> pb.CreateAgentResponse:
         draft = AgentDraft(
@@ -64,7 +65,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
             auto_recall=request.auto_recall if request.HasField("auto_recall") else None,
         )
         created = await self._service.create_agent(
-            self._caller(context),
+            await self._caller(context),
             draft,
             workspace_id=request.workspace_id,
             parent_id=request.parent_id,
@@ -73,16 +74,16 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return pb.CreateAgentResponse(agent=mappers.agent(created))
 
     async def GetAgent(self, request: pb.GetAgentRequest, context: Context) -> pb.GetAgentResponse:
-        found = await self._service.get_agent(self._caller(context), request.agent_id)
+        found = await self._service.get_agent(await self._caller(context), request.agent_id)
         return pb.GetAgentResponse(agent=mappers.agent(found))
 
     async def ListTools(self, request: pb.ListToolsRequest, context: Context) -> pb.ListToolsResponse:
-        specs = await self._service.list_tools(self._caller(context))
+        specs = await self._service.list_tools(await self._caller(context))
         return pb.ListToolsResponse(tools=[pb.Tool(name=t.name, description=t.description) for t in specs])
 
     async def ListAgents(self, request: pb.ListAgentsRequest, context: Context) -> pb.ListAgentsResponse:
         agents, token = await self._service.list_agents(
-            self._caller(context),
+            await self._caller(context),
             page_size=request.page_size,
             page_token=request.page_token,
             parent_id=request.parent_id,
@@ -91,21 +92,24 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
 
     async def UpdateAgent(self, request: pb.UpdateAgentRequest, context: Context) -> pb.UpdateAgentResponse:
         updated = await self._service.update_agent(
-            self._caller(context), request.agent.id, _draft(request.agent), list(request.update_mask.paths)
+            await self._caller(context),
+            request.agent.id,
+            _draft(request.agent),
+            list(request.update_mask.paths),
         )
         return pb.UpdateAgentResponse(agent=mappers.agent(updated))
 
     async def DeleteAgent(self, request: pb.DeleteAgentRequest, context: Context) -> pb.DeleteAgentResponse:
-        await self._service.delete_agent(self._caller(context), request.agent_id)
+        await self._service.delete_agent(await self._caller(context), request.agent_id)
         return pb.DeleteAgentResponse()
 
     async def WakeAgent(self, request: pb.WakeAgentRequest, context: Context) -> pb.WakeAgentResponse:
-        woken = await self._service.wake_agent(self._caller(context), request.agent_id)
+        woken = await self._service.wake_agent(await self._caller(context), request.agent_id)
         return pb.WakeAgentResponse(agent=mappers.agent(woken))
 
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
         runs, token = await self._service.list_runs(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             page_size=request.page_size,
             page_token=request.page_token,
@@ -114,7 +118,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
 
     async def ListSteps(self, request: pb.ListStepsRequest, context: Context) -> pb.ListStepsResponse:
         steps, more = await self._service.list_steps(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             after_sequence=request.after_sequence,
             page_size=request.page_size,
@@ -127,7 +131,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         self, request: pb.WatchAgentRequest, context: Context
     ) -> AsyncIterator[pb.WatchAgentResponse]:
         events = await self._service.watch_agent(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             after_sequence=request.after_sequence,
             live_only=request.live_only,
@@ -143,7 +147,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         self, request: pb.WatchAgentsRequest, context: Context
     ) -> AsyncIterator[pb.WatchAgentsResponse]:
         events = await self._service.watch_agents(
-            self._caller(context), agent_ids=list(request.agent_ids), workspace_id=request.workspace_id
+            await self._caller(context), agent_ids=list(request.agent_ids), workspace_id=request.workspace_id
         )
         try:
             await context.send_initial_metadata(())
@@ -155,28 +159,28 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     # -- lifecycle -----------------------------------------------------------
 
     async def StartAgent(self, request: pb.StartAgentRequest, context: Context) -> pb.StartAgentResponse:
-        agent = await self._lifecycle.start(self._caller(context), request.agent_id)
+        agent = await self._lifecycle.start(await self._caller(context), request.agent_id)
         return pb.StartAgentResponse(agent=mappers.agent(agent))
 
     async def PauseAgent(self, request: pb.PauseAgentRequest, context: Context) -> pb.PauseAgentResponse:
-        agent = await self._lifecycle.pause(self._caller(context), request.agent_id)
+        agent = await self._lifecycle.pause(await self._caller(context), request.agent_id)
         return pb.PauseAgentResponse(agent=mappers.agent(agent))
 
     async def ResumeAgent(self, request: pb.ResumeAgentRequest, context: Context) -> pb.ResumeAgentResponse:
-        agent = await self._lifecycle.resume(self._caller(context), request.agent_id)
+        agent = await self._lifecycle.resume(await self._caller(context), request.agent_id)
         return pb.ResumeAgentResponse(agent=mappers.agent(agent))
 
     async def InterruptAgent(
         self, request: pb.InterruptAgentRequest, context: Context
     ) -> pb.InterruptAgentResponse:
-        agent = await self._lifecycle.interrupt(self._caller(context), request.agent_id)
+        agent = await self._lifecycle.interrupt(await self._caller(context), request.agent_id)
         return pb.InterruptAgentResponse(agent=mappers.agent(agent))
 
     async def TerminateAgent(
         self, request: pb.TerminateAgentRequest, context: Context
     ) -> pb.TerminateAgentResponse:
         agent = await self._lifecycle.terminate(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.runtime.domain.llm import Role
 from services.runtime.entrypoints import mappers
 from services.runtime.service_layer.history import HistoryService
@@ -20,22 +20,22 @@ class HistoryRpcs:
 
     _history: HistoryService
 
-    def _caller(self, context: Context) -> Principal | None:
+    async def _caller(self, context: Context) -> Caller | None:
         raise NotImplementedError  # RuntimeServicer's
 
     async def UpdateStep(self, request: pb.UpdateStepRequest, context: Context) -> pb.UpdateStepResponse:
         step = await self._history.update_step(
-            self._caller(context), request.agent_id, request.sequence, request.content
+            await self._caller(context), request.agent_id, request.sequence, request.content
         )
         return pb.UpdateStepResponse(step=mappers.step(step))
 
     async def DeleteStep(self, request: pb.DeleteStepRequest, context: Context) -> pb.DeleteStepResponse:
-        await self._history.delete_step(self._caller(context), request.agent_id, request.sequence)
+        await self._history.delete_step(await self._caller(context), request.agent_id, request.sequence)
         return pb.DeleteStepResponse()
 
     async def AddNote(self, request: pb.AddNoteRequest, context: Context) -> pb.AddNoteResponse:
         step = await self._history.add_note(
-            self._caller(context), request.agent_id, _NOTE_ROLES.get(request.role), request.content
+            await self._caller(context), request.agent_id, _NOTE_ROLES.get(request.role), request.content
         )
         return pb.AddNoteResponse(step=mappers.step(step))
 
@@ -43,7 +43,7 @@ class HistoryRpcs:
         self, request: pb.CreateCheckpointRequest, context: Context
     ) -> pb.CreateCheckpointResponse:
         checkpoint = await self._history.create_checkpoint(
-            self._caller(context), request.agent_id, request.name
+            await self._caller(context), request.agent_id, request.name
         )
         return pb.CreateCheckpointResponse(checkpoint=mappers.checkpoint(checkpoint))
 
@@ -51,7 +51,7 @@ class HistoryRpcs:
         self, request: pb.ListCheckpointsRequest, context: Context
     ) -> pb.ListCheckpointsResponse:
         checkpoints, token = await self._history.list_checkpoints(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             page_size=request.page_size,
             page_token=request.page_token,
@@ -64,14 +64,14 @@ class HistoryRpcs:
         self, request: pb.RestoreCheckpointRequest, context: Context
     ) -> pb.RestoreCheckpointResponse:
         agent = await self._history.restore_checkpoint(
-            self._caller(context), request.agent_id, request.checkpoint_id
+            await self._caller(context), request.agent_id, request.checkpoint_id
         )
         return pb.RestoreCheckpointResponse(agent=mappers.agent(agent))
 
     async def ListSessions(
         self, request: pb.ListSessionsRequest, context: Context
     ) -> pb.ListSessionsResponse:
-        agent, sessions = await self._history.list_sessions(self._caller(context), request.agent_id)
+        agent, sessions = await self._history.list_sessions(await self._caller(context), request.agent_id)
         return pb.ListSessionsResponse(
             sessions=[
                 mappers.session(s, main=s.id == agent.session_id, step_count=count) for s, count in sessions
@@ -82,21 +82,23 @@ class HistoryRpcs:
         self, request: pb.SetMainSessionRequest, context: Context
     ) -> pb.SetMainSessionResponse:
         agent = await self._history.set_main_session(
-            self._caller(context), request.agent_id, request.session_id
+            await self._caller(context), request.agent_id, request.session_id
         )
         return pb.SetMainSessionResponse(agent=mappers.agent(agent))
 
     async def RetryFromStep(
         self, request: pb.RetryFromStepRequest, context: Context
     ) -> pb.RetryFromStepResponse:
-        agent = await self._history.retry_from_step(self._caller(context), request.agent_id, request.sequence)
+        agent = await self._history.retry_from_step(
+            await self._caller(context), request.agent_id, request.sequence
+        )
         return pb.RetryFromStepResponse(agent=mappers.agent(agent))
 
     async def ForkFromStep(
         self, request: pb.ForkFromStepRequest, context: Context
     ) -> pb.ForkFromStepResponse:
         session, agent = await self._history.fork_from_step(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             request.sequence,
             new_agent=request.new_agent,

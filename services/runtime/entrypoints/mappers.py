@@ -104,6 +104,7 @@ def agent(a: Agent) -> pb.Agent:
         pause_pending=a.pause_pending,
         auto_recall=a.auto_recall,
         state_version=a.state_version,
+        owner_id=str(a.owner_id) if a.owner_id else "",
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.runtime.entrypoints import mappers
 from services.runtime.service_layer.tasks import Placed, TaskService
 
@@ -21,12 +21,12 @@ class TaskRpcs:
 
     _tasks: TaskService
 
-    def _caller(self, context: Context) -> Principal | None:
+    async def _caller(self, context: Context) -> Caller | None:
         raise NotImplementedError  # RuntimeServicer's
 
     async def SubmitTask(self, request: pb.SubmitTaskRequest, context: Context) -> pb.SubmitTaskResponse:
         placed = await self._tasks.submit_task(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             text=request.input,
             request_id=request.request_id,
@@ -36,12 +36,12 @@ class TaskRpcs:
         return pb.SubmitTaskResponse(task=_task(placed))
 
     async def GetTask(self, request: pb.GetTaskRequest, context: Context) -> pb.GetTaskResponse:
-        placed = await self._tasks.get_task(self._caller(context), request.task_id)
+        placed = await self._tasks.get_task(await self._caller(context), request.task_id)
         return pb.GetTaskResponse(task=_task(placed))
 
     async def ListTasks(self, request: pb.ListTasksRequest, context: Context) -> pb.ListTasksResponse:
         page, token = await self._tasks.list_tasks(
-            self._caller(context),
+            await self._caller(context),
             request.agent_id,
             page_size=request.page_size,
             page_token=request.page_token,
@@ -49,13 +49,13 @@ class TaskRpcs:
         return pb.ListTasksResponse(tasks=[_task(p) for p in page], next_page_token=token)
 
     async def CancelTask(self, request: pb.CancelTaskRequest, context: Context) -> pb.CancelTaskResponse:
-        placed = await self._tasks.cancel_task(self._caller(context), request.task_id)
+        placed = await self._tasks.cancel_task(await self._caller(context), request.task_id)
         return pb.CancelTaskResponse(task=_task(placed))
 
     async def GetQueueStats(
         self, request: pb.GetQueueStatsRequest, context: Context
     ) -> pb.GetQueueStatsResponse:
-        stats = await self._tasks.queue_stats(self._caller(context), request.agent_id)
+        stats = await self._tasks.queue_stats(await self._caller(context), request.agent_id)
         return pb.GetQueueStatsResponse(
             queued=stats.queued, running=stats.running, average_wait_ms=stats.average_wait_ms
         )

@@ -13,7 +13,9 @@ from datetime import datetime
 from uuid_utils.compat import uuid7
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller
+from services.common.tokens import PrincipalKind
+from services.runtime.domain.access import Action, Verdict, Viewer, decide, may_set_endpoint
 from services.runtime.domain.llm import ModelSettings, ToolSpec
 from services.runtime.domain.model import (
     Agent,
@@ -21,6 +23,7 @@ from services.runtime.domain.model import (
     MainSessionChanged,
     Run,
     Session,
+    StateChanged,
     Step,
     StepCompleted,
     StepDelta,
@@ -28,6 +31,7 @@ from services.runtime.domain.model import (
     StepStarted,
     merge_deltas,
 )
+from services.runtime.service_layer.endpoint_guard import EndpointGuard
 from services.runtime.service_layer.hub import AgentHub, HubClosed, InFlight, Watcher
 from services.runtime.service_layer.im_port import IMPort
 from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
@@ -55,6 +59,10 @@ class AgentNotFound(errors.NotFound):
 
 
 class NotAuthenticated(errors.Unauthenticated):
+    pass
+
+
+class NotAllowed(errors.PermissionDenied):
     pass
 
 
@@ -91,9 +99,11 @@ class AgentService:
         hub: AgentHub,
         tools: ToolRegistry,
         clock: Callable[[], datetime],
+        endpoints: EndpointGuard | None = None,
         max_page_size: int = 200,
     ) -> None:
         self._store = store
+        self._endpoints = endpoints
         self._im = im
         self._supervisor = supervisor
         self._hub = hub
@@ -104,11 +114,22 @@ class AgentService:
 
     # -- identity -----------------------------------------------------------
 
-    async def _workspace_of(self, principal: Principal | None) -> tuple[uuid.UUID, uuid.UUID]:
-        """(the caller's member id, its workspace)."""
-        if principal is None or principal.member_id is None:
-            raise NotAuthenticated("this call needs the acting member in the x-member-id metadata")
-        member_id = principal.member_id
+    async def _viewer(self, caller: Caller | None) -> Viewer:
+        """The calling member, its workspace and (from its token) its roles."""
+        if caller is None or (caller.claims is None and caller.member_id is None):
+            raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
+        claims = caller.claims
+        if claims is not None:
+            if (
+                claims.kind is PrincipalKind.SERVICE
+                or claims.member_id is None
+                or claims.workspace_id is None
+            ):
+                raise NotAllowed("a service acts on no agent of its own: call as a member")
+            return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
+        # The legacy x-member-id header: the workspace is asked of the IM, roles are unknown.
+        member_id = caller.member_id
+        assert member_id is not None
         if member_id not in self._workspaces:
             try:
                 member = await self._im.get_member(member_id, member_id)
@@ -117,16 +138,38 @@ class AgentService:
                     raise
                 raise NotAuthenticated(f"member {member_id} does not exist") from None
             self._workspaces[member_id] = member.workspace_id
-        return member_id, self._workspaces[member_id]
+        return Viewer(member_id, self._workspaces[member_id], None)
 
-    async def _visible(self, principal: Principal | None, agent_id: str) -> Agent:
-        _, workspace = await self._workspace_of(principal)
+    async def _visible(self, caller: Caller | None, agent_id: str, action: Action = Action.VIEW) -> Agent:
+        """The agent as its runner has it, if the caller may do `action` to it."""
+        viewer = await self._viewer(caller)
         wanted = _parse_id(agent_id, "agent_id")
         agent = await self._store.get_agent(wanted)
-        if agent is None or agent.workspace_id != workspace:
+        verdict = (
+            Verdict.HIDDEN
+            if agent is None
+            else decide(viewer, action, workspace_id=agent.workspace_id, owner_id=agent.owner_id)
+        )
+        if agent is None or verdict is Verdict.HIDDEN:
             raise AgentNotFound(f"agent {wanted} not found")
+        if verdict is Verdict.DENIED:
+            raise NotAllowed(
+                f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
+            )
         runner = self._supervisor.runner(agent.id)
         return runner.agent if runner is not None else agent
+
+    async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
+        """The agent, if the caller may control it, reconfigure it and read its work
+        (its owner, the workspace's admins and owner)."""
+        return await self._visible(caller, agent_id, Action.CONTROL)
+
+    async def _check_endpoint(self, viewer: Viewer, base_url: str) -> None:
+        """May the caller point an agent's model requests at `base_url`?"""
+        if not may_set_endpoint(viewer):
+            raise NotAllowed("only the workspace's admins and owner set an agent's model.base_url")
+        if self._endpoints is not None and base_url:
+            await self._endpoints.check(base_url)
 
     # -- agents -------------------------------------------------------------
 
@@ -173,20 +216,44 @@ class AgentService:
 
     async def create_agent(
         self,
-        principal: Principal | None,
+        principal: Caller | None,
         draft: AgentDraft,
         *,
         workspace_id: str = "",
         parent_id: str = "",
         request_id: str = "",
     ) -> Agent:
-        caller, workspace = await self._workspace_of(principal)
+        viewer = await self._viewer(principal)
+        workspace = viewer.workspace_id
         if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
             raise AgentNotFound(f"workspace {workspace_id} not found")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidAgentRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
         parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
-        return await self._create(caller, workspace, self._check(draft), parent=parent, request_id=request_id)
+        checked = self._check(draft)
+        if checked.model.base_url:
+            await self._check_endpoint(viewer, checked.model.base_url)
+        return await self._create(
+            viewer.member_id,
+            workspace,
+            checked,
+            parent=parent,
+            request_id=request_id,
+            owner=viewer.member_id,
+        )
+
+    async def create_clone(self, caller: Caller | None, source: Agent, draft: AgentDraft) -> Agent:
+        """A fork of `source` into a new agent: its parent and its owner are `source`'s."""
+        viewer = await self._viewer(caller)
+        parent = await self._store.get_agent(source.parent_id) if source.parent_id else None
+        return await self._create(
+            viewer.member_id,
+            source.workspace_id,
+            self._check(draft),
+            parent=parent,
+            request_id="",
+            owner=source.owner_id,
+        )
 
     async def create_child(
         self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str = ""
@@ -199,7 +266,12 @@ class AgentService:
             )
         )
         return await self._create(
-            parent.member_id, parent.workspace_id, draft, parent=parent, request_id=request_id
+            parent.member_id,
+            parent.workspace_id,
+            draft,
+            parent=parent,
+            request_id=request_id,
+            owner=parent.owner_id,
         )
 
     async def _create(
@@ -210,6 +282,7 @@ class AgentService:
         *,
         parent: Agent | None,
         request_id: str,
+        owner: uuid.UUID | None,
     ) -> Agent:
         fingerprint = hashlib.sha256(
             json.dumps([str(workspace), repr(draft), str(parent.id if parent else "")]).encode()
@@ -237,6 +310,7 @@ class AgentService:
             token_budget=draft.token_budget,
             auto_recall=draft.auto_recall,
             session_id=uuid7(),
+            owner_id=owner,
         )
         try:
             await self._store.add_agent(
@@ -260,18 +334,18 @@ class AgentService:
             raise AgentNotFound(f"agent {agent_id} not found")
         return agent
 
-    async def get_agent(self, principal: Principal | None, agent_id: str) -> Agent:
+    async def get_agent(self, principal: Caller | None, agent_id: str) -> Agent:
         return await self._visible(principal, agent_id)
 
-    async def list_tools(self, principal: Principal | None) -> list[ToolSpec]:
+    async def list_tools(self, principal: Caller | None) -> list[ToolSpec]:
         """Every tool an agent may be given, for a member choosing them."""
-        await self._workspace_of(principal)
+        await self._viewer(principal)
         return self._tools.specs(())
 
     async def list_agents(
-        self, principal: Principal | None, *, page_size: int, page_token: str, parent_id: str
+        self, principal: Caller | None, *, page_size: int, page_token: str, parent_id: str
     ) -> tuple[list[Agent], str]:
-        _, workspace = await self._workspace_of(principal)
+        workspace = (await self._viewer(principal)).workspace_id
         limit = self._limit(page_size)
         after = _parse_id(page_token, "page_token") if page_token else None
         parent = _parse_id(parent_id, "parent_id") if parent_id else None
@@ -284,9 +358,9 @@ class AgentService:
         return runner.agent if runner is not None else agent
 
     async def update_agent(
-        self, principal: Principal | None, agent_id: str, draft: AgentDraft, fields: Sequence[str]
+        self, principal: Caller | None, agent_id: str, draft: AgentDraft, fields: Sequence[str]
     ) -> Agent:
-        agent = await self._visible(principal, agent_id)
+        agent = await self.controlled(principal, agent_id)
         unknown = set(fields) - UPDATABLE
         if unknown or not fields:
             raise InvalidAgentRequest(
@@ -302,6 +376,8 @@ class AgentService:
             auto_recall=draft.auto_recall if "auto_recall" in fields else agent.auto_recall,
         )
         merged = self._check(merged)
+        if merged.model.base_url != agent.model.base_url:
+            await self._check_endpoint(await self._viewer(principal), merged.model.base_url)
         if merged.name != agent.name:
             await self._im.rename_member(agent.member_id, merged.name)
         updated = replace(
@@ -322,13 +398,13 @@ class AgentService:
             return runner.agent
         return updated
 
-    async def delete_agent(self, principal: Principal | None, agent_id: str) -> None:
-        agent = await self._visible(principal, agent_id)
+    async def delete_agent(self, principal: Caller | None, agent_id: str) -> None:
+        agent = await self.controlled(principal, agent_id)
         await self._supervisor.remove(agent.id)
         await self._store.delete_agent(agent.id)
 
-    async def wake_agent(self, principal: Principal | None, agent_id: str) -> Agent:
-        agent = await self._visible(principal, agent_id)
+    async def wake_agent(self, principal: Caller | None, agent_id: str) -> Agent:
+        agent = await self.controlled(principal, agent_id)
         runner = self._supervisor.runner(agent.id)
         if runner is not None:
             runner.wake(retry=True)
@@ -337,9 +413,9 @@ class AgentService:
     # -- runs and steps -------------------------------------------------------
 
     async def list_runs(
-        self, principal: Principal | None, agent_id: str, *, page_size: int, page_token: str
+        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
     ) -> tuple[list[Run], str]:
-        agent = await self._visible(principal, agent_id)
+        agent = await self.controlled(principal, agent_id)
         limit = self._limit(page_size)
         before = _parse_id(page_token, "page_token") if page_token else None
         runs = await self._store.list_runs(agent.id, before=before, limit=limit + 1)
@@ -347,7 +423,7 @@ class AgentService:
 
     async def list_steps(
         self,
-        principal: Principal | None,
+        principal: Caller | None,
         agent_id: str,
         *,
         after_sequence: int,
@@ -356,7 +432,7 @@ class AgentService:
         session_id: str = "",
     ) -> tuple[list[Step], bool]:
         """Steps of the agent's main session, or of `session_id` (one of its sessions)."""
-        agent = await self._visible(principal, agent_id)
+        agent = await self.controlled(principal, agent_id)
         if after_sequence < 0:
             raise InvalidAgentRequest("after_sequence must not be negative")
         limit = self._limit(page_size)
@@ -373,10 +449,10 @@ class AgentService:
         return steps[:limit], len(steps) > limit
 
     async def watch_agent(
-        self, principal: Principal | None, agent_id: str, *, after_sequence: int, live_only: bool
+        self, principal: Caller | None, agent_id: str, *, after_sequence: int, live_only: bool
     ) -> AsyncGenerator[Emitted, None]:
         """Snapshots of the steps after `after_sequence`, the step in flight so far, then live events."""
-        agent = await self._visible(principal, agent_id)
+        agent = await self.controlled(principal, agent_id)
         if after_sequence < 0:
             raise InvalidAgentRequest("after_sequence must not be negative")
         watcher, flights = self._hub.watch([agent.id])
@@ -430,9 +506,12 @@ class AgentService:
             await events.aclose()
 
     async def watch_agents(
-        self, principal: Principal | None, *, agent_ids: Sequence[str], workspace_id: str
+        self, principal: Caller | None, *, agent_ids: Sequence[str], workspace_id: str
     ) -> AsyncGenerator[Emitted, None]:
-        _, workspace = await self._workspace_of(principal)
+        """Live events of some agents, or of the workspace's: all of them for
+        the agents the caller controls, the changes of state for the others."""
+        viewer = await self._viewer(principal)
+        workspace = viewer.workspace_id
         if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
             raise AgentNotFound(f"workspace {workspace_id} not found")
         if agent_ids:
@@ -440,16 +519,28 @@ class AgentService:
             watcher, _ = self._hub.watch(ids)
         else:
             watcher, _ = self._hub.watch(None)
-            return self._filtered(watcher.events(), workspace)
-        return watcher.events()
+        return self._filtered(watcher.events(), viewer)
 
     async def _filtered(
-        self, events: AsyncIterator[Emitted], workspace: uuid.UUID
+        self, events: AsyncIterator[Emitted], viewer: Viewer
     ) -> AsyncGenerator[Emitted, None]:
-        async for emitted in events:
-            runner = self._supervisor.runner(emitted.agent_id)
-            if runner is not None and runner.agent.workspace_id == workspace:
-                yield emitted
+        try:
+            async for emitted in events:
+                runner = self._supervisor.runner(emitted.agent_id)
+                if runner is None:
+                    continue
+                agent = runner.agent
+                verdict = decide(
+                    viewer, Action.CONTROL, workspace_id=agent.workspace_id, owner_id=agent.owner_id
+                )
+                if verdict is Verdict.ALLOWED or (
+                    verdict is Verdict.DENIED and isinstance(emitted.event, StateChanged)
+                ):
+                    yield emitted
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _limit(self, page_size: int) -> int:
         if page_size < 0:

@@ -41,7 +41,7 @@ from datetime import datetime
 from uuid_utils.compat import uuid7
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.runtime.domain.lifecycle import Next, resume_point
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
@@ -125,9 +125,7 @@ class HistoryService:
 
     # -- steps of a paused agent ------------------------------------------------
 
-    async def update_step(
-        self, principal: Principal | None, agent_id: str, sequence: int, content: str
-    ) -> Step:
+    async def update_step(self, principal: Caller | None, agent_id: str, sequence: int, content: str) -> Step:
         """Replaces a step's content (the original is archived as "edited")."""
         agent = await self._agent(principal, agent_id, allowed={AgentState.PAUSED}, doing="edit its steps")
         step = _find(await self._all_steps(agent.session_id), sequence)
@@ -140,7 +138,7 @@ class HistoryService:
         self._rewritten(agent, agent.session_id, sequence - 1)
         return replace(step, message=replace(step.message, content=content))
 
-    async def delete_step(self, principal: Principal | None, agent_id: str, sequence: int) -> list[int]:
+    async def delete_step(self, principal: Caller | None, agent_id: str, sequence: int) -> list[int]:
         """Archives a step (reason "deleted"); an assistant step's tool results
         go with it. Returns the sequence numbers removed; later steps keep theirs."""
         agent = await self._agent(principal, agent_id, allowed={AgentState.PAUSED}, doing="delete its steps")
@@ -163,7 +161,7 @@ class HistoryService:
         return sorted(doomed)
 
     async def add_note(
-        self, principal: Principal | None, agent_id: str, role: Role | None, content: str
+        self, principal: Caller | None, agent_id: str, role: Role | None, content: str
     ) -> Step:
         """Appends a system or user step to the agent's context."""
         if role not in NOTE_ROLES:
@@ -196,12 +194,12 @@ class HistoryService:
 
     # -- checkpoints -------------------------------------------------------------
 
-    async def create_checkpoint(self, principal: Principal | None, agent_id: str, name: str) -> Checkpoint:
+    async def create_checkpoint(self, principal: Caller | None, agent_id: str, name: str) -> Checkpoint:
         """The agent's main session up to its last step, and its settings, named."""
         name = name.strip()
         if not name or len(name) > MAX_NAME_CHARS:
             raise InvalidHistoryRequest(f"name is required, up to {MAX_NAME_CHARS} characters")
-        agent = await self._agents.get_agent(principal, agent_id)
+        agent = await self._agents.controlled(principal, agent_id)
         checkpoint = Checkpoint(
             id=uuid7(),
             agent_id=agent.id,
@@ -215,10 +213,10 @@ class HistoryService:
         return checkpoint
 
     async def list_checkpoints(
-        self, principal: Principal | None, agent_id: str, *, page_size: int, page_token: str
+        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
     ) -> tuple[list[Checkpoint], str]:
         """Newest first; the token is the last checkpoint's id."""
-        agent = await self._agents.get_agent(principal, agent_id)
+        agent = await self._agents.controlled(principal, agent_id)
         if page_size < 0:
             raise InvalidHistoryRequest("page_size must not be negative")
         limit = min(page_size or 50, self._max_page)
@@ -226,9 +224,7 @@ class HistoryService:
         found = await self._store.list_checkpoints(agent.id, before=before, limit=limit + 1)
         return found[:limit], str(found[limit - 1].id) if len(found) > limit else ""
 
-    async def restore_checkpoint(
-        self, principal: Principal | None, agent_id: str, checkpoint_id: str
-    ) -> Agent:
+    async def restore_checkpoint(self, principal: Caller | None, agent_id: str, checkpoint_id: str) -> Agent:
         """Settings back, steps after the checkpoint archived ("restored"), its session main."""
         agent = await self._agent(principal, agent_id, allowed=RESTORABLE, doing="restore a checkpoint")
         wanted = _parse_id(checkpoint_id, "checkpoint_id")
@@ -258,10 +254,10 @@ class HistoryService:
     # -- sessions ----------------------------------------------------------------
 
     async def list_sessions(
-        self, principal: Principal | None, agent_id: str
+        self, principal: Caller | None, agent_id: str
     ) -> tuple[Agent, list[tuple[Session, int]]]:
         """The agent and its sessions, oldest first, with their step counts."""
-        agent = await self._agents.get_agent(principal, agent_id)
+        agent = await self._agents.controlled(principal, agent_id)
         found = await self._store.list_sessions(agent.id)
         if all(s.id != agent.session_id for s, _ in found):
             # An agent stored without its session row (not made by `create_agent`).
@@ -271,7 +267,7 @@ class HistoryService:
             found = await self._store.list_sessions(agent.id)
         return agent, found
 
-    async def set_main_session(self, principal: Principal | None, agent_id: str, session_id: str) -> Agent:
+    async def set_main_session(self, principal: Caller | None, agent_id: str, session_id: str) -> Agent:
         """Makes one of the agent's sessions its main one; an event if it changes."""
         agent = await self._agent(
             principal,
@@ -286,7 +282,7 @@ class HistoryService:
 
     # -- retry and fork ----------------------------------------------------------
 
-    async def retry_from_step(self, principal: Principal | None, agent_id: str, sequence: int) -> Agent:
+    async def retry_from_step(self, principal: Caller | None, agent_id: str, sequence: int) -> Agent:
         """Archives step `sequence` on ("retried") and continues from the step before."""
         agent = await self._agent(principal, agent_id, allowed=CONTINUABLE, doing="retry from a step")
         history = await self._all_steps(agent.session_id)
@@ -314,7 +310,7 @@ class HistoryService:
         return await self._agents.get_agent(principal, str(agent.id))
 
     async def fork_from_step(
-        self, principal: Principal | None, agent_id: str, sequence: int, *, new_agent: bool, name: str = ""
+        self, principal: Caller | None, agent_id: str, sequence: int, *, new_agent: bool, name: str = ""
     ) -> tuple[Session, Agent]:
         """Copies steps 1..`sequence` of the main session into a new session made
         main (or into a clone agent's main session) and continues there."""
@@ -355,8 +351,8 @@ class HistoryService:
             await self._continue(owner.id)
         return fork, await self._agents.get_agent(principal, str(owner.id))
 
-    async def _clone(self, principal: Principal | None, agent: Agent, name: str) -> Agent:
-        """A new agent with `agent`'s settings and parent, and its own IM membership."""
+    async def _clone(self, principal: Caller | None, agent: Agent, name: str) -> Agent:
+        """A new agent with `agent`'s settings, parent and owner, and its own IM membership."""
         draft = AgentDraft(
             name=name or f"{agent.name[: MAX_NAME_CHARS - len(' (fork)')]} (fork)",
             role=agent.role,
@@ -366,16 +362,15 @@ class HistoryService:
             token_budget=agent.token_budget,
             auto_recall=agent.auto_recall,
         )
-        parent = str(agent.parent_id) if agent.parent_id else ""
-        return await self._agents.create_agent(principal, draft, parent_id=parent)
+        return await self._agents.create_clone(principal, agent, draft)
 
     # -- helpers -----------------------------------------------------------------
 
     async def _agent(
-        self, principal: Principal | None, agent_id: str, *, allowed: Collection[AgentState], doing: str
+        self, principal: Caller | None, agent_id: str, *, allowed: Collection[AgentState], doing: str
     ) -> Agent:
         """The visible agent as its runner has it, if its state allows `doing`."""
-        agent = await self._agents.get_agent(principal, agent_id)
+        agent = await self._agents.controlled(principal, agent_id)
         if agent.state not in allowed:
             names = ", ".join(s.value.upper() for s in AgentState if s in allowed)
             raise WrongAgentState(

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.runtime.domain.lifecycle import Control, check_control
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.agents import AgentService
@@ -33,42 +33,42 @@ class LifecycleService:
         self._clear_queue = clear_queue
         self._lock = asyncio.Lock()
 
-    async def _runner(self, principal: Principal | None, agent_id: str) -> AgentRunner:
-        agent = await self._agents.get_agent(principal, agent_id)
+    async def _runner(self, principal: Caller | None, agent_id: str) -> AgentRunner:
+        agent = await self._agents.controlled(principal, agent_id)
         runner = self._supervisor.runner(agent.id)
         if runner is None:  # deleted meanwhile
             raise ValueError(f"agent {agent.id} has no runner")
         return runner
 
-    async def start(self, principal: Principal | None, agent_id: str) -> Agent:
+    async def start(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
             runner = await self._runner(principal, agent_id)
             check_control(Control.START, runner.agent.state)
             await runner.start_again()
             return runner.agent
 
-    async def pause(self, principal: Principal | None, agent_id: str) -> Agent:
+    async def pause(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
             runner = await self._runner(principal, agent_id)
             check_control(Control.PAUSE, runner.agent.state)
             await runner.pause()
             return runner.agent
 
-    async def resume(self, principal: Principal | None, agent_id: str) -> Agent:
+    async def resume(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
             runner = await self._runner(principal, agent_id)
             check_control(Control.RESUME, runner.agent.state)
             await runner.resume()
             return runner.agent
 
-    async def interrupt(self, principal: Principal | None, agent_id: str) -> Agent:
+    async def interrupt(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
             runner = await self._runner(principal, agent_id)
             check_control(Control.INTERRUPT, runner.agent.state)
             await runner.interrupt()
             return runner.agent
 
-    async def terminate(self, principal: Principal | None, agent_id: str, *, clear_queue: bool) -> Agent:
+    async def terminate(self, principal: Caller | None, agent_id: str, *, clear_queue: bool) -> Agent:
         async with self._lock:
             runner = await self._runner(principal, agent_id)
             check_control(Control.TERMINATE, runner.agent.state)

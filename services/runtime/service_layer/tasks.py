@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from uuid_utils.compat import uuid7
 
 from services.common import errors
-from services.common.identity import Principal
+from services.common.identity import Caller
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
     Agent,
@@ -173,7 +173,7 @@ class TaskService(TaskQueue):
 
     async def submit_task(
         self,
-        principal: Principal | None,
+        principal: Caller | None,
         agent_id: str,
         *,
         text: str,
@@ -182,7 +182,7 @@ class TaskService(TaskQueue):
         priority: int = 0,
     ) -> Placed:
         """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
-        agent = await self._agents.get_agent(principal, agent_id)
+        agent = await self._agents.controlled(principal, agent_id)
         if not text.strip():
             raise InvalidTaskRequest("input is required")
         size = len(text.encode())
@@ -228,14 +228,14 @@ class TaskService(TaskQueue):
         if runner is not None:
             runner.wake()
 
-    async def get_task(self, principal: Principal | None, task_id: str) -> Placed:
+    async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
         return await self._placed(await self._visible(principal, task_id))
 
     async def list_tasks(
-        self, principal: Principal | None, agent_id: str, *, page_size: int, page_token: str
+        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
     ) -> tuple[list[Placed], str]:
         """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
-        agent = await self._agents.get_agent(principal, agent_id)
+        agent = await self._agents.controlled(principal, agent_id)
         if page_size < 0:
             raise InvalidTaskRequest("page_size must not be negative")
         limit = min(page_size or 50, self._max_page)
@@ -244,7 +244,7 @@ class TaskService(TaskQueue):
         page = [await self._placed(t) for t in tasks[:limit]]
         return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
 
-    async def cancel_task(self, principal: Principal | None, task_id: str) -> Placed:
+    async def cancel_task(self, principal: Caller | None, task_id: str) -> Placed:
         """Cancels a waiting task at once; asks the runner to cut a running one short.
 
         Raises:
@@ -267,8 +267,8 @@ class TaskService(TaskQueue):
             # Its status changed meanwhile (the runner started it): look again.
             task = await self._reread(task)
 
-    async def queue_stats(self, principal: Principal | None, agent_id: str) -> QueueStats:
-        agent = await self._agents.get_agent(principal, agent_id)
+    async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
+        agent = await self._agents.controlled(principal, agent_id)
         waiting, running, average = await self._store.queue_stats(agent.id)
         return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
 
@@ -421,13 +421,13 @@ class TaskService(TaskQueue):
 
     # -- helpers ------------------------------------------------------------------
 
-    async def _visible(self, principal: Principal | None, task_id: str) -> Task:
+    async def _visible(self, principal: Caller | None, task_id: str) -> Task:
         """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
         wanted = _parse_id(task_id, "task_id")
         task = await self._store.get_task(wanted)
         try:
             # Asked even for a missing task: an unauthenticated caller learns nothing.
-            await self._agents.get_agent(principal, str(task.agent_id if task else uuid.UUID(int=0)))
+            await self._agents.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
         except AgentNotFound:
             task = None
         if task is None:

@@ -320,6 +320,7 @@ class Agent(_message.Message):
     PAUSE_PENDING_FIELD_NUMBER: _builtins.int
     AUTO_RECALL_FIELD_NUMBER: _builtins.int
     STATE_VERSION_FIELD_NUMBER: _builtins.int
+    OWNER_ID_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -357,6 +358,14 @@ class Agent(_message.Message):
     """Counts the changes of state, last_error and pause_pending. Answers and
     events may reach a client in any order: the one with the highest
     version tells the current state (see AgentStateChanged.state_version).
+    """
+    owner_id: _builtins.str
+    """The member (a person) who owns it: the one who created it, or for a
+    sub-agent or a clone the owner of the agent it came from. The owner and
+    the workspace's admins and owner control, reconfigure and read the
+    work of the agent (docs/security.md). Empty for an agent created before
+    owners were recorded: only admins and the owner of the workspace
+    control those.
     """
     @_builtins.property
     def model(self) -> Global___ModelSettings:
@@ -396,10 +405,11 @@ class Agent(_message.Message):
         pause_pending: _builtins.bool = ...,
         auto_recall: _builtins.int | None = ...,
         state_version: _builtins.int = ...,
+        owner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "state_version", b"state_version", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "owner_id", b"owner_id", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "state_version", b"state_version", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto_recall: _TypeAlias = _typing.Literal["auto_recall"]  # noqa: Y015
     _WhichOneofArgType__auto_recall: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall"]  # noqa: Y015
