@@ -99,6 +99,8 @@ def _environment(data_dir: Path) -> dict[str, str]:
         SHUTDOWN_GRACE_SECONDS="2",
         # An agent's failing endpoint (the flaky one) fails its run at once.
         LLM_MAX_RETRIES="0",
+        # The fake model servers listen on loopback, which agents may not use unless listed.
+        RUNTIME_LLM_ALLOWED_HOSTS="127.0.0.1",
     )
     return env
 

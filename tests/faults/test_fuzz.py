@@ -65,7 +65,7 @@ SERVICES = [
     rpb.DESCRIPTOR.services_by_name["RuntimeService"],
     mpb.DESCRIPTOR.services_by_name["MemoryService"],
 ]
-EXAMPLES_PER_RPC = scaled(20, long=300)
+EXAMPLES_PER_RPC = scaled(12, long=300)
 FUZZ_PASSWORD = "fuzzing password"
 STREAM_SETTLE_POLLS = 15
 FORBIDDEN_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}

@@ -196,6 +196,7 @@ class Figures:
 class Chat:
     member_id: str
     group_id: str
+    workspace_id: str
 
     @property
     def md(self) -> Metadata:
@@ -213,7 +214,7 @@ async def new_chat(address: str) -> Chat:
         group = await stub.CreateGroup(
             im_pb2.CreateGroupRequest(name="g"), metadata=as_member(me), timeout=TIMEOUT_S
         )
-        return Chat(me, group.group.id)
+        return Chat(me, group.group.id, created.workspace.id)
 
 
 async def send_message(stub: im_pb2_grpc.IMServiceStub, chat: Chat, key: str) -> None:
@@ -359,7 +360,7 @@ async def test_sigterm_of_the_runtime_under_load_is_graceful(
 
 def signed_in(chat: Chat) -> dict[str, str]:
     """The member's access token, as a program sends it to the gateway."""
-    return {"Authorization": f"Bearer {member_token(chat.member_id)}"}
+    return {"Authorization": f"Bearer {member_token(chat.member_id, workspace=chat.workspace_id)}"}
 
 
 async def post_message(session: aiohttp.ClientSession, base: str, chat: Chat, key: str) -> None:
