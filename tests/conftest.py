@@ -167,6 +167,29 @@ async def runtime_url(database_url: str, tmp_path: Path) -> str:
 
 
 @pytest.fixture
+async def own_runtime_url(database_url: str, tmp_path: Path) -> AsyncIterator[str]:
+    """A migrated runtime database that holds nothing of other tests, for a
+    runtime process that loads (and watches the IM for) every agent it finds:
+    the shared PostgreSQL schema holds agents that store tests made with no IM
+    behind them. PostgreSQL: a database of the test's own, dropped after it."""
+    if database_url.startswith("sqlite"):
+        url = f"sqlite:///{tmp_path / 'runtime.db'}"
+        await _runtime_migrated(url)
+        yield url
+        return
+    name = f"agentim_runtime_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(POSTGRES_URL)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+        await _runtime_migrated(url)
+        yield url
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+@pytest.fixture
 async def postgres_url() -> str:
     """The migrated PostgreSQL test database, for tests of PostgreSQL alone."""
     await _prepare_postgres()

@@ -308,8 +308,9 @@ async def stored_tasks(address: str, agent_ids: list[str], md: Metadata) -> Coun
 
 
 async def test_sigterm_of_the_runtime_under_load_is_graceful(
-    database_url: str, runtime_url: str, tmp_path: Path
+    database_url: str, own_runtime_url: str, tmp_path: Path
 ) -> None:
+    runtime_url = own_runtime_url
     im_env = clean_environment(DATABASE_URL=database_url, IM_GRPC_ADDRESS="127.0.0.1:0")
     migrate("services.im", im_env)
     figures = Figures()

@@ -8,6 +8,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from tests.conftest import RunningIM, make_world
@@ -63,6 +65,8 @@ class Conversation:
         raise AssertionError("the watch ended")
 
 
+# 500 runs beside the other test worker; the default 120 s is too close.
+@pytest.mark.timeout(300)
 async def test_an_agent_talks_through_500_messages_in_a_4096_token_window(
     im: RunningIM, fake: FakeOpenAI, tmp_path: Path
 ) -> None:

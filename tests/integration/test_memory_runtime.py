@@ -43,6 +43,8 @@ async def start_memory_service(
 
 # The IM's database does not matter here; one long conversation is enough.
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+# 500 runs take 50-90 s beside the other test worker; the default 120 s is too close.
+@pytest.mark.timeout(300)
 async def test_after_500_messages_the_agent_recalls_what_it_was_told_at_message_3_with_its_anchor(
     im: RunningIM, fake: FakeOpenAI, tmp_path: Path
 ) -> None:
