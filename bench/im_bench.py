@@ -580,6 +580,9 @@ def _server_env(database_url: str, data_dir: Path) -> dict[str, str]:
         LOG_LEVEL="WARNING",
         AGENTIM_DATA_DIR=str(data_dir),
         PYTHONUNBUFFERED="1",
+        # The path is measured, not the per-member rate limits (32 senders would hit them).
+        LIMIT_SEND_PER_SECOND="0",
+        LIMIT_CREATE_PER_SECOND="0",
     )
     return env
 

@@ -341,3 +341,20 @@ def test_a_key_of_another_type_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ec.pem").write_bytes(pem)
     with pytest.raises(KeyRingError, match="not an Ed25519 key"):
         KeyRing.load(tmp_path)
+
+
+async def test_a_remembered_token_is_still_refused_once_expired_and_a_tampered_copy_is_checked(
+    ring: KeyRing,
+) -> None:
+    clock = Clock()
+    verifier = Verifier(keyring_source(ring), clock=clock, leeway_seconds=5)
+    token = sign(human(), ring, lifetime=timedelta(minutes=1), now=datetime.fromtimestamp(clock.now, UTC))
+    first = await verifier.verify(token)
+    assert await verifier.verify(token) == first
+    header, payload, signature = segments(token)
+    flipped = signature[:-2] + ("A" if signature[-2] != "A" else "B") + signature[-1]
+    with pytest.raises(Unauthenticated, match="signature"):
+        await verifier.verify(f"{header}.{payload}.{flipped}")
+    clock.now += 70
+    with pytest.raises(Unauthenticated, match="expired"):
+        await verifier.verify(token)
