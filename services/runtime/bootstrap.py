@@ -94,7 +94,6 @@ def build(settings: Settings) -> RuntimeApp:
     store = SqlAgentStore(database)
     im = GrpcIM(
         settings.im_address,
-        service_token=settings.service_token,
         deadline_seconds=settings.im_call_timeout_seconds,
         tls=settings.tls.client,
         service_name="runtime",
@@ -117,7 +116,6 @@ def build(settings: Settings) -> RuntimeApp:
     memory = (
         GrpcMemory(
             settings.memory_address,
-            service_token=settings.service_token,
             deadline_seconds=settings.memory_call_timeout_seconds,
             tls=settings.tls.client,
             credentials=im.service_token,

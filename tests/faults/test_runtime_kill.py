@@ -26,10 +26,11 @@ import pytest
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from tests.conftest import RunningIM, World, as_member, make_world
+from tests.conftest import RunningIM, World, make_world
 from tests.faults.harness import ServiceProcess, clean_environment, migrate, scaled
 from tests.faults.llm import DecidingLLM, instruction
 from tests.faults.test_im_kill import FAST_RECONNECT, RETRYABLE
+from tests.identities import as_member, learning_channel
 
 AGENTS = 4
 SETTLE_SECONDS = 90.0
@@ -163,7 +164,7 @@ async def test_killing_the_runtime_mid_run_repeats_and_loses_nothing(
     with ServiceProcess("services.runtime", env, tmp_path / "runtime.log") as process:
         process.start()
         process.pin_address("RUNTIME_GRPC_ADDRESS")
-        channel = grpc.aio.insecure_channel(process.address, options=FAST_RECONNECT)
+        channel = learning_channel(process.address, options=FAST_RECONNECT)
         work = Work(im, world, runtime_pb2_grpc.RuntimeServiceStub(channel))
         await work.create_agents(AGENTS)
         await work.submit_tasks(tasks_per_agent)

@@ -26,7 +26,8 @@ from tests.authn_support import (
     read_only,
     tampered_token,
 )
-from tests.conftest import RunningIM, as_member
+from tests.conftest import RunningIM
+from tests.identities import legacy_member_header
 
 
 async def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
@@ -63,7 +64,7 @@ async def test_expired_tampered_and_foreign_tokens_are_unauthenticated(
         code, _ = await status_of(im.stub.ListGroups(list_groups(), metadata=bearer_metadata(token)))
         assert code == grpc.StatusCode.UNAUTHENTICATED
     # A bad token is never passed over for the legacy header beside it.
-    both = (*bearer_metadata(tampered_token(cast.member.access_token)), *as_member(cast.member.id))
+    both = (*bearer_metadata(tampered_token(cast.member.access_token)), *legacy_member_header(cast.member.id))
     assert (await status_of(im.stub.ListGroups(list_groups(), metadata=both)))[
         0
     ] == grpc.StatusCode.UNAUTHENTICATED
@@ -84,7 +85,7 @@ async def test_a_token_acts_as_its_own_member_whatever_else_the_call_names(im: R
     # The legacy header naming the owner is ignored beside a token: the member sends as itself.
     sent = await im.stub.SendMessage(
         im_pb2.SendMessageRequest(group_id=cast.group.id, content="mine"),
-        metadata=(*cast.member.md, *as_member(cast.owner.id)),
+        metadata=(*cast.member.md, *legacy_member_header(cast.owner.id)),
     )
     assert sent.message.sender_id == cast.member.id
     # Naming another member's groups is refused.
@@ -109,7 +110,7 @@ async def test_the_memory_service_reads_the_directory_and_sends_nothing(im: Runn
 async def test_the_runtime_service_cannot_act_as_a_person(im: RunningIM, cast: Cast) -> None:
     send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="forged")
     # Its own token names no member, and no metadata can name one for it.
-    for metadata in [cast.runtime, (*cast.runtime, *as_member(cast.owner.id))]:
+    for metadata in [cast.runtime, (*cast.runtime, *legacy_member_header(cast.owner.id))]:
         code, _ = await status_of(im.stub.SendMessage(send, metadata=metadata))
         assert code == grpc.StatusCode.PERMISSION_DENIED
     # It creates agents (hosted by it), never people.
@@ -155,7 +156,9 @@ async def test_the_runtime_watches_a_whole_workspace_and_people_do_not(im: Runni
 async def test_without_trust_in_the_member_header_only_tokens_work(im_factory: Any) -> None:
     strict: RunningIM = await im_factory(AUTH_TRUST_MEMBER_HEADER="false")
     cast = await make_cast(strict)
-    code, message = await status_of(strict.stub.ListGroups(list_groups(), metadata=as_member(cast.member.id)))
+    code, message = await status_of(
+        strict.stub.ListGroups(list_groups(), metadata=legacy_member_header(cast.member.id))
+    )
     assert code == grpc.StatusCode.UNAUTHENTICATED and "x-member-id" not in message
     assert len((await strict.stub.ListGroups(list_groups(), metadata=cast.member.md)).groups) == 1
 
@@ -186,7 +189,7 @@ async def test_anyone_can_no_longer_be_anyone(im: RunningIM, cast: Cast) -> None
     code, _ = await status_of(
         im.stub.MarkRead(
             im_pb2.MarkReadRequest(group_id=cast.group.id, up_to_message_id=cast.message.id),
-            metadata=(*intruder, *as_member(cast.member.id)),
+            metadata=(*intruder, *legacy_member_header(cast.member.id)),
         )
     )
     assert code == grpc.StatusCode.PERMISSION_DENIED
@@ -211,7 +214,7 @@ async def test_rate_limits_count_against_the_verified_caller(im_factory: Any) ->
     cast = await make_cast(limited)  # the owner spends its one send here
     send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="hi")
     # The member's token spends the member's bucket, whoever the legacy header names beside it.
-    await limited.stub.SendMessage(send, metadata=(*cast.member.md, *as_member(cast.admin.id)))
+    await limited.stub.SendMessage(send, metadata=(*cast.member.md, *legacy_member_header(cast.admin.id)))
     code, _ = await status_of(limited.stub.SendMessage(send, metadata=cast.member.md))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     await limited.stub.SendMessage(send, metadata=cast.admin.md)

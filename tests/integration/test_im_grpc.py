@@ -11,7 +11,8 @@ import pytest
 from google.protobuf import field_mask_pb2
 
 from agentim.im.v1 import im_pb2
-from tests.conftest import RunningIM, as_member, make_world
+from tests.conftest import RunningIM, make_world
+from tests.identities import as_member, as_unknown
 
 
 async def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
@@ -66,7 +67,7 @@ async def test_workspace_members_and_identity(im: RunningIM) -> None:
     code, message = await status_of(im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id)))
     assert code == grpc.StatusCode.UNAUTHENTICATED and "x-member-id" in message
     code, _ = await status_of(
-        im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id), metadata=as_member(str(uuid.uuid4())))
+        im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id), metadata=as_unknown())
     )
     assert code == grpc.StatusCode.UNAUTHENTICATED
     code, _ = await status_of(
