@@ -176,8 +176,6 @@ def build(
     authentication = AuthenticationInterceptor(
         MEMORY_POLICY,
         Verifier(signing_keys),
-        trust_member_header=settings.trust_member_header,
-        service_token=settings.service_token,
     )
 
     async def ready() -> bool:

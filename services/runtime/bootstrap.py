@@ -208,8 +208,6 @@ def build(settings: Settings) -> RuntimeApp:
             AuthenticationInterceptor(
                 RUNTIME_POLICY,
                 Verifier(im_signing_keys(im.channel, timeout_seconds=settings.im_call_timeout_seconds)),
-                trust_member_header=settings.trust_member_header,
-                service_token=settings.service_token,
             ),
             RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),
         ],

@@ -37,7 +37,7 @@ from services.runtime.adapters.sql import Database as RuntimeDatabase
 from services.runtime.config import Settings as RuntimeSettings
 from tests.auth_support import service_environment
 from tests.conftest import POSTGRES_URL, RunningIM, make_world, start_im, stop_im
-from tests.identities import learning_channel
+from tests.identities import as_unknown, learning_channel
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -147,10 +147,11 @@ async def test_a_read_transaction_goes_again_and_a_write_is_unavailable(postgres
 
 async def test_a_refused_database_is_unavailable_with_a_readable_message() -> None:
     im = await start_im("postgresql://nobody@127.0.0.1:1/none")
-    member = str(uuid.uuid4())
+    # A genuine token: the call gets past authentication to the database.
+    member = as_unknown()
     calls: list[Callable[[], Awaitable[Any]]] = [
         lambda: im.stub.CreateWorkspace(im_pb2.CreateWorkspaceRequest(name="w", creator_display_name="a")),
-        lambda: im.stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=(("x-member-id", member),)),
+        lambda: im.stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=member),
     ]
     try:
         for call in calls:

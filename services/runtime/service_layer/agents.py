@@ -115,9 +115,9 @@ class AgentService:
 
     async def _viewer(self, caller: Caller | None) -> Viewer:
         """The calling member, its workspace and (from its token) its roles."""
-        claims = caller.claims if caller is not None else None
-        if claims is None:
+        if caller is None:
             raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
+        claims = caller.claims
         if claims.kind is PrincipalKind.SERVICE or claims.member_id is None or claims.workspace_id is None:
             raise NotAllowed("a service acts on no agent of its own: call as a member")
         return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))

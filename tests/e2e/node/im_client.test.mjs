@@ -125,5 +125,11 @@ describe('IMService from Node.js', { skip: address ? false : 'IM_ADDRESS is not 
 
   test('a call without an access token is UNAUTHENTICATED', async () => {
     await assert.rejects(call(client, 'ListChats', {}), { code: grpc.status.UNAUTHENTICATED });
+    // The retired x-member-id header names nobody any more.
+    await assert.rejects(call(client, 'ListChats', {}, undefined, { 'x-member-id': bob.id }), (error) => {
+      assert.equal(error.code, grpc.status.UNAUTHENTICATED);
+      assert.match(error.details, /authorization: Bearer/);
+      return true;
+    });
   });
 });
