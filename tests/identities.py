@@ -193,6 +193,12 @@ def as_unknown(
     return bearer_metadata(_signed(member, Identity(UNKNOWN_WORKSPACE, kind), read_only=False))
 
 
+def as_service(name: str) -> Metadata:
+    """Call metadata with a service's own token (benchmarks; tests get theirs
+    from IssueServiceToken, as services do)."""
+    return bearer_metadata(sign(AccessClaims(kind=PrincipalKind.SERVICE, service=name), _keys()))
+
+
 def caller_of(
     member_id: uuid.UUID,
     workspace_id: uuid.UUID,
