@@ -288,6 +288,7 @@ def test_settings_report_every_problem_and_hide_secrets() -> None:
     for name in ("DATABASE_URL", "IM_GRPC_ADDRESS", "LOG_LEVEL", "IM_MAX_GROUP_MEMBERS", "GRPC_REFLECTION"):
         assert name in problems
     assert len(caught.value.problems) == 5
+    # The retired shared service token is read by nothing: neither kept nor shown.
     settings = Settings.from_env({"AGENTIM_SERVICE_TOKEN": "hunter2", "AGENTIM_DATA_DIR": "/tmp/x"})
     assert "hunter2" not in repr(settings)
     assert settings.database_url == "sqlite:////tmp/x/im.db" and settings.redis_url is None
