@@ -34,6 +34,7 @@ from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
+from services.runtime.service_layer.read_positions import ReadPositions
 from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tasks import RetryPolicy, TaskService
@@ -139,6 +140,7 @@ def build(settings: Settings) -> RuntimeApp:
     ) -> Agent:
         return await services[0].create_child(parent, name, role, system_prompt, request_id=request_id)
 
+    read_positions = ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
     env = RunnerEnv(
         store=store,
         im=im,
@@ -165,6 +167,7 @@ def build(settings: Settings) -> RuntimeApp:
         history=HistoryCache(settings.history_cache_steps),
         memory=memory,
         run_ended=archiver.notify if archiver is not None else lambda: None,
+        read_positions=read_positions,
     )
     supervisor = Supervisor(env)
     service = AgentService(
@@ -226,6 +229,7 @@ def build(settings: Settings) -> RuntimeApp:
         closers=[close_hub],
         cleanups=[
             supervisor.aclose,
+            read_positions.aclose,
             *([archiver.stop, memory.aclose] if archiver is not None and memory is not None else []),
             llm.aclose,
             im.aclose,

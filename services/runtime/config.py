@@ -36,6 +36,9 @@ class Settings:
     ask_human_timeout_seconds: float
     max_reply_bytes: int
     history_cache_steps: int
+    # How long an agent's read position waits before it moves in the IM, with
+    # the others of its chat meanwhile (service_layer/read_positions.py).
+    read_position_delay_seconds: float
     max_task_input_bytes: int
     task_max_attempts: int
     task_retry_base_seconds: float
@@ -103,6 +106,7 @@ class Settings:
             ask_human_timeout_seconds=env.number("ASK_HUMAN_TIMEOUT_SECONDS", 3600.0, minimum=0.01),
             max_reply_bytes=env.integer("RUNTIME_MAX_REPLY_BYTES", 64 * 1024, minimum=64),
             history_cache_steps=env.integer("RUNTIME_HISTORY_CACHE_STEPS", 20_000, minimum=0),
+            read_position_delay_seconds=env.number("RUNTIME_READ_POSITION_DELAY_SECONDS", 1.0, minimum=0.0),
             max_task_input_bytes=env.integer("RUNTIME_MAX_TASK_INPUT_BYTES", 64 * 1024, minimum=1),
             task_max_attempts=env.integer("RUNTIME_TASK_MAX_ATTEMPTS", 3, minimum=1),
             task_retry_base_seconds=env.number("RUNTIME_TASK_RETRY_BASE_SECONDS", 5.0, minimum=0.001),

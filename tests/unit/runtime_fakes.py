@@ -83,7 +83,9 @@ class FakeIM(IMPort):
         self.messages: list[IMMessage] = []
         self.read: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}
         self.clock = FakeClock()
-        self._feeds: list[tuple[set[uuid.UUID], asyncio.Queue[IMEvent]]] = []
+        # Each watch: the members it watches, its queue, and the number of
+        # the last event put on it (a list, to be changed in place).
+        self._feeds: list[tuple[set[uuid.UUID], asyncio.Queue[IMEvent], list[int]]] = []
         self.workspace = uuid.uuid4()
 
     # helpers for tests
@@ -121,11 +123,21 @@ class FakeIM(IMPort):
         )
         self.messages.append(message)
         concerned = tuple(m for m in self.groups[group_id].member_ids)
-        for watched, queue in self._feeds:
+        for watched, queue, last in self._feeds:
             hits = tuple(m for m in concerned if m in watched)
             if hits:
-                queue.put_nowait(IMEvent(cursor=str(len(self.messages)), message=message, member_ids=hits))
+                queue.put_nowait(self._event(len(self.messages), message, hits, last))
         return message
+
+    @staticmethod
+    def _event(number: int, message: IMMessage, hits: tuple[uuid.UUID, ...], last: list[int]) -> IMEvent:
+        """The event of the `number`th message (its cursor and sequence) on a
+        watch whose last event was `last[0]`, as the IM numbers them."""
+        event = IMEvent(
+            cursor=str(number), message=message, member_ids=hits, sequence=number, previous_sequence=last[0]
+        )
+        last[0] = number
+        return event
 
     def in_group(self, group_id: uuid.UUID) -> list[IMMessage]:
         return [m for m in self.messages if m.group_id == group_id]
@@ -247,16 +259,18 @@ class FakeIM(IMPort):
     ) -> AsyncIterator[IMEvent]:
         queue: asyncio.Queue[IMEvent] = asyncio.Queue()
         watched = set(member_ids)
-        entry = (watched, queue)
+        # A cursor is a message count; none starts at the live end, as the IM does.
+        start = int(after_cursor) if after_cursor else len(self.messages)
+        last = [start]
+        entry = (watched, queue, last)
         self._feeds.append(entry)
-        # Resuming: what came after the cursor first (a cursor is a message count).
-        start = int(after_cursor or 0)
+        # Resuming: what came after the cursor first.
         for index, message in enumerate(self.messages[start:], start=start):
             hits = tuple(m for m in self.groups[message.group_id].member_ids if m in watched)
             if hits:
-                queue.put_nowait(IMEvent(cursor=str(index + 1), message=message, member_ids=hits))
+                queue.put_nowait(self._event(index + 1, message, hits, last))
         if on_subscribed is not None:
-            on_subscribed(after_cursor or str(len(self.messages)))
+            on_subscribed(str(start))
         try:
             while True:
                 yield await queue.get()

@@ -145,6 +145,7 @@ def delivery(d: Delivery) -> im_pb2.WatchEventsResponse:
         sequence=recorded.sequence,
         event_time=timestamp(recorded.recorded_at),
         member_ids=[str(m) for m in d.member_ids],
+        previous_sequence=d.previous_sequence,
     )
     match recorded.event:
         case model.MessageCreated(message=m):

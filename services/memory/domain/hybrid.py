@@ -22,8 +22,8 @@ from services.memory.domain.lexicon import Concept
 from services.memory.domain.ranking import (
     FusionSettings,
     Hit,
-    bridge_terms,
     best_match_share,
+    bridge_terms,
     concept_coverage,
     coverage,
     fuse,

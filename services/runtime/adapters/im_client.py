@@ -399,10 +399,10 @@ class GrpcIM(IMPort):
         # The IM takes either a workspace or members (whose workspace it finds).
         watched_members = [str(m) for m in member_ids]
         scope = "" if watched_members else str(workspace_id)
-        watched_workspace = str(workspace_id)
         cursor = after_cursor
         backoff = self._initial_backoff
         failures = 0
+        chain = _Chain(_sequence(cursor))
         while True:
             metadata = await self._watch_metadata()
             call = self._stub.WatchEvents(
@@ -418,6 +418,7 @@ class GrpcIM(IMPort):
                     # saying where it starts: resume from there, not from "now",
                     # if the stream breaks before any event arrives.
                     cursor = cursor or _header(headers, WATCH_START_CURSOR_KEY)
+                    chain.start(_sequence(cursor))
                     if failures:
                         logger.info("watch of workspace %s reopened after cursor %r", workspace_id, cursor)
                     backoff = self._initial_backoff
@@ -426,20 +427,9 @@ class GrpcIM(IMPort):
                         on_subscribed(cursor)
                 while (response := await call.read()) is not grpc.aio.EOF:
                     cursor = response.cursor
-                    if response.WhichOneof("event") != "message_created":
-                        continue
-                    message = response.message_created.message
-                    if message.workspace_id != watched_workspace:
-                        # Cursors are per workspace: resuming one with another's would skip events.
-                        raise _refused(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the watched members are not members of workspace {workspace_id}",
-                        )
-                    yield IMEvent(
-                        cursor=cursor,
-                        message=_message(message),
-                        member_ids=tuple(uuid.UUID(m) for m in response.member_ids),
-                    )
+                    event = _event(response, workspace_id, chain)
+                    if event is not None:
+                        yield event
                 reason = "the IM ended the stream"
             except grpc.aio.AioRpcError as error:
                 if self._closed:
@@ -471,6 +461,27 @@ class GrpcIM(IMPort):
             )
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, self._max_backoff)
+
+
+def _event(response: im_pb2.WatchEventsResponse, workspace_id: uuid.UUID, chain: _Chain) -> IMEvent | None:
+    """The event to pass on (message-created events only), its place in the chain noted."""
+    chain.saw(response.sequence, response.previous_sequence)
+    if response.WhichOneof("event") != "message_created":
+        return None
+    message = response.message_created.message
+    if message.workspace_id != str(workspace_id):
+        # Cursors are per workspace: resuming one with another's would skip events.
+        raise _refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the watched members are not members of workspace {workspace_id}",
+        )
+    return IMEvent(
+        cursor=response.cursor,
+        message=_message(message),
+        member_ids=tuple(uuid.UUID(m) for m in response.member_ids),
+        sequence=response.sequence,
+        previous_sequence=chain.pass_on(response.sequence),
+    )
 
 
 def _refused(code: grpc.StatusCode, message: str) -> IMError:
@@ -523,3 +534,37 @@ def _header(metadata: Any, key: str) -> str:
         if name == key:
             return str(value)
     return ""
+
+
+def _sequence(cursor: str) -> int | None:
+    """The sequence number of an IM cursor (the IM's cursors are its numbers); None if not one."""
+    return int(cursor) if cursor.isascii() and cursor.isdigit() else None
+
+
+class _Chain:
+    """The chain of an event stream's sequence numbers, as the watch passes events on.
+
+    Each event names the one the IM sent before it on the stream
+    (`previous_sequence`), the other kinds of event included, which are not
+    passed on. An event passed on names the last one passed on, if the IM's
+    chain since is unbroken, and -1 (a gap, to its consumer) if not.
+    """
+
+    def __init__(self, start: int | None) -> None:
+        self._passed_on = self._seen = start
+        self._unbroken = True
+
+    def start(self, sequence: int | None) -> None:
+        """The stream starts after `sequence` (known only once the IM says, for a watch from now)."""
+        if self._passed_on is None:
+            self._passed_on = self._seen = sequence
+
+    def saw(self, sequence: int, previous: int) -> None:
+        self._unbroken = self._unbroken and self._seen is not None and previous == self._seen
+        self._seen = sequence
+
+    def pass_on(self, sequence: int) -> int:
+        """The previous sequence to give the event passed on."""
+        previous = self._passed_on if self._unbroken and self._passed_on is not None else -1
+        self._passed_on, self._unbroken = sequence, True
+        return previous

@@ -52,11 +52,18 @@ class IMEvent:
     """A message-created event (other events are not passed on).
 
     `member_ids` are the watched members in the message's group.
+    `sequence` is the event's number in its workspace, and
+    `previous_sequence` the number of the message event the watch delivered
+    before it (or the one it started after); -1 when the watch cannot vouch
+    that nothing came in between. A consumer whose last event is another has
+    missed some (see `Supervisor`).
     """
 
     cursor: str
     message: IMMessage
     member_ids: tuple[uuid.UUID, ...] = ()
+    sequence: int = 0
+    previous_sequence: int = 0
 
 
 class IMError(errors.ServiceError):

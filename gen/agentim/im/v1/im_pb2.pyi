@@ -1685,6 +1685,7 @@ class WatchEventsResponse(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     EVENT_TIME_FIELD_NUMBER: _builtins.int
     MEMBER_IDS_FIELD_NUMBER: _builtins.int
+    PREVIOUS_SEQUENCE_FIELD_NUMBER: _builtins.int
     MESSAGE_CREATED_FIELD_NUMBER: _builtins.int
     MESSAGE_EDITED_FIELD_NUMBER: _builtins.int
     GROUP_CHANGED_FIELD_NUMBER: _builtins.int
@@ -1693,6 +1694,12 @@ class WatchEventsResponse(_message.Message):
     """Opaque resume cursor of this event."""
     sequence: _builtins.int
     """The workspace's gap-free event sequence number."""
+    previous_sequence: _builtins.int
+    """The sequence of the event this stream delivered before this one (for
+    the first, the one the stream started after). A watch of some members
+    skips the workspace's other events, so sequence numbers jump; a
+    client whose last event is not this one has missed events in between.
+    """
     @_builtins.property
     def event_time(self) -> _timestamp_pb2.Timestamp:
         """When the change was committed."""
@@ -1724,6 +1731,7 @@ class WatchEventsResponse(_message.Message):
         sequence: _builtins.int = ...,
         event_time: _timestamp_pb2.Timestamp | None = ...,
         member_ids: _abc.Iterable[_builtins.str] | None = ...,
+        previous_sequence: _builtins.int = ...,
         message_created: Global___MessageCreated | None = ...,
         message_edited: Global___MessageEdited | None = ...,
         group_changed: Global___GroupChanged | None = ...,
@@ -1731,7 +1739,7 @@ class WatchEventsResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "group_changed", b"group_changed", "message_created", b"message_created", "message_edited", b"message_edited", "read_updated", b"read_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "event", b"event", "event_time", b"event_time", "group_changed", b"group_changed", "member_ids", b"member_ids", "message_created", b"message_created", "message_edited", b"message_edited", "read_updated", b"read_updated", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "event", b"event", "event_time", b"event_time", "group_changed", b"group_changed", "member_ids", b"member_ids", "message_created", b"message_created", "message_edited", b"message_edited", "previous_sequence", b"previous_sequence", "read_updated", b"read_updated", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["message_created", "message_edited", "group_changed", "read_updated"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
