@@ -593,11 +593,11 @@ async def test_an_agent_known_to_have_no_task_is_not_asked_again_until_one_may_h
         assert again is not None and again.id == later.id
 
 
-def answer_lost(add_task: Callable[[Task], Awaitable[Task]]) -> Callable[[Task], Coroutine[Any, Any, Task]]:
+def answer_lost(add_task: Callable[..., Awaitable[Task]]) -> Callable[..., Coroutine[Any, Any, Task]]:
     """The store's add_task, committing and then losing its connection before it answers."""
 
-    async def committed_but_lost(task: Task) -> Task:
-        await add_task(task)
+    async def committed_but_lost(task: Task, **options: Any) -> Task:
+        await add_task(task, **options)
         raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
 
     return committed_but_lost
