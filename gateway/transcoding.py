@@ -129,7 +129,8 @@ def set_param(message: Message, name: str, values: list[str]) -> None:
             getattr(target, leaf.name).FromJsonString(values[0])
         except ValueError:
             raise bad_request(
-                f"parameter {name!r}: expected an RFC 3339 time (2026-01-31T12:00:00Z), got {values[0][:64]!r}"
+                f"parameter {name!r}: expected an RFC 3339 time (2026-01-31T12:00:00Z),"
+                f" got {values[0][:64]!r}"
             ) from None
         return
     converted = [convert(leaf, name, v) for v in values]
