@@ -611,7 +611,7 @@ async def test_a_submission_whose_answer_was_lost_still_reaches_the_runner() -> 
         await asyncio.wait_for(runner.idle.wait(), WAIT)
         assert await q.tasks.next_task(ada.id, now=q.clock.now) is None  # known to have none
         real = q.store.add_task
-        q.store.add_task = answer_lost(real)  # type: ignore[method-assign,assignment]
+        q.store.add_task = answer_lost(real)  # type: ignore[method-assign]
         watcher, _ = q.hub.watch([ada.id])
         with pytest.raises(DependencyUnavailable):
             await q.submit(ada, "cut", request_id="r1")
