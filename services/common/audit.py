@@ -8,41 +8,37 @@ under the same rules, which live here:
   the change where the service has one, so that no change exists without its
   record (`succeeded`).
 - A refusal or failure of an audited RPC (marked `audited` in the service's
-  policy table) is recorded at the boundary by `AuditInterceptor`, when the
+  policy table) is recorded at the boundary by `AuditInterceptor`
+  (`services.common.audit_boundary`), when the
   caller's workspace is known (a verified token). Refusals of the same
   actor, action, target and outcome within `AuditSettings.refusal_window` are
   counted in one record, so that a caller hammering a refused call cannot
   fill the table.
 - Reads are never recorded, and no secret ever is: `details` are facts the
   handler chooses, and `safe_details` drops any key that looks like a secret.
-- Records older than `AuditSettings.retention` are pruned (`AuditPruner`, on
-  a long timer).
+- Records older than `AuditSettings.retention` are pruned (`AuditPruner` in
+  `services.common.audit_boundary`, on a long timer).
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import base64
 import binascii
-import contextlib
 import dataclasses
 import json
 import logging
 import re
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import grpc
 from uuid_utils.compat import uuid7
 
-from services.common.authn import Policy, current_caller, identified_caller
 from services.common.errors import InvalidArgument, ServiceError
 from services.common.identity import Caller
-from services.common.outages import unavailable_error
 from services.common.settings import EnvReader
 from services.common.tokens import PrincipalKind
 
@@ -51,7 +47,7 @@ logger = logging.getLogger(__name__)
 OK = "OK"
 # Outcomes that say the service could not answer, not that the caller was
 # refused: nothing happened, and the log may be as unreachable as the rest.
-_NOT_RECORDED = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"})
+NOT_RECORDED = frozenset({"UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED"})
 MAX_REASON_CHARS = 300
 MAX_DETAIL_CHARS = 200
 # A detail whose key says it holds one of these is never stored.
@@ -363,160 +359,3 @@ async def list_page(
         return found, ""
     page = found[:limit]
     return page, encode_cursor(Cursor(page[-1].at, page[-1].id), query)
-
-
-# -- the boundary: refusals -------------------------------------------------------
-
-
-def _field(message: Any, path: str) -> str:
-    value: Any = message
-    for part in path.split("."):
-        value = getattr(value, part, "")
-    return value if isinstance(value, str) else ""
-
-
-class AuditInterceptor(grpc.aio.ServerInterceptor):
-    """Records the refusals and failures of the RPCs the policy marks `audited`.
-
-    It wraps authentication (place it before the `AuthenticationInterceptor`
-    in the list, after the error mapping that `GrpcServer` puts first), so
-    that it sees the caller's refusals there too. Only calls whose caller is
-    verified and has a workspace are recorded (an unknown token could name
-    any workspace); successes are the handlers' to record, with their change.
-
-    Args:
-        policy: the service's rules; those with `audit` are watched.
-        log: where refusals go.
-        settings: the window in which refusals are counted together.
-        clock: current time.
-    """
-
-    def __init__(
-        self,
-        policy: Policy,
-        log: AuditLog,
-        *,
-        settings: AuditSettings,
-        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-    ) -> None:
-        self._audited = {
-            method: rule.audit for method, rule in policy.rules.items() if rule.audit is not None
-        }
-        self._log = log
-        self._window = settings.refusal_window
-        self._clock = clock
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        spec = self._audited.get(method)
-        if handler is None or spec is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        action = method.rsplit("/", 1)[-1]
-
-        async def audited(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return await inner(request, context)
-            except Exception as error:
-                target = Target(
-                    spec.target_kind, _field(request, spec.target_field) if spec.target_field else ""
-                )
-                request_id = _field(request, "request_id")
-                await self._refused(error, action=action, target=target, request_id=request_id)
-                raise
-
-        return grpc.unary_unary_rpc_method_handler(
-            audited,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-    async def _refused(self, error: Exception, *, action: str, target: Target, request_id: str) -> None:
-        if isinstance(error, grpc.aio.AbortError) or unavailable_error(error) is not None:
-            return
-        if isinstance(error, ServiceError):
-            code, reason = error.code.name, error.message
-        else:
-            code, reason = "INTERNAL", "internal error"
-        if code in _NOT_RECORDED:
-            return
-        caller = current_caller() or identified_caller()
-        workspace = caller.claims.workspace_id if caller is not None and caller.claims is not None else None
-        if workspace is None:
-            return
-        record = refused(
-            actor_of(caller),
-            workspace_id=workspace,
-            action=action,
-            target=target,
-            at=self._clock(),
-            code=code,
-            reason=reason,
-            request_id=request_id,
-        )
-        try:
-            await self._log.record_refusal(record, window=self._window)
-        except Exception:
-            # The caller gets its refusal all the same; the log says the record is missing.
-            logger.warning("could not record a refused %s in the audit log", action, exc_info=True)
-
-
-# -- retention ------------------------------------------------------------------------
-
-
-class AuditPruner:
-    """Deletes records past the retention, at start and then every `interval`.
-
-    Args:
-        log: the records.
-        settings: retention (None: nothing is pruned) and interval.
-        clock: current time.
-    """
-
-    def __init__(
-        self,
-        log: AuditLog,
-        settings: AuditSettings,
-        *,
-        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
-    ) -> None:
-        self._log = log
-        self._settings = settings
-        self._clock = clock
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._settings.retention is not None and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="audit-pruner")
-
-    async def prune_once(self) -> int:
-        retention = self._settings.retention
-        if retention is None:
-            return 0
-        return await self._log.prune(before=self._clock() - retention)
-
-    async def _run(self) -> None:
-        interval = self._settings.prune_interval.total_seconds()
-        while not self._stop.is_set():
-            try:
-                pruned = await self.prune_once()
-                if pruned:
-                    logger.info("pruned %d audit records past the retention", pruned)
-            except Exception:
-                logger.warning("could not prune the audit log; trying again later", exc_info=True)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), interval)
-
-    async def aclose(self) -> None:
-        """Stops pruning. Idempotent."""
-        self._stop.set()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2, im_pb2_grpc
-from services.common.audit import AuditInterceptor, AuditPruner
+from services.common.audit_boundary import AuditInterceptor, AuditPruner
 from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor
 from services.common.ratelimit import RateLimitInterceptor

@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 
 from agentim.runtime.v1 import runtime_pb2, runtime_pb2_grpc
 from services.common import errors
-from services.common.audit import AuditInterceptor, AuditPruner
+from services.common.audit_boundary import AuditInterceptor, AuditPruner
 from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor, im_signing_keys
 from services.common.ratelimit import RateLimitInterceptor
