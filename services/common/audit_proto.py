@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import UTC
+from datetime import UTC, datetime
+
+from google.protobuf import timestamp_pb2
 
 from agentim.audit.v1 import audit_pb2
 from services.common.audit import AuditQuery, AuditRecord, OutcomeFilter
+from services.common.errors import InvalidArgument
 
 _OUTCOMES = {
     audit_pb2.AUDIT_OUTCOME_FILTER_UNSPECIFIED: OutcomeFilter.ANY,
@@ -15,15 +18,31 @@ _OUTCOMES = {
 
 
 def query_in(query: audit_pb2.AuditQuery) -> AuditQuery:
-    """The listing's filters (unknown enum values never get here: the request rules refuse them)."""
+    """The listing's filters (unknown enum values never get here: the request rules refuse them).
+
+    Raises:
+        InvalidArgument: a time outside what a Timestamp may hold.
+    """
     return AuditQuery(
         actor=query.actor.strip(),
         action=query.action.strip(),
         target_id=query.target_id.strip(),
-        start=query.start_time.ToDatetime(tzinfo=UTC) if query.HasField("start_time") else None,
-        end=query.end_time.ToDatetime(tzinfo=UTC) if query.HasField("end_time") else None,
+        start=_time(query, "start_time"),
+        end=_time(query, "end_time"),
         outcome=_OUTCOMES.get(query.outcome, OutcomeFilter.ANY),
     )
+
+
+def _time(query: audit_pb2.AuditQuery, name: str) -> datetime | None:
+    if not query.HasField(name):  # type: ignore[arg-type]
+        return None
+    value: timestamp_pb2.Timestamp = getattr(query, name)
+    if not 0 <= value.nanos < 1_000_000_000:
+        raise InvalidArgument(f"query.{name} is not a valid time")
+    try:
+        return value.ToDatetime(tzinfo=UTC)
+    except (ValueError, OverflowError):
+        raise InvalidArgument(f"query.{name} is not a valid time (years 1 to 9999)") from None
 
 
 def event_out(record: AuditRecord, *, service: str) -> audit_pb2.AuditEvent:
