@@ -122,7 +122,7 @@ function row(ctx, event) {
     .join(" · ");
   return h(
     "li",
-    { class: `audit-item${ok ? "" : " refused"}`, testid: "audit-item", dataset: { action: event.action, outcome: outcome.code || "", service: event.service || "" } },
+    { class: `audit-item${ok ? "" : " refused"}`, testid: "audit-item", dataset: { action: event.action, outcome: outcome.code || "", service: event.service || "", time: event.time || "" } },
     h(
       "div",
       { class: "audit-line" },

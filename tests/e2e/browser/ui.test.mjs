@@ -978,18 +978,21 @@ try {
     const log = page.locator(testid("audit-log"));
     const item = (action) => log.locator(`${testid("audit-item")}[data-action="${action}"]`);
     await item("RetryFromStep").first().waitFor();
-    // Bob joined, made and revoked a token and signed out (the IM's log), further back: load more.
+    // Bob joined, made and revoked a token and signed out (the IM's log), further back: load more, to the start.
     const more = log.locator(testid("audit-more"));
-    for (let i = 0; i < 20 && !(await item("AcceptInvite").count()); i += 1) {
-      if (await more.isHidden()) break;
+    for (let i = 0; i < 30 && !(await more.isHidden()); i += 1) {
+      const shown = await log.locator(testid("audit-item")).count();
       await more.click();
-      await page.waitForTimeout(100);
+      await page.waitForFunction(([selector, before]) => document.querySelectorAll(selector).length > before || document.querySelector('[data-testid="audit-more"]').hidden, [testid("audit-item"), shown]);
     }
     for (const action of ["AcceptInvite", "CreatePersonalToken", "RevokePersonalToken", "SignOut", "PauseAgent", "UpdateStep"]) await item(action).first().waitFor();
     await log.locator(`${testid("audit-item")}[data-action="CreateAgent"][data-service="runtime"]`).first().waitFor();
-    const actions = await log.locator(testid("audit-item")).evaluateAll((items) => items.map((i) => i.dataset.action));
-    if (actions.indexOf("SignOut") > actions.indexOf("AcceptInvite") || actions.indexOf("AcceptInvite") > actions.lastIndexOf("CreateAgent")) {
-      throw new Error(`the audit log is not newest first: ${actions}`);
+    const shown = await log.locator(testid("audit-item")).evaluateAll((items) => items.map((i) => [i.dataset.action, i.dataset.time]));
+    const actions = shown.map(([action]) => action);
+    const times = shown.map(([, time]) => Date.parse(time));
+    const ordered = times.every((t, i) => i === 0 || t <= times[i - 1]);
+    if (!ordered || actions.at(-1) !== "CreateWorkspace" || actions.indexOf("SignOut") > actions.indexOf("AcceptInvite")) {
+      throw new Error(`the audit log is not newest first: ${shown.map((s) => s.join(" ")).join(", ")}`);
     }
     const who = await item("RevokePersonalToken").first().locator(".audit-who").textContent();
     if (!who.startsWith("Bob")) throw new Error(`the token was revoked by ${who}`);
