@@ -52,6 +52,20 @@ MAX_REASON_CHARS = 300
 MAX_DETAIL_CHARS = 200
 # A detail whose key says it holds one of these is never stored.
 _SECRET_KEY = re.compile(r"pass|secret|token|api[_-]?key|credential|authorization", re.IGNORECASE)
+# What a refusal's reason may quote of a request and must not keep: a URL's
+# credentials, a bearer token, this system's secrets (aim_pat_..., aim_rt_...).
+_SECRET_TEXT = (
+    (re.compile(r"(\b[a-z][a-z0-9+.-]*://)[^/@\s'\"]+@", re.IGNORECASE), r"\1***@"),
+    (re.compile(r"(bearer\s+)[^\s;,'\"]+", re.IGNORECASE), r"\1***"),
+    (re.compile(r"\baim_[a-z]+_[A-Za-z0-9_-]+"), "aim_***"),
+)
+
+
+def scrubbed(text: str) -> str:
+    """`text` with what looks like a credential masked (a refusal's reason may quote the request)."""
+    for pattern, replacement in _SECRET_TEXT:
+        text = pattern.sub(replacement, text)
+    return text
 
 
 class ActorKind:
@@ -144,13 +158,14 @@ def actor_of(caller: Caller | None) -> Actor:
 
 
 def safe_details(details: Mapping[str, object] | None) -> dict[str, str]:
-    """The details as short strings, without any key that could hold a secret."""
+    """The details as short strings, without any key that could hold a secret
+    (and credentials in a value masked)."""
     kept: dict[str, str] = {}
     for key, value in (details or {}).items():
         if _SECRET_KEY.search(key):
             continue
         text = value if isinstance(value, str) else json.dumps(value, default=str)
-        kept[key[:64]] = text[:MAX_DETAIL_CHARS]
+        kept[key[:64]] = scrubbed(text)[:MAX_DETAIL_CHARS]
     return kept
 
 
@@ -199,7 +214,7 @@ def refused(
         target=target,
         at=at,
         code=code,
-        reason=reason[:MAX_REASON_CHARS],
+        reason=scrubbed(reason)[:MAX_REASON_CHARS],
         request_id=request_id,
         last_at=at,
     )

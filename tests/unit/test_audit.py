@@ -103,6 +103,26 @@ def test_a_refusal_is_recorded_for_a_caller_of_a_known_workspace_only() -> None:
     assert long is not None and len(long.reason) == audit.MAX_REASON_CHARS
 
 
+def test_a_reason_never_keeps_credentials_it_quotes() -> None:
+    reason = (
+        "model.base_url must be an http(s) URL, got 'ftp://bot:sk-SECRET@llm.example/v1';"
+        " header Bearer eyJhbGciOi.x.y; token aim_pat_AbC-123_xyz"
+    )
+    record = refusal_record(
+        InvalidArgument(reason),
+        person(),
+        action="UpdateAgent",
+        target=audit.Target("agent"),
+        request_id="",
+        at=NOW,
+    )
+    assert record is not None
+    assert record.reason == (
+        "model.base_url must be an http(s) URL, got 'ftp://***@llm.example/v1';"
+        " header Bearer ***; token aim_***"
+    )
+
+
 def test_page_tokens_belong_to_their_query() -> None:
     query = audit.AuditQuery(action="SignIn", outcome=audit.OutcomeFilter.REFUSED)
     cursor = audit.Cursor(NOW, uuid.uuid4())
