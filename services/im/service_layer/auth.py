@@ -62,6 +62,12 @@ class WorkspaceOpener(Protocol):
     ) -> tuple[Workspace, Member, bool]: ...
 
 
+class MemberQuota(Protocol):
+    """Refuses one more member over its workspace's quota: `IMService.check_member_quota`."""
+
+    async def __call__(self, tx: Transaction, workspace_id: uuid.UUID, kind: MemberKind) -> None: ...
+
+
 class AuthService(AuthBase):
     """Sign-in, sessions, passwords, workspace accounts, invites and roles.
 
@@ -482,9 +488,3 @@ class AuthService(AuthBase):
         return await audit.list_page(
             self._audit_log, member.workspace_id, query, page_token=page_token, size=page_size
         )
-
-
-class MemberQuota(Protocol):
-    """Refuses one more member over its workspace's quota: `IMService.check_member_quota`."""
-
-    async def __call__(self, tx: Transaction, workspace_id: uuid.UUID, kind: MemberKind) -> None: ...
