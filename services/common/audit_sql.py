@@ -22,10 +22,11 @@ from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase, UtcDateTime
 
 
-def audit_table(metadata: sa.MetaData) -> sa.Table:
-    """The `audit_events` table of a service's schema."""
+def audit_table(metadata: sa.MetaData, name: str = "audit_events") -> sa.Table:
+    """A service's audit table, in its schema. Its name differs per service:
+    on SQLite the services may share one file, where schemas are translated away."""
     return sa.Table(
-        "audit_events",
+        name,
         metadata,
         sa.Column("id", sa.Uuid, primary_key=True),
         sa.Column("workspace_id", sa.Uuid, nullable=True),
@@ -45,9 +46,9 @@ def audit_table(metadata: sa.MetaData) -> sa.Table:
         sa.Column("details", sa.JSON, nullable=False),
         sa.Column("count", sa.Integer, nullable=False),
         # Listing: a workspace's records newest first.
-        sa.Index("ix_audit_events_workspace_at", "workspace_id", "at", "id"),
+        sa.Index(f"ix_{name}_workspace_at", "workspace_id", "at", "id"),
         # Pruning by age.
-        sa.Index("ix_audit_events_at", "at"),
+        sa.Index(f"ix_{name}_at", "at"),
     )
 
 

@@ -380,7 +380,8 @@ class IMService:
         if kind is None:
             raise InvalidRequest("kind is required (HUMAN or AGENT)")
         owner = rules.parse_optional_id(owner_id, "owner_id")
-        if owner is not None and (kind is not MemberKind.AGENT or caller is None or caller.service is None):
+        # The legacy trusted-service header stands for any service (LEGACY_SERVICE_HOST).
+        if owner is not None and (kind is not MemberKind.AGENT or caller is None or not caller.is_service):
             raise NotAllowed("only the service that hosts an agent names its owner")
         display_name = rules.check_name(display_name, "display_name", required=True)
         avatar = rules.check_avatar(avatar)
@@ -454,8 +455,9 @@ class IMService:
 
     async def set_agent_owners(self, caller: Caller | None, owners: Sequence[tuple[str, str]]) -> int:
         """Sets the owners of agents the calling service hosts; returns how many changed."""
-        if caller is None or caller.service is None:
+        if caller is None or not caller.is_service or caller.member_id is not None:
             raise NotAllowed("only the service that hosts agents names their owners")
+        host = caller.service or LEGACY_SERVICE_HOST
         if not owners:
             raise InvalidRequest("agent_owners is empty")
         if len(owners) > MAX_AGENT_OWNERS:
@@ -472,8 +474,8 @@ class IMService:
             found = await tx.get_members([m for pair in pairs for m in pair])
             for agent_id, owner_id in pairs:
                 agent = found.get(agent_id)
-                if agent is None or agent.kind is not MemberKind.AGENT or agent.host != caller.service:
-                    raise NotAllowed(f"member {agent_id} is not an agent hosted by {caller.service}")
+                if agent is None or agent.kind is not MemberKind.AGENT or agent.host != host:
+                    raise NotAllowed(f"member {agent_id} is not an agent hosted by {host}")
                 owner = found.get(owner_id)
                 if (
                     owner is None

@@ -223,4 +223,4 @@ tasks = sa.Table(
 )
 
 # The runtime's audit log (services.common.audit): agents and what people did to them.
-audit_events = audit_table(metadata)
+audit_events = audit_table(metadata, "agent_audit_events")

@@ -1,4 +1,5 @@
-"""The runtime's audit log: agents and what people did to them.
+"""The runtime's audit log: agents and what people did to them (named apart
+from the IM's `audit_events`: on SQLite both services may share one file).
 
 Revision ID: 0010
 Revises: 0009
@@ -24,7 +25,7 @@ def _schema() -> str | None:
 def upgrade() -> None:
     schema = _schema()
     op.create_table(
-        "audit_events",
+        "agent_audit_events",
         sa.Column("id", sa.Uuid, primary_key=True),
         sa.Column("workspace_id", sa.Uuid, nullable=True),
         sa.Column("actor_kind", sa.String(16), nullable=False),
@@ -44,11 +45,14 @@ def upgrade() -> None:
         schema=schema,
     )
     op.create_index(
-        "ix_audit_events_workspace_at", "audit_events", ["workspace_id", "at", "id"], schema=schema
+        "ix_agent_audit_events_workspace_at",
+        "agent_audit_events",
+        ["workspace_id", "at", "id"],
+        schema=schema,
     )
-    op.create_index("ix_audit_events_at", "audit_events", ["at"], schema=schema)
+    op.create_index("ix_agent_audit_events_at", "agent_audit_events", ["at"], schema=schema)
 
 
 def downgrade() -> None:
     schema = _schema()
-    op.drop_table("audit_events", schema=schema)
+    op.drop_table("agent_audit_events", schema=schema)
