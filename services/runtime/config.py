@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.common.audit import AuditSettings, read_audit_settings
 from services.common.logs import LOG_LEVELS
 from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.service_auth import ServiceSecretSettings, read_service_secret
@@ -55,6 +56,7 @@ class Settings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # Per-member rates of sending and creating (services.common.ratelimit).
     rate_limits: RateLimits = field(default_factory=RateLimits)
+    audit: AuditSettings = field(default_factory=AuditSettings)
     # The runtime's credential, exchanged for its access tokens.
     service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
     # The hosts agents' model.base_url may name (RUNTIME_LLM_ALLOWED_HOSTS).
@@ -124,6 +126,7 @@ class Settings:
             trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
+            audit=read_audit_settings(env),
             service_secret=read_service_secret(
                 env,
                 prefix="RUNTIME",

@@ -85,6 +85,7 @@ def member(m: model.Member) -> im_pb2.Member:
         avatar=m.avatar,
         create_time=timestamp(m.created_at),
         role=ROLES_OUT[m.role],
+        owner_id=str(m.owner_id) if m.owner_id is not None else "",
     )
 
 

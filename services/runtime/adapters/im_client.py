@@ -24,6 +24,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import field_mask_pb2, json_format
+from google.rpc import error_details_pb2, status_pb2
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common import errors
@@ -208,12 +209,21 @@ class GrpcIM(IMPort):
             unreachable = IMUnavailable(f"the IM at {self._address} is unavailable ({code.name}): {details}")
             unreachable.code = code
             return unreachable
-        return _refused(code, details)
+        refused = _refused(code, details)
+        # A quota the IM ran into is the runtime caller's too (CreateAgent over the agents' quota).
+        refused.quota_violation = quota_violation(error.trailing_metadata())
+        return refused
 
     # -- members ------------------------------------------------------------
 
     async def create_agent_member(
-        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+        self,
+        workspace_id: uuid.UUID,
+        display_name: str,
+        *,
+        avatar: str = "",
+        request_id: str = "",
+        owner_id: uuid.UUID | None = None,
     ) -> IMMember:
         response = await self._call(
             self._stub.CreateMember,
@@ -223,9 +233,22 @@ class GrpcIM(IMPort):
                 avatar=avatar,
                 request_id=request_id,
                 workspace_id=str(workspace_id),
+                owner_id=str(owner_id) if owner_id is not None else "",
             ),
         )
         return _member(response.member)
+
+    async def set_agent_owners(self, owners: dict[uuid.UUID, uuid.UUID]) -> int:
+        pairs = [im_pb2.AgentOwner(agent_member_id=str(a), owner_id=str(o)) for a, o in owners.items()]
+        changed = 0
+        # The IM takes at most 100 a call.
+        for start in range(0, len(pairs), 100):
+            response = await self._call(
+                self._stub.SetAgentOwners,
+                im_pb2.SetAgentOwnersRequest(agent_owners=pairs[start : start + 100]),
+            )
+            changed += response.changed_count
+        return changed
 
     async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember:
         # The agent renames itself: the IM lets a member update only itself.
@@ -482,6 +505,20 @@ def _event(response: im_pb2.WatchEventsResponse, workspace_id: uuid.UUID, chain:
         sequence=response.sequence,
         previous_sequence=chain.pass_on(response.sequence),
     )
+
+
+def quota_violation(trailing_metadata: Any) -> errors.QuotaViolation | None:
+    """The first `google.rpc.QuotaFailure` violation of a status's details, if any."""
+    for key, value in trailing_metadata or ():
+        if key != "grpc-status-details-bin":
+            continue
+        for item in status_pb2.Status.FromString(value).details:
+            if item.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
+                failure = error_details_pb2.QuotaFailure()
+                item.Unpack(failure)
+                for violation in failure.violations:
+                    return errors.QuotaViolation(subject=violation.subject, description=violation.description)
+    return None
 
 
 def _refused(code: grpc.StatusCode, message: str) -> IMError:

@@ -84,9 +84,20 @@ class IMPort(abc.ABC):
 
     @abc.abstractmethod
     async def create_agent_member(
-        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+        self,
+        workspace_id: uuid.UUID,
+        display_name: str,
+        *,
+        avatar: str = "",
+        request_id: str = "",
+        owner_id: uuid.UUID | None = None,
     ) -> IMMember:
-        """Registers an agent as an AGENT member of the workspace."""
+        """Registers an agent as an AGENT member of the workspace, owned by `owner_id`."""
+
+    @abc.abstractmethod
+    async def set_agent_owners(self, owners: dict[uuid.UUID, uuid.UUID]) -> int:
+        """Tells the IM who owns which of the agents this runtime hosts
+        (agent member id -> owner); returns how many the IM changed."""
 
     @abc.abstractmethod
     async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember: ...
