@@ -211,6 +211,9 @@ ROUTES: tuple[Route, ...] = (
         "RevokePersonalToken",
         revokes_personal_token=True,
     ),
+    # The audit logs (admins): the IM's (accounts, tokens, roles, members) and the runtime's (agents).
+    Route("GET", "/v1/audit-events", AUTH, "ListAuditEvents"),
+    Route("GET", "/v1/agent-audit-events", RT, "ListAuditEvents", operation="ListAgentAuditEvents"),
 )
 
 # RPCs given no HTTP route: the runtime archives its agents' runs (acting as
@@ -226,6 +229,7 @@ INTERNAL_RPCS = frozenset(
         ("auth", "ExchangePersonalToken"),
         ("auth", "IssueServiceToken"),
         ("auth", "IssueAgentTokens"),
+        ("im", "SetAgentOwners"),
     }
 )
 

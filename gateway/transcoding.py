@@ -58,7 +58,8 @@ def resolve(descriptor: Descriptor, dotted: str) -> list[FieldDescriptor]:
         if found is None:
             raise bad_request(f"unknown parameter {dotted!r}")
         last = index == len(parts) - 1
-        is_message = found.type == FieldDescriptor.TYPE_MESSAGE
+        # A Timestamp is given as one RFC 3339 string, as grpc-gateway takes it.
+        is_message = found.type == FieldDescriptor.TYPE_MESSAGE and not _is_timestamp(found)
         if last == is_message or (not last and _is_repeated(found)):
             raise bad_request(f"parameter {dotted!r} does not name a scalar field")
         chain.append(found)
@@ -68,6 +69,10 @@ def resolve(descriptor: Descriptor, dotted: str) -> list[FieldDescriptor]:
 
 def _is_repeated(field: FieldDescriptor) -> bool:
     return field.is_repeated
+
+
+def _is_timestamp(field: FieldDescriptor) -> bool:
+    return field.message_type is not None and field.message_type.full_name == "google.protobuf.Timestamp"
 
 
 def convert(field: FieldDescriptor, name: str, text: str) -> Any:
@@ -117,6 +122,17 @@ def set_param(message: Message, name: str, values: list[str]) -> None:
     for step in chain[:-1]:
         target = getattr(target, step.name)
     leaf = chain[-1]
+    if _is_timestamp(leaf) and not _is_repeated(leaf):
+        if len(values) != 1:
+            raise bad_request(f"parameter {name!r} given more than once")
+        try:
+            getattr(target, leaf.name).FromJsonString(values[0])
+        except ValueError:
+            raise bad_request(
+                f"parameter {name!r}: expected an RFC 3339 time (2026-01-31T12:00:00Z),"
+                f" got {values[0][:64]!r}"
+            ) from None
+        return
     converted = [convert(leaf, name, v) for v in values]
     try:
         if _is_repeated(leaf):

@@ -497,7 +497,9 @@ function drawHead() {
       { class: "panel-actions" },
       h("button", { class: "btn btn-small", type: "button", testid: "agent-chat", onclick: () => openChatWith(ctx, agent) }, "Chat"),
       h("button", { class: "btn btn-small", type: "button", testid: "agent-wake", title: "Read its unread messages now", onclick: wake }, "Wake"),
-      h("button", { class: "btn btn-small", type: "button", testid: "agent-view-as", title: "See the IM as this agent", onclick: () => ctx.switchPerspective(agent.memberId) }, "View as"),
+      ctx.canView(agent.memberId)
+        ? h("button", { class: "btn btn-small", type: "button", testid: "agent-view-as", title: "See the IM as this agent", onclick: () => ctx.switchPerspective(agent.memberId) }, "View as")
+        : null,
     ),
     h(
       "div",

@@ -10,6 +10,7 @@ import { renderMarkdown, safeHref } from "./markdown.js";
 import { field, isNarrow, modal, showError, streamStatus, toast } from "./ui.js";
 import { closeAgentPanel, currentPanelAgent, openAgentAtStep, openAgentPanel, showCreateAgent, updateAgentInPanel } from "./agent.js";
 import { workspaceMemoryView } from "./memory.js";
+import { showAuditLog } from "./audit.js";
 import { STATE_LABELS, mergeAgent } from "./control.js";
 
 const IDENTITY_KEY = "agentim.identity";
@@ -667,7 +668,7 @@ function renderPerspective() {
     "select",
     { class: "perspective", testid: "perspective-select", title: "See the IM as yourself or as an agent of yours", onchange: () => switchPerspective(select.value) },
     h("optgroup", { label: "You" }, state.person ? option(state.person) : null),
-    h("optgroup", { label: "Your agents" }, viewableAgents().map(option)),
+    h("optgroup", { label: isAdmin() ? "Agents" : "Your agents" }, viewableAgents().map(option)),
   );
   // Redrawn while open (a member joined, an agent was made), the menu stays open.
   const wasOpen = head.querySelector('[data-testid="new-menu"]')?.hidden === false;
@@ -717,14 +718,16 @@ function renderPerspective() {
 }
 
 /**
- * The agent members whose view the person may take: the agents they own. An
- * API without agent owners (no `ownerId`) offers every agent, as before.
+ * The agent members whose view the person may take: the agents they own (the
+ * IM's `ownerId` of the member, or the runtime's of the agent), and for the
+ * workspace's owner and admins every agent (the IM allows no one else).
  */
 function viewableAgents() {
-  const agents = [...state.agents.values()];
-  const owned = agents.some((a) => "ownerId" in a) ? agents.filter((a) => a.ownerId === state.person?.id) : agents;
-  const ids = new Set(owned.map((a) => a.memberId));
-  return [...state.members.values()].filter((m) => m.kind === AGENT && ids.has(m.id));
+  const agents = [...state.members.values()].filter((m) => m.kind === AGENT);
+  if (isAdmin()) return agents;
+  const me = state.person?.id;
+  const owned = new Set([...state.agents.values()].filter((a) => a.ownerId && a.ownerId === me).map((a) => a.memberId));
+  return agents.filter((m) => (m.ownerId && m.ownerId === me) || owned.has(m.id));
 }
 
 /** The person may see the IM as this member: themselves or an agent of theirs (the gateway refuses anyone else). */
@@ -836,6 +839,11 @@ function showAccount() {
       }),
     );
     body.append(h("h3", {}, "Invite people"), inviteForm, inviteLink, h("h3", {}, "Roles"), people.length ? roles : h("p", { class: "muted" }, "Nobody else yet."));
+    body.append(
+      h("h3", {}, "Audit log"),
+      h("p", { class: "muted small" }, "Who signed in, changed roles or tokens, and did what to agents; refusals too."),
+      h("button", { class: "btn", type: "button", testid: "audit-open", onclick: () => showAuditLog(appContext) }, "Open the audit log"),
+    );
   }
   body.append(h("div", { class: "account-actions" }, h("button", { class: "btn", type: "button", testid: "sign-out-account", onclick: signOut }, "Sign out")));
   modal("Your account", body, { testid: "account" });
@@ -1674,6 +1682,7 @@ async function sendMessage() {
 const appContext = {
   state,
   api,
+  canView,
   memberName,
   openDirect,
   switchPerspective,

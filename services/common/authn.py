@@ -52,6 +52,20 @@ class Service:
 
 
 @dataclass(frozen=True, slots=True)
+class Audited:
+    """An RPC whose refusals and failures go to the audit log (`services.common.audit`).
+
+    Attributes:
+        target_kind: what it acts on (`member`, `agent`, ...).
+        target_field: the request field holding the target's id (dotted for
+            a nested one: `agent.id`); empty when the request names none.
+    """
+
+    target_kind: str
+    target_field: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Rule:
     """Who may call one RPC.
 
@@ -60,12 +74,19 @@ class Rule:
         kinds: the member kinds allowed (human, agent).
         services: the services allowed, by name.
         writes: the RPC changes something: a read-only token may not call it.
+        audit: the RPC is a privileged action: its refusals are recorded at
+            the boundary (its handler records its successes).
     """
 
     public: bool = False
     kinds: frozenset[PrincipalKind] = frozenset()
     services: frozenset[str] = frozenset()
     writes: bool = False
+    audit: Audited | None = None
+
+    def audited(self, target_kind: str, target_field: str = "") -> Rule:
+        """This rule, for an RPC whose actions are recorded in the audit log."""
+        return dataclasses.replace(self, audit=Audited(target_kind, target_field))
 
     def __post_init__(self) -> None:
         if PrincipalKind.SERVICE in self.kinds:
@@ -149,6 +170,17 @@ def current_caller() -> Caller | None:
     return _current_caller.get()
 
 
+_identified_caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar(
+    "agentim_identified_caller", default=None
+)
+
+
+def identified_caller() -> Caller | None:
+    """The caller as identified, even when its rule then refused it (for the
+    audit log, which records refusals); None before identification."""
+    return _identified_caller.get()
+
+
 @contextlib.contextmanager
 def acting_as(caller: Caller | None) -> Iterator[None]:
     """Makes `caller` the current caller inside the block (for tests and tools)."""
@@ -203,6 +235,7 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
             return None
         items = list(metadata or ())
         caller = await identify(items, verifier=self._verifier)
+        _identified_caller.set(caller)
         if caller is None:
             retired = retired_keys_in(items)
             if retired:
@@ -239,10 +272,11 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
 def _with_view(caller: Caller, items: list[tuple[str, str | bytes]], *, writes: bool) -> Caller:
     """The caller reading through an agent's eyes, if it asks to (VIEW_AS_KEY).
 
-    Only a person's token may ask, only an admin or the owner of the
-    workspace, and only to read: the view acts as the agent, so a write would
-    be the agent's. That the member is an agent of the caller's workspace is
-    the service's to check (it knows its members).
+    Only a person's token may ask, and only to read: the view acts as the
+    agent, so a write would be the agent's. That the member is an agent of
+    the caller's workspace, and one the person may view as (an admin or the
+    workspace's owner, or the agent's owner), is the service's to check: it
+    knows its members and their owners.
 
     Raises:
         PermissionDenied: anyone else, or a writing call.
@@ -261,8 +295,6 @@ def _with_view(caller: Caller, items: list[tuple[str, str | bytes]], *, writes: 
     claims = caller.claims
     if claims.kind is not PrincipalKind.HUMAN:
         raise PermissionDenied(f"only a person's access token may carry {VIEW_AS_KEY}")
-    if not {"owner", "admin"} & set(claims.roles):
-        raise PermissionDenied("only the workspace's admins may view as one of its agents")
     if writes:
         raise PermissionDenied("a view as an agent is read-only")
     return dataclasses.replace(caller, view_as=viewed)

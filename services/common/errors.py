@@ -8,18 +8,30 @@ generic message, and its traceback goes to the log.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
+
+
+@dataclass(frozen=True, slots=True)
+class QuotaViolation:
+    """Which quota a refusal ran into (`google.rpc.QuotaFailure.Violation`)."""
+
+    subject: str
+    description: str
 
 
 class ServiceError(Exception):
     """Base of every expected failure; `code` is the gRPC status it maps to.
 
     `retry_after_seconds`, when set, goes to the client as
-    `google.rpc.RetryInfo` (how long to wait before trying again).
+    `google.rpc.RetryInfo` (how long to wait before trying again), and
+    `quota_violation` as `google.rpc.QuotaFailure`.
     """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
     retry_after_seconds: float | None = None
+    quota_violation: QuotaViolation | None = None
 
     def __init__(self, message: str, *, retry_after_seconds: float | None = None) -> None:
         super().__init__(message)

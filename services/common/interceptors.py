@@ -36,14 +36,27 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
 
 
 def _details(error: ServiceError) -> tuple[tuple[str, bytes], ...]:
-    """The rich status details of an error (google.rpc.RetryInfo), as trailing metadata."""
-    if error.retry_after_seconds is None:
+    """The rich status details of an error (google.rpc.RetryInfo, google.rpc.QuotaFailure),
+    as trailing metadata."""
+    details: list[any_pb2.Any] = []
+    if error.retry_after_seconds is not None:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromTimedelta(timedelta(seconds=max(0.0, error.retry_after_seconds)))
+        details.append(any_pb2.Any())
+        details[-1].Pack(retry)
+    if error.quota_violation is not None:
+        quota = error_details_pb2.QuotaFailure(
+            violations=[
+                error_details_pb2.QuotaFailure.Violation(
+                    subject=error.quota_violation.subject, description=error.quota_violation.description
+                )
+            ]
+        )
+        details.append(any_pb2.Any())
+        details[-1].Pack(quota)
+    if not details:
         return ()
-    retry = error_details_pb2.RetryInfo()
-    retry.retry_delay.FromTimedelta(timedelta(seconds=max(0.0, error.retry_after_seconds)))
-    detail = any_pb2.Any()
-    detail.Pack(retry)
-    status = status_pb2.Status(code=error.code.value[0], message=error.message, details=[detail])
+    status = status_pb2.Status(code=error.code.value[0], message=error.message, details=details)
     return rpc_status.to_status(status).trailing_metadata
 
 

@@ -46,6 +46,9 @@ _PROBE_TIMEOUT_S = 2.0
 # After the grace, grpc's own shutdown still gets this long: held-back calls
 # are refused in it (instead of cut off), and nothing else is left by then.
 _FINAL_GRACE_S = 0.5
+# How long one closer or clean-up step may take before shutdown goes on
+# without it (a pool waiting on a connection that will never answer).
+_STEP_TIMEOUT_S = 10.0
 HEALTH_METHODS = "/grpc.health.v1.Health/"
 STOPPING_MESSAGE = (
     "the server is shutting down; retry the call (another replica, or this one once it is back, will answer)"
@@ -175,6 +178,8 @@ class GrpcServer:
             shutdown begins (calls clients have sent meanwhile are then held
             back and refused, not cancelled by grpc).
         tls: serve TLS (mutual TLS if it names a client CA); None: plaintext.
+        step_timeout_seconds: how long each closer and clean-up may take
+            before shutdown logs it and goes on without it.
     """
 
     def __init__(
@@ -193,8 +198,10 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         settle_seconds: float = 0.05,
         tls: ServerTls | None = None,
+        step_timeout_seconds: float = _STEP_TIMEOUT_S,
     ) -> None:
         self._address = address
+        self._step_timeout = step_timeout_seconds
         self._tls = tls
         self._grace = grace_seconds
         self._settle = settle_seconds
@@ -252,7 +259,7 @@ class GrpcServer:
         deadline = loop.time() + self._grace
         await self.health.enter_graceful_shutdown()
         self.gate.close()
-        await _run_all(self._closers)
+        await _run_all(self._closers, timeout_seconds=self._step_timeout)
         if self._serving:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -273,7 +280,7 @@ class GrpcServer:
         await stopping
         if self.gate.refused:
             logger.info("%d calls that arrived while stopping were refused", self.gate.refused)
-        await _run_all(self._cleanups)
+        await _run_all(self._cleanups, timeout_seconds=self._step_timeout)
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         """Serves until `stop` is set (or the server ends), then stops gracefully."""
@@ -308,9 +315,19 @@ def stop_on_signals() -> Iterator[asyncio.Event]:
             loop.remove_signal_handler(signum)
 
 
-async def _run_all(callbacks: Sequence[Cleanup]) -> None:
+async def _run_all(callbacks: Sequence[Cleanup], *, timeout_seconds: float) -> None:
+    """Runs each step in order; a step that fails or outlasts `timeout_seconds`
+    is logged and left behind, so that one stuck pool or peer never keeps
+    the process from exiting."""
     for callback in callbacks:
         try:
-            await callback()
+            async with asyncio.timeout(timeout_seconds):
+                await callback()
+        except TimeoutError:
+            logger.warning(
+                "shutdown step %s did not finish within %.0f s; going on without it",
+                getattr(callback, "__qualname__", callback),
+                timeout_seconds,
+            )
         except Exception:
             logger.exception("shutdown step failed")

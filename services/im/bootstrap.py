@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2, im_pb2_grpc
+from services.common.audit_boundary import AuditInterceptor, AuditPruner
+from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor
 from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
@@ -22,6 +24,7 @@ from services.im.adapters.service_credentials import (
 )
 from services.im.adapters.signals import InProcessSignal, RedisSignal
 from services.im.adapters.sql import Database
+from services.im.adapters.tables import audit_events
 from services.im.config import Settings
 from services.im.entrypoints.auth_servicer import AuthServicer
 from services.im.entrypoints.grpc_servicer import IMServicer
@@ -129,11 +132,14 @@ class IMApp:
     service: IMService
     server: GrpcServer
     identity: Identity
+    audit_pruner: AuditPruner
 
     async def start(self) -> int:
         """Connects signalling and starts serving; returns the bound port."""
         await self.signal.start()
-        return await self.server.start()
+        port = await self.server.start()
+        self.audit_pruner.start()
+        return port
 
     async def stop(self) -> None:
         await self.server.stop()
@@ -177,7 +183,10 @@ def build(settings: Settings) -> IMApp:
         on_committed=hub.offer,
         signal=signal,
         limits=settings.limits,
+        quotas=settings.quotas,
     )
+    audit_log = SqlAuditLog(database, audit_events)
+    audit_pruner = AuditPruner(audit_log, settings.audit)
     feed = EventFeed(uow=database.transaction, hub=hub)
     passwords = Argon2Passwords(memory_kib=settings.argon2_memory_kib, time_cost=settings.argon2_time_cost)
     accounts = AuthService(
@@ -186,6 +195,9 @@ def build(settings: Settings) -> IMApp:
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
+        audit_log=audit_log,
+        audit_settings=settings.audit,
+        member_quota=service.check_member_quota,
     )
     machines = MachineAccess(
         services=lambda: identity.services,
@@ -194,6 +206,8 @@ def build(settings: Settings) -> IMApp:
         passwords=passwords,
         limits=settings.auth_limits,
         page_limits=settings.limits,
+        audit_log=audit_log,
+        audit_settings=settings.audit,
     )
     # The IM checks its own tokens as every service will: through the JWKS
     # (read from its own key ring, so a reload counts at once).
@@ -213,6 +227,8 @@ def build(settings: Settings) -> IMApp:
         service_names=[SERVICE_NAME, AUTH_SERVICE_NAME],
         tls=settings.tls.server,
         interceptors=[
+            # Outside authentication: it records the refusals made there too.
+            AuditInterceptor(IM_POLICY, audit_log, settings=settings.audit),
             AuthenticationInterceptor(
                 IM_POLICY,
                 verifier,
@@ -226,7 +242,14 @@ def build(settings: Settings) -> IMApp:
         max_message_bytes=settings.max_message_bytes,
         grace_seconds=settings.shutdown_grace_seconds,
         closers=[hub.aclose],
-        cleanups=[message_log.aclose, read_path.aclose, signal.aclose, database.aclose, passwords.aclose],
+        cleanups=[
+            audit_pruner.aclose,
+            message_log.aclose,
+            read_path.aclose,
+            signal.aclose,
+            database.aclose,
+            passwords.aclose,
+        ],
     )
     return IMApp(
         settings=settings,
@@ -236,4 +259,5 @@ def build(settings: Settings) -> IMApp:
         service=service,
         server=server,
         identity=identity,
+        audit_pruner=audit_pruner,
     )

@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from services.common.audit import AuditSettings, read_audit_settings
 from services.common.logs import LOG_LEVELS
 from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 from services.im.domain.access import AuthLimits
-from services.im.domain.rules import Limits
+from services.im.domain.rules import Limits, Quotas
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class Settings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # Per-member rates of sending and creating (services.common.ratelimit).
     rate_limits: RateLimits = field(default_factory=RateLimits)
+    quotas: Quotas = field(default_factory=Quotas)
+    audit: AuditSettings = field(default_factory=AuditSettings)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -61,6 +64,12 @@ class Settings:
             db_pool_size=env.integer("IM_DB_POOL_SIZE", 16, minimum=1),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
+            quotas=Quotas(
+                members=env.integer("QUOTA_MEMBERS_PER_WORKSPACE", Quotas().members, minimum=0),
+                agents=env.integer("QUOTA_AGENTS_PER_WORKSPACE", Quotas().agents, minimum=0),
+                groups=env.integer("QUOTA_GROUPS_PER_WORKSPACE", Quotas().groups, minimum=0),
+            ),
+            audit=read_audit_settings(env),
             limits=Limits(
                 max_content_bytes=env.integer("IM_MAX_CONTENT_BYTES", defaults.max_content_bytes, minimum=1),
                 max_metadata_bytes=env.integer(

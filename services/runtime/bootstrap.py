@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -10,6 +12,9 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from agentim.runtime.v1 import runtime_pb2, runtime_pb2_grpc
+from services.common import errors
+from services.common.audit_boundary import AuditInterceptor, AuditPruner
+from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor, im_signing_keys
 from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
@@ -21,6 +26,7 @@ from services.runtime.adapters.llm.openai_provider import OpenAIProvider
 from services.runtime.adapters.memory_client import GrpcMemory
 from services.runtime.adapters.resolver import resolve
 from services.runtime.adapters.sql import Database, SqlAgentStore
+from services.runtime.adapters.tables import audit_events
 from services.runtime.config import Settings
 from services.runtime.domain.etiquette import ChatterGuard
 from services.runtime.domain.model import Agent
@@ -34,6 +40,7 @@ from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
+from services.runtime.service_layer.read_positions import ReadPositions
 from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tasks import RetryPolicy, TaskService
@@ -67,6 +74,8 @@ class RuntimeApp:
     server: GrpcServer
 
     archiver: Archiver | None = None
+    audit_pruner: AuditPruner | None = None
+    _owners: asyncio.Task[None] | None = None
 
     async def start(self) -> tuple[int, int]:
         """Starts serving and every agent's runner; returns (port, agents started)."""
@@ -74,10 +83,35 @@ class RuntimeApp:
         agents = await self.supervisor.start()
         if self.archiver is not None:
             self.archiver.start()
+        if self.audit_pruner is not None:
+            self.audit_pruner.start()
+        self._owners = asyncio.create_task(tell_owners(self.service), name="tell-owners")
         return port, agents
 
     async def stop(self) -> None:
+        if self._owners is not None:
+            self._owners.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._owners
         await self.server.stop()
+
+
+async def tell_owners(service: AgentService, *, attempts: int = 6) -> None:
+    """Tells the IM the owners of the agents hosted here, at start-up: the IM
+    may not be up yet, so a few tries, further apart each time."""
+    for attempt in range(attempts):
+        try:
+            changed = await service.tell_owners()
+        except errors.Unavailable:
+            await asyncio.sleep(2**attempt)
+            continue
+        except errors.ServiceError as error:
+            logger.warning("the IM did not take the agents' owners: %s", error.message)
+            return
+        if changed:
+            logger.info("told the IM the owners of %d agents", changed)
+        return
+    logger.warning("could not tell the IM the agents' owners (it stayed unavailable); next start tries again")
 
 
 def open_database(settings: Settings) -> Database:
@@ -137,6 +171,7 @@ def build(settings: Settings) -> RuntimeApp:
     ) -> Agent:
         return await services[0].create_child(parent, name, role, system_prompt, request_id=request_id)
 
+    read_positions = ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
     env = RunnerEnv(
         store=store,
         im=im,
@@ -163,10 +198,20 @@ def build(settings: Settings) -> RuntimeApp:
         history=HistoryCache(settings.history_cache_steps),
         memory=memory,
         run_ended=archiver.notify if archiver is not None else lambda: None,
+        read_positions=read_positions,
     )
     supervisor = Supervisor(env)
+    audit_log = SqlAuditLog(database, audit_events)
+    audit_pruner = AuditPruner(audit_log, settings.audit)
     service = AgentService(
-        store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=utc_now, endpoints=endpoints
+        store=store,
+        im=im,
+        supervisor=supervisor,
+        hub=hub,
+        tools=tools,
+        clock=utc_now,
+        endpoints=endpoints,
+        audit_log=audit_log,
     )
     services.append(service)
     history = HistoryService(
@@ -205,6 +250,8 @@ def build(settings: Settings) -> RuntimeApp:
         registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, s)],
         tls=settings.tls.server,
         interceptors=[
+            # Outside authentication: it records the refusals made there too.
+            AuditInterceptor(RUNTIME_POLICY, audit_log, settings=settings.audit),
             AuthenticationInterceptor(
                 RUNTIME_POLICY,
                 Verifier(im_signing_keys(im.channel, timeout_seconds=settings.im_call_timeout_seconds)),
@@ -221,7 +268,9 @@ def build(settings: Settings) -> RuntimeApp:
         # at the next start, as after a crash.
         closers=[close_hub],
         cleanups=[
+            audit_pruner.aclose,
             supervisor.aclose,
+            read_positions.aclose,
             *([archiver.stop, memory.aclose] if archiver is not None and memory is not None else []),
             llm.aclose,
             im.aclose,
@@ -239,4 +288,5 @@ def build(settings: Settings) -> RuntimeApp:
         service=service,
         archiver=archiver,
         server=server,
+        audit_pruner=audit_pruner,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.common.audit import AuditSettings, read_audit_settings
 from services.common.logs import LOG_LEVELS
 from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.service_auth import ServiceSecretSettings, read_service_secret
@@ -36,6 +37,9 @@ class Settings:
     ask_human_timeout_seconds: float
     max_reply_bytes: int
     history_cache_steps: int
+    # How long an agent's read position waits before it moves in the IM, with
+    # the others of its chat meanwhile (service_layer/read_positions.py).
+    read_position_delay_seconds: float
     max_task_input_bytes: int
     task_max_attempts: int
     task_retry_base_seconds: float
@@ -51,6 +55,7 @@ class Settings:
     tls: TlsSettings = field(default_factory=TlsSettings)
     # Per-member rates of sending and creating (services.common.ratelimit).
     rate_limits: RateLimits = field(default_factory=RateLimits)
+    audit: AuditSettings = field(default_factory=AuditSettings)
     # The runtime's credential, exchanged for its access tokens.
     service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
     # The hosts agents' model.base_url may name (RUNTIME_LLM_ALLOWED_HOSTS).
@@ -99,6 +104,7 @@ class Settings:
             ask_human_timeout_seconds=env.number("ASK_HUMAN_TIMEOUT_SECONDS", 3600.0, minimum=0.01),
             max_reply_bytes=env.integer("RUNTIME_MAX_REPLY_BYTES", 64 * 1024, minimum=64),
             history_cache_steps=env.integer("RUNTIME_HISTORY_CACHE_STEPS", 20_000, minimum=0),
+            read_position_delay_seconds=env.number("RUNTIME_READ_POSITION_DELAY_SECONDS", 1.0, minimum=0.0),
             max_task_input_bytes=env.integer("RUNTIME_MAX_TASK_INPUT_BYTES", 64 * 1024, minimum=1),
             task_max_attempts=env.integer("RUNTIME_TASK_MAX_ATTEMPTS", 3, minimum=1),
             task_retry_base_seconds=env.number("RUNTIME_TASK_RETRY_BASE_SECONDS", 5.0, minimum=0.001),
@@ -114,6 +120,7 @@ class Settings:
             llm_api_key=env.optional("OPENAI_API_KEY"),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
+            audit=read_audit_settings(env),
             service_secret=read_service_secret(
                 env,
                 prefix="RUNTIME",

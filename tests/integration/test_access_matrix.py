@@ -81,6 +81,8 @@ RESOURCE: dict[str, dict[str, grpc.StatusCode]] = {
     "CreateInvite": {"member": DENIED, "outsider": DENIED},
     "SetMemberRole": {"member": DENIED, "outsider": DENIED, "stranger": NOT_FOUND},
     "RevokePersonalToken": {p: NOT_FOUND for p in PEOPLE if p != "owner"},
+    # The stranger owns a workspace of its own, whose log it reads.
+    "ListAuditEvents": {"member": DENIED, "outsider": DENIED},
 }
 
 
@@ -254,6 +256,11 @@ IM_REQUESTS: dict[str, Build] = {
     "GetAllUnread": fixed(lambda c: im_pb2.GetAllUnreadRequest()),
     "ListChats": fixed(lambda c: im_pb2.ListChatsRequest()),
     "WatchEvents": fixed(lambda c: im_pb2.WatchEventsRequest(workspace_id=c.workspace.id)),
+    "SetAgentOwners": fixed(
+        lambda c: im_pb2.SetAgentOwnersRequest(
+            agent_owners=[im_pb2.AgentOwner(agent_member_id=c.agent.id, owner_id=c.owner.id)]
+        )
+    ),
 }
 
 AUTH_REQUESTS: dict[str, Build] = {
@@ -281,6 +288,7 @@ AUTH_REQUESTS: dict[str, Build] = {
         lambda c: auth_pb2.IssueServiceTokenRequest(service="runtime", secret=service_secret("runtime"))
     ),
     "IssueAgentTokens": fixed(lambda c: auth_pb2.IssueAgentTokensRequest(agent_member_ids=[c.agent.id])),
+    "ListAuditEvents": fixed(lambda c: auth_pb2.ListAuditEventsRequest()),
 }
 
 

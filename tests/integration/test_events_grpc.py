@@ -55,6 +55,11 @@ async def test_member_sees_its_groups_events_live(im: RunningIM) -> None:
     # The headers said after which cursor the stream starts: just before the group.
     headers = dict(await stream.initial_metadata())
     assert headers["x-agentim-start-cursor"] == str(changed.sequence - 1)
+    # Each event names the one before it on this stream, across the events
+    # skipped (the other group's), so that a client can tell it missed none.
+    assert changed.previous_sequence == int(headers["x-agentim-start-cursor"])
+    assert created.previous_sequence == changed.sequence
+    assert created.sequence - changed.sequence > 1
 
     await im.stub.EditMessage(
         im_pb2.EditMessageRequest(message_id=sent.id, content="hello!"), metadata=world.md(0)
@@ -89,6 +94,8 @@ async def test_disconnect_and_resume_without_loss_or_duplicates(im: RunningIM) -
     live = await next_event(resumed)
     got = seen + missed + [live]
     assert contents(got) == [f"m{i}" for i in range(7)]
+    # Resumed, the chain goes on from the cursor.
+    assert [e.previous_sequence for e in got[1:]] == [e.sequence for e in got[:-1]]
     sequences = [e.sequence for e in got]
     assert sequences == sorted(set(sequences))
     resumed.cancel()

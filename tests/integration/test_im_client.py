@@ -483,6 +483,10 @@ async def test_watch_passes_on_new_messages_only(client: GrpcIM, server: Running
         # It started after the events before it: the last one was the message sent then.
         (start,) = watcher.start_cursors
         assert int(start) == int(events[0].cursor) - 2  # then came the group's creation and "one"
+        # Each event passed on names the one passed on before it, over those
+        # skipped: nothing was lost between them.
+        assert [e.previous_sequence for e in events] == [int(start), events[0].sequence]
+        assert events[1].sequence - events[0].sequence == 3
     finally:
         await watcher.stop()
 
@@ -501,7 +505,9 @@ async def test_watch_resumes_after_a_cursor(client: GrpcIM, world: World) -> Non
         await client.send_message(sender, group.id, f"m{i}")
     resumed = Watcher(client, workspace(world), after_cursor=seen[-1].cursor)
     try:
-        assert contents(await resumed.take(3)) == ["m2", "m3", "m4"]
+        again = await resumed.take(3)
+        assert contents(again) == ["m2", "m3", "m4"]
+        assert again[0].previous_sequence == seen[-1].sequence
         await client.send_message(sender, group.id, "m5")
         assert contents(await resumed.take(1)) == ["m5"]
         assert resumed.pending() == 0

@@ -272,6 +272,36 @@ async def test_client_channels_give_unary_calls_a_deadline() -> None:
     await server.stop()
 
 
+async def test_a_stuck_shutdown_step_is_left_behind_and_the_later_ones_still_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ran: list[str] = []
+    never = asyncio.Event()
+
+    async def ready() -> bool:
+        return True
+
+    async def stuck_pool() -> None:
+        ran.append("stuck")
+        await never.wait()
+
+    async def close_channels() -> None:
+        ran.append("after")
+
+    server = GrpcServer(
+        address="127.0.0.1:0",
+        registrars=[],
+        service_names=[],
+        readiness=ready,
+        cleanups=[stuck_pool, close_channels],
+        step_timeout_seconds=0.2,
+    )
+    await server.start()
+    await asyncio.wait_for(server.stop(), 5)
+    assert ran == ["stuck", "after"]
+    assert any("stuck_pool" in record.getMessage() for record in caplog.records)
+
+
 def test_settings_report_every_problem_and_hide_secrets() -> None:
     with pytest.raises(ConfigError) as caught:
         Settings.from_env(

@@ -25,13 +25,16 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Self, TypeVar
 
+from services.common.audit import AuditRecord
 from services.im.adapters import codec
 from services.im.domain.model import (
     NIL_ID,
     Event,
     Group,
     GroupChanged,
+    GroupKind,
     Member,
+    MemberKind,
     Membership,
     Message,
     RecordedEvent,
@@ -89,6 +92,7 @@ class State:
     requests: dict[tuple[uuid.UUID, str], tuple[str, uuid.UUID]] = field(default_factory=dict)
     # Accounts, tokens, invites, sign-in attempts.
     auth: AuthState = field(default_factory=AuthState)
+    audit: list[AuditRecord] = field(default_factory=list)
 
     def copy(self) -> State:
         return State(
@@ -101,6 +105,7 @@ class State:
             events={w: list(rows) for w, rows in self.events.items()},
             requests=dict(self.requests),
             auth=self.auth.copy(),
+            audit=list(self.audit),
         )
 
     # -- constraints: each raises what the SQL adapter raises -----------------
@@ -425,6 +430,37 @@ class FakeTransaction(FakeAuthRecords, Transaction):
             key=lambda m: m.id,
         )
         return found[:limit]
+
+    async def set_owner(self, member_id: uuid.UUID, owner_id: uuid.UUID) -> bool:
+        await self._enter("set_owner")
+        current = self._view.members.get(member_id)
+        if current is None or current.owner_id == owner_id:
+            return False
+
+        def change(s: State) -> None:
+            s.members[member_id] = replace(s.members[member_id], owner_id=owner_id)
+
+        self._change(change)
+        return True
+
+    async def lock_workspace(self, workspace_id: uuid.UUID) -> bool:
+        await self._enter("lock_workspace")
+        return workspace_id in self._view.workspaces
+
+    async def count_members(self, workspace_id: uuid.UUID, kind: MemberKind) -> int:
+        await self._enter("count_members")
+        return sum(
+            1 for m in self._view.members.values() if m.workspace_id == workspace_id and m.kind is kind
+        )
+
+    async def count_groups(self, workspace_id: uuid.UUID, kind: GroupKind) -> int:
+        await self._enter("count_groups")
+        groups = self._view.groups.values()
+        return sum(1 for g in groups if g.workspace_id == workspace_id and g.kind is kind)
+
+    async def add_audit(self, record: AuditRecord) -> None:
+        await self._enter("add_audit")
+        self._change(lambda s: s.audit.append(record))
 
     async def update_member(self, member: Member) -> None:
         await self._enter("update_member")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from services.common.audit import AuditRecord
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.llm import (
     ChatMessage,
@@ -79,11 +80,15 @@ class FakeIM(IMPort):
         self._created_groups: dict[str, IMGroup] = {}
         self.unread_reads: collections.Counter[uuid.UUID] = collections.Counter()  # by member
         self.members: dict[uuid.UUID, IMMember] = {}
+        # Agent member -> its owner, as the runtime told the IM.
+        self.owners: dict[uuid.UUID, uuid.UUID] = {}
         self.groups: dict[uuid.UUID, IMGroup] = {}
         self.messages: list[IMMessage] = []
         self.read: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}
         self.clock = FakeClock()
-        self._feeds: list[tuple[set[uuid.UUID], asyncio.Queue[IMEvent]]] = []
+        # Each watch: the members it watches, its queue, and the number of
+        # the last event put on it (a list, to be changed in place).
+        self._feeds: list[tuple[set[uuid.UUID], asyncio.Queue[IMEvent], list[int]]] = []
         self.workspace = uuid.uuid4()
 
     # helpers for tests
@@ -121,11 +126,21 @@ class FakeIM(IMPort):
         )
         self.messages.append(message)
         concerned = tuple(m for m in self.groups[group_id].member_ids)
-        for watched, queue in self._feeds:
+        for watched, queue, last in self._feeds:
             hits = tuple(m for m in concerned if m in watched)
             if hits:
-                queue.put_nowait(IMEvent(cursor=str(len(self.messages)), message=message, member_ids=hits))
+                queue.put_nowait(self._event(len(self.messages), message, hits, last))
         return message
+
+    @staticmethod
+    def _event(number: int, message: IMMessage, hits: tuple[uuid.UUID, ...], last: list[int]) -> IMEvent:
+        """The event of the `number`th message (its cursor and sequence) on a
+        watch whose last event was `last[0]`, as the IM numbers them."""
+        event = IMEvent(
+            cursor=str(number), message=message, member_ids=hits, sequence=number, previous_sequence=last[0]
+        )
+        last[0] = number
+        return event
 
     def in_group(self, group_id: uuid.UUID) -> list[IMMessage]:
         return [m for m in self.messages if m.group_id == group_id]
@@ -140,11 +155,24 @@ class FakeIM(IMPort):
 
     # the port
     async def create_agent_member(
-        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+        self,
+        workspace_id: uuid.UUID,
+        display_name: str,
+        *,
+        avatar: str = "",
+        request_id: str = "",
+        owner_id: uuid.UUID | None = None,
     ) -> IMMember:
         member = IMMember(uuid.uuid4(), workspace_id, "agent", display_name)
         self.members[member.id] = member
+        if owner_id is not None:
+            self.owners[member.id] = owner_id
         return member
+
+    async def set_agent_owners(self, owners: dict[uuid.UUID, uuid.UUID]) -> int:
+        changed = {a: o for a, o in owners.items() if self.owners.get(a) != o}
+        self.owners.update(changed)
+        return len(changed)
 
     async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember:
         self.members[member_id] = replace(self.members[member_id], display_name=display_name)
@@ -247,16 +275,18 @@ class FakeIM(IMPort):
     ) -> AsyncIterator[IMEvent]:
         queue: asyncio.Queue[IMEvent] = asyncio.Queue()
         watched = set(member_ids)
-        entry = (watched, queue)
+        # A cursor is a message count; none starts at the live end, as the IM does.
+        start = int(after_cursor) if after_cursor else len(self.messages)
+        last = [start]
+        entry = (watched, queue, last)
         self._feeds.append(entry)
-        # Resuming: what came after the cursor first (a cursor is a message count).
-        start = int(after_cursor or 0)
+        # Resuming: what came after the cursor first.
         for index, message in enumerate(self.messages[start:], start=start):
             hits = tuple(m for m in self.groups[message.group_id].member_ids if m in watched)
             if hits:
-                queue.put_nowait(IMEvent(cursor=str(index + 1), message=message, member_ids=hits))
+                queue.put_nowait(self._event(index + 1, message, hits, last))
         if on_subscribed is not None:
-            on_subscribed(after_cursor or str(len(self.messages)))
+            on_subscribed(str(start))
         try:
             while True:
                 yield await queue.get()
@@ -340,15 +370,30 @@ class InMemoryAgentStore(AgentStore):
         self.cursors: dict[uuid.UUID, str] = {}
         self.marks: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}  # (agent, group) -> message
         self.archived_runs: dict[uuid.UUID, datetime] = {}  # what the memory service has
+        self.audit: list[AuditRecord] = []
         self._history = _History()
 
-    async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
+    def _audited(self, record: AuditRecord | None) -> None:
+        if record is not None:
+            self.audit.append(record)
+
+    async def record_audit(self, record: AuditRecord) -> None:
+        self.audit.append(record)
+
+    async def add_agent(
+        self,
+        agent: Agent,
+        *,
+        request: tuple[uuid.UUID, str, str] | None = None,
+        audit: AuditRecord | None = None,
+    ) -> None:
         if request is not None:
             scope, request_id, fingerprint = request
             if (scope, request_id) in self.requests:
                 raise DuplicateAgentRequest(request_id)
             self.requests[(scope, request_id)] = (fingerprint, agent.id)
         self.agents[agent.id] = agent
+        self._audited(audit)
 
     async def find_request(self, scope: uuid.UUID, request_id: str) -> tuple[str, uuid.UUID] | None:
         return self.requests.get((scope, request_id))
@@ -375,7 +420,8 @@ class InMemoryAgentStore(AgentStore):
     async def all_agents(self) -> list[Agent]:
         return [a for a in self.agents.values() if a.id not in self.deleted]
 
-    async def update_agent(self, agent: Agent) -> None:
+    async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
+        self._audited(audit)
         self.agents[agent.id] = agent
 
     # -- History: sessions, checkpoints, the step archive (HistoryService) --
@@ -401,10 +447,14 @@ class InMemoryAgentStore(AgentStore):
         )
         return [(s, len(self.steps.get(s.id, []))) for s in found]
 
-    async def set_main_session(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
+    async def set_main_session(
+        self, agent_id: uuid.UUID, session_id: uuid.UUID, *, audit: AuditRecord | None = None
+    ) -> None:
+        self._audited(audit)
         self.agents[agent_id] = replace(self.agents[agent_id], session_id=session_id)
 
-    async def fork_session(self, session: Session) -> int:
+    async def fork_session(self, session: Session, *, audit: AuditRecord | None = None) -> int:
+        self._audited(audit)
         origin = session.forked_from
         assert origin is not None
         if session.id in self.sessions:
@@ -421,7 +471,10 @@ class InMemoryAgentStore(AgentStore):
         self.steps.setdefault(session.id, []).extend(copies)
         return len(copies)
 
-    async def edit_step(self, step_id: uuid.UUID, content: str, *, at: datetime) -> bool:
+    async def edit_step(
+        self, step_id: uuid.UUID, content: str, *, at: datetime, audit: AuditRecord | None = None
+    ) -> bool:
+        self._audited(audit)
         for session_steps in self.steps.values():
             for index, step in enumerate(session_steps):
                 if step.id == step_id:
@@ -439,6 +492,7 @@ class InMemoryAgentStore(AgentStore):
         at: datetime,
         sequences: Sequence[int] = (),
         after_sequence: int | None = None,
+        audit: AuditRecord | None = None,
     ) -> int:
         kept: list[Step] = []
         moved = 0
@@ -450,12 +504,15 @@ class InMemoryAgentStore(AgentStore):
             else:
                 kept.append(step)
         self.steps[session_id] = kept
+        if moved:
+            self._audited(audit)
         return moved
 
     async def archived_steps(self, session_id: uuid.UUID) -> list[tuple[str, Step]]:
         return [(reason, step) for reason, _, step in self.archive if step.session_id == session_id]
 
-    async def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+    async def add_checkpoint(self, checkpoint: Checkpoint, *, audit: AuditRecord | None = None) -> None:
+        self._audited(audit)
         self._history.checkpoints[checkpoint.id] = checkpoint
 
     def _checkpoint(self, checkpoint: Checkpoint) -> Checkpoint | None:
@@ -524,7 +581,7 @@ class InMemoryAgentStore(AgentStore):
             key=_queue_order,
         )
 
-    async def add_task(self, task: Task) -> Task:
+    async def add_task(self, task: Task, *, audit: AuditRecord | None = None) -> Task:
         # A database round trip: concurrent submissions interleave here.
         await asyncio.sleep(0)
         if task.request_id:
@@ -532,6 +589,7 @@ class InMemoryAgentStore(AgentStore):
             if found is not None:
                 return found
         self.tasks[task.id] = task
+        self._audited(audit)
         return task
 
     async def get_task(self, task_id: uuid.UUID) -> Task | None:
@@ -655,8 +713,9 @@ class InMemoryAgentStore(AgentStore):
             state_version=agent.state_version,
         )
 
-    async def delete_agent(self, agent_id: uuid.UUID) -> None:
+    async def delete_agent(self, agent_id: uuid.UUID, *, audit: AuditRecord | None = None) -> None:
         self.deleted.add(agent_id)
+        self._audited(audit)
 
     async def add_run(self, run: Run) -> None:
         self._database("add_run")

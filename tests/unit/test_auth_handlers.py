@@ -537,7 +537,7 @@ async def test_a_retried_personal_token_creation_gets_a_new_secret(world: AuthWo
 
 
 async def test_a_service_gets_a_token_for_its_secret_only(world: AuthWorld) -> None:
-    issued = world.machines.issue_service_token(service="runtime", secret=RUNTIME_SECRET)
+    issued = await world.machines.issue_service_token(service="runtime", secret=RUNTIME_SECRET)
     claims = await world.verifier.verify(issued.token)
     assert (claims.kind, claims.service, claims.member_id) == (PrincipalKind.SERVICE, "runtime", None)
     messages = set()
@@ -548,7 +548,7 @@ async def test_a_service_gets_a_token_for_its_secret_only(world: AuthWorld) -> N
         ("runtime", "x" * 5000),
     ]:
         with pytest.raises(Unauthenticated) as caught:
-            world.machines.issue_service_token(service=service, secret=secret)
+            await world.machines.issue_service_token(service=service, secret=secret)
         messages.add(caught.value.message)
     assert messages == {"the service name or secret is wrong"}
 
@@ -560,7 +560,7 @@ async def test_a_service_gets_tokens_only_for_the_agents_it_hosts(world: AuthWor
     assert (hosted.host, unhosted.host) == ("runtime", None)
     runtime = Caller(
         claims=await world.verifier.verify(
-            world.machines.issue_service_token(service="runtime", secret=RUNTIME_SECRET).token
+            (await world.machines.issue_service_token(service="runtime", secret=RUNTIME_SECRET)).token
         )
     )
     issued = await world.machines.issue_agent_tokens(runtime, agent_member_ids=[str(hosted.id)])

@@ -63,7 +63,7 @@ def test_an_existing_path_with_another_method_is_405_with_the_allowed_ones() -> 
 
 
 def test_the_contract_has_every_route_once_and_streams_where_the_rpc_streams() -> None:
-    assert len(ROUTES) == 67
+    assert len(ROUTES) == 69
     assert {r.rpc for r in ROUTES if r.streaming} == {"WatchEvents", "WatchAgent", "WatchAgents"}
     assert {r.rpc: r.resume for r in ROUTES if r.resume is not Resume.NONE} == {
         "WatchEvents": Resume.CURSOR,

@@ -12,9 +12,11 @@ from services.memory.domain.ranking import (
     Hit,
     LanguageMeans,
     best_match_share,
+    bridge_terms,
     concept_coverage,
     coverage,
     fuse,
+    hold_bridges,
     rarity,
     selective_terms,
 )
@@ -96,6 +98,36 @@ def test_a_concept_counts_once_with_its_best_alternative_held_whole() -> None:
     hits = concept_coverage(candidates, concepts, weights)
     # Best alternatives: 配额 (4), 合作方 (its rarer bigram, 5), gateway (1): 10 in all.
     assert [(h.key, h.score) for h in hits] == [(1, 1.0), (2, 0.3)]
+
+
+def test_bridges_are_the_query_terms_a_candidate_in_the_other_language_holds() -> None:
+    weights = {"gateway": 1.0, "partner": 2.0, "quota": 3.0, "api": 1.5, "配额": 4.0, "unknown": 0.0}
+    candidates = {
+        1: {"gateway", "给合", "合作", "作方", "配额"},  # Chinese, about the gateway
+        2: {"the", "shipping", "api", "quota", "for", "partners", "partner"},  # English, another service
+        3: {"the", "gateway", "build", "broke"},  # English, about the gateway
+    }
+    english_query = ["what", "partner", "quota", "gateway", "api", "unknown"]
+    # "partner", "quota", "api" are in English candidates only.
+    assert bridge_terms(english_query, candidates, weights) == ["gateway"]
+    # A Chinese question: its Latin words that an English candidate holds.
+    chinese_query = ["gateway", "api", "配额", "unknown"]
+    assert bridge_terms(chinese_query, candidates, weights) == ["gateway", "api"]
+    # One language only: nothing is a bridge (the lexical match already counts names).
+    english_only = {key: held for key, held in candidates.items() if key != 1}
+    assert bridge_terms(english_query, english_only, weights) == []
+
+
+def test_a_candidate_without_the_query_bridges_keeps_only_part_of_its_score() -> None:
+    candidates = {1: {"gateway", "配额"}, 2: {"shipping", "quota"}, 3: {"gateway", "ada"}}
+    weights = {"gateway": 1.0, "ada": 3.0}
+    fused = [Hit(2, 0.9), Hit(1, 0.7), Hit(3, 0.4)]
+    held = hold_bridges(fused, ["gateway"], candidates, weights, bridge_weight=0.5)
+    assert [(h.key, round(h.score, 3)) for h in held] == [(1, 0.7), (2, 0.45), (3, 0.4)]
+    # Each bridge counts by its rarity.
+    both = hold_bridges(fused, ["gateway", "ada"], candidates, weights, bridge_weight=0.5)
+    assert [(h.key, round(h.score, 3)) for h in both] == [(2, 0.45), (1, 0.438), (3, 0.4)]
+    assert hold_bridges(fused, [], candidates, weights, bridge_weight=0.5) == fused
 
 
 def test_centering_removes_what_every_vector_of_a_language_shares() -> None:

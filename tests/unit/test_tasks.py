@@ -597,11 +597,11 @@ async def test_an_agent_known_to_have_no_task_is_not_asked_again_until_one_may_h
         assert again is not None and again.id == later.id
 
 
-def answer_lost(add_task: Callable[[Task], Awaitable[Task]]) -> Callable[[Task], Coroutine[Any, Any, Task]]:
+def answer_lost(add_task: Callable[..., Awaitable[Task]]) -> Callable[..., Coroutine[Any, Any, Task]]:
     """The store's add_task, committing and then losing its connection before it answers."""
 
-    async def committed_but_lost(task: Task) -> Task:
-        await add_task(task)
+    async def committed_but_lost(task: Task, **options: Any) -> Task:
+        await add_task(task, **options)
         raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
 
     return committed_but_lost
@@ -615,7 +615,7 @@ async def test_a_submission_whose_answer_was_lost_still_reaches_the_runner() -> 
         await asyncio.wait_for(runner.idle.wait(), WAIT)
         assert await q.tasks.next_task(ada.id, now=q.clock.now) is None  # known to have none
         real = q.store.add_task
-        q.store.add_task = answer_lost(real)  # type: ignore[method-assign,assignment]
+        q.store.add_task = answer_lost(real)  # type: ignore[method-assign]
         watcher, _ = q.hub.watch([ada.id])
         with pytest.raises(DependencyUnavailable):
             await q.submit(ada, "cut", request_id="r1")

@@ -19,12 +19,15 @@ from sqlalchemy.dialects.postgresql import insert as postgresql_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from services.common.audit import AuditRecord
+from services.common.audit_sql import record_values
 from services.common.outages import DATABASE, as_unavailable, describe, unavailable_error
 from services.common.sql import SqlDatabase, SqliteWorker, UtcDateTime
 from services.im.adapters import codec
 from services.im.adapters.auth_sql import SqlAuthRecords
 from services.im.adapters.tables import (
     SCHEMA,
+    audit_events,
     event_counters,
     events,
     groups,
@@ -108,6 +111,7 @@ def _member(row: sa.Row[Any]) -> Member:
         created_at=row.created_at,
         role=Role(row.role),
         host=row.host,
+        owner_id=row.owner_id,
     )
 
 
@@ -292,6 +296,7 @@ class SqlTransaction(SqlAuthRecords, Transaction):
                 created_at=member.created_at,
                 role=member.role.value,
                 host=member.host,
+                owner_id=member.owner_id,
             )
         )
 
@@ -321,6 +326,46 @@ class SqlTransaction(SqlAuthRecords, Transaction):
             .where(members.c.id == member.id)
             .values(display_name=member.display_name, avatar=member.avatar)
         )
+
+    async def set_owner(self, member_id: uuid.UUID, owner_id: uuid.UUID) -> bool:
+        result = await self._execute(
+            members.update()
+            .where(
+                members.c.id == member_id,
+                sa.or_(members.c.owner_id.is_(None), members.c.owner_id != owner_id),
+            )
+            .values(owner_id=owner_id)
+        )
+        return bool(result.rowcount)
+
+    # -- quotas and the audit log ---------------------------------------------
+
+    async def lock_workspace(self, workspace_id: uuid.UUID) -> bool:
+        # SQLite has one writer at a time already; PostgreSQL holds the row
+        # until the transaction ends, so counting and inserting cannot interleave.
+        statement = sa.select(workspaces.c.id).where(workspaces.c.id == workspace_id)
+        if not self._db.is_sqlite:
+            statement = statement.with_for_update()
+        return bool(await self._rows(statement))
+
+    async def count_members(self, workspace_id: uuid.UUID, kind: MemberKind) -> int:
+        rows = await self._rows(
+            sa.select(sa.func.count())
+            .select_from(members)
+            .where(members.c.workspace_id == workspace_id, members.c.kind == kind.value)
+        )
+        return int(rows[0][0])
+
+    async def count_groups(self, workspace_id: uuid.UUID, kind: GroupKind) -> int:
+        rows = await self._rows(
+            sa.select(sa.func.count())
+            .select_from(groups)
+            .where(groups.c.workspace_id == workspace_id, groups.c.kind == kind.value)
+        )
+        return int(rows[0][0])
+
+    async def add_audit(self, record: AuditRecord) -> None:
+        await self._execute(audit_events.insert().values(**record_values(record)))
 
     # -- groups -------------------------------------------------------------
 

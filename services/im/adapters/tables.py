@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from services.common.audit_sql import audit_table
 from services.common.sql import UtcDateTime
 
 SCHEMA = "im"
@@ -45,6 +46,8 @@ members = sa.Table(
     sa.Column("role", sa.String(16), nullable=False, server_default="member"),
     # For an agent: the service that hosts it.
     sa.Column("host", sa.String(64), nullable=True),
+    # For an agent: the person who owns it, as its host says.
+    sa.Column("owner_id", sa.Uuid, nullable=True),
     sa.Index("ix_members_workspace", "workspace_id", "id"),
 )
 
@@ -59,6 +62,8 @@ groups = sa.Table(
     sa.Column("created_at", UtcDateTime, nullable=False),
     sa.Column("direct_key", sa.String(80), nullable=True),
     sa.UniqueConstraint("workspace_id", "direct_key", name="uq_groups_direct_key"),
+    # Counting a workspace's groups against its quota.
+    sa.Index("ix_groups_workspace_kind", "workspace_id", "kind"),
 )
 
 memberships = sa.Table(
@@ -191,3 +196,6 @@ sign_in_attempts = sa.Table(
     sa.Column("attempts", sa.Integer, nullable=False),
     sa.Column("window_start", UtcDateTime, nullable=False),
 )
+
+# The IM's audit log (services.common.audit): sign-ins, tokens, invites, roles, members.
+audit_events = audit_table(metadata)

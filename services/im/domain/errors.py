@@ -41,6 +41,14 @@ class LimitExceeded(IMError, errors.ResourceExhausted):
     pass
 
 
+class QuotaExceeded(IMError, errors.ResourceExhausted):
+    """The workspace has its quota of something (sent as `google.rpc.QuotaFailure`)."""
+
+    def __init__(self, message: str, *, subject: str, limit: int) -> None:
+        super().__init__(message)
+        self.quota_violation = errors.QuotaViolation(subject=subject, description=f"at most {limit}")
+
+
 class TooManyAttempts(IMError, errors.ResourceExhausted):
     """Refused for a while (sign-in throttling); retry_after_seconds says how long."""
 

@@ -57,6 +57,9 @@ class Member:
     # For an agent: the service that hosts it (the only one that may get
     # tokens for it); None for people and for agents no service created.
     host: str | None = None
+    # For an agent: the person who owns it, as its host says (they may view
+    # the IM through its eyes); None for people and for agents of no known owner.
+    owner_id: uuid.UUID | None = None
 
 
 @dataclass(frozen=True, slots=True)

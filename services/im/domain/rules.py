@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.im.domain.errors import InvalidRequest, LimitExceeded
+from services.im.domain.errors import InvalidRequest, LimitExceeded, QuotaExceeded
 from services.im.domain.model import ContentType
 
 MAX_REQUEST_ID_CHARS = 128
@@ -31,6 +31,30 @@ class Limits:
     max_page_size: int = 200
     default_page_size: int = 50
     max_unread_page_size: int = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Quotas:
+    """How many people, agents and groups (named ones: a direct chat is
+    bounded by its pair) one workspace may have; 0 means no limit."""
+
+    members: int = 1000
+    agents: int = 200
+    groups: int = 10_000
+
+
+def check_quota(what: str, quota: int, current: int) -> None:
+    """Refuses one more `what` in a workspace that has `current` of a `quota`.
+
+    Raises:
+        QuotaExceeded: the workspace has its quota already.
+    """
+    if quota and current >= quota:
+        raise QuotaExceeded(
+            f"this workspace has reached its quota of {quota} {what}; ask its administrator",
+            subject=f"workspace:{what}",
+            limit=quota,
+        )
 
 
 def parse_id(value: str, field: str) -> uuid.UUID:

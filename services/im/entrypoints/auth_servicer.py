@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc
+from services.common.audit_proto import event_out, query_in
 from services.common.authn import current_caller
 from services.common.identity import Caller
 from services.im.entrypoints import auth_mappers as out
@@ -142,7 +143,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     async def IssueServiceToken(
         self, request: auth_pb2.IssueServiceTokenRequest, context: Context
     ) -> auth_pb2.IssueServiceTokenResponse:
-        issued = self._machines.issue_service_token(service=request.service, secret=request.secret)
+        issued = await self._machines.issue_service_token(service=request.service, secret=request.secret)
         return auth_pb2.IssueServiceTokenResponse(
             access_token=issued.token, access_expire_time=out.access_expiry(issued)
         )
@@ -162,4 +163,17 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
                 )
                 for i in issued
             ]
+        )
+
+    async def ListAuditEvents(
+        self, request: auth_pb2.ListAuditEventsRequest, context: Context
+    ) -> auth_pb2.ListAuditEventsResponse:
+        records, token = await self._accounts.list_audit_events(
+            await self._caller(context),
+            query_in(request.query),
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return auth_pb2.ListAuditEventsResponse(
+            audit_events=[event_out(r, service="im") for r in records], next_page_token=token
         )

@@ -74,6 +74,7 @@ class IMServicer(im_pb2_grpc.IMServiceServicer):
             display_name=request.display_name,
             avatar=request.avatar,
             request_id=request.request_id,
+            owner_id=request.owner_id,
         )
         return im_pb2.CreateMemberResponse(member=mappers.member(created))
 
@@ -254,3 +255,11 @@ class IMServicer(im_pb2_grpc.IMServiceServicer):
                 yield mappers.delivery(delivery)
         finally:
             await deliveries.aclose()
+
+    async def SetAgentOwners(
+        self, request: im_pb2.SetAgentOwnersRequest, context: Context
+    ) -> im_pb2.SetAgentOwnersResponse:
+        changed = await self._service.set_agent_owners(
+            self._caller(context), [(o.agent_member_id, o.owner_id) for o in request.agent_owners]
+        )
+        return im_pb2.SetAgentOwnersResponse(changed_count=changed)

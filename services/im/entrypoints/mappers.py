@@ -85,6 +85,7 @@ def member(m: model.Member) -> im_pb2.Member:
         avatar=m.avatar,
         create_time=timestamp(m.created_at),
         role=ROLES_OUT[m.role],
+        owner_id=str(m.owner_id) if m.owner_id is not None else "",
     )
 
 
@@ -145,6 +146,7 @@ def delivery(d: Delivery) -> im_pb2.WatchEventsResponse:
         sequence=recorded.sequence,
         event_time=timestamp(recorded.recorded_at),
         member_ids=[str(m) for m in d.member_ids],
+        previous_sequence=d.previous_sequence,
     )
     match recorded.event:
         case model.MessageCreated(message=m):

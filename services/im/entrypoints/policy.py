@@ -1,6 +1,8 @@
 """Who may call each RPC of the IM (see docs/security.md, "Who may do what").
 
 Which group, message or member a caller may touch is decided by the handlers.
+Rules marked `audited` are privileged actions: their handlers record their
+successes in the audit log, and `AuditInterceptor` their refusals.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ IM_POLICY = Policy.of_service(
         "CreateWorkspace": public(),
         "GetWorkspace": reads(HUMAN, AGENT),
         "ListWorkspaces": reads(HUMAN, AGENT, RUNTIME),
-        "CreateMember": writes(HUMAN, RUNTIME),
+        "CreateMember": writes(HUMAN, RUNTIME).audited("member"),
         "GetMember": reads(HUMAN, AGENT, MEMORY),
         "ListMembers": reads(HUMAN, AGENT),
-        "UpdateMember": writes(HUMAN, AGENT, RUNTIME),
+        "UpdateMember": writes(HUMAN, AGENT, RUNTIME).audited("member", "member.id"),
         "CreateGroup": writes(HUMAN, AGENT),
         "GetOrCreateDirectGroup": writes(HUMAN, AGENT),
         "GetGroup": reads(HUMAN, AGENT),
@@ -38,6 +40,7 @@ IM_POLICY = Policy.of_service(
         "GetAllUnread": reads(HUMAN, AGENT),
         "ListChats": reads(HUMAN, AGENT),
         "WatchEvents": reads(HUMAN, AGENT, RUNTIME),
+        "SetAgentOwners": writes(RUNTIME).audited("member"),
     },
 ) | Policy.of_service(
     AUTH_SERVICE,
@@ -46,15 +49,16 @@ IM_POLICY = Policy.of_service(
         "SignIn": public(),
         "RefreshTokens": public(),
         "SignOut": public(),
-        "ChangePassword": writes(HUMAN),
-        "CreateInvite": writes(HUMAN),
+        "ChangePassword": writes(HUMAN).audited("member"),
+        "CreateInvite": writes(HUMAN).audited("invite"),
         "AcceptInvite": public(),
-        "SetMemberRole": writes(HUMAN),
-        "CreatePersonalToken": writes(HUMAN),
+        "SetMemberRole": writes(HUMAN).audited("member", "member_id"),
+        "CreatePersonalToken": writes(HUMAN).audited("personal_token"),
         "ListPersonalTokens": reads(HUMAN),
-        "RevokePersonalToken": writes(HUMAN),
+        "RevokePersonalToken": writes(HUMAN).audited("personal_token", "personal_token_id"),
         "ExchangePersonalToken": public(),
         "IssueServiceToken": public(),
         "IssueAgentTokens": writes(RUNTIME),
+        "ListAuditEvents": reads(HUMAN),
     },
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -20,6 +21,7 @@ from typing import Protocol
 
 from uuid_utils.compat import uuid7
 
+from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import KeyRing
 from services.im.domain import access, rules
@@ -27,6 +29,7 @@ from services.im.domain.accounts import Account, Invite, RefreshToken
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
+    NotAllowed,
     NotFound,
     TooManyAttempts,
     Unauthenticated,
@@ -59,12 +62,19 @@ class WorkspaceOpener(Protocol):
     ) -> tuple[Workspace, Member, bool]: ...
 
 
+class MemberQuota(Protocol):
+    """Refuses one more member over its workspace's quota: `IMService.check_member_quota`."""
+
+    async def __call__(self, tx: Transaction, workspace_id: uuid.UUID, kind: MemberKind) -> None: ...
+
+
 class AuthService(AuthBase):
     """Sign-in, sessions, passwords, workspace accounts, invites and roles.
 
     Args:
         open_workspace: `IMService.open_workspace`, which creates a workspace
             with its owner (and runs a hook in that transaction).
+        member_quota: `IMService.check_member_quota` (accepting an invite adds a person).
         (the rest as `AuthBase`)
     """
 
@@ -77,9 +87,21 @@ class AuthService(AuthBase):
         passwords: Passwords,
         limits: access.AuthLimits | None = None,
         clock: Clock = utc_now,
+        audit_log: audit.AuditLog | None = None,
+        audit_settings: audit.AuditSettings | None = None,
+        member_quota: MemberQuota | None = None,
     ) -> None:
-        super().__init__(uow=uow, keys=keys, passwords=passwords, limits=limits, clock=clock)
+        super().__init__(
+            uow=uow,
+            keys=keys,
+            passwords=passwords,
+            limits=limits,
+            clock=clock,
+            audit_log=audit_log,
+            audit_settings=audit_settings,
+        )
         self._open_workspace = open_workspace
+        self._member_quota = member_quota
 
     def signing_keys(self) -> list[dict[str, str]]:
         """The published public keys (JWKS entries)."""
@@ -99,29 +121,49 @@ class AuthService(AuthBase):
         now = self._clock()
         # Counted before the password is checked, so that parallel guesses all count.
         async with self._uow() as tx:
+            known = await tx.get_workspace(workspace) is not None
             attempts = await tx.count_sign_in_attempt(
                 workspace, key, at=now, window=self.limits.sign_in_window
             )
             account = await tx.find_account(workspace, key)
             await tx.commit()
-        wait = access.sign_in_retry_after(attempts, now, self.limits)
-        if wait is not None:
-            logger.info("a sign-in to workspace %s was refused: too many attempts for one login", workspace)
-            raise TooManyAttempts(
-                f"too many sign-in attempts for this login; try again in {math.ceil(wait)} seconds",
-                retry_after_seconds=wait,
-            )
-        if account is None:
-            await self._passwords.waste_time(password)
-            raise Unauthenticated(WRONG_LOGIN)
-        if not await self._passwords.verify(account.password_hash, password):
-            raise Unauthenticated(WRONG_LOGIN)
+        try:
+            wait = access.sign_in_retry_after(attempts, now, self.limits)
+            if wait is not None:
+                logger.info(
+                    "a sign-in to workspace %s was refused: too many attempts for one login", workspace
+                )
+                raise TooManyAttempts(
+                    f"too many sign-in attempts for this login; try again in {math.ceil(wait)} seconds",
+                    retry_after_seconds=wait,
+                )
+            if account is None:
+                await self._passwords.waste_time(password)
+                raise Unauthenticated(WRONG_LOGIN)
+            if not await self._passwords.verify(account.password_hash, password):
+                raise Unauthenticated(WRONG_LOGIN)
+        except (TooManyAttempts, Unauthenticated) as error:
+            if known:
+                # Only for a workspace that exists: anyone may name any id.
+                await self._record_refusal(
+                    audit.refused(
+                        audit.ANONYMOUS,
+                        workspace_id=workspace,
+                        action="SignIn",
+                        target=audit.Target("login", key),
+                        at=now,
+                        code=error.code.name,
+                        reason=error.message,
+                    )
+                )
+            raise
         async with self._uow() as tx:
             member = await tx.get_member(account.member_id)
             if member is None:
                 raise Unauthenticated(WRONG_LOGIN)
             await tx.clear_sign_in_attempts(workspace, key)
             secret, refresh = await self._new_session(tx, member)
+            await tx.add_audit(self._member_action(member, "SignIn", details={"login": key}))
             await tx.commit()
         return self._tokens(member, secret, refresh)
 
@@ -159,6 +201,9 @@ class AuthService(AuthBase):
             if found is None:
                 return
             await tx.revoke_refresh_family(found.family_id, self._now())
+            member = await tx.get_member(found.member_id)
+            if member is not None:
+                await tx.add_audit(self._member_action(member, "SignOut"))
             await tx.commit()
 
     async def change_password(
@@ -195,6 +240,9 @@ class AuthService(AuthBase):
             await tx.revoke_refresh_tokens_of(member.id, self._now())
             await tx.clear_sign_in_attempts(account.workspace_id, account.login)
             secret, refresh = await self._new_session(tx, member)
+            await tx.add_audit(
+                self._action(caller, member, "ChangePassword", audit.Target("member", str(member.id)))
+            )
             await tx.commit()
         return self._tokens(member, secret, refresh)
 
@@ -287,6 +335,16 @@ class AuthService(AuthBase):
                 if invite.used_at is not None:
                     raise WrongState("the invite this request_id created has been accepted already")
                 await tx.replace_invite_secret(invite.id, access.secret_hash(secret))
+                await tx.add_audit(
+                    self._action(
+                        caller,
+                        member,
+                        "CreateInvite",
+                        audit.Target("invite", str(invite.id)),
+                        request_id=rid,
+                        details={"role": invite.role.value, "repeated": "a new link for the same request_id"},
+                    )
+                )
                 await tx.commit()
                 return replace(invite, secret_hash=access.secret_hash(secret)), secret
             invite = Invite(
@@ -300,6 +358,16 @@ class AuthService(AuthBase):
             )
             await tx.add_invite(invite)
             await self._remember(tx, member.id, rid, fingerprint, invite.id)
+            await tx.add_audit(
+                self._action(
+                    caller,
+                    member,
+                    "CreateInvite",
+                    audit.Target("invite", str(invite.id)),
+                    request_id=rid,
+                    details={"role": role.value, "expire_time": expires.isoformat()},
+                )
+            )
             await tx.commit()
         return invite, secret
 
@@ -335,6 +403,8 @@ class AuthService(AuthBase):
                 created_at=now,
                 role=found.role,
             )
+            if self._member_quota is not None:
+                await self._member_quota(tx, member.workspace_id, MemberKind.HUMAN)
             if not await tx.use_invite(found.id, member.id, now):
                 raise WrongState("the invite has been used already")
             await tx.add_member(member)
@@ -353,6 +423,15 @@ class AuthService(AuthBase):
                 raise AlreadyTaken(f"the login {key!r} is taken in this workspace") from None
             await self._remember(tx, found.id, rid, fingerprint, member.id)
             secret, refresh = await self._new_session(tx, member)
+            await tx.add_audit(
+                self._member_action(
+                    member,
+                    "AcceptInvite",
+                    target=audit.Target("invite", str(found.id)),
+                    request_id=rid,
+                    details={"member_id": str(member.id), "role": member.role.value, "login": key},
+                )
+            )
             await tx.commit()
         return self._tokens(member, secret, refresh)
 
@@ -378,7 +457,34 @@ class AuthService(AuthBase):
             changes = access.role_changes(member, target, role)
             for changed, new_role in changes:
                 await tx.set_role(changed, new_role)
+                await tx.add_audit(
+                    self._action(
+                        caller,
+                        member,
+                        "SetMemberRole",
+                        audit.Target("member", str(changed)),
+                        details={"role": new_role.value},
+                    )
+                )
             await tx.commit()
         if changes:
             logger.info("member %s set the role of %s to %s", member.id, target.id, role.value)
         return replace(target, role=dict(changes).get(target.id, target.role))
+
+    # -- the audit log -------------------------------------------------------------
+
+    async def list_audit_events(
+        self, caller: Caller | None, query: audit.AuditQuery, *, page_size: int, page_token: str
+    ) -> tuple[list[audit.AuditRecord], str]:
+        """The IM's audit records of the caller's workspace, newest first (its owner and admins only)."""
+        async with self._uow(write=False) as tx:
+            member = await self._member(tx, caller)
+        if caller is not None and caller.view_as is not None:
+            raise NotAllowed("a view as an agent does not read the audit log")
+        if member.role.value not in audit.ADMIN_ROLES:
+            raise NotAllowed("only the workspace's owner and admins read its audit log")
+        if self._audit_log is None:
+            return [], ""
+        return await audit.list_page(
+            self._audit_log, member.workspace_id, query, page_token=page_token, size=page_size
+        )

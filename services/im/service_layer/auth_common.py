@@ -3,13 +3,15 @@ sessions, and request_id replays (`AuthBase`)."""
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime
 
 from uuid_utils.compat import uuid7
 
+from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from services.im.domain import access
@@ -17,8 +19,10 @@ from services.im.domain.accounts import RefreshToken
 from services.im.domain.errors import Conflict, NotAllowed, RequestIdReused, Unauthenticated
 from services.im.domain.model import Member, MemberKind
 from services.im.service_layer.auth_ports import Passwords
-from services.im.service_layer.handlers import utc_now
+from services.im.service_layer.handlers import member_actor, utc_now
 from services.im.service_layer.ports import DuplicateRequest, Transaction, UnitOfWorkFactory
+
+logger = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
 WRONG_LOGIN = "the login or password is wrong"
@@ -52,6 +56,9 @@ class AuthBase:
         passwords: hashes and checks passwords.
         limits: lifetimes and limits.
         clock: current time, replaceable in tests.
+        audit_log: where records made outside a change's transaction go
+            (refused sign-ins, service tokens) and are listed from.
+        audit_settings: the window in which refusals are counted together.
     """
 
     def __init__(
@@ -62,7 +69,11 @@ class AuthBase:
         passwords: Passwords,
         limits: access.AuthLimits | None = None,
         clock: Clock = utc_now,
+        audit_log: audit.AuditLog | None = None,
+        audit_settings: audit.AuditSettings | None = None,
     ) -> None:
+        self._audit_log = audit_log
+        self._audit_settings = audit_settings or audit.AuditSettings()
         self._uow = uow
         self._keys = keys
         self._passwords = passwords
@@ -89,6 +100,58 @@ class AuthBase:
         if caller is None:
             return access.Authority()
         return access.Authority(can_write=caller.can_write, via_personal_token=caller.via_personal_token)
+
+    # -- the audit log ----------------------------------------------------------------
+
+    def _action(
+        self,
+        caller: Caller | None,
+        member: Member,
+        action: str,
+        target: audit.Target,
+        *,
+        request_id: str | None = "",
+        details: Mapping[str, object] | None = None,
+    ) -> audit.AuditRecord:
+        """The record of a member's successful action, to store with the change."""
+        return audit.succeeded(
+            caller,
+            workspace_id=member.workspace_id,
+            action=action,
+            target=target,
+            at=self._clock(),
+            request_id=request_id,
+            details=details,
+        )
+
+    def _member_action(
+        self,
+        member: Member,
+        action: str,
+        *,
+        target: audit.Target | None = None,
+        request_id: str | None = "",
+        details: Mapping[str, object] | None = None,
+    ) -> audit.AuditRecord:
+        """The record of an action of a member who has no token in the call (signing in or out)."""
+        return audit.succeeded(
+            None,
+            actor=member_actor(member),
+            workspace_id=member.workspace_id,
+            action=action,
+            target=target or audit.Target("member", str(member.id)),
+            at=self._clock(),
+            request_id=request_id,
+            details=details,
+        )
+
+    async def _record_refusal(self, record: audit.AuditRecord) -> None:
+        if self._audit_log is None:
+            return
+        try:
+            await self._audit_log.record_refusal(record, window=self._audit_settings.refusal_window)
+        except Exception:
+            logger.warning("could not record a refused %s in the audit log", record.action, exc_info=True)
 
     # -- tokens -------------------------------------------------------------------
 

@@ -321,6 +321,9 @@ class Delivery:
 
     recorded: RecordedEvent
     member_ids: tuple[uuid.UUID, ...]
+    # The sequence of the event delivered before it on the same watch (or
+    # the watch's start): a client that saw another missed something.
+    previous_sequence: int = 0
 
 
 class MemberFilter:
@@ -436,6 +439,7 @@ class Watch:
         # The cursor the watch starts after: where a client resumes if the
         # stream breaks before it has received any event.
         self.start_cursor = str(subscription.delivered)
+        self._previous = subscription.delivered
         self._subscription = subscription
         self._filter = member_filter
         self._events = subscription.events()
@@ -447,10 +451,13 @@ class Watch:
         while True:
             recorded = await self._events.__anext__()
             if self._filter is None:
-                return Delivery(recorded, ())
-            concerned = self._filter.concerned(recorded)
-            if concerned:
-                return Delivery(recorded, concerned)
+                concerned: tuple[uuid.UUID, ...] = ()
+            else:
+                concerned = self._filter.concerned(recorded)
+                if not concerned:
+                    continue
+            previous, self._previous = self._previous, recorded.sequence
+            return Delivery(recorded, concerned, previous)
 
     async def aclose(self) -> None:
         await self._events.aclose()

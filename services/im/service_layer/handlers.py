@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from uuid_utils.compat import uuid7
 
+from services.common import audit
 from services.common.identity import Caller
 from services.im.domain import rules
 from services.im.domain.errors import (
@@ -64,6 +65,8 @@ CreationHook = Callable[[Transaction, Workspace, Member], Awaitable[None]]
 
 # Members whose identity (id, workspace) each process remembers.
 IDENTITY_CACHE_SIZE = 100_000
+# Agents per SetAgentOwners call.
+MAX_AGENT_OWNERS = 100
 
 
 def utc_now() -> datetime:
@@ -98,6 +101,7 @@ class IMService:
         signal: tells event hubs (in this process or, with Redis, every
             replica) that events were committed.
         limits: the configured limits.
+        quotas: how many people, agents and groups a workspace may have.
         clock: current time, replaceable in tests.
     """
 
@@ -110,8 +114,10 @@ class IMService:
         inbox: Inbox | None = None,
         on_committed: Callable[[Sequence[RecordedEvent]], None] | None = None,
         limits: rules.Limits | None = None,
+        quotas: rules.Quotas | None = None,
         clock: Clock = utc_now,
     ) -> None:
+        self.quotas = quotas or rules.Quotas()
         self._uow = uow
         self._messages = messages
         self._inbox = inbox or TransactionalInbox(uow)
@@ -135,7 +141,8 @@ class IMService:
             raise NotAllowed("this call is made as a member, and a service's token names none")
         if caller is None or caller.member_id is None:
             raise Unauthenticated("this call needs the caller: authorization: Bearer <access token>")
-        member = self._identities.get(caller.member_id)
+        # A view's agent is read afresh: who owns it may have changed.
+        member = self._identities.get(caller.member_id) if caller.view_as is None else None
         if member is None:
             member = await tx.get_member(caller.member_id)
             if member is None:
@@ -147,7 +154,7 @@ class IMService:
 
     async def _caller(self, caller: Caller | None) -> Member:
         """`_acting_member` outside a transaction: usually answered from the cache."""
-        if caller is not None and caller.member_id is not None:
+        if caller is not None and caller.member_id is not None and caller.view_as is None:
             cached = self._identities.get(caller.member_id)
             if cached is not None:
                 return _token_matches(caller, cached)
@@ -304,6 +311,18 @@ class IMService:
                 )
                 await tx.add_workspace(workspace)
                 await tx.add_member(creator)
+                await tx.add_audit(
+                    audit.succeeded(
+                        None,
+                        actor=member_actor(creator),
+                        workspace_id=workspace.id,
+                        action="CreateWorkspace",
+                        target=audit.Target("workspace", str(workspace.id)),
+                        at=now,
+                        request_id=rid,
+                        details={"name": name},
+                    )
+                )
                 if rid is not None:
                     try:
                         await tx.remember_request(scope, rid, fingerprint, creator.id)
@@ -356,9 +375,13 @@ class IMService:
         display_name: str,
         avatar: str,
         request_id: str,
+        owner_id: str = "",
     ) -> Member:
         if kind is None:
             raise InvalidRequest("kind is required (HUMAN or AGENT)")
+        owner = rules.parse_optional_id(owner_id, "owner_id")
+        if owner is not None and (kind is not MemberKind.AGENT or caller is None or not caller.is_service):
+            raise NotAllowed("only the service that hosts an agent names its owner")
         display_name = rules.check_name(display_name, "display_name", required=True)
         avatar = rules.check_avatar(avatar)
         rid = rules.check_request_id(request_id)
@@ -375,6 +398,9 @@ class IMService:
                     if member is None:
                         raise NotFound(f"member {existing} not found")
                     return member
+                await self.check_member_quota(tx, resolved, kind)
+                if owner is not None:
+                    await self._check_owner(tx, resolved, owner)
                 member = Member(
                     id=uuid7(),
                     workspace_id=resolved,
@@ -383,8 +409,21 @@ class IMService:
                     avatar=avatar,
                     created_at=self._clock(),
                     host=_host_of_new(kind, caller),
+                    owner_id=owner,
                 )
                 await tx.add_member(member)
+                await tx.add_audit(
+                    audit.succeeded(
+                        caller,
+                        workspace_id=resolved,
+                        action="CreateMember",
+                        target=audit.Target("member", str(member.id)),
+                        at=member.created_at,
+                        request_id=rid,
+                        details={"kind": kind.value, "display_name": display_name}
+                        | ({"owner_id": str(owner)} if owner is not None else {}),
+                    )
+                )
                 if rid is not None:
                     try:
                         await tx.remember_request(scope, rid, fingerprint, member.id)
@@ -395,6 +434,70 @@ class IMService:
                 await tx.commit()
                 return member
         raise AssertionError("unreachable")
+
+    async def check_member_quota(self, tx: Transaction, workspace_id: uuid.UUID, kind: MemberKind) -> None:
+        """Refuses one more member of `kind` over the workspace's quota; holds
+        the workspace until the transaction ends (no concurrent create overshoots)."""
+        quota = self.quotas.agents if kind is MemberKind.AGENT else self.quotas.members
+        if not quota:
+            return
+        if not await tx.lock_workspace(workspace_id):
+            raise NotFound(f"workspace {workspace_id} not found")
+        what = "agents" if kind is MemberKind.AGENT else "people"
+        rules.check_quota(what, quota, await tx.count_members(workspace_id, kind))
+
+    @staticmethod
+    async def _check_owner(tx: Transaction, workspace_id: uuid.UUID, owner_id: uuid.UUID) -> None:
+        owner = await tx.get_member(owner_id)
+        if owner is None or owner.workspace_id != workspace_id or owner.kind is not MemberKind.HUMAN:
+            raise InvalidRequest(f"owner_id {owner_id} is not a person of the workspace")
+
+    async def set_agent_owners(self, caller: Caller | None, owners: Sequence[tuple[str, str]]) -> int:
+        """Sets the owners of agents the calling service hosts; returns how many changed."""
+        if caller is None or caller.service is None:
+            raise NotAllowed("only the service that hosts agents names their owners")
+        host = caller.service
+        if not owners:
+            raise InvalidRequest("agent_owners is empty")
+        if len(owners) > MAX_AGENT_OWNERS:
+            raise InvalidRequest(f"at most {MAX_AGENT_OWNERS} agent_owners per call, got {len(owners)}")
+        pairs = [
+            (
+                rules.parse_id(agent, "agent_owners.agent_member_id"),
+                rules.parse_id(owner, "agent_owners.owner_id"),
+            )
+            for agent, owner in owners
+        ]
+        changed = 0
+        async with self._uow() as tx:
+            found = await tx.get_members([m for pair in pairs for m in pair])
+            for agent_id, owner_id in pairs:
+                agent = found.get(agent_id)
+                if agent is None or agent.kind is not MemberKind.AGENT or agent.host != host:
+                    raise NotAllowed(f"member {agent_id} is not an agent hosted by {host}")
+                owner = found.get(owner_id)
+                if (
+                    owner is None
+                    or owner.workspace_id != agent.workspace_id
+                    or owner.kind is not MemberKind.HUMAN
+                ):
+                    raise InvalidRequest(
+                        f"owner_id {owner_id} is not a person of agent {agent_id}'s workspace"
+                    )
+                if agent.owner_id != owner_id and await tx.set_owner(agent_id, owner_id):
+                    changed += 1
+                    await tx.add_audit(
+                        audit.succeeded(
+                            caller,
+                            workspace_id=agent.workspace_id,
+                            action="SetAgentOwners",
+                            target=audit.Target("member", str(agent_id)),
+                            at=self._clock(),
+                            details={"owner_id": str(owner_id)},
+                        )
+                    )
+            await tx.commit()
+        return changed
 
     @staticmethod
     def _request_scope(caller: Caller | None, workspace_id: uuid.UUID) -> uuid.UUID:
@@ -451,6 +554,16 @@ class IMService:
             if "avatar" in fields:
                 member = replace(member, avatar=rules.check_avatar(avatar))
             await tx.update_member(member)
+            await tx.add_audit(
+                audit.succeeded(
+                    caller,
+                    workspace_id=member.workspace_id,
+                    action="UpdateMember",
+                    target=audit.Target("member", str(member.id)),
+                    at=self._clock(),
+                    details={"fields": ",".join(sorted(set(fields)))},
+                )
+            )
             await tx.commit()
             return member
 
@@ -474,6 +587,10 @@ class IMService:
                 existing = await self._replay(tx, actor.id, rid, fingerprint)
                 if existing is not None:
                     return await self._visible_group(tx, actor, existing)
+                if self.quotas.groups:
+                    await tx.lock_workspace(actor.workspace_id)
+                    count = await tx.count_groups(actor.workspace_id, GroupKind.GROUP)
+                    rules.check_quota("groups", self.quotas.groups, count)
                 await self._workspace_members(tx, actor.workspace_id, everyone)
                 group = Group(
                     id=uuid7(),
@@ -871,12 +988,21 @@ def _token_matches(caller: Caller, member: Member) -> Member:
     """The member, once sure its token was issued for its workspace (members never move),
     and that a view through someone else's eyes is an agent's."""
     if caller.view_as is not None:
-        if member.kind is not MemberKind.AGENT or caller.claims.workspace_id != member.workspace_id:
+        claims = caller.claims
+        if member.kind is not MemberKind.AGENT or claims.workspace_id != member.workspace_id:
             raise NotAllowed("a person may view as an agent of their workspace, and as no one else")
+        if not audit.ADMIN_ROLES & set(claims.roles) and member.owner_id != claims.member_id:
+            raise NotAllowed("only the agent's owner and the workspace's admins may view as it")
         return member
     if caller.claims.workspace_id != member.workspace_id:
         raise Unauthenticated("the access token names another workspace than its member's")
     return member
+
+
+def member_actor(member: Member) -> audit.Actor:
+    """The audit actor a member is (for actions whose caller is not yet a member)."""
+    kind = audit.ActorKind.AGENT if member.kind is MemberKind.AGENT else audit.ActorKind.HUMAN
+    return audit.Actor(kind, member_id=member.id)
 
 
 def _manages(caller: Caller | None, member: Member) -> bool:

@@ -18,6 +18,7 @@ from datetime import datetime
 
 from uuid_utils.compat import uuid7
 
+from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from services.im.domain import access, rules
@@ -55,8 +56,18 @@ class MachineAccess(AuthBase):
         limits: access.AuthLimits | None = None,
         page_limits: rules.Limits | None = None,
         clock: Clock = utc_now,
+        audit_log: audit.AuditLog | None = None,
+        audit_settings: audit.AuditSettings | None = None,
     ) -> None:
-        super().__init__(uow=uow, keys=keys, passwords=passwords, limits=limits, clock=clock)
+        super().__init__(
+            uow=uow,
+            keys=keys,
+            passwords=passwords,
+            limits=limits,
+            clock=clock,
+            audit_log=audit_log,
+            audit_settings=audit_settings,
+        )
         self._services = services
         self._page_limits = page_limits or rules.Limits()
 
@@ -98,6 +109,16 @@ class MachineAccess(AuthBase):
                 # The first response may have been lost: the same token, a new secret.
                 token = await self._own_token(tx, member.id, existing)
                 await tx.replace_personal_token_secret(token.id, digest)
+                await tx.add_audit(
+                    self._action(
+                        caller,
+                        member,
+                        "CreatePersonalToken",
+                        audit.Target("personal_token", str(token.id)),
+                        request_id=rid,
+                        details={"name": token.name, "repeated": "a new secret for the same request_id"},
+                    )
+                )
                 await tx.commit()
                 return replace(token, secret_hash=digest), secret
             token = PersonalToken(
@@ -112,6 +133,16 @@ class MachineAccess(AuthBase):
             )
             await tx.add_personal_token(token)
             await self._remember(tx, member.id, rid, fingerprint, token.id)
+            await tx.add_audit(
+                self._action(
+                    caller,
+                    member,
+                    "CreatePersonalToken",
+                    audit.Target("personal_token", str(token.id)),
+                    request_id=rid,
+                    details={"name": name, "scope": scope.value, "expire_time": expires.isoformat()},
+                )
+            )
             await tx.commit()
         logger.info("member %s created personal access token %s", member.id, token.id)
         return token, secret
@@ -142,6 +173,15 @@ class MachineAccess(AuthBase):
                 return token
             now = self._now()
             await tx.revoke_personal_token(token.id, now)
+            await tx.add_audit(
+                self._action(
+                    caller,
+                    member,
+                    "RevokePersonalToken",
+                    audit.Target("personal_token", str(token.id)),
+                    details={"name": token.name},
+                )
+            )
             await tx.commit()
         logger.info("member %s revoked personal access token %s", member.id, token.id)
         return replace(token, revoked_at=now)
@@ -172,16 +212,45 @@ class MachineAccess(AuthBase):
 
     # -- services and the agents they host --------------------------------------------
 
-    def issue_service_token(self, *, service: str, secret: str) -> IssuedAccess:
+    async def issue_service_token(self, *, service: str, secret: str) -> IssuedAccess:
+        """A service access token for a service's credential.
+
+        Recorded in the audit log with no workspace (a service acts across
+        them): kept for the operators, listed by no workspace's admins.
+        """
         expected = self._services().get(service)
         presented = access.secret_hash(secret) if len(secret) <= access.MAX_SECRET_CHARS else ""
+        target = audit.Target("service", service[:64])
         # Compared in constant time, and compared even for an unknown name.
         if not hmac.compare_digest(expected or "0" * 64, presented) or expected is None:
-            raise Unauthenticated("the service name or secret is wrong")
+            refusal = Unauthenticated("the service name or secret is wrong")
+            await self._record_refusal(
+                audit.refused(
+                    audit.ANONYMOUS,
+                    workspace_id=None,
+                    action="IssueServiceToken",
+                    target=target,
+                    at=self._clock(),
+                    code=refusal.code.name,
+                    reason=refusal.message,
+                )
+            )
+            raise refusal
         claims = AccessClaims(kind=PrincipalKind.SERVICE, service=service).stamped(
             now=self._now(), lifetime=self.limits.access_token_lifetime
         )
         assert claims.expires_at is not None
+        if self._audit_log is not None:
+            await self._audit_log.record(
+                audit.succeeded(
+                    None,
+                    actor=audit.Actor(audit.ActorKind.SERVICE, service=service),
+                    workspace_id=None,
+                    action="IssueServiceToken",
+                    target=target,
+                    at=self._clock(),
+                )
+            )
         return IssuedAccess(token=sign(claims, self._keys), expires_at=claims.expires_at)
 
     async def issue_agent_tokens(

@@ -15,10 +15,13 @@ from datetime import datetime
 from types import TracebackType
 from typing import Protocol, Self
 
+from services.common.audit import AuditRecord
 from services.im.domain.model import (
     Event,
     Group,
+    GroupKind,
     Member,
+    MemberKind,
     Membership,
     Message,
     MessageCreated,
@@ -104,6 +107,27 @@ class Transaction(AuthRecords, abc.ABC):
 
     @abc.abstractmethod
     async def update_member(self, member: Member) -> None: ...
+
+    @abc.abstractmethod
+    async def set_owner(self, member_id: uuid.UUID, owner_id: uuid.UUID) -> bool:
+        """Makes `owner_id` the agent's owner; True if that changed it."""
+
+    # Quotas and the audit log
+    @abc.abstractmethod
+    async def lock_workspace(self, workspace_id: uuid.UUID) -> bool:
+        """Holds the workspace until the transaction ends, so that what is
+        counted against its quotas cannot change meanwhile; False if there is
+        no such workspace."""
+
+    @abc.abstractmethod
+    async def count_members(self, workspace_id: uuid.UUID, kind: MemberKind) -> int: ...
+
+    @abc.abstractmethod
+    async def count_groups(self, workspace_id: uuid.UUID, kind: GroupKind) -> int: ...
+
+    @abc.abstractmethod
+    async def add_audit(self, record: AuditRecord) -> None:
+        """Adds an audit record, which commits with the change it records."""
 
     # Groups and memberships
     @abc.abstractmethod

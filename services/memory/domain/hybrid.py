@@ -7,6 +7,9 @@ brought it: its vector score, the weighted share of the query's terms it
 holds, and the weighted share of the query's concepts. A candidate that one
 search missed (the fact among 270 segments that name the same service,
 beyond lexical search's first 50) is still credited for the terms it holds.
+Last, a candidate that holds none of the query's bridges (names and
+identifiers that candidates in the other language hold too) keeps only part
+of its score (`ranking.bridge_terms`).
 The memory service ranks this way, and so does the quality benchmark.
 """
 
@@ -20,9 +23,11 @@ from services.memory.domain.ranking import (
     FusionSettings,
     Hit,
     best_match_share,
+    bridge_terms,
     concept_coverage,
     coverage,
     fuse,
+    hold_bridges,
 )
 from services.memory.domain.supersession import SupersessionSettings, query_signature, supersede
 
@@ -102,6 +107,9 @@ def rank(
         translated_share=translated[0].score if translated else 0.0,
         settings=fusion,
     )
+    bridges = bridge_terms(terms, held, weights)
+    if bridges:
+        fused = hold_bridges(fused, bridges, held, weights, bridge_weight=fusion.bridge_weight)
     if prefer_recent:
         signatures = {key: query_signature(held[key], terms, concepts) for key in keys}
         fused = supersede(

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import field_mask_pb2, json_format
+from google.rpc import error_details_pb2, status_pb2
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common import errors
@@ -216,12 +217,21 @@ class GrpcIM(IMPort):
             unreachable = IMUnavailable(f"the IM at {self._address} is unavailable ({code.name}): {details}")
             unreachable.code = code
             return unreachable
-        return _refused(code, details)
+        refused = _refused(code, details)
+        # A quota the IM ran into is the runtime caller's too (CreateAgent over the agents' quota).
+        refused.quota_violation = quota_violation(error.trailing_metadata())
+        return refused
 
     # -- members ------------------------------------------------------------
 
     async def create_agent_member(
-        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+        self,
+        workspace_id: uuid.UUID,
+        display_name: str,
+        *,
+        avatar: str = "",
+        request_id: str = "",
+        owner_id: uuid.UUID | None = None,
     ) -> IMMember:
         response = await self._call(
             self._stub.CreateMember,
@@ -231,9 +241,22 @@ class GrpcIM(IMPort):
                 avatar=avatar,
                 request_id=request_id,
                 workspace_id=str(workspace_id),
+                owner_id=str(owner_id) if owner_id is not None else "",
             ),
         )
         return _member(response.member)
+
+    async def set_agent_owners(self, owners: dict[uuid.UUID, uuid.UUID]) -> int:
+        pairs = [im_pb2.AgentOwner(agent_member_id=str(a), owner_id=str(o)) for a, o in owners.items()]
+        changed = 0
+        # The IM takes at most 100 a call.
+        for start in range(0, len(pairs), 100):
+            response = await self._call(
+                self._stub.SetAgentOwners,
+                im_pb2.SetAgentOwnersRequest(agent_owners=pairs[start : start + 100]),
+            )
+            changed += response.changed_count
+        return changed
 
     async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember:
         # The agent renames itself: the IM lets a member update only itself.
@@ -407,10 +430,10 @@ class GrpcIM(IMPort):
         # The IM takes either a workspace or members (whose workspace it finds).
         watched_members = [str(m) for m in member_ids]
         scope = "" if watched_members else str(workspace_id)
-        watched_workspace = str(workspace_id)
         cursor = after_cursor
         backoff = self._initial_backoff
         failures = 0
+        chain = _Chain(_sequence(cursor))
         while True:
             if (metadata := await self._watch_metadata(workspace_id)) is None:
                 return  # closed meanwhile
@@ -427,6 +450,7 @@ class GrpcIM(IMPort):
                     # saying where it starts: resume from there, not from "now",
                     # if the stream breaks before any event arrives.
                     cursor = cursor or _header(headers, WATCH_START_CURSOR_KEY)
+                    chain.start(_sequence(cursor))
                     if failures:
                         logger.info("watch of workspace %s reopened after cursor %r", workspace_id, cursor)
                     backoff = self._initial_backoff
@@ -435,20 +459,9 @@ class GrpcIM(IMPort):
                         on_subscribed(cursor)
                 while (response := await call.read()) is not grpc.aio.EOF:
                     cursor = response.cursor
-                    if response.WhichOneof("event") != "message_created":
-                        continue
-                    message = response.message_created.message
-                    if message.workspace_id != watched_workspace:
-                        # Cursors are per workspace: resuming one with another's would skip events.
-                        raise _refused(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the watched members are not members of workspace {workspace_id}",
-                        )
-                    yield IMEvent(
-                        cursor=cursor,
-                        message=_message(message),
-                        member_ids=tuple(uuid.UUID(m) for m in response.member_ids),
-                    )
+                    event = _event(response, workspace_id, chain)
+                    if event is not None:
+                        yield event
                 reason = "the IM ended the stream"
             except grpc.aio.AioRpcError as error:
                 if self._closed:
@@ -480,6 +493,41 @@ class GrpcIM(IMPort):
             )
             await asyncio.sleep(delay)
             backoff = min(backoff * 2, self._max_backoff)
+
+
+def _event(response: im_pb2.WatchEventsResponse, workspace_id: uuid.UUID, chain: _Chain) -> IMEvent | None:
+    """The event to pass on (message-created events only), its place in the chain noted."""
+    chain.saw(response.sequence, response.previous_sequence)
+    if response.WhichOneof("event") != "message_created":
+        return None
+    message = response.message_created.message
+    if message.workspace_id != str(workspace_id):
+        # Cursors are per workspace: resuming one with another's would skip events.
+        raise _refused(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the watched members are not members of workspace {workspace_id}",
+        )
+    return IMEvent(
+        cursor=response.cursor,
+        message=_message(message),
+        member_ids=tuple(uuid.UUID(m) for m in response.member_ids),
+        sequence=response.sequence,
+        previous_sequence=chain.pass_on(response.sequence),
+    )
+
+
+def quota_violation(trailing_metadata: Any) -> errors.QuotaViolation | None:
+    """The first `google.rpc.QuotaFailure` violation of a status's details, if any."""
+    for key, value in trailing_metadata or ():
+        if key != "grpc-status-details-bin":
+            continue
+        for item in status_pb2.Status.FromString(value).details:
+            if item.Is(error_details_pb2.QuotaFailure.DESCRIPTOR):
+                failure = error_details_pb2.QuotaFailure()
+                item.Unpack(failure)
+                for violation in failure.violations:
+                    return errors.QuotaViolation(subject=violation.subject, description=violation.description)
+    return None
 
 
 def _refused(code: grpc.StatusCode, message: str) -> IMError:
@@ -538,3 +586,37 @@ def _header(metadata: Any, key: str) -> str:
         if name == key:
             return str(value)
     return ""
+
+
+def _sequence(cursor: str) -> int | None:
+    """The sequence number of an IM cursor (the IM's cursors are its numbers); None if not one."""
+    return int(cursor) if cursor.isascii() and cursor.isdigit() else None
+
+
+class _Chain:
+    """The chain of an event stream's sequence numbers, as the watch passes events on.
+
+    Each event names the one the IM sent before it on the stream
+    (`previous_sequence`), the other kinds of event included, which are not
+    passed on. An event passed on names the last one passed on, if the IM's
+    chain since is unbroken, and -1 (a gap, to its consumer) if not.
+    """
+
+    def __init__(self, start: int | None) -> None:
+        self._passed_on = self._seen = start
+        self._unbroken = True
+
+    def start(self, sequence: int | None) -> None:
+        """The stream starts after `sequence` (known only once the IM says, for a watch from now)."""
+        if self._passed_on is None:
+            self._passed_on = self._seen = sequence
+
+    def saw(self, sequence: int, previous: int) -> None:
+        self._unbroken = self._unbroken and self._seen is not None and previous == self._seen
+        self._seen = sequence
+
+    def pass_on(self, sequence: int) -> int:
+        """The previous sequence to give the event passed on."""
+        previous = self._passed_on if self._unbroken and self._passed_on is not None else -1
+        self._passed_on, self._unbroken = sequence, True
+        return previous

@@ -20,6 +20,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 from uuid_utils.compat import uuid7
 
+from services.common.audit import AuditRecord
+from services.common.audit_sql import insert_record
 from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase
 from services.runtime.adapters.journal import Write, open_journal, origin_of_record, origin_record
@@ -27,6 +29,7 @@ from services.runtime.adapters.tables import (
     SCHEMA,
     agent_requests,
     agents,
+    audit_events,
     checkpoints,
     read_marks,
     runs,
@@ -293,13 +296,25 @@ class SqlAgentStore(AgentStore):
 
         return await self._db.retry_read(read)
 
-    async def _write(self, statement: sa.Executable) -> None:
+    async def _write(self, statement: sa.Executable, *, audit: AuditRecord | None = None) -> None:
         async with self._db.transaction() as conn:
-            await conn.execute(statement)
+            result = await conn.execute(statement)
+            if audit is not None and (not isinstance(statement, sa.Update) or result.rowcount):
+                await insert_record(conn, audit_events, audit)
+
+    async def record_audit(self, record: AuditRecord) -> None:
+        async with self._db.transaction() as conn:
+            await insert_record(conn, audit_events, record)
 
     # Agents
 
-    async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
+    async def add_agent(
+        self,
+        agent: Agent,
+        *,
+        request: tuple[uuid.UUID, str, str] | None = None,
+        audit: AuditRecord | None = None,
+    ) -> None:
         async with self._db.transaction() as conn:
             if request is not None:
                 scope, request_id, fingerprint = request
@@ -319,6 +334,8 @@ class SqlAgentStore(AgentStore):
                 if not recorded.rowcount:
                     raise DuplicateAgentRequest(request_id)
             await conn.execute(agents.insert().values(agent_row(agent)))
+            if audit is not None:
+                await insert_record(conn, audit_events, audit)
 
     async def find_request(self, scope: uuid.UUID, request_id: str) -> tuple[str, uuid.UUID] | None:
         rows = await self._rows(
@@ -350,14 +367,14 @@ class SqlAgentStore(AgentStore):
     async def all_agents(self) -> list[Agent]:
         return [_agent(r) for r in await self._rows(agents.select().where(_live).order_by(agents.c.id))]
 
-    async def update_agent(self, agent: Agent) -> None:
-        await self._write(_update_agent(agent))
+    async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
+        await self._write(_update_agent(agent), audit=audit)
 
     async def save_progress(self, agent: Agent) -> None:
         await self._journal.write(Write(progress=agent))
 
-    async def delete_agent(self, agent_id: uuid.UUID) -> None:
-        await self._write(agents.update().where(agents.c.id == agent_id).values(deleted=True))
+    async def delete_agent(self, agent_id: uuid.UUID, *, audit: AuditRecord | None = None) -> None:
+        await self._write(agents.update().where(agents.c.id == agent_id).values(deleted=True), audit=audit)
 
     # Runs
 
@@ -456,10 +473,14 @@ class SqlAgentStore(AgentStore):
         )
         return [(_session(row), int(row.step_count)) for row in rows]
 
-    async def set_main_session(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
-        await self._write(agents.update().where(agents.c.id == agent_id).values(session_id=session_id))
+    async def set_main_session(
+        self, agent_id: uuid.UUID, session_id: uuid.UUID, *, audit: AuditRecord | None = None
+    ) -> None:
+        await self._write(
+            agents.update().where(agents.c.id == agent_id).values(session_id=session_id), audit=audit
+        )
 
-    async def fork_session(self, session: Session) -> int:
+    async def fork_session(self, session: Session, *, audit: AuditRecord | None = None) -> int:
         assert session.forked_from is not None
         async with self._db.transaction() as conn:
             marked = await conn.execute(
@@ -485,14 +506,20 @@ class SqlAgentStore(AgentStore):
             ]
             if copies:
                 await conn.execute(steps.insert(), copies)
+            if audit is not None:
+                await insert_record(conn, audit_events, audit)
             return len(copies)
 
-    async def edit_step(self, step_id: uuid.UUID, content: str, *, at: datetime) -> bool:
+    async def edit_step(
+        self, step_id: uuid.UUID, content: str, *, at: datetime, audit: AuditRecord | None = None
+    ) -> bool:
         async with self._db.transaction() as conn:
             archived = await _archive(conn, steps.c.id == step_id, reason="edited", at=at, remove=False)
             if not archived:
                 return False
             await conn.execute(steps.update().where(steps.c.id == step_id).values(content=content))
+            if audit is not None:
+                await insert_record(conn, audit_events, audit)
             return True
 
     async def archive_steps(
@@ -503,9 +530,13 @@ class SqlAgentStore(AgentStore):
         at: datetime,
         sequences: Sequence[int] = (),
         after_sequence: int | None = None,
+        audit: AuditRecord | None = None,
     ) -> int:
         async with self._db.transaction() as conn:
-            return await _archive(conn, _chosen(session_id, sequences, after_sequence), reason=reason, at=at)
+            moved = await _archive(conn, _chosen(session_id, sequences, after_sequence), reason=reason, at=at)
+            if audit is not None and moved:
+                await insert_record(conn, audit_events, audit)
+            return moved
 
     async def archived_steps(self, session_id: uuid.UUID) -> list[tuple[str, Step]]:
         rows = await self._rows(
@@ -515,7 +546,7 @@ class SqlAgentStore(AgentStore):
         )
         return [(row.reason, _step(row)) for row in rows]
 
-    async def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+    async def add_checkpoint(self, checkpoint: Checkpoint, *, audit: AuditRecord | None = None) -> None:
         settings = checkpoint.settings
         await self._write(
             checkpoints.insert().values(
@@ -540,7 +571,8 @@ class SqlAgentStore(AgentStore):
                     "auto_recall": settings.auto_recall,
                 },
                 created_at=checkpoint.created_at,
-            )
+            ),
+            audit=audit,
         )
 
     async def get_checkpoint(self, checkpoint_id: uuid.UUID) -> Checkpoint | None:
@@ -584,7 +616,7 @@ class SqlAgentStore(AgentStore):
 
     # -- Tasks (TaskService) --
 
-    async def add_task(self, task: Task) -> Task:
+    async def add_task(self, task: Task, *, audit: AuditRecord | None = None) -> Task:
         async with self._db.transaction() as conn:
             statement = self._insert(tasks).values(**_task_values(task))
             if task.request_id:
@@ -594,6 +626,8 @@ class SqlAgentStore(AgentStore):
                     index_elements=[tasks.c.agent_id, tasks.c.request_id], index_where=_has_request
                 )
             if (await conn.execute(statement)).rowcount:
+                if audit is not None:
+                    await insert_record(conn, audit_events, audit)
                 return task
             found = await conn.execute(
                 tasks.select().where(tasks.c.agent_id == task.agent_id, tasks.c.request_id == task.request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from services.common.audit_sql import audit_table
 from services.common.sql import UtcDateTime
 
 SCHEMA = "runtime"
@@ -220,3 +221,6 @@ tasks = sa.Table(
         postgresql_where=sa.text("request_id != ''"),
     ),
 )
+
+# The runtime's audit log (services.common.audit): agents and what people did to them.
+audit_events = audit_table(metadata, "agent_audit_events")

@@ -7,6 +7,7 @@ from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from agentim.runtime.v1 import runtime_pb2_grpc
+from services.common.audit_proto import event_out, query_in
 from services.common.authn import current_caller
 from services.common.identity import Caller
 from services.runtime.entrypoints import mappers
@@ -184,3 +185,16 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
             clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
         )
         return pb.TerminateAgentResponse(agent=mappers.agent(agent))
+
+    async def ListAuditEvents(
+        self, request: pb.ListAuditEventsRequest, context: Context
+    ) -> pb.ListAuditEventsResponse:
+        records, token = await self._service.list_audit_events(
+            await self._caller(context),
+            query_in(request.query),
+            page_size=request.page_size,
+            page_token=request.page_token,
+        )
+        return pb.ListAuditEventsResponse(
+            audit_events=[event_out(r, service="runtime") for r in records], next_page_token=token
+        )

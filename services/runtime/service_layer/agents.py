@@ -9,10 +9,11 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from urllib.parse import urlsplit
 
 from uuid_utils.compat import uuid7
 
-from services.common import errors
+from services.common import audit, errors
 from services.common.identity import Caller
 from services.common.tokens import PrincipalKind
 from services.runtime.domain.access import Action, Verdict, Viewer, decide, may_set_endpoint
@@ -101,7 +102,9 @@ class AgentService:
         clock: Callable[[], datetime],
         endpoints: EndpointGuard | None = None,
         max_page_size: int = 200,
+        audit_log: audit.AuditLog | None = None,
     ) -> None:
+        self._audit_log = audit_log
         self._store = store
         self._endpoints = endpoints
         self._im = im
@@ -222,6 +225,8 @@ class AgentService:
             parent=parent,
             request_id=request_id,
             owner=viewer.member_id,
+            actor=audit.actor_of(principal),
+            action="CreateAgent",
         )
 
     async def create_clone(self, caller: Caller | None, source: Agent, draft: AgentDraft) -> Agent:
@@ -235,6 +240,9 @@ class AgentService:
             parent=parent,
             request_id="",
             owner=source.owner_id,
+            actor=audit.actor_of(caller),
+            action="ForkFromStep",
+            details={"forked_from": str(source.id)},
         )
 
     async def create_child(
@@ -254,6 +262,9 @@ class AgentService:
             parent=parent,
             request_id=request_id,
             owner=parent.owner_id,
+            # The parent agent's create_sub_agent tool.
+            actor=audit.Actor(audit.ActorKind.AGENT, member_id=parent.member_id),
+            action="CreateAgent",
         )
 
     async def _create(
@@ -265,6 +276,9 @@ class AgentService:
         parent: Agent | None,
         request_id: str,
         owner: uuid.UUID | None,
+        actor: audit.Actor,
+        action: str,
+        details: dict[str, str] | None = None,
     ) -> Agent:
         fingerprint = hashlib.sha256(
             json.dumps([str(workspace), repr(draft), str(parent.id if parent else "")]).encode()
@@ -274,7 +288,7 @@ class AgentService:
             if found is not None:
                 return await self._replayed(found, fingerprint, request_id)
         member = await self._im.create_agent_member(
-            workspace, draft.name, request_id=_member_request_id(request_id)
+            workspace, draft.name, request_id=_member_request_id(request_id), owner_id=owner
         )
         now = self._clock()
         agent = Agent(
@@ -294,9 +308,24 @@ class AgentService:
             session_id=uuid7(),
             owner_id=owner,
         )
+        record = audit.succeeded(
+            None,
+            actor=actor,
+            workspace_id=workspace,
+            action=action,
+            target=audit.Target("agent", str(agent.id)),
+            at=now,
+            request_id=request_id,
+            details={
+                "name": agent.name,
+                **({"parent_id": str(parent.id)} if parent else {}),
+                **(details or {}),
+                **_model_facts(agent.model),
+            },
+        )
         try:
             await self._store.add_agent(
-                agent, request=(caller, request_id, fingerprint) if request_id else None
+                agent, request=(caller, request_id, fingerprint) if request_id else None, audit=record
             )
         except DuplicateAgentRequest:
             found = await self._store.find_request(caller, request_id)
@@ -340,8 +369,17 @@ class AgentService:
         return runner.agent if runner is not None else agent
 
     async def update_agent(
-        self, principal: Caller | None, agent_id: str, draft: AgentDraft, fields: Sequence[str]
+        self,
+        principal: Caller | None,
+        agent_id: str,
+        draft: AgentDraft,
+        fields: Sequence[str],
+        *,
+        action: str = "UpdateAgent",
+        details: dict[str, str] | None = None,
     ) -> Agent:
+        """Changes the agent's settings named in `fields`; recorded in the audit
+        log as `action` (RestoreCheckpoint brings settings back through here)."""
         agent = await self.controlled(principal, agent_id)
         unknown = set(fields) - UPDATABLE
         if unknown or not fields:
@@ -373,7 +411,19 @@ class AgentService:
             auto_recall=merged.auto_recall,
             updated_at=self._clock(),
         )
-        await self._store.update_agent(updated)
+        changed = _changed_fields(agent, updated)
+        record = self.audit_record(
+            principal,
+            updated,
+            action,
+            details={
+                "fields": ",".join(sorted(set(fields))),
+                "changed": ",".join(changed),
+                **(_model_facts(updated.model) if "model" in changed else {}),
+                **(details or {}),
+            },
+        )
+        await self._store.update_agent(updated, audit=record)
         runner = self._supervisor.runner(agent.id)
         if runner is not None:
             runner.update(updated)
@@ -383,7 +433,65 @@ class AgentService:
     async def delete_agent(self, principal: Caller | None, agent_id: str) -> None:
         agent = await self.controlled(principal, agent_id)
         await self._supervisor.remove(agent.id)
-        await self._store.delete_agent(agent.id)
+        await self._store.delete_agent(agent.id, audit=self.audit_record(principal, agent, "DeleteAgent"))
+
+    async def tell_owners(self) -> int:
+        """Tells the IM who owns each agent this runtime hosts (for agents made
+        before the IM knew owners); idempotent. Returns how many the IM changed."""
+        owners = {a.member_id: a.owner_id for a in await self._store.all_agents() if a.owner_id is not None}
+        return await self._im.set_agent_owners(owners) if owners else 0
+
+    # -- the audit log ----------------------------------------------------------
+
+    async def recorded(
+        self,
+        principal: Caller | None,
+        agent: Agent,
+        action: str,
+        *,
+        target: audit.Target | None = None,
+        details: dict[str, str] | None = None,
+    ) -> None:
+        """Records an action applied outside the store's transactions (by the
+        agent's runner): right after it took effect."""
+        await self._store.record_audit(
+            self.audit_record(principal, agent, action, target=target, details=details)
+        )
+
+    def audit_record(
+        self,
+        principal: Caller | None,
+        agent: Agent,
+        action: str,
+        *,
+        target: audit.Target | None = None,
+        request_id: str = "",
+        details: dict[str, str] | None = None,
+    ) -> audit.AuditRecord:
+        """The record of an action on `agent`, for a store change that takes it."""
+        return audit.succeeded(
+            principal,
+            workspace_id=agent.workspace_id,
+            action=action,
+            target=target or audit.Target("agent", str(agent.id)),
+            at=self._clock(),
+            request_id=request_id,
+            details=details,
+        )
+
+    async def list_audit_events(
+        self, principal: Caller | None, query: audit.AuditQuery, *, page_size: int, page_token: str
+    ) -> tuple[list[audit.AuditRecord], str]:
+        """The runtime's audit records of the caller's workspace, newest first
+        (its owner and admins only)."""
+        viewer = await self._viewer(principal)
+        if viewer.roles is None or not audit.ADMIN_ROLES & viewer.roles:
+            raise NotAllowed("only the workspace's owner and admins read its audit log")
+        if self._audit_log is None:
+            return [], ""
+        return await audit.list_page(
+            self._audit_log, viewer.workspace_id, query, page_token=page_token, size=page_size
+        )
 
     async def wake_agent(self, principal: Caller | None, agent_id: str) -> Agent:
         agent = await self.controlled(principal, agent_id)
@@ -535,6 +643,21 @@ def _parse_id(value: str, field: str) -> uuid.UUID:
         return uuid.UUID(value)
     except ValueError:
         raise InvalidAgentRequest(f"{field} is not a valid id: {value[:64]!r}") from None
+
+
+def _model_facts(model: ModelSettings) -> dict[str, str]:
+    """What the audit log keeps of a model's settings: its name and endpoint's
+    host (never the rest of the URL, which may carry credentials)."""
+    facts = {"model": model.model} if model.model else {}
+    if model.base_url:
+        facts["base_url_host"] = urlsplit(model.base_url).hostname or ""
+    return facts
+
+
+def _changed_fields(before: Agent, after: Agent) -> list[str]:
+    """The settings that differ (by name, never by value: a prompt may be long or private)."""
+    names = ("name", "role", "system_prompt", "model", "tools", "token_budget", "auto_recall")
+    return [n for n in names if getattr(before, n) != getattr(after, n)]
 
 
 def _member_request_id(request_id: str) -> str:

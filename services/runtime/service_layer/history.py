@@ -40,7 +40,8 @@ from datetime import datetime
 
 from uuid_utils.compat import uuid7
 
-from services.common import errors
+from services.common import audit, errors
+from services.common.audit import AuditRecord
 from services.common.identity import Caller
 from services.runtime.domain.lifecycle import Next, resume_point
 from services.runtime.domain.llm import ChatMessage, Role
@@ -133,7 +134,14 @@ class HistoryService:
             raise InvalidHistoryRequest(
                 "content must not be empty (only a step with tool calls may have none)"
             )
-        if not await self._store.edit_step(step.id, content, at=self._clock()):
+        record = self._agents.audit_record(
+            principal,
+            agent,
+            "UpdateStep",
+            target=audit.Target("step", str(step.id)),
+            details={"sequence": str(sequence), "session_id": str(agent.session_id)},
+        )
+        if not await self._store.edit_step(step.id, content, at=self._clock(), audit=record):
             raise StepNotFound(f"step {sequence} of agent {agent.id} not found")
         self._rewritten(agent, agent.session_id, sequence - 1)
         return replace(step, message=replace(step.message, content=content))
@@ -155,7 +163,20 @@ class HistoryService:
         ids = {c.id for c in step.message.tool_calls}
         doomed |= {s.sequence for s in history if s.role is Role.TOOL and s.message.tool_call_id in ids}
         await self._store.archive_steps(
-            agent.session_id, reason="deleted", at=self._clock(), sequences=sorted(doomed)
+            agent.session_id,
+            reason="deleted",
+            at=self._clock(),
+            sequences=sorted(doomed),
+            audit=self._agents.audit_record(
+                principal,
+                agent,
+                "DeleteStep",
+                target=audit.Target("step", str(step.id)),
+                details={
+                    "sequences": ",".join(map(str, sorted(doomed))),
+                    "session_id": str(agent.session_id),
+                },
+            ),
         )
         self._rewritten(agent, agent.session_id, sequence - 1)
         return sorted(doomed)
@@ -189,6 +210,13 @@ class HistoryService:
             await self._store.append_step(step)
         except DuplicateStep:
             raise StepTaken(f"step {sequence} of agent {agent.id} was just written; try again") from None
+        await self._agents.recorded(
+            principal,
+            agent,
+            "AddNote",
+            target=audit.Target("step", str(step.id)),
+            details={"sequence": str(sequence), "role": role.value if role else ""},
+        )
         self._rewritten(agent, agent.session_id, sequence - 1)
         return step
 
@@ -209,7 +237,16 @@ class HistoryService:
             settings=agent,
             created_at=self._clock(),
         )
-        await self._store.add_checkpoint(checkpoint)
+        await self._store.add_checkpoint(
+            checkpoint,
+            audit=self._agents.audit_record(
+                principal,
+                agent,
+                "CreateCheckpoint",
+                target=audit.Target("checkpoint", str(checkpoint.id)),
+                details={"name": name, "sequence": str(checkpoint.sequence)},
+            ),
+        )
         return checkpoint
 
     async def list_checkpoints(
@@ -242,7 +279,14 @@ class HistoryService:
             auto_recall=saved.auto_recall,
         )
         # Through AgentService: checked again, the IM name follows, the runner gets them.
-        await self._agents.update_agent(principal, str(agent.id), draft, sorted(UPDATABLE))
+        await self._agents.update_agent(
+            principal,
+            str(agent.id),
+            draft,
+            sorted(UPDATABLE),
+            action="RestoreCheckpoint",
+            details={"checkpoint_id": str(checkpoint.id), "sequence": str(checkpoint.sequence)},
+        )
         await self._store.restore_checkpoint(checkpoint, at=self._clock())
         session = await self._session(agent, checkpoint.session_id)
         self._adopt(agent.id, session.id)
@@ -277,7 +321,13 @@ class HistoryService:
         )
         session = await self._session(agent, _parse_id(session_id, "session_id"))
         if session.id != agent.session_id:
-            await self._switch(agent, session)
+            await self._switch(
+                agent,
+                session,
+                audit=self._agents.audit_record(
+                    principal, agent, "SetMainSession", target=audit.Target("session", str(session.id))
+                ),
+            )
         return await self._agents.get_agent(principal, str(agent.id))
 
     # -- retry and fork ----------------------------------------------------------
@@ -303,7 +353,16 @@ class HistoryService:
                 else f"no step before {sequence} is left to continue from"
             )
         await self._store.archive_steps(
-            agent.session_id, reason="retried", at=self._clock(), after_sequence=sequence - 1
+            agent.session_id,
+            reason="retried",
+            at=self._clock(),
+            after_sequence=sequence - 1,
+            audit=self._agents.audit_record(
+                principal,
+                agent,
+                "RetryFromStep",
+                details={"sequence": str(sequence), "session_id": str(agent.session_id)},
+            ),
         )
         self._rewritten(agent, agent.session_id, sequence - 1)
         await self._continue(agent.id)
@@ -345,7 +404,16 @@ class HistoryService:
                 forked_from=agent.session_id,
                 forked_at_sequence=sequence,
             )
-            await self._store.fork_session(fork)
+            await self._store.fork_session(
+                fork,
+                audit=self._agents.audit_record(
+                    principal,
+                    agent,
+                    "ForkFromStep",
+                    target=audit.Target("session", str(fork.id)),
+                    details={"sequence": str(sequence), "forked_from": str(agent.session_id)},
+                ),
+            )
             await self._switch(agent, fork)
         if resume_point(copied) is not Next.NOTHING:
             await self._continue(owner.id)
@@ -395,9 +463,9 @@ class HistoryService:
             raise SessionNotFound(f"session {session_id} of agent {agent.id} not found")
         return session
 
-    async def _switch(self, agent: Agent, session: Session) -> None:
+    async def _switch(self, agent: Agent, session: Session, *, audit: AuditRecord | None = None) -> None:
         """Makes `session` the agent's main one, in the store and its runner."""
-        await self._store.set_main_session(agent.id, session.id)
+        await self._store.set_main_session(agent.id, session.id, audit=audit)
         self._adopt(agent.id, session.id)
         self._emit(agent.id, MainSessionChanged(session))
 

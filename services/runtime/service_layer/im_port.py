@@ -52,11 +52,18 @@ class IMEvent:
     """A message-created event (other events are not passed on).
 
     `member_ids` are the watched members in the message's group.
+    `sequence` is the event's number in its workspace, and
+    `previous_sequence` the number of the message event the watch delivered
+    before it (or the one it started after); -1 when the watch cannot vouch
+    that nothing came in between. A consumer whose last event is another has
+    missed some (see `Supervisor`).
     """
 
     cursor: str
     message: IMMessage
     member_ids: tuple[uuid.UUID, ...] = ()
+    sequence: int = 0
+    previous_sequence: int = 0
 
 
 class IMError(errors.ServiceError):
@@ -77,9 +84,20 @@ class IMPort(abc.ABC):
 
     @abc.abstractmethod
     async def create_agent_member(
-        self, workspace_id: uuid.UUID, display_name: str, *, avatar: str = "", request_id: str = ""
+        self,
+        workspace_id: uuid.UUID,
+        display_name: str,
+        *,
+        avatar: str = "",
+        request_id: str = "",
+        owner_id: uuid.UUID | None = None,
     ) -> IMMember:
-        """Registers an agent as an AGENT member of the workspace."""
+        """Registers an agent as an AGENT member of the workspace, owned by `owner_id`."""
+
+    @abc.abstractmethod
+    async def set_agent_owners(self, owners: dict[uuid.UUID, uuid.UUID]) -> int:
+        """Tells the IM who owns which of the agents this runtime hosts
+        (agent member id -> owner); returns how many the IM changed."""
 
     @abc.abstractmethod
     async def rename_member(self, member_id: uuid.UUID, display_name: str) -> IMMember: ...

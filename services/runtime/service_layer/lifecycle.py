@@ -21,6 +21,10 @@ class LifecycleService:
     """Checks each control against the agent's live state and applies it
     through its runner; every change is an event on the agent's stream.
 
+    The runner applies a control outside any transaction of the store, so its
+    audit record is written right after the control took effect (a crash in
+    between loses the record, never the other way round).
+
     Controls of one process are applied one at a time, so that two people
     pausing and terminating at once see a consistent order.
     """
@@ -45,6 +49,7 @@ class LifecycleService:
             runner = await self._runner(principal, agent_id)
             check_control(Control.START, runner.agent.state)
             await runner.start_again()
+            await self._agents.recorded(principal, runner.agent, "StartAgent")
             return runner.agent
 
     async def pause(self, principal: Caller | None, agent_id: str) -> Agent:
@@ -52,6 +57,7 @@ class LifecycleService:
             runner = await self._runner(principal, agent_id)
             check_control(Control.PAUSE, runner.agent.state)
             await runner.pause()
+            await self._agents.recorded(principal, runner.agent, "PauseAgent")
             return runner.agent
 
     async def resume(self, principal: Caller | None, agent_id: str) -> Agent:
@@ -59,6 +65,7 @@ class LifecycleService:
             runner = await self._runner(principal, agent_id)
             check_control(Control.RESUME, runner.agent.state)
             await runner.resume()
+            await self._agents.recorded(principal, runner.agent, "ResumeAgent")
             return runner.agent
 
     async def interrupt(self, principal: Caller | None, agent_id: str) -> Agent:
@@ -66,6 +73,7 @@ class LifecycleService:
             runner = await self._runner(principal, agent_id)
             check_control(Control.INTERRUPT, runner.agent.state)
             await runner.interrupt()
+            await self._agents.recorded(principal, runner.agent, "InterruptAgent")
             return runner.agent
 
     async def terminate(self, principal: Caller | None, agent_id: str, *, clear_queue: bool) -> Agent:
@@ -73,6 +81,13 @@ class LifecycleService:
             runner = await self._runner(principal, agent_id)
             check_control(Control.TERMINATE, runner.agent.state)
             await runner.terminate()
+            cleared = 0
             if clear_queue and self._clear_queue is not None:
-                await self._clear_queue(runner.agent.id)
+                cleared = await self._clear_queue(runner.agent.id)
+            await self._agents.recorded(
+                principal,
+                runner.agent,
+                "TerminateAgent",
+                details={"clear_queue": str(clear_queue).lower(), "tasks_cancelled": str(cleared)},
+            )
             return runner.agent

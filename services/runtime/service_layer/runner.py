@@ -115,6 +115,7 @@ from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMError, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.memory_port import MemoryPort, RecallQuery
+from services.runtime.service_layer.read_positions import ReadPositions
 from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.tools import (
     SubAgentFactory,
@@ -275,6 +276,9 @@ class RunnerEnv:
     # Long-term memory: recall from it, and who to tell that a run ended.
     memory: MemoryPort | None = None
     run_ended: Callable[[], None] = lambda: None
+    # Where the IM's read positions of the agents are moved (in batches);
+    # None moves each at once (tests that count the calls).
+    read_positions: ReadPositions | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +304,11 @@ class AgentRunner:
         self._session_id = agent.session_id
         # Read positions to move in the IM once the messages read are stored as steps.
         self._pending_reads: dict[uuid.UUID, uuid.UUID] = {}
+        # The messages the IM's events brought that are not input yet (by id),
+        # and whether to ask the IM for the unread ones all the same (what
+        # the events may not have brought: at the start, after a gap).
+        self._inbox: dict[uuid.UUID, IMMessage] = {}
+        self._catch_up = False
         # How far each group's messages have been taken as input (group -> message
         # id), as stored with the steps they became; loaded when first needed.
         # The IM's own read positions follow, and may lag (or be lost to a crash).
@@ -346,12 +355,35 @@ class AgentRunner:
                 self._continue = True
                 look = True
             if look:
-                self.wake()
+                self.catch_up()
+
+    def deliver(self, message: IMMessage) -> None:
+        """A message of one of the agent's chats, as the IM's event brought it:
+        the runner takes it from here, without asking the IM again."""
+        if message.sender_id == self.agent.member_id:
+            return
+        if self._marks is not None and message.id <= self._marks.get(message.group_id, _NO_MESSAGE):
+            return  # input already (an event that came again)
+        if message.id not in self._inbox and len(self._inbox) >= self._env.settings.unread_batch:
+            # More waits than a run takes in: the IM keeps them all, ask it.
+            self._inbox.clear()
+            self._catch_up = True
+        else:
+            self._inbox[message.id] = message
+        self.wake()
+
+    def catch_up(self) -> None:
+        """Makes the runner ask the IM for its unread messages: the events
+        may not have brought them all (at the start, after a gap)."""
+        self._catch_up = True
+        self.wake()
 
     def wake(self, *, retry: bool = False) -> None:
         """Makes the runner look for work; `retry` also retries a failed run
         (an agent in ERROR), which new messages alone do too."""
         self._retry = self._retry or retry
+        # A person's wake looks at everything the IM holds for the agent.
+        self._catch_up = self._catch_up or retry
         self.idle.clear()
         self._wake.set()
 
@@ -709,13 +741,14 @@ class AgentRunner:
         member = self.agent.member_id
         if self._marks is None:
             self._marks = await self._env.store.read_marks(self.agent.id)
-        # Bounded: after a restart every agent looks at once, and the IM must not drown.
-        async with self._env.reads:
-            unread = await self._env.im.get_all_unread(member, limit=self._env.settings.unread_batch)
+        if self._catch_up:
+            await self._catch_up_with_the_im()
+        marks = self._marks
+        for message_id in [i for i, m in self._inbox.items() if i <= marks.get(m.group_id, _NO_MESSAGE)]:
+            del self._inbox[message_id]
+        unread = sorted(self._inbox.values(), key=lambda m: m.id)
         if not unread:
             return _Taken()
-        if len(unread) >= self._env.settings.unread_batch:
-            self.wake()  # a full page: there may be more after it
         latest: dict[uuid.UUID, uuid.UUID] = {}
         relevant: list[IMMessage] = []
         for message in unread:
@@ -736,6 +769,26 @@ class AgentRunner:
                 self.wake()
         self._pending_reads.update(latest)
         return _Taken(relevant, latest)
+
+    async def _catch_up_with_the_im(self) -> None:
+        """Adds the IM's unread messages to those the events brought."""
+        self._catch_up = False
+        if self._env.read_positions is not None:
+            # The IM's page starts after its read positions: move them first.
+            await self._env.read_positions.flush(self.agent.member_id)
+        # Bounded: after a restart every agent looks at once, and the IM must not drown.
+        try:
+            async with self._env.reads:
+                unread = await self._env.im.get_all_unread(
+                    self.agent.member_id, limit=self._env.settings.unread_batch
+                )
+        except BaseException:
+            self._catch_up = True  # still to do
+            raise
+        if len(unread) >= self._env.settings.unread_batch:
+            self.catch_up()  # a full page: there may be more after it
+        for message in unread:
+            self._inbox.setdefault(message.id, message)
 
     async def _calls_for_answer(self, message: IMMessage) -> bool:
         if message.content_type == "system":
@@ -765,9 +818,16 @@ class AgentRunner:
         for group_id, message_id in marks.items():
             if message_id > self._marks.get(group_id, _NO_MESSAGE):
                 self._marks[group_id] = message_id
+        for message_id in [
+            i for i, m in self._inbox.items() if i <= self._marks.get(m.group_id, _NO_MESSAGE)
+        ]:
+            del self._inbox[message_id]
 
     async def _mark_read(self) -> None:
         pending, self._pending_reads = self._pending_reads, {}
+        if self._env.read_positions is not None:
+            self._env.read_positions.move(self.agent.member_id, pending.items())
+            return
         outcomes = await asyncio.gather(
             *[self._env.im.mark_read(self.agent.member_id, group, up_to) for group, up_to in pending.items()],
             return_exceptions=True,

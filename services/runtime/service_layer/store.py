@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from services.common.audit import AuditRecord
 from services.runtime.domain.model import Agent, AgentState, Checkpoint, Run, Session, Step, Task, TaskStatus
 
 
@@ -39,8 +40,17 @@ class AgentStore(abc.ABC):
     # Agents
 
     @abc.abstractmethod
-    async def add_agent(self, agent: Agent, *, request: tuple[uuid.UUID, str, str] | None = None) -> None:
+    async def add_agent(
+        self,
+        agent: Agent,
+        *,
+        request: tuple[uuid.UUID, str, str] | None = None,
+        audit: AuditRecord | None = None,
+    ) -> None:
         """Stores a new agent; with `request` = (scope, request_id, fingerprint) records the request too.
+
+        Every change below that takes `audit` stores that audit record in the
+        same transaction, and only if the change was made.
 
         Raises:
             DuplicateAgentRequest: that (scope, request_id) was recorded first.
@@ -65,7 +75,7 @@ class AgentStore(abc.ABC):
         """Every agent that was not deleted (to start their runners)."""
 
     @abc.abstractmethod
-    async def update_agent(self, agent: Agent) -> None:
+    async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
         """Replaces the stored agent's settings, state, error and token count."""
 
     @abc.abstractmethod
@@ -74,7 +84,7 @@ class AgentStore(abc.ABC):
         tokens used (never its settings, which may change meanwhile)."""
 
     @abc.abstractmethod
-    async def delete_agent(self, agent_id: uuid.UUID) -> None:
+    async def delete_agent(self, agent_id: uuid.UUID, *, audit: AuditRecord | None = None) -> None:
         """Marks the agent deleted; its runs and steps stay."""
 
     # Runs
@@ -162,11 +172,13 @@ class AgentStore(abc.ABC):
         """An agent's sessions, oldest first, each with its number of steps."""
 
     @abc.abstractmethod
-    async def set_main_session(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
+    async def set_main_session(
+        self, agent_id: uuid.UUID, session_id: uuid.UUID, *, audit: AuditRecord | None = None
+    ) -> None:
         """Makes the session the agent's main one (`Agent.session_id`)."""
 
     @abc.abstractmethod
-    async def fork_session(self, session: Session) -> int:
+    async def fork_session(self, session: Session, *, audit: AuditRecord | None = None) -> int:
         """Stores `session` (or, stored already and empty, marks it forked)
         with copies of the steps of `session.forked_from` up to
         `session.forked_at_sequence`, together; returns how many were copied.
@@ -176,7 +188,9 @@ class AgentStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def edit_step(self, step_id: uuid.UUID, content: str, *, at: datetime) -> bool:
+    async def edit_step(
+        self, step_id: uuid.UUID, content: str, *, at: datetime, audit: AuditRecord | None = None
+    ) -> bool:
         """Archives the step as it is (reason "edited") and replaces its
         content, together; False if there is no such step."""
 
@@ -189,6 +203,7 @@ class AgentStore(abc.ABC):
         at: datetime,
         sequences: Sequence[int] = (),
         after_sequence: int | None = None,
+        audit: AuditRecord | None = None,
     ) -> int:
         """Moves steps of a session to the archive (with `reason`) together:
         those numbered `sequences`, and every one after `after_sequence` if
@@ -199,7 +214,7 @@ class AgentStore(abc.ABC):
         """A session's archived steps with why they were archived, in the order archived."""
 
     @abc.abstractmethod
-    async def add_checkpoint(self, checkpoint: Checkpoint) -> None:
+    async def add_checkpoint(self, checkpoint: Checkpoint, *, audit: AuditRecord | None = None) -> None:
         """Stores a checkpoint with its agent's settings (name, role, system
         prompt, model, tools, token budget)."""
 
@@ -224,7 +239,7 @@ class AgentStore(abc.ABC):
     # -- Tasks (TaskService) --
 
     @abc.abstractmethod
-    async def add_task(self, task: Task) -> Task:
+    async def add_task(self, task: Task, *, audit: AuditRecord | None = None) -> Task:
         """Stores a new task, unless its agent has one with the same non-empty
         request_id: returns the stored task, `task` or the one recorded first
         (also when concurrent calls race)."""
@@ -290,6 +305,13 @@ class AgentStore(abc.ABC):
     async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
         """(tasks QUEUED or FAILED, tasks RUNNING, the mean of started_at -
         created_at in milliseconds over the tasks that started, 0 if none)."""
+
+    # The audit log
+
+    @abc.abstractmethod
+    async def record_audit(self, record: AuditRecord) -> None:
+        """Stores an audit record on its own: for changes the agent's runner
+        applies (controls), which have no transaction of the store's."""
 
     # IM watch cursors
 

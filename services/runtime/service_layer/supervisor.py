@@ -28,6 +28,13 @@ class Supervisor:
     resumes from there: the IM replays what came since and wakes just the
     agents it concerns, instead of every agent asking for its unread messages.
 
+    Each message reaches its agents' runners with the event (one push per
+    wake): they ask the IM for their unread messages only to catch up, when
+    nothing tells what they missed: at their start, when the first watch of
+    a workspace starts at the live end, and when the events' sequence
+    numbers show a gap (an event lost on the way). An event that comes
+    again, or late, is not passed on twice.
+
     Args:
         cursor_save_delay: seconds of events gathered into one cursor write.
     """
@@ -38,6 +45,8 @@ class Supervisor:
         self._by_member: dict[uuid.UUID, AgentRunner] = {}
         self._watches: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._cursors: dict[uuid.UUID, str] = {}
+        # The sequence number of the last message event routed, per workspace.
+        self._sequences: dict[uuid.UUID, int] = {}
         self._save_delay = cursor_save_delay
         self._savers: dict[uuid.UUID, asyncio.Task[None]] = {}
 
@@ -117,17 +126,24 @@ class Supervisor:
             if workspace_id not in self._cursors:
                 self._cursors[workspace_id] = start
                 self._save_cursor_soon(workspace_id)
+            if workspace_id not in self._sequences and start.isascii() and start.isdigit():
+                self._sequences[workspace_id] = int(start)
             if cursor:
                 return
-            for runner in self._runners.values():
-                if runner.agent.workspace_id == workspace_id:
-                    runner.wake()
+            self._catch_up(workspace_id)
 
         try:
             stream = self._env.im.watch(
                 workspace_id, member_ids=members, after_cursor=cursor, on_subscribed=subscribed
             )
             async for event in stream:
+                last = self._sequences.get(workspace_id)
+                if last is not None and event.sequence <= last:
+                    continue  # passed on already (or caught up with, when it came late)
+                if last is None or event.previous_sequence != last:
+                    # Events went missing in between: ask the IM what they were.
+                    self._catch_up(workspace_id)
+                self._sequences[workspace_id] = event.sequence
                 self._cursors[workspace_id] = event.cursor
                 self._route(event)
                 self._save_cursor_soon(workspace_id)
@@ -135,6 +151,11 @@ class Supervisor:
             raise
         except Exception:
             logger.exception("the IM watch of workspace %s failed", workspace_id)
+
+    def _catch_up(self, workspace_id: uuid.UUID) -> None:
+        for runner in self._runners.values():
+            if runner.agent.workspace_id == workspace_id:
+                runner.catch_up()
 
     def _route(self, event: IMEvent) -> None:
         message = event.message
@@ -144,7 +165,7 @@ class Supervisor:
             runner = self._by_member.get(member_id)
             if runner is not None and member_id != message.sender_id:
                 runner.on_message(message, from_person=from_person)
-                runner.wake()
+                runner.deliver(message)
 
     def _save_cursor_soon(self, workspace_id: uuid.UUID) -> None:
         saver = self._savers.get(workspace_id)

@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 
 from uuid_utils.compat import uuid7
 
-from services.common import errors
+from services.common import audit, errors
 from services.common.identity import Caller
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
@@ -206,8 +206,16 @@ class TaskService(TaskQueue):
             priority=priority,
             request_id=request_id,
         )
+        record = self._agents.audit_record(
+            principal,
+            agent,
+            "SubmitTask",
+            target=audit.Target("task", str(task.id)),
+            request_id=request_id,
+            details={"agent_id": str(agent.id), "priority": str(priority)},
+        )
         try:
-            stored = await self._store.add_task(task)
+            stored = await self._store.add_task(task, audit=record)
         except errors.Unavailable:
             # The write may have committed all the same (only its answer was
             # lost): the caller's retry then finds the task, which the runner
@@ -256,9 +264,12 @@ class TaskService(TaskQueue):
                 ended = replace(task, status=TaskStatus.CANCELLED, ended_at=self._clock(), retry_at=None)
                 if await self._store.update_task(ended, expected=WAITING):
                     self._publish(ended)
+                    await self._cancelled_by(principal, task)
                     return Placed(ended)
             elif task.status is TaskStatus.RUNNING:
-                return Placed(await self._cancel_running(task))
+                placed = Placed(await self._cancel_running(task))
+                await self._cancelled_by(principal, task)
+                return placed
             else:
                 raise TaskAlreadyEnded(
                     f"task {task.id} is {task.status.value}:"
@@ -266,6 +277,17 @@ class TaskService(TaskQueue):
                 )
             # Its status changed meanwhile (the runner started it): look again.
             task = await self._reread(task)
+
+    async def _cancelled_by(self, principal: Caller | None, task: Task) -> None:
+        agent = await self._store.get_agent(task.agent_id)
+        if agent is not None:
+            await self._agents.recorded(
+                principal,
+                agent,
+                "CancelTask",
+                target=audit.Target("task", str(task.id)),
+                details={"agent_id": str(agent.id), "was": task.status.value},
+            )
 
     async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
         agent = await self._agents.controlled(principal, agent_id)

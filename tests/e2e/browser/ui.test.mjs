@@ -516,7 +516,7 @@ try {
     await bob.locator(testid("signed-in-as")).filter({ hasText: "Signed in as Bob (member)" }).waitFor();
     await bob.locator(testid("no-chat")).waitFor();
     if (bob.url().includes("invite=")) throw new Error(`the spent invite stays in the address: ${bob.url()}`);
-    // Bob sees the IM as himself or as an agent (agents have no owner yet: any agent); never as Ada.
+    // Bob sees the IM as himself or as an agent of his own (he has none yet); never as Ada.
     const views = await bob.locator(`${testid("perspective-select")} option`).allTextContents();
     if (views[0] !== "Bob" || views.includes("Ada")) throw new Error(`Bob may view as ${views}`);
     // A member invites nobody.
@@ -968,6 +968,49 @@ try {
     await messageFrom(page, "slowpoke", "considered answer").waitFor();
     await stateIs("idle");
     await page.locator(`${testid("chat-subtitle")}[data-agent-state="idle"]`).waitFor();
+  });
+
+  await step("the owner reads the audit log: the IM's records and the agents', merged newest first; refusals", async () => {
+    await page.setViewportSize(DESKTOP);
+    await page.locator(testid("account-button")).click();
+    const account = page.locator(testid("account-dialog"));
+    await account.locator(testid("audit-open")).click();
+    const log = page.locator(testid("audit-log"));
+    const item = (action) => log.locator(`${testid("audit-item")}[data-action="${action}"]`);
+    await item("RetryFromStep").first().waitFor();
+    // Bob joined, made and revoked a token and signed out (the IM's log), further back: load more, to the start.
+    const more = log.locator(testid("audit-more"));
+    for (let i = 0; i < 30 && !(await more.isHidden()); i += 1) {
+      const shown = await log.locator(testid("audit-item")).count();
+      await more.click();
+      await page.waitForFunction(([selector, before]) => document.querySelectorAll(selector).length > before || document.querySelector('[data-testid="audit-more"]').hidden, [testid("audit-item"), shown]);
+    }
+    for (const action of ["AcceptInvite", "CreatePersonalToken", "RevokePersonalToken", "SignOut", "PauseAgent", "UpdateStep"]) await item(action).first().waitFor();
+    await log.locator(`${testid("audit-item")}[data-action="CreateAgent"][data-service="runtime"]`).first().waitFor();
+    const shown = await log.locator(testid("audit-item")).evaluateAll((items) => items.map((i) => [i.dataset.action, i.dataset.time]));
+    const actions = shown.map(([action]) => action);
+    const times = shown.map(([, time]) => Date.parse(time));
+    const ordered = times.every((t, i) => i === 0 || t <= times[i - 1]);
+    if (!ordered || actions.at(-1) !== "CreateWorkspace" || actions.indexOf("SignOut") > actions.indexOf("AcceptInvite")) {
+      throw new Error(`the audit log is not newest first: ${shown.map((s) => s.join(" ")).join(", ")}`);
+    }
+    const who = await item("RevokePersonalToken").first().locator(".audit-who").textContent();
+    if (!who.startsWith("Bob")) throw new Error(`the token was revoked by ${who}`);
+    await shot(page, "23-audit-log");
+    // Only what was refused: the retry of a terminated agent, with why.
+    await log.locator(testid("audit-outcome")).selectOption("AUDIT_OUTCOME_FILTER_REFUSED");
+    const refused = log.locator(`${testid("audit-item")}[data-action="RetryFromStep"][data-outcome="FAILED_PRECONDITION"]`);
+    await refused.first().waitFor();
+    await refused.first().locator(".audit-reason").filter({ hasText: "TERMINATED" }).waitFor();
+    const outcomes = await log.locator(testid("audit-item")).evaluateAll((items) => items.map((i) => i.dataset.outcome));
+    if (outcomes.includes("OK")) throw new Error(`the refused filter shows successes: ${outcomes}`);
+    await shot(page, "23a-audit-log-refused");
+    await page.setViewportSize(PHONE);
+    await shot(page, "23b-audit-log-phone");
+    await page.setViewportSize(DESKTOP);
+    for (let i = 0; i < 3 && (await page.locator(testid("audit")).count()); i += 1) await page.keyboard.press("Escape");
+    for (let i = 0; i < 3 && (await account.count()); i += 1) await page.keyboard.press("Escape");
+    await account.waitFor({ state: "detached" });
   });
 
   await step("no script error and no refused content in either tab", async () => {

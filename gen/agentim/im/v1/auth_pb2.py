@@ -22,12 +22,13 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from agentim.audit.v1 import audit_pb2 as agentim_dot_audit_dot_v1_dot_audit__pb2
 from agentim.im.v1 import im_pb2 as agentim_dot_im_dot_v1_dot_im__pb2
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gentim/im/v1/auth.proto\x12\ragentim.im.v1\x1a\x16\x61gentim/im/v1/im.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"X\n\nSigningKey\x12\x0b\n\x03kid\x18\x01 \x01(\t\x12\x0b\n\x03kty\x18\x02 \x01(\t\x12\x0b\n\x03\x63rv\x18\x03 \x01(\t\x12\t\n\x01x\x18\x04 \x01(\t\x12\x0b\n\x03\x61lg\x18\x05 \x01(\t\x12\x0b\n\x03use\x18\x06 \x01(\t\"\x17\n\x15GetSigningKeysRequest\"A\n\x16GetSigningKeysResponse\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.agentim.im.v1.SigningKey\"F\n\rSignInRequest\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\x12\r\n\x05login\x18\x02 \x01(\t\x12\x10\n\x08password\x18\x03 \x01(\t\"7\n\x0eSignInResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"-\n\x14RefreshTokensRequest\x12\x15\n\rrefresh_token\x18\x01 \x01(\t\">\n\x15RefreshTokensResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"\'\n\x0eSignOutRequest\x12\x15\n\rrefresh_token\x18\x01 \x01(\t\"\x11\n\x0fSignOutResponse\"C\n\x15\x43hangePasswordRequest\x12\x14\n\x0cold_password\x18\x01 \x01(\t\x12\x14\n\x0cnew_password\x18\x02 \x01(\t\"?\n\x16\x43hangePasswordResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"\xc9\x01\n\x06Invite\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0cworkspace_id\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.agentim.im.v1.MemberRole\x12\x12\n\ncreator_id\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"z\n\x13\x43reateInviteRequest\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.agentim.im.v1.MemberRole\x12&\n\x03ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"M\n\x14\x43reateInviteResponse\x12%\n\x06invite\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Invite\x12\x0e\n\x06secret\x18\x02 \x01(\t\"p\n\x13\x41\x63\x63\x65ptInviteRequest\x12\x0e\n\x06invite\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\r\n\x05login\x18\x03 \x01(\t\x12\x10\n\x08password\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"=\n\x14\x41\x63\x63\x65ptInviteResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"R\n\x14SetMemberRoleRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.agentim.im.v1.MemberRole\">\n\x15SetMemberRoleResponse\x12%\n\x06member\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Member\"\xa1\x02\n\rPersonalToken\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x30\n\x05scope\x18\x03 \x01(\x0e\x32!.agentim.im.v1.PersonalTokenScope\x12/\n\x0b\x63reate_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rlast_use_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0brevoke_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa1\x01\n\x1a\x43reatePersonalTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\x05scope\x18\x02 \x01(\x0e\x32!.agentim.im.v1.PersonalTokenScope\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"c\n\x1b\x43reatePersonalTokenResponse\x12\x34\n\x0epersonal_token\x18\x01 \x01(\x0b\x32\x1c.agentim.im.v1.PersonalToken\x12\x0e\n\x06secret\x18\x02 \x01(\t\"B\n\x19ListPersonalTokensRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"l\n\x1aListPersonalTokensResponse\x12\x35\n\x0fpersonal_tokens\x18\x01 \x03(\x0b\x32\x1c.agentim.im.v1.PersonalToken\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"7\n\x1aRevokePersonalTokenRequest\x12\x19\n\x11personal_token_id\x18\x01 \x01(\t\"S\n\x1bRevokePersonalTokenResponse\x12\x34\n\x0epersonal_token\x18\x01 \x01(\x0b\x32\x1c.agentim.im.v1.PersonalToken\".\n\x1c\x45xchangePersonalTokenRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"\x94\x01\n\x1d\x45xchangePersonalTokenResponse\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x01 \x01(\t\x12\x36\n\x12\x61\x63\x63\x65ss_expire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x06member\x18\x03 \x01(\x0b\x32\x15.agentim.im.v1.Member\";\n\x18IssueServiceTokenRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"i\n\x19IssueServiceTokenResponse\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x01 \x01(\t\x12\x36\n\x12\x61\x63\x63\x65ss_expire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"3\n\x17IssueAgentTokensRequest\x12\x18\n\x10\x61gent_member_ids\x18\x01 \x03(\t\"m\n\nAgentToken\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x02 \x01(\t\x12\x36\n\x12\x61\x63\x63\x65ss_expire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"K\n\x18IssueAgentTokensResponse\x12/\n\x0c\x61gent_tokens\x18\x01 \x03(\x0b\x32\x19.agentim.im.v1.AgentToken*y\n\x12PersonalTokenScope\x12$\n PERSONAL_TOKEN_SCOPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19PERSONAL_TOKEN_SCOPE_READ\x10\x01\x12\x1e\n\x1aPERSONAL_TOKEN_SCOPE_WRITE\x10\x02\x32\xce\n\n\x0b\x41uthService\x12]\n\x0eGetSigningKeys\x12$.agentim.im.v1.GetSigningKeysRequest\x1a%.agentim.im.v1.GetSigningKeysResponse\x12\x45\n\x06SignIn\x12\x1c.agentim.im.v1.SignInRequest\x1a\x1d.agentim.im.v1.SignInResponse\x12Z\n\rRefreshTokens\x12#.agentim.im.v1.RefreshTokensRequest\x1a$.agentim.im.v1.RefreshTokensResponse\x12H\n\x07SignOut\x12\x1d.agentim.im.v1.SignOutRequest\x1a\x1e.agentim.im.v1.SignOutResponse\x12]\n\x0e\x43hangePassword\x12$.agentim.im.v1.ChangePasswordRequest\x1a%.agentim.im.v1.ChangePasswordResponse\x12W\n\x0c\x43reateInvite\x12\".agentim.im.v1.CreateInviteRequest\x1a#.agentim.im.v1.CreateInviteResponse\x12W\n\x0c\x41\x63\x63\x65ptInvite\x12\".agentim.im.v1.AcceptInviteRequest\x1a#.agentim.im.v1.AcceptInviteResponse\x12Z\n\rSetMemberRole\x12#.agentim.im.v1.SetMemberRoleRequest\x1a$.agentim.im.v1.SetMemberRoleResponse\x12l\n\x13\x43reatePersonalToken\x12).agentim.im.v1.CreatePersonalTokenRequest\x1a*.agentim.im.v1.CreatePersonalTokenResponse\x12i\n\x12ListPersonalTokens\x12(.agentim.im.v1.ListPersonalTokensRequest\x1a).agentim.im.v1.ListPersonalTokensResponse\x12l\n\x13RevokePersonalToken\x12).agentim.im.v1.RevokePersonalTokenRequest\x1a*.agentim.im.v1.RevokePersonalTokenResponse\x12r\n\x15\x45xchangePersonalToken\x12+.agentim.im.v1.ExchangePersonalTokenRequest\x1a,.agentim.im.v1.ExchangePersonalTokenResponse\x12\x66\n\x11IssueServiceToken\x12\'.agentim.im.v1.IssueServiceTokenRequest\x1a(.agentim.im.v1.IssueServiceTokenResponse\x12\x63\n\x10IssueAgentTokens\x12&.agentim.im.v1.IssueAgentTokensRequest\x1a\'.agentim.im.v1.IssueAgentTokensResponseB)\n\x11\x64\x65v.agentim.im.v1P\x01Z\x12\x61gentim/im/v1;imv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x61gentim/im/v1/auth.proto\x12\ragentim.im.v1\x1a\x1c\x61gentim/audit/v1/audit.proto\x1a\x16\x61gentim/im/v1/im.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"X\n\nSigningKey\x12\x0b\n\x03kid\x18\x01 \x01(\t\x12\x0b\n\x03kty\x18\x02 \x01(\t\x12\x0b\n\x03\x63rv\x18\x03 \x01(\t\x12\t\n\x01x\x18\x04 \x01(\t\x12\x0b\n\x03\x61lg\x18\x05 \x01(\t\x12\x0b\n\x03use\x18\x06 \x01(\t\"\x17\n\x15GetSigningKeysRequest\"A\n\x16GetSigningKeysResponse\x12\'\n\x04keys\x18\x01 \x03(\x0b\x32\x19.agentim.im.v1.SigningKey\"F\n\rSignInRequest\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\x12\r\n\x05login\x18\x02 \x01(\t\x12\x10\n\x08password\x18\x03 \x01(\t\"7\n\x0eSignInResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"-\n\x14RefreshTokensRequest\x12\x15\n\rrefresh_token\x18\x01 \x01(\t\">\n\x15RefreshTokensResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"\'\n\x0eSignOutRequest\x12\x15\n\rrefresh_token\x18\x01 \x01(\t\"\x11\n\x0fSignOutResponse\"C\n\x15\x43hangePasswordRequest\x12\x14\n\x0cold_password\x18\x01 \x01(\t\x12\x14\n\x0cnew_password\x18\x02 \x01(\t\"?\n\x16\x43hangePasswordResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"\xc9\x01\n\x06Invite\x12\n\n\x02id\x18\x01 \x01(\t\x12\x14\n\x0cworkspace_id\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.agentim.im.v1.MemberRole\x12\x12\n\ncreator_id\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"z\n\x13\x43reateInviteRequest\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.agentim.im.v1.MemberRole\x12&\n\x03ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"M\n\x14\x43reateInviteResponse\x12%\n\x06invite\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Invite\x12\x0e\n\x06secret\x18\x02 \x01(\t\"p\n\x13\x41\x63\x63\x65ptInviteRequest\x12\x0e\n\x06invite\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\r\n\x05login\x18\x03 \x01(\t\x12\x10\n\x08password\x18\x04 \x01(\t\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"=\n\x14\x41\x63\x63\x65ptInviteResponse\x12%\n\x06tokens\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Tokens\"R\n\x14SetMemberRoleRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.agentim.im.v1.MemberRole\">\n\x15SetMemberRoleResponse\x12%\n\x06member\x18\x01 \x01(\x0b\x32\x15.agentim.im.v1.Member\"\xa1\x02\n\rPersonalToken\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x30\n\x05scope\x18\x03 \x01(\x0e\x32!.agentim.im.v1.PersonalTokenScope\x12/\n\x0b\x63reate_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x65xpire_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rlast_use_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0brevoke_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xa1\x01\n\x1a\x43reatePersonalTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\x05scope\x18\x02 \x01(\x0e\x32!.agentim.im.v1.PersonalTokenScope\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"c\n\x1b\x43reatePersonalTokenResponse\x12\x34\n\x0epersonal_token\x18\x01 \x01(\x0b\x32\x1c.agentim.im.v1.PersonalToken\x12\x0e\n\x06secret\x18\x02 \x01(\t\"B\n\x19ListPersonalTokensRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"l\n\x1aListPersonalTokensResponse\x12\x35\n\x0fpersonal_tokens\x18\x01 \x03(\x0b\x32\x1c.agentim.im.v1.PersonalToken\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"7\n\x1aRevokePersonalTokenRequest\x12\x19\n\x11personal_token_id\x18\x01 \x01(\t\"S\n\x1bRevokePersonalTokenResponse\x12\x34\n\x0epersonal_token\x18\x01 \x01(\x0b\x32\x1c.agentim.im.v1.PersonalToken\".\n\x1c\x45xchangePersonalTokenRequest\x12\x0e\n\x06secret\x18\x01 \x01(\t\"\x94\x01\n\x1d\x45xchangePersonalTokenResponse\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x01 \x01(\t\x12\x36\n\x12\x61\x63\x63\x65ss_expire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12%\n\x06member\x18\x03 \x01(\x0b\x32\x15.agentim.im.v1.Member\";\n\x18IssueServiceTokenRequest\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"i\n\x19IssueServiceTokenResponse\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x01 \x01(\t\x12\x36\n\x12\x61\x63\x63\x65ss_expire_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"3\n\x17IssueAgentTokensRequest\x12\x18\n\x10\x61gent_member_ids\x18\x01 \x03(\t\"m\n\nAgentToken\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61\x63\x63\x65ss_token\x18\x02 \x01(\t\x12\x36\n\x12\x61\x63\x63\x65ss_expire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"K\n\x18IssueAgentTokensResponse\x12/\n\x0c\x61gent_tokens\x18\x01 \x03(\x0b\x32\x19.agentim.im.v1.AgentToken\"l\n\x16ListAuditEventsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12+\n\x05query\x18\x03 \x01(\x0b\x32\x1c.agentim.audit.v1.AuditQuery\"f\n\x17ListAuditEventsResponse\x12\x32\n\x0c\x61udit_events\x18\x01 \x03(\x0b\x32\x1c.agentim.audit.v1.AuditEvent\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t*y\n\x12PersonalTokenScope\x12$\n PERSONAL_TOKEN_SCOPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19PERSONAL_TOKEN_SCOPE_READ\x10\x01\x12\x1e\n\x1aPERSONAL_TOKEN_SCOPE_WRITE\x10\x02\x32\xb0\x0b\n\x0b\x41uthService\x12]\n\x0eGetSigningKeys\x12$.agentim.im.v1.GetSigningKeysRequest\x1a%.agentim.im.v1.GetSigningKeysResponse\x12\x45\n\x06SignIn\x12\x1c.agentim.im.v1.SignInRequest\x1a\x1d.agentim.im.v1.SignInResponse\x12Z\n\rRefreshTokens\x12#.agentim.im.v1.RefreshTokensRequest\x1a$.agentim.im.v1.RefreshTokensResponse\x12H\n\x07SignOut\x12\x1d.agentim.im.v1.SignOutRequest\x1a\x1e.agentim.im.v1.SignOutResponse\x12]\n\x0e\x43hangePassword\x12$.agentim.im.v1.ChangePasswordRequest\x1a%.agentim.im.v1.ChangePasswordResponse\x12W\n\x0c\x43reateInvite\x12\".agentim.im.v1.CreateInviteRequest\x1a#.agentim.im.v1.CreateInviteResponse\x12W\n\x0c\x41\x63\x63\x65ptInvite\x12\".agentim.im.v1.AcceptInviteRequest\x1a#.agentim.im.v1.AcceptInviteResponse\x12Z\n\rSetMemberRole\x12#.agentim.im.v1.SetMemberRoleRequest\x1a$.agentim.im.v1.SetMemberRoleResponse\x12l\n\x13\x43reatePersonalToken\x12).agentim.im.v1.CreatePersonalTokenRequest\x1a*.agentim.im.v1.CreatePersonalTokenResponse\x12i\n\x12ListPersonalTokens\x12(.agentim.im.v1.ListPersonalTokensRequest\x1a).agentim.im.v1.ListPersonalTokensResponse\x12l\n\x13RevokePersonalToken\x12).agentim.im.v1.RevokePersonalTokenRequest\x1a*.agentim.im.v1.RevokePersonalTokenResponse\x12r\n\x15\x45xchangePersonalToken\x12+.agentim.im.v1.ExchangePersonalTokenRequest\x1a,.agentim.im.v1.ExchangePersonalTokenResponse\x12\x66\n\x11IssueServiceToken\x12\'.agentim.im.v1.IssueServiceTokenRequest\x1a(.agentim.im.v1.IssueServiceTokenResponse\x12\x63\n\x10IssueAgentTokens\x12&.agentim.im.v1.IssueAgentTokensRequest\x1a\'.agentim.im.v1.IssueAgentTokensResponse\x12`\n\x0fListAuditEvents\x12%.agentim.im.v1.ListAuditEventsRequest\x1a&.agentim.im.v1.ListAuditEventsResponseB)\n\x11\x64\x65v.agentim.im.v1P\x01Z\x12\x61gentim/im/v1;imv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,72 +36,76 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agentim.im.v1.auth_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\021dev.agentim.im.v1P\001Z\022agentim/im/v1;imv1'
-  _globals['_PERSONALTOKENSCOPE']._serialized_start=2965
-  _globals['_PERSONALTOKENSCOPE']._serialized_end=3086
-  _globals['_SIGNINGKEY']._serialized_start=132
-  _globals['_SIGNINGKEY']._serialized_end=220
-  _globals['_GETSIGNINGKEYSREQUEST']._serialized_start=222
-  _globals['_GETSIGNINGKEYSREQUEST']._serialized_end=245
-  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_start=247
-  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_end=312
-  _globals['_SIGNINREQUEST']._serialized_start=314
-  _globals['_SIGNINREQUEST']._serialized_end=384
-  _globals['_SIGNINRESPONSE']._serialized_start=386
-  _globals['_SIGNINRESPONSE']._serialized_end=441
-  _globals['_REFRESHTOKENSREQUEST']._serialized_start=443
-  _globals['_REFRESHTOKENSREQUEST']._serialized_end=488
-  _globals['_REFRESHTOKENSRESPONSE']._serialized_start=490
-  _globals['_REFRESHTOKENSRESPONSE']._serialized_end=552
-  _globals['_SIGNOUTREQUEST']._serialized_start=554
-  _globals['_SIGNOUTREQUEST']._serialized_end=593
-  _globals['_SIGNOUTRESPONSE']._serialized_start=595
-  _globals['_SIGNOUTRESPONSE']._serialized_end=612
-  _globals['_CHANGEPASSWORDREQUEST']._serialized_start=614
-  _globals['_CHANGEPASSWORDREQUEST']._serialized_end=681
-  _globals['_CHANGEPASSWORDRESPONSE']._serialized_start=683
-  _globals['_CHANGEPASSWORDRESPONSE']._serialized_end=746
-  _globals['_INVITE']._serialized_start=749
-  _globals['_INVITE']._serialized_end=950
-  _globals['_CREATEINVITEREQUEST']._serialized_start=952
-  _globals['_CREATEINVITEREQUEST']._serialized_end=1074
-  _globals['_CREATEINVITERESPONSE']._serialized_start=1076
-  _globals['_CREATEINVITERESPONSE']._serialized_end=1153
-  _globals['_ACCEPTINVITEREQUEST']._serialized_start=1155
-  _globals['_ACCEPTINVITEREQUEST']._serialized_end=1267
-  _globals['_ACCEPTINVITERESPONSE']._serialized_start=1269
-  _globals['_ACCEPTINVITERESPONSE']._serialized_end=1330
-  _globals['_SETMEMBERROLEREQUEST']._serialized_start=1332
-  _globals['_SETMEMBERROLEREQUEST']._serialized_end=1414
-  _globals['_SETMEMBERROLERESPONSE']._serialized_start=1416
-  _globals['_SETMEMBERROLERESPONSE']._serialized_end=1478
-  _globals['_PERSONALTOKEN']._serialized_start=1481
-  _globals['_PERSONALTOKEN']._serialized_end=1770
-  _globals['_CREATEPERSONALTOKENREQUEST']._serialized_start=1773
-  _globals['_CREATEPERSONALTOKENREQUEST']._serialized_end=1934
-  _globals['_CREATEPERSONALTOKENRESPONSE']._serialized_start=1936
-  _globals['_CREATEPERSONALTOKENRESPONSE']._serialized_end=2035
-  _globals['_LISTPERSONALTOKENSREQUEST']._serialized_start=2037
-  _globals['_LISTPERSONALTOKENSREQUEST']._serialized_end=2103
-  _globals['_LISTPERSONALTOKENSRESPONSE']._serialized_start=2105
-  _globals['_LISTPERSONALTOKENSRESPONSE']._serialized_end=2213
-  _globals['_REVOKEPERSONALTOKENREQUEST']._serialized_start=2215
-  _globals['_REVOKEPERSONALTOKENREQUEST']._serialized_end=2270
-  _globals['_REVOKEPERSONALTOKENRESPONSE']._serialized_start=2272
-  _globals['_REVOKEPERSONALTOKENRESPONSE']._serialized_end=2355
-  _globals['_EXCHANGEPERSONALTOKENREQUEST']._serialized_start=2357
-  _globals['_EXCHANGEPERSONALTOKENREQUEST']._serialized_end=2403
-  _globals['_EXCHANGEPERSONALTOKENRESPONSE']._serialized_start=2406
-  _globals['_EXCHANGEPERSONALTOKENRESPONSE']._serialized_end=2554
-  _globals['_ISSUESERVICETOKENREQUEST']._serialized_start=2556
-  _globals['_ISSUESERVICETOKENREQUEST']._serialized_end=2615
-  _globals['_ISSUESERVICETOKENRESPONSE']._serialized_start=2617
-  _globals['_ISSUESERVICETOKENRESPONSE']._serialized_end=2722
-  _globals['_ISSUEAGENTTOKENSREQUEST']._serialized_start=2724
-  _globals['_ISSUEAGENTTOKENSREQUEST']._serialized_end=2775
-  _globals['_AGENTTOKEN']._serialized_start=2777
-  _globals['_AGENTTOKEN']._serialized_end=2886
-  _globals['_ISSUEAGENTTOKENSRESPONSE']._serialized_start=2888
-  _globals['_ISSUEAGENTTOKENSRESPONSE']._serialized_end=2963
-  _globals['_AUTHSERVICE']._serialized_start=3089
-  _globals['_AUTHSERVICE']._serialized_end=4447
+  _globals['_PERSONALTOKENSCOPE']._serialized_start=3209
+  _globals['_PERSONALTOKENSCOPE']._serialized_end=3330
+  _globals['_SIGNINGKEY']._serialized_start=162
+  _globals['_SIGNINGKEY']._serialized_end=250
+  _globals['_GETSIGNINGKEYSREQUEST']._serialized_start=252
+  _globals['_GETSIGNINGKEYSREQUEST']._serialized_end=275
+  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_start=277
+  _globals['_GETSIGNINGKEYSRESPONSE']._serialized_end=342
+  _globals['_SIGNINREQUEST']._serialized_start=344
+  _globals['_SIGNINREQUEST']._serialized_end=414
+  _globals['_SIGNINRESPONSE']._serialized_start=416
+  _globals['_SIGNINRESPONSE']._serialized_end=471
+  _globals['_REFRESHTOKENSREQUEST']._serialized_start=473
+  _globals['_REFRESHTOKENSREQUEST']._serialized_end=518
+  _globals['_REFRESHTOKENSRESPONSE']._serialized_start=520
+  _globals['_REFRESHTOKENSRESPONSE']._serialized_end=582
+  _globals['_SIGNOUTREQUEST']._serialized_start=584
+  _globals['_SIGNOUTREQUEST']._serialized_end=623
+  _globals['_SIGNOUTRESPONSE']._serialized_start=625
+  _globals['_SIGNOUTRESPONSE']._serialized_end=642
+  _globals['_CHANGEPASSWORDREQUEST']._serialized_start=644
+  _globals['_CHANGEPASSWORDREQUEST']._serialized_end=711
+  _globals['_CHANGEPASSWORDRESPONSE']._serialized_start=713
+  _globals['_CHANGEPASSWORDRESPONSE']._serialized_end=776
+  _globals['_INVITE']._serialized_start=779
+  _globals['_INVITE']._serialized_end=980
+  _globals['_CREATEINVITEREQUEST']._serialized_start=982
+  _globals['_CREATEINVITEREQUEST']._serialized_end=1104
+  _globals['_CREATEINVITERESPONSE']._serialized_start=1106
+  _globals['_CREATEINVITERESPONSE']._serialized_end=1183
+  _globals['_ACCEPTINVITEREQUEST']._serialized_start=1185
+  _globals['_ACCEPTINVITEREQUEST']._serialized_end=1297
+  _globals['_ACCEPTINVITERESPONSE']._serialized_start=1299
+  _globals['_ACCEPTINVITERESPONSE']._serialized_end=1360
+  _globals['_SETMEMBERROLEREQUEST']._serialized_start=1362
+  _globals['_SETMEMBERROLEREQUEST']._serialized_end=1444
+  _globals['_SETMEMBERROLERESPONSE']._serialized_start=1446
+  _globals['_SETMEMBERROLERESPONSE']._serialized_end=1508
+  _globals['_PERSONALTOKEN']._serialized_start=1511
+  _globals['_PERSONALTOKEN']._serialized_end=1800
+  _globals['_CREATEPERSONALTOKENREQUEST']._serialized_start=1803
+  _globals['_CREATEPERSONALTOKENREQUEST']._serialized_end=1964
+  _globals['_CREATEPERSONALTOKENRESPONSE']._serialized_start=1966
+  _globals['_CREATEPERSONALTOKENRESPONSE']._serialized_end=2065
+  _globals['_LISTPERSONALTOKENSREQUEST']._serialized_start=2067
+  _globals['_LISTPERSONALTOKENSREQUEST']._serialized_end=2133
+  _globals['_LISTPERSONALTOKENSRESPONSE']._serialized_start=2135
+  _globals['_LISTPERSONALTOKENSRESPONSE']._serialized_end=2243
+  _globals['_REVOKEPERSONALTOKENREQUEST']._serialized_start=2245
+  _globals['_REVOKEPERSONALTOKENREQUEST']._serialized_end=2300
+  _globals['_REVOKEPERSONALTOKENRESPONSE']._serialized_start=2302
+  _globals['_REVOKEPERSONALTOKENRESPONSE']._serialized_end=2385
+  _globals['_EXCHANGEPERSONALTOKENREQUEST']._serialized_start=2387
+  _globals['_EXCHANGEPERSONALTOKENREQUEST']._serialized_end=2433
+  _globals['_EXCHANGEPERSONALTOKENRESPONSE']._serialized_start=2436
+  _globals['_EXCHANGEPERSONALTOKENRESPONSE']._serialized_end=2584
+  _globals['_ISSUESERVICETOKENREQUEST']._serialized_start=2586
+  _globals['_ISSUESERVICETOKENREQUEST']._serialized_end=2645
+  _globals['_ISSUESERVICETOKENRESPONSE']._serialized_start=2647
+  _globals['_ISSUESERVICETOKENRESPONSE']._serialized_end=2752
+  _globals['_ISSUEAGENTTOKENSREQUEST']._serialized_start=2754
+  _globals['_ISSUEAGENTTOKENSREQUEST']._serialized_end=2805
+  _globals['_AGENTTOKEN']._serialized_start=2807
+  _globals['_AGENTTOKEN']._serialized_end=2916
+  _globals['_ISSUEAGENTTOKENSRESPONSE']._serialized_start=2918
+  _globals['_ISSUEAGENTTOKENSRESPONSE']._serialized_end=2993
+  _globals['_LISTAUDITEVENTSREQUEST']._serialized_start=2995
+  _globals['_LISTAUDITEVENTSREQUEST']._serialized_end=3103
+  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_start=3105
+  _globals['_LISTAUDITEVENTSRESPONSE']._serialized_end=3207
+  _globals['_AUTHSERVICE']._serialized_start=3333
+  _globals['_AUTHSERVICE']._serialized_end=4789
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 isort:skip_file
 """
 
+from agentim.audit.v1 import audit_pb2 as _audit_pb2
 from agentim.im.v1 import im_pb2 as _im_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
@@ -960,3 +961,63 @@ class IssueAgentTokensResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IssueAgentTokensResponse: _TypeAlias = IssueAgentTokensResponse  # noqa: Y015
+
+@_typing.final
+class ListAuditEventsRequest(_message.Message):
+    """Request for ListAuditEvents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    QUERY_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Maximum number of records (default 50, at most 200)."""
+    page_token: _builtins.str
+    """The next_page_token of a previous call with the same query."""
+    @_builtins.property
+    def query(self) -> _audit_pb2.AuditQuery:
+        """Which records to list."""
+
+    def __init__(
+        self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+        query: _audit_pb2.AuditQuery | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["query", b"query"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "query", b"query"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditEventsRequest: _TypeAlias = ListAuditEventsRequest  # noqa: Y015
+
+@_typing.final
+class ListAuditEventsResponse(_message.Message):
+    """Response for ListAuditEvents."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUDIT_EVENTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Token for the next page; empty when there are no more."""
+    @_builtins.property
+    def audit_events(self) -> _containers.RepeatedCompositeFieldContainer[_audit_pb2.AuditEvent]:
+        """The records, newest first."""
+
+    def __init__(
+        self,
+        *,
+        audit_events: _abc.Iterable[_audit_pb2.AuditEvent] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audit_events", b"audit_events", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAuditEventsResponse: _TypeAlias = ListAuditEventsResponse  # noqa: Y015

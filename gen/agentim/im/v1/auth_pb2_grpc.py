@@ -116,6 +116,11 @@ class AuthServiceStub:
                 request_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.IssueAgentTokensRequest.SerializeToString,
                 response_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.IssueAgentTokensResponse.FromString,
                 _registered_method=True)
+        self.ListAuditEvents = channel.unary_unary(
+                '/agentim.im.v1.AuthService/ListAuditEvents',
+                request_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.ListAuditEventsRequest.SerializeToString,
+                response_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.ListAuditEventsResponse.FromString,
+                _registered_method=True)
 
 
 class AuthServiceServicer:
@@ -254,6 +259,15 @@ class AuthServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAuditEvents(self, request, context):
+        """Lists the workspace's audit log as the IM keeps it (sign-ins, sign-outs,
+        password changes, invites, roles, personal tokens, members created and
+        updated), newest first. Only the workspace's owner and admins may.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AuthServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -326,6 +340,11 @@ def add_AuthServiceServicer_to_server(servicer, server):
                     servicer.IssueAgentTokens,
                     request_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.IssueAgentTokensRequest.FromString,
                     response_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.IssueAgentTokensResponse.SerializeToString,
+            ),
+            'ListAuditEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAuditEvents,
+                    request_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.ListAuditEventsRequest.FromString,
+                    response_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.ListAuditEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -718,6 +737,33 @@ class AuthService:
             '/agentim.im.v1.AuthService/IssueAgentTokens',
             agentim_dot_im_dot_v1_dot_auth__pb2.IssueAgentTokensRequest.SerializeToString,
             agentim_dot_im_dot_v1_dot_auth__pb2.IssueAgentTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAuditEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.im.v1.AuthService/ListAuditEvents',
+            agentim_dot_im_dot_v1_dot_auth__pb2.ListAuditEventsRequest.SerializeToString,
+            agentim_dot_im_dot_v1_dot_auth__pb2.ListAuditEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -110,6 +110,11 @@ class AuthServiceStub:
     that service's own access token, and only for AGENT members whose
     host it is (PERMISSION_DENIED for any other member).
     """
+    ListAuditEvents: _grpc.UnaryUnaryMultiCallable[_auth_pb2.ListAuditEventsRequest, _auth_pb2.ListAuditEventsResponse]
+    """Lists the workspace's audit log as the IM keeps it (sign-ins, sign-outs,
+    password changes, invites, roles, personal tokens, members created and
+    updated), newest first. Only the workspace's owner and admins may.
+    """
 
 @_typing.type_check_only
 class AuthServiceAsyncStub(AuthServiceStub):
@@ -192,6 +197,11 @@ class AuthServiceAsyncStub(AuthServiceStub):
     """Gives a service access tokens for agents it hosts: callable only with
     that service's own access token, and only for AGENT members whose
     host it is (PERMISSION_DENIED for any other member).
+    """
+    ListAuditEvents: _aio.UnaryUnaryMultiCallable[_auth_pb2.ListAuditEventsRequest, _auth_pb2.ListAuditEventsResponse]  # type: ignore[assignment]
+    """Lists the workspace's audit log as the IM keeps it (sign-ins, sign-outs,
+    password changes, invites, roles, personal tokens, members created and
+    updated), newest first. Only the workspace's owner and admins may.
     """
 
 class AuthServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -356,6 +366,17 @@ class AuthServiceServicer(metaclass=_abc_1.ABCMeta):
         """Gives a service access tokens for agents it hosts: callable only with
         that service's own access token, and only for AGENT members whose
         host it is (PERMISSION_DENIED for any other member).
+        """
+
+    @_abc_1.abstractmethod
+    def ListAuditEvents(
+        self,
+        request: _auth_pb2.ListAuditEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_auth_pb2.ListAuditEventsResponse, _abc.Awaitable[_auth_pb2.ListAuditEventsResponse]]:
+        """Lists the workspace's audit log as the IM keeps it (sign-ins, sign-outs,
+        password changes, invites, roles, personal tokens, members created and
+        updated), newest first. Only the workspace's owner and admins may.
         """
 
 def add_AuthServiceServicer_to_server(servicer: AuthServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

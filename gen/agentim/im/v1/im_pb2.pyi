@@ -187,6 +187,7 @@ class Member(_message.Message):
     AVATAR_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     ROLE_FIELD_NUMBER: _builtins.int
+    OWNER_ID_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -199,6 +200,10 @@ class Member(_message.Message):
     """Avatar URL or emoji; may be empty."""
     role: Global___MemberRole.ValueType
     """The member's role in the workspace (AuthService.SetMemberRole changes it)."""
+    owner_id: _builtins.str
+    """For an agent: the person who owns it (empty if its host named none).
+    The owner may read the IM through the agent's eyes (`x-agentim-view-as`).
+    """
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created."""
@@ -213,10 +218,11 @@ class Member(_message.Message):
         avatar: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         role: Global___MemberRole.ValueType = ...,
+        owner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avatar", b"avatar", "create_time", b"create_time", "display_name", b"display_name", "id", b"id", "kind", b"kind", "role", b"role", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avatar", b"avatar", "create_time", b"create_time", "display_name", b"display_name", "id", b"id", "kind", b"kind", "owner_id", b"owner_id", "role", b"role", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -626,6 +632,7 @@ class CreateMemberRequest(_message.Message):
     AVATAR_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     WORKSPACE_ID_FIELD_NUMBER: _builtins.int
+    OWNER_ID_FIELD_NUMBER: _builtins.int
     kind: Global___MemberKind.ValueType
     """Human or agent."""
     display_name: _builtins.str
@@ -638,6 +645,10 @@ class CreateMemberRequest(_message.Message):
     """Workspace to create the member in; a trusted service must set it,
     a member may leave it empty for its own workspace.
     """
+    owner_id: _builtins.str
+    """For an AGENT created by the service that hosts it: the person of the
+    workspace who owns the agent. Only the hosting service may set it.
+    """
     def __init__(
         self,
         *,
@@ -646,10 +657,11 @@ class CreateMemberRequest(_message.Message):
         avatar: _builtins.str = ...,
         request_id: _builtins.str = ...,
         workspace_id: _builtins.str = ...,
+        owner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["avatar", b"avatar", "display_name", b"display_name", "kind", b"kind", "request_id", b"request_id", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["avatar", b"avatar", "display_name", b"display_name", "kind", b"kind", "owner_id", b"owner_id", "request_id", b"request_id", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1685,6 +1697,7 @@ class WatchEventsResponse(_message.Message):
     SEQUENCE_FIELD_NUMBER: _builtins.int
     EVENT_TIME_FIELD_NUMBER: _builtins.int
     MEMBER_IDS_FIELD_NUMBER: _builtins.int
+    PREVIOUS_SEQUENCE_FIELD_NUMBER: _builtins.int
     MESSAGE_CREATED_FIELD_NUMBER: _builtins.int
     MESSAGE_EDITED_FIELD_NUMBER: _builtins.int
     GROUP_CHANGED_FIELD_NUMBER: _builtins.int
@@ -1693,6 +1706,12 @@ class WatchEventsResponse(_message.Message):
     """Opaque resume cursor of this event."""
     sequence: _builtins.int
     """The workspace's gap-free event sequence number."""
+    previous_sequence: _builtins.int
+    """The sequence of the event this stream delivered before this one (for
+    the first, the one the stream started after). A watch of some members
+    skips the workspace's other events, so sequence numbers jump; a
+    client whose last event is not this one has missed events in between.
+    """
     @_builtins.property
     def event_time(self) -> _timestamp_pb2.Timestamp:
         """When the change was committed."""
@@ -1724,6 +1743,7 @@ class WatchEventsResponse(_message.Message):
         sequence: _builtins.int = ...,
         event_time: _timestamp_pb2.Timestamp | None = ...,
         member_ids: _abc.Iterable[_builtins.str] | None = ...,
+        previous_sequence: _builtins.int = ...,
         message_created: Global___MessageCreated | None = ...,
         message_edited: Global___MessageEdited | None = ...,
         group_changed: Global___GroupChanged | None = ...,
@@ -1731,7 +1751,7 @@ class WatchEventsResponse(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "group_changed", b"group_changed", "message_created", b"message_created", "message_edited", b"message_edited", "read_updated", b"read_updated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "event", b"event", "event_time", b"event_time", "group_changed", b"group_changed", "member_ids", b"member_ids", "message_created", b"message_created", "message_edited", b"message_edited", "read_updated", b"read_updated", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "event", b"event", "event_time", b"event_time", "group_changed", b"group_changed", "member_ids", b"member_ids", "message_created", b"message_created", "message_edited", b"message_edited", "previous_sequence", b"previous_sequence", "read_updated", b"read_updated", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["message_created", "message_edited", "group_changed", "read_updated"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
@@ -1846,3 +1866,75 @@ class ReadUpdated(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadUpdated: _TypeAlias = ReadUpdated  # noqa: Y015
+
+@_typing.final
+class AgentOwner(_message.Message):
+    """One agent and its owner."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_MEMBER_ID_FIELD_NUMBER: _builtins.int
+    OWNER_ID_FIELD_NUMBER: _builtins.int
+    agent_member_id: _builtins.str
+    """The agent's member id (an AGENT hosted by the calling service)."""
+    owner_id: _builtins.str
+    """The person who owns it (a HUMAN member of the agent's workspace)."""
+    def __init__(
+        self,
+        *,
+        agent_member_id: _builtins.str = ...,
+        owner_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_member_id", b"agent_member_id", "owner_id", b"owner_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentOwner: _TypeAlias = AgentOwner  # noqa: Y015
+
+@_typing.final
+class SetAgentOwnersRequest(_message.Message):
+    """Request for SetAgentOwners."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_OWNERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent_owners(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentOwner]:
+        """The agents and their owners (at most 100)."""
+
+    def __init__(
+        self,
+        *,
+        agent_owners: _abc.Iterable[Global___AgentOwner] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_owners", b"agent_owners"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetAgentOwnersRequest: _TypeAlias = SetAgentOwnersRequest  # noqa: Y015
+
+@_typing.final
+class SetAgentOwnersResponse(_message.Message):
+    """Response for SetAgentOwners."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGED_COUNT_FIELD_NUMBER: _builtins.int
+    changed_count: _builtins.int
+    """How many agents got a new owner (the others had it already)."""
+    def __init__(
+        self,
+        *,
+        changed_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_count", b"changed_count"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetAgentOwnersResponse: _TypeAlias = SetAgentOwnersResponse  # noqa: Y015

@@ -151,6 +151,11 @@ class IMServiceStub:
                 request_serializer=agentim_dot_im_dot_v1_dot_im__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=agentim_dot_im_dot_v1_dot_im__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.SetAgentOwners = channel.unary_unary(
+                '/agentim.im.v1.IMService/SetAgentOwners',
+                request_serializer=agentim_dot_im_dot_v1_dot_im__pb2.SetAgentOwnersRequest.SerializeToString,
+                response_deserializer=agentim_dot_im_dot_v1_dot_im__pb2.SetAgentOwnersResponse.FromString,
+                _registered_method=True)
 
 
 class IMServiceServicer:
@@ -328,6 +333,15 @@ class IMServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAgentOwners(self, request, context):
+        """Sets the owners of agents the calling service hosts (the runtime tells
+        the IM, at start-up, who owns each of its agents). Idempotent; only the
+        hosting service may call it, and only for its own agents.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IMServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -440,6 +454,11 @@ def add_IMServiceServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=agentim_dot_im_dot_v1_dot_im__pb2.WatchEventsRequest.FromString,
                     response_serializer=agentim_dot_im_dot_v1_dot_im__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'SetAgentOwners': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAgentOwners,
+                    request_deserializer=agentim_dot_im_dot_v1_dot_im__pb2.SetAgentOwnersRequest.FromString,
+                    response_serializer=agentim_dot_im_dot_v1_dot_im__pb2.SetAgentOwnersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1043,6 +1062,33 @@ class IMService:
             '/agentim.im.v1.IMService/WatchEvents',
             agentim_dot_im_dot_v1_dot_im__pb2.WatchEventsRequest.SerializeToString,
             agentim_dot_im_dot_v1_dot_im__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAgentOwners(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.im.v1.IMService/SetAgentOwners',
+            agentim_dot_im_dot_v1_dot_im__pb2.SetAgentOwnersRequest.SerializeToString,
+            agentim_dot_im_dot_v1_dot_im__pb2.SetAgentOwnersResponse.FromString,
             options,
             channel_credentials,
             insecure,

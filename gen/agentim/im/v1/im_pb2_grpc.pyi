@@ -100,6 +100,11 @@ class IMServiceStub:
     `x-agentim-start-cursor` is the cursor the stream starts after, from
     which to resume should it break before any event arrives.
     """
+    SetAgentOwners: _grpc.UnaryUnaryMultiCallable[_im_pb2.SetAgentOwnersRequest, _im_pb2.SetAgentOwnersResponse]
+    """Sets the owners of agents the calling service hosts (the runtime tells
+    the IM, at start-up, who owns each of its agents). Idempotent; only the
+    hosting service may call it, and only for its own agents.
+    """
 
 @_typing.type_check_only
 class IMServiceAsyncStub(IMServiceStub):
@@ -172,6 +177,11 @@ class IMServiceAsyncStub(IMServiceStub):
     headers are sent once the subscription is in place; their
     `x-agentim-start-cursor` is the cursor the stream starts after, from
     which to resume should it break before any event arrives.
+    """
+    SetAgentOwners: _aio.UnaryUnaryMultiCallable[_im_pb2.SetAgentOwnersRequest, _im_pb2.SetAgentOwnersResponse]  # type: ignore[assignment]
+    """Sets the owners of agents the calling service hosts (the runtime tells
+    the IM, at start-up, who owns each of its agents). Idempotent; only the
+    hosting service may call it, and only for its own agents.
     """
 
 class IMServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -374,6 +384,17 @@ class IMServiceServicer(metaclass=_abc_1.ABCMeta):
         headers are sent once the subscription is in place; their
         `x-agentim-start-cursor` is the cursor the stream starts after, from
         which to resume should it break before any event arrives.
+        """
+
+    @_abc_1.abstractmethod
+    def SetAgentOwners(
+        self,
+        request: _im_pb2.SetAgentOwnersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_im_pb2.SetAgentOwnersResponse, _abc.Awaitable[_im_pb2.SetAgentOwnersResponse]]:
+        """Sets the owners of agents the calling service hosts (the runtime tells
+        the IM, at start-up, who owns each of its agents). Idempotent; only the
+        hosting service may call it, and only for its own agents.
         """
 
 def add_IMServiceServicer_to_server(servicer: IMServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

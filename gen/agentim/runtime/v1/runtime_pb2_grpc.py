@@ -193,6 +193,11 @@ class RuntimeServiceStub:
                 request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsRequest.SerializeToString,
                 response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsResponse.FromString,
                 _registered_method=True)
+        self.ListAuditEvents = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ListAuditEvents',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -446,6 +451,15 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAuditEvents(self, request, context):
+        """Lists the workspace's audit log as the runtime keeps it (agents created,
+        updated, deleted and controlled, their steps, checkpoints, sessions and
+        tasks changed), newest first. Only the workspace's owner and admins may.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -603,6 +617,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ListTools,
                     request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsRequest.FromString,
                     response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsResponse.SerializeToString,
+            ),
+            'ListAuditEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAuditEvents,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1446,6 +1465,33 @@ class RuntimeService:
             '/agentim.runtime.v1.RuntimeService/ListTools',
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsRequest.SerializeToString,
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListToolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAuditEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ListAuditEvents',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -139,6 +139,11 @@ class RuntimeServiceStub:
     """An agent's queue length and average waiting time."""
     ListTools: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListToolsRequest, _runtime_pb2.ListToolsResponse]
     """Lists the tools an agent may be given (Agent.tools names them)."""
+    ListAuditEvents: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListAuditEventsRequest, _runtime_pb2.ListAuditEventsResponse]
+    """Lists the workspace's audit log as the runtime keeps it (agents created,
+    updated, deleted and controlled, their steps, checkpoints, sessions and
+    tasks changed), newest first. Only the workspace's owner and admins may.
+    """
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -251,6 +256,11 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     """An agent's queue length and average waiting time."""
     ListTools: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListToolsRequest, _runtime_pb2.ListToolsResponse]  # type: ignore[assignment]
     """Lists the tools an agent may be given (Agent.tools names them)."""
+    ListAuditEvents: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListAuditEventsRequest, _runtime_pb2.ListAuditEventsResponse]  # type: ignore[assignment]
+    """Lists the workspace's audit log as the runtime keeps it (agents created,
+    updated, deleted and controlled, their steps, checkpoints, sessions and
+    tasks changed), newest first. Only the workspace's owner and admins may.
+    """
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """RuntimeService owns agents: resident loops that wake on IM messages, think
@@ -546,5 +556,16 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_runtime_pb2.ListToolsResponse, _abc.Awaitable[_runtime_pb2.ListToolsResponse]]:
         """Lists the tools an agent may be given (Agent.tools names them)."""
+
+    @_abc_1.abstractmethod
+    def ListAuditEvents(
+        self,
+        request: _runtime_pb2.ListAuditEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ListAuditEventsResponse, _abc.Awaitable[_runtime_pb2.ListAuditEventsResponse]]:
+        """Lists the workspace's audit log as the runtime keeps it (agents created,
+        updated, deleted and controlled, their steps, checkpoints, sessions and
+        tasks changed), newest first. Only the workspace's owner and admins may.
+        """
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
