@@ -108,11 +108,17 @@ class Work:
             self.chat_tokens.append(token)
 
     async def direct_chat(self, peer: str, *, as_member_id: str = "") -> im_pb2.Group:
-        response = await self.im.stub.GetOrCreateDirectGroup(
-            im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=peer),
-            metadata=as_member(as_member_id or self.world.members[0].id),
-        )
-        return response.group
+        request = im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=peer)
+        metadata = as_member(as_member_id or self.world.members[0].id)
+        while True:
+            try:
+                response = await self.im.stub.GetOrCreateDirectGroup(request, metadata=metadata, timeout=5)
+                return response.group
+            except grpc.aio.AioRpcError as error:
+                # The IM's SQLite file is busy with the runtime's writes ("try again").
+                if error.code() not in RETRYABLE:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def tasks(self, agent: rpb.Agent) -> list[rpb.Task]:
         request = rpb.ListTasksRequest(agent_id=agent.id, page_size=200)
