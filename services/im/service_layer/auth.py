@@ -11,8 +11,10 @@ transaction opens, so that no transaction waits on argon2.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import uuid
 from collections.abc import Mapping
 from dataclasses import replace
 from datetime import timedelta
@@ -34,13 +36,15 @@ from services.im.domain.errors import (
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
 from services.im.service_layer.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
-from services.im.service_layer.auth_ports import LoginTaken, Passwords
+from services.im.service_layer.auth_ports import EmailTaken, LoginTaken, Passwords
 from services.im.service_layer.handlers import CreationHook, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
 
 BAD_REFRESH = "the refresh token is not valid; sign in again"
+# Which workspaces hold a login is never told: one message for every case.
+WORKSPACE_REQUIRED = "this login needs its workspace: give the workspace id (workspace_id) as well"
 
 
 class WorkspaceOpener(Protocol):
@@ -89,41 +93,93 @@ class AuthService(AuthBase):
     # -- signing in ---------------------------------------------------------------
 
     async def sign_in(self, *, workspace_id: str, login: str, password: str) -> IssuedTokens:
-        workspace = rules.parse_id(workspace_id, "workspace_id")
+        """Tokens for the account with the login and password: in the workspace, or
+        (without one) the one account in any workspace that the password fits.
+
+        Raises:
+            Unauthenticated: the login or password is wrong (one message for both).
+            TooManyAttempts: too many attempts for the login lately.
+            WrongState: no workspace, and the password fits accounts of several
+                workspaces (or more workspaces hold the login than are checked).
+        """
+        workspace = rules.parse_id(workspace_id, "workspace_id") if workspace_id else None
         try:
             key = access.normalize_login(login)
         except InvalidRequest:
             raise Unauthenticated(WRONG_LOGIN) from None  # no such login can exist
         if not password or len(password) > access.MAX_PASSWORD_CHARS:
             raise Unauthenticated(WRONG_LOGIN)
-        now = self._clock()
-        # Counted before the password is checked, so that parallel guesses all count.
-        async with self._uow() as tx:
-            attempts = await tx.count_sign_in_attempt(
-                workspace, key, at=now, window=self.limits.sign_in_window
-            )
-            account = await tx.find_account(workspace, key)
-            await tx.commit()
-        wait = access.sign_in_retry_after(attempts, now, self.limits)
-        if wait is not None:
-            logger.info("a sign-in to workspace %s was refused: too many attempts for one login", workspace)
-            raise TooManyAttempts(
-                f"too many sign-in attempts for this login; try again in {math.ceil(wait)} seconds",
-                retry_after_seconds=wait,
-            )
-        if account is None:
+        candidates = await self._throttled_candidates(workspace, key)
+        if len(candidates) > self.limits.sign_in_max_workspaces:
+            raise WrongState(WORKSPACE_REQUIRED)
+        checked = [a for a in candidates if a.password_hash is not None]
+        if not checked:
             await self._passwords.waste_time(password)
             raise Unauthenticated(WRONG_LOGIN)
-        if not await self._passwords.verify(account.password_hash, password):
+        fits = await asyncio.gather(
+            *(self._passwords.verify(a.password_hash or "", password) for a in checked)
+        )
+        matched = [a for a, fit in zip(checked, fits, strict=True) if fit]
+        if not matched:
             raise Unauthenticated(WRONG_LOGIN)
+        if len(matched) > 1:
+            raise WrongState(WORKSPACE_REQUIRED)
+        account = matched[0]
         async with self._uow() as tx:
             member = await tx.get_member(account.member_id)
             if member is None:
                 raise Unauthenticated(WRONG_LOGIN)
-            await tx.clear_sign_in_attempts(workspace, key)
+            # This account's count, and the count of the login in any workspace
+            # (never another workspace's account: its count is its own).
+            await tx.clear_sign_in_attempts(account.workspace_id, key)
+            if workspace is None:
+                await tx.clear_sign_in_attempts(access.ANY_WORKSPACE, key)
             secret, refresh = await self._new_session(tx, member)
             await tx.commit()
         return self._tokens(member, secret, refresh)
+
+    async def _throttled_candidates(self, workspace: uuid.UUID | None, key: str) -> list[Account]:
+        """The accounts a sign-in may be for, its attempt counted; TooManyAttempts if refused.
+
+        Without a workspace: every account with the login (more than
+        `sign_in_max_workspaces` only to say so), less those under attack.
+        """
+        now = self._clock()
+        most = self.limits.sign_in_max_workspaces
+        # Counted before the password is checked, so that parallel guesses all count.
+        async with self._uow() as tx:
+            if workspace is not None:
+                found = await tx.find_account(workspace, key)
+                candidates = [found] if found is not None else []
+                counted = [workspace]
+            else:
+                candidates = await tx.find_accounts_by_login(key, limit=most + 1)
+                # Each account's own count too: going without the workspace is
+                # no way around the limit of guesses at one account.
+                counted = [access.ANY_WORKSPACE, *(a.workspace_id for a in candidates[:most])]
+            attempts = [
+                await tx.count_sign_in_attempt(w, key, at=now, window=self.limits.sign_in_window)
+                for w in counted
+            ]
+            await tx.commit()
+        waits = [access.sign_in_retry_after(a, now, self.limits) for a in attempts]
+        # The login's own count (of this workspace, or of any) refuses all; an
+        # account of one workspace under attack drops out only itself (whoever
+        # holds the login elsewhere, say in a workspace of the attacker's own,
+        # cannot lock everyone else out).
+        refused = waits[0]
+        if refused is None and workspace is None and len(candidates) <= most:
+            open_accounts = [a for a, w in zip(candidates, waits[1:], strict=True) if w is None]
+            if candidates and not open_accounts:
+                refused = max(w for w in waits[1:] if w is not None)
+            candidates = open_accounts
+        if refused is not None:
+            logger.info("a sign-in was refused: too many attempts for one login")
+            raise TooManyAttempts(
+                f"too many sign-in attempts for this login; try again in {math.ceil(refused)} seconds",
+                retry_after_seconds=refused,
+            )
+        return candidates
 
     async def refresh(self, refresh_token: str) -> IssuedTokens:
         if not access.plausible_secret(refresh_token, access.REFRESH_TOKEN_PREFIX):
@@ -171,8 +227,10 @@ class AuthService(AuthBase):
             access.require_session(authority, "change the password")
             access.require_write(authority, "change the password")
             account = await tx.get_account(member.id)
-        if account is None:
-            raise WrongState("this member has no password (it has no account to sign in with)")
+        if account is None or account.password_hash is None or account.login is None:
+            raise WrongState(
+                "this member has no password (it signs in with the organisation's provider, or not at all)"
+            )
         now = self._clock()
         # Guessing the old password is throttled like signing in.
         async with self._uow() as tx:
@@ -263,11 +321,18 @@ class AuthService(AuthBase):
     # -- invites ------------------------------------------------------------------
 
     async def create_invite(
-        self, caller: Caller | None, *, role: Role | None, ttl: timedelta | None, request_id: str
+        self,
+        caller: Caller | None,
+        *,
+        role: Role | None,
+        ttl: timedelta | None,
+        request_id: str,
+        email: str = "",
     ) -> tuple[Invite, str]:
-        """An invite and its secret (shown this once)."""
+        """An invite (bound to an email, if one is given) and its secret (shown this once)."""
         role = role or Role.MEMBER
         rid = rules.check_request_id(request_id)
+        bound = access.normalize_email(email) if email else None
         authority = self._authority(caller)
         secret = access.new_secret(access.INVITE_PREFIX)
         async with self._uow() as tx:
@@ -277,7 +342,10 @@ class AuthService(AuthBase):
             now = self._now()
             expires = access.invite_expiry(ttl, now, self.limits)
             fingerprint = rules.request_fingerprint(
-                op="create_invite", role=role.value, ttl=ttl.total_seconds() if ttl else None
+                op="create_invite",
+                role=role.value,
+                ttl=ttl.total_seconds() if ttl else None,
+                **({"email": bound} if bound else {}),
             )
             existing = await self._replay(tx, member.id, rid, fingerprint)
             if existing is not None:
@@ -289,6 +357,10 @@ class AuthService(AuthBase):
                 await tx.replace_invite_secret(invite.id, access.secret_hash(secret))
                 await tx.commit()
                 return replace(invite, secret_hash=access.secret_hash(secret)), secret
+            if bound is not None and await tx.find_accounts_by_email(
+                bound, workspace_id=member.workspace_id, limit=1
+            ):
+                raise AlreadyTaken(f"a member of this workspace has the email {bound} already")
             invite = Invite(
                 id=uuid7(),
                 workspace_id=member.workspace_id,
@@ -297,6 +369,7 @@ class AuthService(AuthBase):
                 created_by=member.id,
                 created_at=now,
                 expires_at=expires,
+                email=bound,
             )
             await tx.add_invite(invite)
             await self._remember(tx, member.id, rid, fingerprint, invite.id)
@@ -347,10 +420,17 @@ class AuthService(AuthBase):
                         password_hash=password_hash,
                         created_at=now,
                         password_changed_at=now,
+                        # The admin who bound the invite vouched for the email: its
+                        # owner can sign in with the organisation's provider later.
+                        email=found.email,
                     )
                 )
             except LoginTaken:
                 raise AlreadyTaken(f"the login {key!r} is taken in this workspace") from None
+            except EmailTaken:
+                raise AlreadyTaken(
+                    f"a member of this workspace has the email {found.email} already"
+                ) from None
             await self._remember(tx, found.id, rid, fingerprint, member.id)
             secret, refresh = await self._new_session(tx, member)
             await tx.commit()
