@@ -481,6 +481,7 @@ class Gateway:
                 request, "the name may be at most 100 characters", "INVALID_ARGUMENT", invite=invite
             )
         link_session = ""
+        renewed: Session | None = None
         if request.query.get("link") == "1":
             try:
                 credentials = await self._credentials(request)
@@ -489,6 +490,9 @@ class Gateway:
             if credentials.session is None:
                 return self._refused(request, "linking needs a browser session", "UNAUTHENTICATED")
             link_session = credentials.session.session_id
+            # Refreshed on the way: the browser must keep the new tokens (the old
+            # refresh token is spent, and using it again would end the session).
+            renewed = credentials.session if credentials.renewed else None
         redirect_uri = self._settings.oidc_redirect_url or f"{request.scheme}://{request.host}{CALLBACK_PATH}"
         try:
             url, cookie = await party.start(
@@ -500,7 +504,10 @@ class Gateway:
             )
         except ProviderError as error:
             logger.warning("cannot start a sign-in with the OpenID provider: %s", error)
-            return self._refused(request, str(error), "UNAVAILABLE", invite=invite)
+            refused = self._refused(request, str(error), "UNAVAILABLE", invite=invite)
+            if renewed is not None:
+                self._set_cookie(request, refused, renewed)
+            return refused
         response = web.Response(status=303, headers={"Location": url, "Cache-Control": "no-store"})
         response.set_cookie(
             FLOW_COOKIE,
@@ -512,6 +519,8 @@ class Gateway:
             secure=self._settings.cookie_secure or request.secure,
             max_age=FLOW_MAX_AGE_S,
         )
+        if renewed is not None:
+            self._set_cookie(request, response, renewed)
         return response
 
     async def _oidc_callback(self, request: web.Request) -> web.StreamResponse:

@@ -32,6 +32,7 @@ from tests.e2e.oidc.harness import (
     CLIENT_SECRET,
     OTHER_CLIENT,
     FlowBrowser,
+    Landing,
     ProviderProcess,
     code_flow,
 )
@@ -46,6 +47,10 @@ class Stack:
     im: RunningIM
     gateway: GatewayApp
     api: Api
+    # Two more replicas that refresh the session at every request: a sign-in
+    # starts at the first and comes back to the second (OIDC_REDIRECT_URL).
+    starts: GatewayApp
+    finishes: GatewayApp
 
     @property
     def base(self) -> str:
@@ -75,14 +80,20 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack
     oidc = {"OIDC_ISSUER": issuer, "OIDC_CLIENT_ID": CLIENT_ID}
     im = await start_im(url, **oidc)
     # No runtime: these tests never reach it.
-    gateway = await start_gateway(im.address, "127.0.0.1:9", **oidc, OIDC_CLIENT_SECRET=CLIENT_SECRET)
+    oidc["OIDC_CLIENT_SECRET"] = CLIENT_SECRET
+    gateway = await start_gateway(im.address, "127.0.0.1:9", **oidc)
+    refreshing = {**oidc, "GATEWAY_REFRESH_MARGIN_SECONDS": "3600"}
+    finishes = await start_gateway(im.address, "127.0.0.1:9", **refreshing)
+    callback = f"http://127.0.0.1:{finishes.port}/v1/auth/oidc/callback"
+    starts = await start_gateway(im.address, "127.0.0.1:9", **refreshing, OIDC_REDIRECT_URL=callback)
     http = aiohttp.ClientSession()
     try:
-        await provider.configure([f"http://127.0.0.1:{gateway.port}/v1/auth/oidc/callback"])
-        yield Stack(provider, im, gateway, Api(http, f"http://127.0.0.1:{gateway.port}"))
+        await provider.configure([f"http://127.0.0.1:{gateway.port}/v1/auth/oidc/callback", callback])
+        yield Stack(provider, im, gateway, Api(http, f"http://127.0.0.1:{gateway.port}"), starts, finishes)
     finally:
         await http.close()
-        await gateway.stop()
+        for app in (starts, finishes, gateway):
+            await app.stop()
         await stop_im(im)
         await provider.stop()
 
@@ -301,6 +312,25 @@ async def test_a_password_owner_links_the_provider_and_then_signs_in_with_it(sta
             assert session["member"]["role"] == "MEMBER_ROLE_OWNER"
         finally:
             await fresh.aclose()
+    finally:
+        await browser.aclose()
+
+
+async def test_linking_through_two_replicas_keeps_the_session_they_refresh(stack: Stack) -> None:
+    # Each replica refreshes the session's tokens on the way: the one that
+    # starts must hand the browser its new cookie, or the one that finishes
+    # would present a spent refresh token (taken for a stolen one).
+    starts = f"http://127.0.0.1:{stack.starts.port}"
+    ada, created = await new_workspace(Api(stack.api.http, starts), login=f"ada-{uuid.uuid4().hex[:6]}")
+    address = email("ada")
+    browser = FlowBrowser(starts, f"http://127.0.0.1:{stack.finishes.port}")
+    try:
+        assert ada.cookie is not None
+        browser.http.cookie_jar.update_cookies({COOKIE_NAME: ada.cookie}, response_url=URL(starts))
+        landing = Landing(await browser.go(f"{starts}/v1/auth/oidc/start?link=1", login=address))
+        assert landing.fragment == {"linked": address}, landing.location
+        status, session = await browser.session()
+        assert status == 200 and session["member"]["id"] == created.body["creator"]["id"]
     finally:
         await browser.aclose()
 

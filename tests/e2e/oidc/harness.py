@@ -134,10 +134,12 @@ class FlowBrowser:
 
     Args:
         base: the gateway's URL.
+        replicas: other gateways' URLs (a callback may come back to one of them).
     """
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, *replicas: str) -> None:
         self.base = base
+        self.gateways = (base, *replicas)
         # unsafe: keep cookies of IP-address hosts (127.0.0.1), as browsers do.
         self.http = aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
         self.csrf = ""
@@ -155,14 +157,14 @@ class FlowBrowser:
         """Follows `url` through the provider (logging in as `login`, consenting)
         back to the gateway: the callback URL if `stop_at_callback`, else where
         the gateway sent the browser after it."""
-        callback = f"{self.base}/v1/auth/oidc/callback"
+        callbacks = tuple(f"{base}/v1/auth/oidc/callback" for base in self.gateways)
         for _ in range(20):
             status, location, text = await self._step("GET", url)
             if status in (302, 303):
                 target = urljoin(url, location)
-                if target.startswith(callback) and stop_at_callback:
+                if target.startswith(callbacks) and stop_at_callback:
                     return target
-                if target.startswith(self.base) and not target.startswith(callback):
+                if target.startswith(self.gateways) and not target.startswith(callbacks):
                     return target
                 url = target
                 continue
