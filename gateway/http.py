@@ -538,16 +538,22 @@ class Gateway:
         if flow.link_session:
             try:
                 credentials = await self._credentials(request)
-                if credentials.session is None or credentials.session.session_id != flow.link_session:
-                    raise HttpError(
-                        401, "UNAUTHENTICATED", "the browser was signed in as someone else meanwhile"
-                    )
-                email = await self._auth.link_oidc(credentials, id_token=id_token, nonce=flow.nonce)
             except HttpError as error:
                 return self._refused(request, error.message, error.status)
-            response = self._back_to_page(request, linked=email)
+            session = credentials.session
+            if session is None or session.session_id != flow.link_session:
+                return self._refused(
+                    request, "the browser was signed in as someone else meanwhile", "UNAUTHENTICATED"
+                )
+            try:
+                email = await self._auth.link_oidc(credentials, id_token=id_token, nonce=flow.nonce)
+            except HttpError as error:
+                response = self._refused(request, error.message, error.status)
+            else:
+                response = self._back_to_page(request, linked=email)
+            # Refreshed on the way: the browser keeps the new tokens, whatever the outcome.
             if credentials.renewed:
-                self._set_cookie(request, response, credentials.session)
+                self._set_cookie(request, response, session)
             return response
         try:
             session = await self._auth.sign_in_with_oidc(

@@ -331,6 +331,21 @@ async def test_linking_through_two_replicas_keeps_the_session_they_refresh(stack
         assert landing.fragment == {"linked": address}, landing.location
         status, session = await browser.session()
         assert status == 200 and session["member"]["id"] == created.body["creator"]["id"]
+        # Refused by the IM after both replicas refreshed: the session goes on all the same.
+        # (Another browser with the same session: this one's provider session is Ada's.)
+        other = FlowBrowser(starts, f"http://127.0.0.1:{stack.finishes.port}")
+        try:
+            kept = browser.cookie(COOKIE_NAME)
+            assert kept is not None
+            other.http.cookie_jar.update_cookies({COOKIE_NAME: kept}, response_url=URL(starts))
+            refused = Landing(
+                await other.go(f"{starts}/v1/auth/oidc/start?link=1", login=email("unverified"))
+            )
+            assert refused.status == "PERMISSION_DENIED" and "not verified" in refused.error, refused.location
+            status, session = await other.session()
+            assert status == 200 and session["member"]["id"] == created.body["creator"]["id"]
+        finally:
+            await other.aclose()
     finally:
         await browser.aclose()
 
