@@ -864,8 +864,9 @@ function showAccount() {
 
   if (isAdmin()) {
     const inviteRole = h("select", { testid: "invite-role" }, h("option", { value: "MEMBER_ROLE_MEMBER" }, "member"), h("option", { value: "MEMBER_ROLE_ADMIN" }, "admin"));
-    // Optional: only this address may then join with the organisation's sign-in.
-    const inviteEmail = h("input", { type: "email", maxlength: 254, placeholder: "email (optional)", testid: "invite-email" });
+    // Optional (with an OpenID provider): only this person may then join, through the provider.
+    const inviteEmail = h("input", { type: "email", maxlength: 254, placeholder: "email (optional)", hidden: true, testid: "invite-email", title: "Only this person can join, with your organisation's sign-in" });
+    loadSignInOptions().then((options) => (inviteEmail.hidden = !options.oidc));
     const inviteLink = h("div", {});
     const inviteForm = h(
       "form",

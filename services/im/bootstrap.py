@@ -190,6 +190,7 @@ def build(settings: Settings) -> IMApp:
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
+        oidc_configured=settings.oidc is not None,
     )
     machines = MachineAccess(
         services=lambda: identity.services,

@@ -89,6 +89,15 @@ async def test_an_invited_email_joins_once_and_signs_in_after(oidc_im: RunningIM
         metadata=bearer(created.tokens),
     )
     assert made.invite.email == email.lower()
+    # Only the provider proves the email: a password cannot accept it.
+    with pytest.raises(grpc.aio.AioRpcError) as by_password:
+        await auth.AcceptInvite(
+            auth_pb2.AcceptInviteRequest(
+                invite=made.secret, display_name="B", login=unique("bea"), password=PASSWORD
+            )
+        )
+    assert by_password.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "join with your organisation" in (by_password.value.details() or "")
     joined = await auth.SignInWithOidc(
         oidc_request(issuer, email.upper(), invite=made.secret, display_name="Bea")
     )
@@ -162,6 +171,12 @@ async def test_without_the_provider_configured_or_reachable(
         await auth_stub(im).SignInWithOidc(request)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "not configured" in (caught.value.details() or "")
+    created = await workspace(im, unique("own"))
+    with pytest.raises(grpc.aio.AioRpcError) as bound:
+        await auth_stub(im).CreateInvite(
+            auth_pb2.CreateInviteRequest(email="eve@example.test"), metadata=bearer(created.tokens)
+        )
+    assert bound.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     await issuer.stop()
     down: RunningIM = await im_factory(**issuer.environment(), OIDC_HTTP_TIMEOUT_SECONDS="2")
     with pytest.raises(grpc.aio.AioRpcError) as caught:

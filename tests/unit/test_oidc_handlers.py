@@ -24,7 +24,7 @@ from services.im.domain.errors import (
 )
 from services.im.domain.model import Role, Workspace
 from services.im.domain.oidc import IdTokenRules
-from services.im.service_layer.auth import WORKSPACE_REQUIRED
+from services.im.service_layer.auth import WORKSPACE_REQUIRED, AuthService
 from services.im.service_layer.auth_common import IssuedTokens
 from services.im.service_layer.oidc import NO_MEMBER, IdTokenVerifier, OidcAccess
 from tests.oidc_support import TestIssuer
@@ -40,6 +40,15 @@ class OidcWorld:
     def __init__(self, world: AuthWorld, issuer: TestIssuer, *, configured: bool = True) -> None:
         self.world = world
         self.issuer = issuer
+        # Invites may be bound to an email where the provider proves emails.
+        world.accounts = AuthService(
+            open_workspace=world.im.open_workspace,
+            uow=world.store.transaction,
+            keys=world.keys,
+            passwords=world.passwords,
+            clock=world.clock,
+            oidc_configured=configured,
+        )
         verifier = IdTokenVerifier(
             FakeKeys(issuer), IdTokenRules(issuer=ISSUER, client_id=issuer.client_id), clock=world.clock
         )
@@ -176,16 +185,26 @@ async def test_a_login_of_too_many_workspaces_needs_the_workspace(world: AuthWor
 # -- invites bound to an email ----------------------------------------------------------------
 
 
-async def test_an_invite_bound_to_an_email_gives_the_account_that_email(world: AuthWorld) -> None:
+async def test_an_invite_bound_to_an_email_is_for_the_provider_s_sign_in_only(
+    world: AuthWorld, issuer: TestIssuer
+) -> None:
     workspace, owner = await owner_caller(world)
+    # Without a provider nothing proves an email: no invite is bound to one.
+    with pytest.raises(WrongState, match="OIDC_ISSUER"):
+        await world.accounts.create_invite(owner, role=None, ttl=None, request_id="", email="bea@x.test")
+    oidc = OidcWorld(world, issuer)
     invite, secret = await world.accounts.create_invite(
         owner, role=None, ttl=None, request_id="r1", email=" Bea@Example.TEST "
     )
     assert invite.email == "bea@example.test"
-    joined = await world.accounts.accept_invite(
-        invite=secret, display_name="Bea", login="bea", password=PASSWORD, request_id=""
-    )
+    # A password proves nothing of the email.
+    with pytest.raises(WrongState, match=r"for bea@example\.test only: join with your organisation"):
+        await world.accounts.accept_invite(
+            invite=secret, display_name="Bea", login="bea", password=PASSWORD, request_id=""
+        )
+    joined, _ = await oidc.sign_in("bea@example.test", invite=secret)
     assert world.store.state.auth.accounts[joined.member.id].email == "bea@example.test"
+    assert joined.member.workspace_id == workspace.id
     # Nobody else of the workspace gets an invite for it now.
     with pytest.raises(AlreadyTaken, match=r"has the email bea@example\.test"):
         await world.accounts.create_invite(
@@ -193,7 +212,6 @@ async def test_an_invite_bound_to_an_email_gives_the_account_that_email(world: A
         )
     with pytest.raises(InvalidRequest, match="email must be an email address"):
         await world.accounts.create_invite(owner, role=None, ttl=None, request_id="", email="not an email")
-    assert workspace.id == joined.member.workspace_id
 
 
 # -- the OpenID provider -----------------------------------------------------------------------
@@ -204,9 +222,7 @@ async def test_a_member_with_the_email_signs_in_once_per_token(world: AuthWorld,
     _, secret = await world.accounts.create_invite(
         owner, role=None, ttl=None, request_id="", email="cy@x.test"
     )
-    cy = await world.accounts.accept_invite(
-        invite=secret, display_name="Cy", login="cyd", password=PASSWORD, request_id=""
-    )
+    cy, _ = await oidc.sign_in("cy@x.test", invite=secret)
     token, nonce = oidc.token("CY@x.test")
     issued, joined = await oidc.oidc.sign_in(
         id_token=token, nonce=nonce, workspace_id="", invite="", display_name=""

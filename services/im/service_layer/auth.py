@@ -36,7 +36,7 @@ from services.im.domain.errors import (
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
 from services.im.service_layer.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
-from services.im.service_layer.auth_ports import EmailTaken, LoginTaken, Passwords
+from services.im.service_layer.auth_ports import LoginTaken, Passwords
 from services.im.service_layer.handlers import CreationHook, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
@@ -69,6 +69,8 @@ class AuthService(AuthBase):
     Args:
         open_workspace: `IMService.open_workspace`, which creates a workspace
             with its owner (and runs a hook in that transaction).
+        oidc_configured: people may sign in with an OpenID Connect provider,
+            so invites may be bound to an email (which only it proves).
         (the rest as `AuthBase`)
     """
 
@@ -81,9 +83,11 @@ class AuthService(AuthBase):
         passwords: Passwords,
         limits: access.AuthLimits | None = None,
         clock: Clock = utc_now,
+        oidc_configured: bool = False,
     ) -> None:
         super().__init__(uow=uow, keys=keys, passwords=passwords, limits=limits, clock=clock)
         self._open_workspace = open_workspace
+        self._oidc_configured = oidc_configured
 
     def signing_keys(self) -> list[dict[str, str]]:
         """The published public keys (JWKS entries)."""
@@ -329,10 +333,19 @@ class AuthService(AuthBase):
         request_id: str,
         email: str = "",
     ) -> tuple[Invite, str]:
-        """An invite (bound to an email, if one is given) and its secret (shown this once)."""
+        """An invite (bound to an email, if one is given) and its secret (shown this once).
+
+        An invite bound to an email is accepted only through the OpenID
+        provider, by the person it verifies has that email.
+        """
         role = role or Role.MEMBER
         rid = rules.check_request_id(request_id)
         bound = access.normalize_email(email) if email else None
+        if bound is not None and not self._oidc_configured:
+            raise WrongState(
+                "an invite is bound to an email only where people sign in with an OpenID Connect provider"
+                " (OIDC_ISSUER), which proves the email; leave email empty"
+            )
         authority = self._authority(caller)
         secret = access.new_secret(access.INVITE_PREFIX)
         async with self._uow() as tx:
@@ -395,6 +408,11 @@ class AuthService(AuthBase):
         if member is not None:
             return await self._signed_in_again(member, password)
         self._usable(found)
+        if found.email is not None:
+            # Only the provider proves who has the email: a password proves nothing of it.
+            raise WrongState(
+                f"this invite is for {found.email} only: join with your organisation's sign-in"
+            )
         access.check_password(password, self.limits)
         password_hash = await self._passwords.hash(password)
         async with self._uow() as tx:
@@ -420,17 +438,10 @@ class AuthService(AuthBase):
                         password_hash=password_hash,
                         created_at=now,
                         password_changed_at=now,
-                        # The admin who bound the invite vouched for the email: its
-                        # owner can sign in with the organisation's provider later.
-                        email=found.email,
                     )
                 )
             except LoginTaken:
                 raise AlreadyTaken(f"the login {key!r} is taken in this workspace") from None
-            except EmailTaken:
-                raise AlreadyTaken(
-                    f"a member of this workspace has the email {found.email} already"
-                ) from None
             await self._remember(tx, found.id, rid, fingerprint, member.id)
             secret, refresh = await self._new_session(tx, member)
             await tx.commit()

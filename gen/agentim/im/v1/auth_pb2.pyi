@@ -521,11 +521,12 @@ class CreateInviteRequest(_message.Message):
     shown only once); the earlier secret stops working.
     """
     email: _builtins.str
-    """Optional: binds the invite to one email address. Accepted through
-    OpenID Connect, the provider's verified email must be this one
-    (compared ignoring case); accepted with a password, the new account
-    gets this email, so its owner can sign in with the provider later.
-    No member of the workspace may have it already (ALREADY_EXISTS).
+    """Optional: binds the invite to one email address. It is then accepted
+    only through the OpenID Connect provider (SignInWithOidc), by the
+    person whose verified email this is (compared ignoring case); AcceptInvite
+    with a password is FAILED_PRECONDITION. Only where OIDC_ISSUER is set
+    (else FAILED_PRECONDITION); no member of the workspace may have the
+    email already (ALREADY_EXISTS).
     """
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:

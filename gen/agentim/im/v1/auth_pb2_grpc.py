@@ -241,7 +241,8 @@ class AuthServiceServicer:
     def AcceptInvite(self, request, context):
         """Joins a workspace with an invite: creates a HUMAN member with the
         invite's role and an account, and signs it in. An invite works once
-        and until it expires.
+        and until it expires; one bound to an email is accepted only through
+        the OpenID Connect provider (FAILED_PRECONDITION here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -110,7 +110,8 @@ class AuthServiceStub:
     AcceptInvite: _grpc.UnaryUnaryMultiCallable[_auth_pb2.AcceptInviteRequest, _auth_pb2.AcceptInviteResponse]
     """Joins a workspace with an invite: creates a HUMAN member with the
     invite's role and an account, and signs it in. An invite works once
-    and until it expires.
+    and until it expires; one bound to an email is accepted only through
+    the OpenID Connect provider (FAILED_PRECONDITION here).
     """
     SetMemberRole: _grpc.UnaryUnaryMultiCallable[_auth_pb2.SetMemberRoleRequest, _auth_pb2.SetMemberRoleResponse]
     """Changes a member's role (admins and the owner only). Only the owner
@@ -226,7 +227,8 @@ class AuthServiceAsyncStub(AuthServiceStub):
     AcceptInvite: _aio.UnaryUnaryMultiCallable[_auth_pb2.AcceptInviteRequest, _auth_pb2.AcceptInviteResponse]  # type: ignore[assignment]
     """Joins a workspace with an invite: creates a HUMAN member with the
     invite's role and an account, and signs it in. An invite works once
-    and until it expires.
+    and until it expires; one bound to an email is accepted only through
+    the OpenID Connect provider (FAILED_PRECONDITION here).
     """
     SetMemberRole: _aio.UnaryUnaryMultiCallable[_auth_pb2.SetMemberRoleRequest, _auth_pb2.SetMemberRoleResponse]  # type: ignore[assignment]
     """Changes a member's role (admins and the owner only). Only the owner
@@ -393,7 +395,8 @@ class AuthServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_auth_pb2.AcceptInviteResponse, _abc.Awaitable[_auth_pb2.AcceptInviteResponse]]:
         """Joins a workspace with an invite: creates a HUMAN member with the
         invite's role and an account, and signs it in. An invite works once
-        and until it expires.
+        and until it expires; one bound to an email is accepted only through
+        the OpenID Connect provider (FAILED_PRECONDITION here).
         """
 
     @_abc_1.abstractmethod
