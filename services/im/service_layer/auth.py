@@ -410,9 +410,7 @@ class AuthService(AuthBase):
         self._usable(found)
         if found.email is not None:
             # Only the provider proves who has the email: a password proves nothing of it.
-            raise WrongState(
-                f"this invite is for {found.email} only: join with your organisation's sign-in"
-            )
+            raise WrongState(f"this invite is for {found.email} only: join with your organisation's sign-in")
         access.check_password(password, self.limits)
         password_hash = await self._passwords.hash(password)
         async with self._uow() as tx:
