@@ -74,6 +74,7 @@ _SERVICE_PREFIXES = (
     "TOOL_",
     "AUTH_",
     "OIDC_",
+    "MEMORY_",
 )
 PROVIDER_SCRIPT = ROOT / "tests" / "e2e" / "oidc" / "provider.mjs"
 OIDC_CLIENT_ID = "agentim-browser-test"
@@ -114,6 +115,8 @@ def _environment(data_dir: Path) -> dict[str, str]:
         AGENTIM_DATA_DIR=str(data_dir),
         IM_GRPC_ADDRESS="127.0.0.1:0",
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
+        # Not the fixed default: another system on this machine may hold it.
+        MEMORY_GRPC_ADDRESS="127.0.0.1:0",
         GATEWAY_HTTP_ADDRESS="127.0.0.1:0",
         LOG_LEVEL="WARNING",
         SHUTDOWN_GRACE_SECONDS="2",

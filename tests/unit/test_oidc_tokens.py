@@ -6,6 +6,7 @@ import base64
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -143,6 +144,16 @@ async def test_an_unreachable_provider_is_unavailable_until_its_keys_are_known(i
     assert (await verifier.verify(issuer.id_token(email=EMAIL, nonce=NONCE), NONCE)).email == EMAIL
 
 
+@dataclass(frozen=True)
+class Ago:
+    """A time this many seconds before the test runs (negative: after), in epoch seconds."""
+
+    seconds: int
+
+    def at(self, now: int) -> int:
+        return now - self.seconds
+
+
 CLAIM_FAILURES = [
     (
         "another issuer",
@@ -165,13 +176,13 @@ CLAIM_FAILURES = [
         Unauthenticated,
         "another client (azp)",
     ),
-    ("expired", {"exp": int(time.time()) - 120}, Unauthenticated, "has expired"),
+    ("expired", {"exp": Ago(120)}, Unauthenticated, "has expired"),
     ("no expiry", {"exp": None}, Unauthenticated, "'exp' claim is missing"),
-    ("issued in the future", {"iat": int(time.time()) + 300}, Unauthenticated, "not valid yet"),
-    ("not before later", {"nbf": int(time.time()) + 300}, Unauthenticated, "not valid yet"),
+    ("issued in the future", {"iat": Ago(-300)}, Unauthenticated, "not valid yet"),
+    ("not before later", {"nbf": Ago(-300)}, Unauthenticated, "not valid yet"),
     (
         "issued long ago",
-        {"iat": int(time.time()) - 3600, "exp": int(time.time()) + 3600},
+        {"iat": Ago(3600), "exp": Ago(-3600)},
         Unauthenticated,
         "too long ago",
     ),
@@ -193,7 +204,9 @@ CLAIM_FAILURES = [
 async def test_each_claim_that_fails_is_refused_with_its_reason(
     issuer: TestIssuer, overrides: dict[str, Any], kind: type[ServiceError], words: str
 ) -> None:
-    claims = {**issuer.claims(email=EMAIL, nonce=NONCE), **overrides}
+    now = int(time.time())
+    resolved = {name: value.at(now) if isinstance(value, Ago) else value for name, value in overrides.items()}
+    claims = {**issuer.claims(email=EMAIL, nonce=NONCE), **resolved}
     token = issuer.sign({name: value for name, value in claims.items() if value is not None})
     error = await refusal(issuer, token)
     assert isinstance(error, kind), error
