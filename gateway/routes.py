@@ -219,9 +219,13 @@ ROUTES: tuple[Route, ...] = (
 # RPCs given no HTTP route: the runtime archives its agents' runs (acting as
 # each agent), and no browser has a run to archive; the gateway itself
 # refreshes, signs out and exchanges tokens (a refresh token never leaves the
-# session cookie); only services get service and agent tokens.
+# session cookie); only services get service and agent tokens; the
+# gateway's OpenID Connect callback (gateway.http) hands ID tokens to the IM
+# itself: no browser ever holds one.
 INTERNAL_RPCS = frozenset(
     {
+        ("auth", "SignInWithOidc"),
+        ("auth", "LinkOidcAccount"),
         ("memory", "ArchiveRun"),
         ("auth", "GetSigningKeys"),
         ("auth", "RefreshTokens"),
