@@ -34,6 +34,7 @@ from gateway.errors import (
 )
 from gateway.oidc import CALLBACK_PATH, FLOW_COOKIE, FLOW_COOKIE_PATH, FLOW_MAX_AGE_S, FlowError, RelyingParty
 from gateway.routes import (
+    REVOKES_PERSONAL_TOKEN,
     SSE_MEMBER_PARAM,
     Access,
     Matched,
@@ -281,9 +282,9 @@ class Gateway:
         route = match.route
         credentials: Credentials | None = None
         if route.access is Access.SIGNED_IN:
+            # (A read-only token's writes are the services' to refuse: they
+            # know which RPCs write.)
             credentials = await self._credentials(request)
-            if route.writes and not credentials.can_write:
-                raise permission_denied("this token may only read")
         elif route.opens_session and request.content_type != _JSON:
             # A cross-site form cannot send JSON without CORS's permission:
             # nobody signs a browser into an account of theirs.
@@ -293,7 +294,7 @@ class Gateway:
             response = await self._stream(request, match, metadata, credentials)
         else:
             response = await self._unary(request, match, metadata)
-            if route.revokes_personal_token and credentials is not None:
+            if (route.service, route.rpc) in REVOKES_PERSONAL_TOKEN and credentials is not None:
                 self._auth.forget_exchanges(credentials.member_id)
         renewed = credentials is not None and credentials.renewed and credentials.session is not None
         # (A stream's response set it before it started.)
