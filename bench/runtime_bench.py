@@ -1238,6 +1238,9 @@ class Backend:
             LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
             AGENTIM_DATA_DIR=str(self.data_dir),
             PYTHONUNBUFFERED="1",
+            # Throughput is measured here, not the per-member rate limits.
+            LIMIT_SEND_PER_SECOND="0",
+            LIMIT_CREATE_PER_SECOND="0",
             # The servers run from `source` (their working directory); the stubs come with it.
             PYTHONPATH=str(self.source / "gen"),
             # The test keys and credentials: the benchmark signs its callers' tokens with them.

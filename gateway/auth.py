@@ -23,6 +23,7 @@ from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2
 from gateway.errors import HttpError, unauthenticated
 from gateway.sessions import CSRF_HEADER, Session, SessionSealer, new_session_id
 from services.common.errors import Unauthenticated, Unavailable
+from services.common.identity import bearer_metadata
 from services.common.tokens import Verifier
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Authenticator:
         sealer: seals and opens session cookies.
         refresh_margin_seconds: a session's access token this close to its
             expiry is refreshed before the request is forwarded.
+        call_timeout_seconds: deadline of each call to the IM.
         clock: seconds since the epoch, replaceable in tests.
     """
 
@@ -92,9 +94,11 @@ class Authenticator:
         sealer: SessionSealer,
         *,
         refresh_margin_seconds: float = 60.0,
+        call_timeout_seconds: float = 10.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._stub = auth_pb2_grpc.AuthServiceStub(channel)
+        self._timeout = call_timeout_seconds
         self.sealer = sealer
         self._margin = refresh_margin_seconds
         self._clock = clock
@@ -109,7 +113,7 @@ class Authenticator:
         self._signed_out: dict[str, float] = {}
 
     async def _signing_keys(self) -> Mapping[str, Any]:
-        response = await self._stub.GetSigningKeys(auth_pb2.GetSigningKeysRequest())
+        response = await self._stub.GetSigningKeys(auth_pb2.GetSigningKeysRequest(), timeout=self._timeout)
         return {"keys": [json_format.MessageToDict(key) for key in response.keys]}
 
     # --- authenticating requests -------------------------------------------------------------
@@ -182,7 +186,7 @@ class Authenticator:
             return cached[0]
         try:
             response = await self._stub.ExchangePersonalToken(
-                auth_pb2.ExchangePersonalTokenRequest(secret=secret)
+                auth_pb2.ExchangePersonalTokenRequest(secret=secret), timeout=self._timeout
             )
         except grpc.aio.AioRpcError as error:
             self._exchanged.pop(key, None)
@@ -259,7 +263,7 @@ class Authenticator:
     async def _refresh(self, session: Session) -> Session:
         try:
             response = await self._stub.RefreshTokens(
-                auth_pb2.RefreshTokensRequest(refresh_token=session.refresh_token)
+                auth_pb2.RefreshTokensRequest(refresh_token=session.refresh_token), timeout=self._timeout
             )
         except grpc.aio.AioRpcError as error:
             if error.code() == grpc.StatusCode.UNAUTHENTICATED:
@@ -275,6 +279,49 @@ class Authenticator:
         """
         self._signed_out[session.session_id] = session.access_expires_at
         try:
-            await self._stub.SignOut(auth_pb2.SignOutRequest(refresh_token=session.refresh_token))
+            await self._stub.SignOut(
+                auth_pb2.SignOutRequest(refresh_token=session.refresh_token), timeout=self._timeout
+            )
         except grpc.aio.AioRpcError as error:
             raise _grpc_error(error) from None
+
+    # --- the organisation's OpenID Connect provider ------------------------------------------
+
+    async def sign_in_with_oidc(
+        self, *, id_token: str, nonce: str, workspace_id: str, invite: str, display_name: str
+    ) -> Session:
+        """A new session for the person an ID token names (the IM verifies the token).
+
+        Raises:
+            HttpError: the IM's refusal (its status and message).
+        """
+        try:
+            response = await self._stub.SignInWithOidc(
+                auth_pb2.SignInWithOidcRequest(
+                    id_token=id_token,
+                    nonce=nonce,
+                    workspace_id=workspace_id,
+                    invite=invite,
+                    display_name=display_name,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _grpc_error(error) from None
+        return self.session_from(response.tokens)
+
+    async def link_oidc(self, credentials: Credentials, *, id_token: str, nonce: str) -> str:
+        """Links the signed-in person's account to the ID token's verified email; returns the email.
+
+        Raises:
+            HttpError: the IM's refusal (its status and message).
+        """
+        try:
+            response = await self._stub.LinkOidcAccount(
+                auth_pb2.LinkOidcAccountRequest(id_token=id_token, nonce=nonce),
+                metadata=bearer_metadata(credentials.access_token),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _grpc_error(error) from None
+        return str(response.email)

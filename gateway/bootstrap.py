@@ -10,8 +10,10 @@ from aiohttp import web
 from gateway.auth import Authenticator
 from gateway.config import Settings
 from gateway.http import Gateway
+from gateway.oidc import RelyingParty
 from gateway.sessions import SessionSealer, load_or_create_key
 from gateway.upstream import Upstreams
+from services.common.oidc import ProviderClient
 
 logger = logging.getLogger(__name__)
 
@@ -19,10 +21,18 @@ logger = logging.getLogger(__name__)
 class GatewayApp:
     """The HTTP server with its upstream channels; `start`, then `stop` (idempotent)."""
 
-    def __init__(self, settings: Settings, upstreams: Upstreams, authenticator: Authenticator) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        upstreams: Upstreams,
+        authenticator: Authenticator,
+        *,
+        oidc: RelyingParty | None = None,
+    ) -> None:
         self.settings = settings
         self.upstreams = upstreams
-        self.gateway = Gateway(settings, upstreams, authenticator)
+        self._oidc = oidc
+        self.gateway = Gateway(settings, upstreams, authenticator, oidc=oidc)
         self._runner = web.AppRunner(
             self.gateway.application(),
             # No access log: a logged request line or header could show a
@@ -63,6 +73,8 @@ class GatewayApp:
         if self._started:
             await self._runner.cleanup()
         await self.upstreams.aclose()
+        if self._oidc is not None:
+            await self._oidc.aclose()
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         await stop.wait()
@@ -83,9 +95,12 @@ def build(settings: Settings) -> GatewayApp:
         tls=settings.tls.client,
     )
     key = settings.session_key or load_or_create_key(settings.session_key_file)
+    sealer = SessionSealer(key)
     authenticator = Authenticator(
         upstreams.channel("auth"),
-        SessionSealer(key),
+        sealer,
         refresh_margin_seconds=settings.refresh_margin_seconds,
+        call_timeout_seconds=settings.call_timeout_seconds,
     )
-    return GatewayApp(settings, upstreams, authenticator)
+    oidc = RelyingParty(ProviderClient(settings.oidc), sealer) if settings.oidc is not None else None
+    return GatewayApp(settings, upstreams, authenticator, oidc=oidc)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gateway.sessions import SessionKeyError, parse_session_key
 from services.common.logs import LOG_LEVELS
+from services.common.oidc import OidcSettings, read_oidc
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 
@@ -46,8 +47,11 @@ class Settings:
             did not come over HTTPS (behind a proxy that ends TLS).
         refresh_margin_seconds: a session's access token this close to its
             expiry is refreshed before the request is forwarded.
-        oidc_issuer: the OpenID Connect issuer people may sign in with (the
-            sign-in page shows its button); None: none.
+        oidc: the organisation's OpenID Connect provider people may sign in
+            with (the sign-in page shows its button); None: none.
+        oidc_redirect_url: the callback URL registered at the provider
+            (`.../v1/auth/oidc/callback`); None: made from each request's
+            scheme and Host (set it behind a proxy that ends TLS).
     """
 
     http_address: str
@@ -68,7 +72,8 @@ class Settings:
     session_key_file: Path = Path("data/secrets/gateway-session.key")
     cookie_secure: bool = False
     refresh_margin_seconds: float = 60.0
-    oidc_issuer: str | None = None
+    oidc: OidcSettings | None = None
+    oidc_redirect_url: str | None = None
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
 
@@ -125,8 +130,14 @@ class Settings:
             session_key_file=default_data_dir(env) / "secrets" / "gateway-session.key",
             cookie_secure=env.flag("GATEWAY_COOKIE_SECURE", False),
             refresh_margin_seconds=env.number("GATEWAY_REFRESH_MARGIN_SECONDS", 60.0),
-            oidc_issuer=env.optional("OIDC_ISSUER"),
+            oidc=read_oidc(env, needs_secret=True),
+            oidc_redirect_url=env.optional("OIDC_REDIRECT_URL"),
             tls=read_tls(env),
         )
+        redirect = settings.oidc_redirect_url
+        if redirect is not None:
+            scheme, sep, rest = redirect.partition("://")
+            if scheme not in {"http", "https"} or not sep or not rest.split("/", 1)[0]:
+                env.problem(f"OIDC_REDIRECT_URL: expected an http(s):// URL, got {redirect[:200]!r}")
         env.finish()
         return settings

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlencode
 
 import grpc
 from aiohttp import web
@@ -30,7 +32,9 @@ from gateway.errors import (
     too_large,
     too_large_upstream,
 )
+from gateway.oidc import CALLBACK_PATH, FLOW_COOKIE, FLOW_COOKIE_PATH, FLOW_MAX_AGE_S, FlowError, RelyingParty
 from gateway.routes import (
+    REVOKES_PERSONAL_TOKEN,
     SSE_MEMBER_PARAM,
     Access,
     Matched,
@@ -44,6 +48,7 @@ from gateway.transcoding import build_request, dumps, message_json
 from gateway.upstream import Metadata, Upstreams
 from services.common.errors import InvalidArgument
 from services.common.identity import VIEW_AS_KEY, WATCH_START_CURSOR_KEY, bearer_metadata
+from services.common.oidc import ProviderError
 from services.common.request_rules import check_request
 
 logger = logging.getLogger(__name__)
@@ -131,10 +136,13 @@ class Gateway:
         upstreams: Upstreams,
         authenticator: Authenticator,
         table: RouteTable | None = None,
+        *,
+        oidc: RelyingParty | None = None,
     ) -> None:
         self._settings = settings
         self._upstreams = upstreams
         self._auth = authenticator
+        self._oidc = oidc
         self.table = table or RouteTable()
         self._openapi = dumps(openapi.build(tuple(self.table.routes)))
         # (caller, member) -> until when the caller may view as that member.
@@ -162,6 +170,8 @@ class Gateway:
         app.router.add_get("/v1/auth/session", self._session)
         app.router.add_post("/v1/auth/sign-out", self._sign_out)
         app.router.add_get("/v1/auth/options", self._options)
+        app.router.add_get("/v1/auth/oidc/start", self._oidc_start)
+        app.router.add_get(CALLBACK_PATH, self._oidc_callback)
         app.router.add_route("*", "/v1{tail:(/.*)?}", self._api)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         return app
@@ -273,9 +283,9 @@ class Gateway:
         route = match.route
         credentials: Credentials | None = None
         if route.access is Access.SIGNED_IN:
+            # (A read-only token's writes are the services' to refuse: they
+            # know which RPCs write.)
             credentials = await self._credentials(request)
-            if route.writes and not credentials.can_write:
-                raise permission_denied("this token may only read")
         elif route.opens_session and request.content_type != _JSON:
             # A cross-site form cannot send JSON without CORS's permission:
             # nobody signs a browser into an account of theirs.
@@ -285,7 +295,7 @@ class Gateway:
             response = await self._stream(request, match, metadata, credentials)
         else:
             response = await self._unary(request, match, metadata)
-            if route.revokes_personal_token and credentials is not None:
+            if (route.service, route.rpc) in REVOKES_PERSONAL_TOKEN and credentials is not None:
                 self._auth.forget_exchanges(credentials.member_id)
         renewed = credentials is not None and credentials.renewed and credentials.session is not None
         # (A stream's response set it before it started.)
@@ -421,7 +431,145 @@ class Gateway:
         return response
 
     async def _options(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(text=dumps({"oidc": self._settings.oidc_issuer is not None}), content_type=_JSON)
+        return web.Response(text=dumps({"oidc": self._oidc is not None}), content_type=_JSON)
+
+    # --- signing in with the organisation's OpenID Connect provider --------------------
+
+    def _relying_party(self) -> RelyingParty:
+        if self._oidc is None:
+            raise not_found("signing in with an OpenID Connect provider is not configured here (OIDC_ISSUER)")
+        return self._oidc
+
+    def _back_to_page(self, request: web.Request, **fragment: str) -> web.Response:
+        """Sends the browser back to the web UI (a 303), which reads what happened from
+        the URL's fragment (never sent to a server); the flow cookie goes."""
+        shown = {name: value for name, value in fragment.items() if value}
+        location = "/" + ("#" + urlencode(shown) if shown else "")
+        response = web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store"})
+        response.del_cookie(
+            FLOW_COOKIE,
+            path=FLOW_COOKIE_PATH,
+            httponly=True,
+            samesite="Lax",
+            secure=self._settings.cookie_secure or request.secure,
+        )
+        return response
+
+    def _refused(self, request: web.Request, message: str, status: str, *, invite: str = "") -> web.Response:
+        return self._back_to_page(request, signin_error=message, signin_status=status, invite=invite)
+
+    async def _oidc_start(self, request: web.Request) -> web.StreamResponse:
+        """Sends the browser to the provider, with the flow's secrets in a sealed cookie.
+
+        Query: `invite` (join with it), `workspace` (the workspace to sign in
+        to), `name` (a new member's name), `link=1` (link the signed-in
+        person's account instead of signing in).
+        """
+        party = self._relying_party()
+        invite = request.query.get("invite", "").strip()
+        workspace = request.query.get("workspace", "").strip()
+        name = request.query.get("name", "").strip()
+        if invite and (not invite.startswith("aim_inv_") or len(invite) > 128):
+            return self._refused(request, "the invite is not valid", "UNAUTHENTICATED")
+        if workspace:
+            try:
+                workspace = str(uuid.UUID(workspace))
+            except ValueError:
+                return self._refused(
+                    request, "the workspace id is not valid", "INVALID_ARGUMENT", invite=invite
+                )
+        if len(name) > 100:
+            return self._refused(
+                request, "the name may be at most 100 characters", "INVALID_ARGUMENT", invite=invite
+            )
+        link_session = ""
+        renewed: Session | None = None
+        if request.query.get("link") == "1":
+            try:
+                credentials = await self._credentials(request)
+            except HttpError as error:
+                return self._refused(request, f"sign in first: {error.message}", error.status)
+            if credentials.session is None:
+                return self._refused(request, "linking needs a browser session", "UNAUTHENTICATED")
+            link_session = credentials.session.session_id
+            # Refreshed on the way: the browser must keep the new tokens (the old
+            # refresh token is spent, and using it again would end the session).
+            renewed = credentials.session if credentials.renewed else None
+        redirect_uri = self._settings.oidc_redirect_url or f"{request.scheme}://{request.host}{CALLBACK_PATH}"
+        try:
+            url, cookie = await party.start(
+                redirect_uri=redirect_uri,
+                invite=invite,
+                workspace_id=workspace,
+                display_name=name,
+                link_session=link_session,
+            )
+        except ProviderError as error:
+            logger.warning("cannot start a sign-in with the OpenID provider: %s", error)
+            refused = self._refused(request, str(error), "UNAVAILABLE", invite=invite)
+            if renewed is not None:
+                self._set_cookie(request, refused, renewed)
+            return refused
+        response = web.Response(status=303, headers={"Location": url, "Cache-Control": "no-store"})
+        response.set_cookie(
+            FLOW_COOKIE,
+            cookie,
+            path=FLOW_COOKIE_PATH,
+            httponly=True,
+            # Lax: the provider's redirect back is a top-level GET, which carries it.
+            samesite="Lax",
+            secure=self._settings.cookie_secure or request.secure,
+            max_age=FLOW_MAX_AGE_S,
+        )
+        if renewed is not None:
+            self._set_cookie(request, response, renewed)
+        return response
+
+    async def _oidc_callback(self, request: web.Request) -> web.StreamResponse:
+        """The provider's answer: checks it against the flow cookie, gets the ID token,
+        and has the IM sign the person in (or link their account); then back to the UI."""
+        party = self._relying_party()
+        try:
+            flow = party.open(request.cookies.get(FLOW_COOKIE))
+        except FlowError as error:
+            return self._refused(request, str(error), "UNAUTHENTICATED")
+        try:
+            id_token = await party.finish(flow, dict(request.query))
+        except FlowError as error:
+            return self._refused(request, str(error), "UNAUTHENTICATED", invite=flow.invite)
+        if flow.link_session:
+            try:
+                credentials = await self._credentials(request)
+            except HttpError as error:
+                return self._refused(request, error.message, error.status)
+            session = credentials.session
+            if session is None or session.session_id != flow.link_session:
+                return self._refused(
+                    request, "the browser was signed in as someone else meanwhile", "UNAUTHENTICATED"
+                )
+            try:
+                email = await self._auth.link_oidc(credentials, id_token=id_token, nonce=flow.nonce)
+            except HttpError as error:
+                response = self._refused(request, error.message, error.status)
+            else:
+                response = self._back_to_page(request, linked=email)
+            # Refreshed on the way: the browser keeps the new tokens, whatever the outcome.
+            if credentials.renewed:
+                self._set_cookie(request, response, session)
+            return response
+        try:
+            session = await self._auth.sign_in_with_oidc(
+                id_token=id_token,
+                nonce=flow.nonce,
+                workspace_id=flow.workspace_id,
+                invite=flow.invite,
+                display_name=flow.display_name,
+            )
+        except HttpError as error:
+            return self._refused(request, error.message, error.status, invite=flow.invite)
+        response = self._back_to_page(request)
+        self._set_cookie(request, response, session)
+        return response
 
     async def _body(self, request: web.Request) -> bytes:
         limit = self._settings.max_body_bytes

@@ -303,6 +303,58 @@ def _session_operations() -> dict[str, dict[str, Any]]:
                 "security": [],
             }
         },
+        "/v1/auth/oidc/start": {
+            "get": {
+                "operationId": "StartOidcSignIn",
+                "tags": ["Gateway"],
+                "summary": (
+                    "Sends the browser to the organisation's OpenID Connect provider (a 303), with the"
+                    " sign-in's state, nonce and PKCE verifier in a sealed cookie; 404 when OIDC_ISSUER"
+                    " is unset."
+                ),
+                "parameters": [
+                    _query("invite", "An invite's secret: join its workspace."),
+                    _query("workspace", "The workspace to sign in to (when the email is in several)."),
+                    _query("name", "A new member's name (with an invite)."),
+                    _query("link", "`1`: link the signed-in person's account instead of signing in."),
+                ],
+                "responses": {
+                    "303": {"description": "To the provider, or back to the web UI"},
+                    "default": error,
+                },
+                "security": [],
+            }
+        },
+        "/v1/auth/oidc/callback": {
+            "get": {
+                "operationId": "FinishOidcSignIn",
+                "tags": ["Gateway"],
+                "summary": (
+                    "The provider's answer: checked against the sign-in's cookie, the code exchanged, the"
+                    " person signed in by the IM; then back to the web UI (`/`, or"
+                    " `/#signin_error=...&signin_status=...`)."
+                ),
+                "parameters": [
+                    _query("code", "The authorization code."),
+                    _query("state", "The state the sign-in started with."),
+                    _query("iss", "The provider (RFC 9207)."),
+                    _query("error", "The provider's refusal."),
+                    _query("error_description", "Its reason."),
+                ],
+                "responses": {"303": {"description": "Back to the web UI"}, "default": error},
+                "security": [],
+            }
+        },
+    }
+
+
+def _query(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": description,
     }
 
 

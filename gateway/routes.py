@@ -1,22 +1,29 @@
 """The HTTP contract: which method and path call which RPC (pure: no I/O).
 
-Each route names an RPC of one upstream service; the request and response
-messages, and whether the RPC streams, come from the protobuf descriptors.
-Path templates use `{field}` for a request field of that name (dotted names
-such as `member.id` reach nested fields); everything else in a template is
-literal, including the `:verb` suffixes of custom methods.
+Nothing here is written by hand: each RPC's HTTP mapping is its
+`google.api.http` annotation in the protos (the convention grpc-gateway,
+Envoy's transcoder and Google's API tooling read), and whether it needs a
+credential is its `agentim.api.v1.public` option. The request and response
+messages, and whether the RPC streams, come from the same descriptors, so a
+new RPC needs no gateway edit. Path templates use `{field}` for a request
+field of that name (dotted names such as `member.id` reach nested fields);
+everything else in a template is literal, including the `:verb` suffixes of
+custom methods. The body is the whole request (`body: "*"`) or none.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from urllib.parse import unquote
 
+from google.api import annotations_pb2, http_pb2
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
+from agentim.api.v1 import annotations_pb2 as api_options
 from agentim.im.v1 import auth_pb2, im_pb2
 from agentim.memory.v1 import memory_pb2
 from agentim.runtime.v1 import runtime_pb2
@@ -32,6 +39,8 @@ SERVICES: Mapping[str, ServiceDescriptor] = {
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_.]*)\}")
 # A path parameter is one segment, and stops before a `:verb` suffix.
 _SEGMENT = r"([^/:]+)"
+# The message whose presence in a response opens a browser session.
+_TOKENS = "agentim.im.v1.Tokens"
 
 
 class Access(enum.Enum):
@@ -62,17 +71,12 @@ class Route:
     service: str
     rpc: str
     resume: Resume = Resume.NONE
-    # The OpenAPI operationId when one RPC serves several routes; else the RPC's name.
+    # The OpenAPI operationId (see `operation_ids`); empty: the RPC's name.
     operation: str = ""
     access: Access = Access.SIGNED_IN
     # The response's `tokens` open a browser session: they go into the
     # session cookie, never into the response body.
     opens_session: bool = False
-    # A POST that only reads (a search): allowed with a read-only token.
-    reads_only: bool = False
-    # Revokes a personal token of the caller's: the gateway forgets the
-    # access tokens it exchanged the caller's personal tokens for.
-    revokes_personal_token: bool = False
     params: tuple[str, ...] = field(init=False)
     pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
@@ -109,129 +113,95 @@ class Route:
     def has_body(self) -> bool:
         return self.method in {"POST", "PATCH", "PUT"}
 
-    @property
-    def writes(self) -> bool:
-        """Changes something: refused to a read-only token."""
-        return self.method != "GET" and not self.reads_only
+
+class BadAnnotation(ValueError):
+    """An RPC's HTTP annotation asks for what the gateway does not do."""
 
 
-IM, AUTH, RT, MEM = "im", "auth", "runtime", "memory"
+def _bindings(rule: http_pb2.HttpRule) -> Iterator[tuple[str, str, str]]:
+    """(method, template, body) of a rule and its additional bindings."""
+    for each in (rule, *rule.additional_bindings):
+        pattern = each.WhichOneof("pattern")
+        if pattern is None or pattern == "custom":
+            raise BadAnnotation(f"an HTTP rule needs get, post, patch, put or delete: {each}")
+        yield pattern.upper(), getattr(each, pattern), each.body
 
-ROUTES: tuple[Route, ...] = (
-    # With creator_login and creator_password, creating a workspace signs its creator in.
-    Route("POST", "/v1/workspaces", IM, "CreateWorkspace", access=Access.PUBLIC, opens_session=True),
-    Route("GET", "/v1/workspaces", IM, "ListWorkspaces"),
-    Route("GET", "/v1/workspaces/{workspace_id}", IM, "GetWorkspace"),
-    Route("POST", "/v1/workspaces/{workspace_id}/members", IM, "CreateMember"),
-    Route("GET", "/v1/workspaces/{workspace_id}/members", IM, "ListMembers"),
-    Route("GET", "/v1/members/{member_id}", IM, "GetMember"),
-    Route("POST", "/v1/members/{member_id}:setRole", AUTH, "SetMemberRole"),
-    Route("PATCH", "/v1/members/{member.id}", IM, "UpdateMember"),
-    Route("POST", "/v1/groups", IM, "CreateGroup"),
-    Route("POST", "/v1/groups:direct", IM, "GetOrCreateDirectGroup"),
-    Route("GET", "/v1/groups", IM, "ListGroups"),
-    Route("GET", "/v1/groups/{group_id}", IM, "GetGroup"),
-    Route("PATCH", "/v1/groups/{group.id}", IM, "UpdateGroup"),
-    Route("POST", "/v1/groups/{group_id}/members:add", IM, "AddGroupMembers"),
-    Route("POST", "/v1/groups/{group_id}/members:remove", IM, "RemoveGroupMembers"),
-    Route("POST", "/v1/groups/{group_id}/messages", IM, "SendMessage"),
-    Route("GET", "/v1/groups/{group_id}/messages", IM, "ListMessages"),
-    Route("POST", "/v1/groups/{group_id}:markRead", IM, "MarkRead"),
-    Route("GET", "/v1/messages/{message_id}", IM, "GetMessage"),
-    Route("PATCH", "/v1/messages/{message_id}", IM, "EditMessage"),
-    Route("GET", "/v1/unread", IM, "GetAllUnread"),
-    Route("GET", "/v1/chats", IM, "ListChats"),
-    Route("GET", "/v1/events", IM, "WatchEvents", Resume.CURSOR),
-    Route("POST", "/v1/agents", RT, "CreateAgent"),
-    Route("GET", "/v1/agents", RT, "ListAgents"),
-    Route("GET", "/v1/agents/{agent_id}", RT, "GetAgent"),
-    Route("PATCH", "/v1/agents/{agent.id}", RT, "UpdateAgent"),
-    Route("DELETE", "/v1/agents/{agent_id}", RT, "DeleteAgent"),
-    Route("POST", "/v1/agents/{agent_id}:wake", RT, "WakeAgent"),
-    Route("GET", "/v1/agents/{agent_id}/runs", RT, "ListRuns"),
-    Route("GET", "/v1/agents/{agent_id}/steps", RT, "ListSteps"),
-    Route("GET", "/v1/agents/{agent_id}/events", RT, "WatchAgent", Resume.STEP_SEQUENCE),
-    Route("GET", "/v1/agent-events", RT, "WatchAgents"),
-    Route("GET", "/v1/tools", RT, "ListTools"),
-    # Agent control (lifecycle, intervention, checkpoints, sessions, retry
-    # and fork, the task queue).
-    Route("POST", "/v1/agents/{agent_id}:start", RT, "StartAgent"),
-    Route("POST", "/v1/agents/{agent_id}:pause", RT, "PauseAgent"),
-    Route("POST", "/v1/agents/{agent_id}:resume", RT, "ResumeAgent"),
-    Route("POST", "/v1/agents/{agent_id}:interrupt", RT, "InterruptAgent"),
-    Route("POST", "/v1/agents/{agent_id}:terminate", RT, "TerminateAgent"),
-    Route("PATCH", "/v1/agents/{agent_id}/steps/{sequence}", RT, "UpdateStep"),
-    Route("DELETE", "/v1/agents/{agent_id}/steps/{sequence}", RT, "DeleteStep"),
-    Route("POST", "/v1/agents/{agent_id}/notes", RT, "AddNote"),
-    Route("POST", "/v1/agents/{agent_id}/checkpoints", RT, "CreateCheckpoint"),
-    Route("GET", "/v1/agents/{agent_id}/checkpoints", RT, "ListCheckpoints"),
-    Route("POST", "/v1/agents/{agent_id}/checkpoints/{checkpoint_id}:restore", RT, "RestoreCheckpoint"),
-    Route("GET", "/v1/agents/{agent_id}/sessions", RT, "ListSessions"),
-    Route("POST", "/v1/agents/{agent_id}:setMainSession", RT, "SetMainSession"),
-    Route("POST", "/v1/agents/{agent_id}/steps/{sequence}:retry", RT, "RetryFromStep"),
-    Route("POST", "/v1/agents/{agent_id}/steps/{sequence}:fork", RT, "ForkFromStep"),
-    Route("POST", "/v1/agents/{agent_id}/tasks", RT, "SubmitTask"),
-    Route("GET", "/v1/agents/{agent_id}/tasks", RT, "ListTasks"),
-    Route("GET", "/v1/agents/{agent_id}/queue", RT, "GetQueueStats"),
-    Route("GET", "/v1/tasks/{task_id}", RT, "GetTask"),
-    Route("POST", "/v1/tasks/{task_id}:cancel", RT, "CancelTask"),
-    # Long-term memory: an agent's (what its audience may see, the caller
-    # included) and a workspace's, for the people searching it.
-    Route(
-        "POST",
-        "/v1/agents/{agent.agent_id}/memory:search",
-        MEM,
-        "Retrieve",
-        operation="SearchAgentMemory",
-        reads_only=True,
-    ),
-    Route(
-        "POST",
-        "/v1/agents/{agent.agent_id}/memory:expand",
-        MEM,
-        "Expand",
-        operation="ExpandAgentMemory",
-        reads_only=True,
-    ),
-    Route("GET", "/v1/agents/{agent_id}/memory", MEM, "GetMemoryStats"),
-    Route("POST", "/v1/agents/{agent_id}/memory:forget", MEM, "Forget"),
-    Route("POST", "/v1/memory:search", MEM, "Retrieve", operation="SearchWorkspaceMemory", reads_only=True),
-    Route("POST", "/v1/memory:expand", MEM, "Expand", operation="ExpandWorkspaceMemory", reads_only=True),
-    # Accounts and sessions (sign-out and who-am-I are the gateway's own: see gateway.http).
-    Route("POST", "/v1/auth/sign-in", AUTH, "SignIn", access=Access.PUBLIC, opens_session=True),
-    Route("POST", "/v1/auth/accept-invite", AUTH, "AcceptInvite", access=Access.PUBLIC, opens_session=True),
-    Route("POST", "/v1/auth/password", AUTH, "ChangePassword", opens_session=True),
-    Route("POST", "/v1/auth/invites", AUTH, "CreateInvite"),
-    Route("POST", "/v1/auth/personal-tokens", AUTH, "CreatePersonalToken"),
-    Route("GET", "/v1/auth/personal-tokens", AUTH, "ListPersonalTokens"),
-    Route(
-        "POST",
-        "/v1/auth/personal-tokens/{personal_token_id}:revoke",
-        AUTH,
-        "RevokePersonalToken",
-        revokes_personal_token=True,
-    ),
-    # The audit logs (admins): the IM's (accounts, tokens, roles, members) and the runtime's (agents).
-    Route("GET", "/v1/audit-events", AUTH, "ListAuditEvents"),
-    Route("GET", "/v1/agent-audit-events", RT, "ListAuditEvents", operation="ListAgentAuditEvents"),
-)
 
-# RPCs given no HTTP route: the runtime archives its agents' runs (acting as
-# each agent), and no browser has a run to archive; the gateway itself
-# refreshes, signs out and exchanges tokens (a refresh token never leaves the
-# session cookie); only services get service and agent tokens.
-INTERNAL_RPCS = frozenset(
-    {
-        ("memory", "ArchiveRun"),
-        ("auth", "GetSigningKeys"),
-        ("auth", "RefreshTokens"),
-        ("auth", "SignOut"),
-        ("auth", "ExchangePersonalToken"),
-        ("auth", "IssueServiceToken"),
-        ("auth", "IssueAgentTokens"),
-        ("im", "SetAgentOwners"),
-    }
-)
+def _resume(method: MethodDescriptor) -> Resume:
+    if not method.server_streaming:
+        return Resume.NONE
+    fields = method.input_type.fields_by_name
+    if "after_cursor" in fields:
+        return Resume.CURSOR
+    if "after_sequence" in fields:
+        return Resume.STEP_SEQUENCE
+    return Resume.NONE
+
+
+def _opens_session(method: MethodDescriptor) -> bool:
+    tokens = method.output_type.fields_by_name.get("tokens")
+    return tokens is not None and tokens.message_type is not None and tokens.message_type.full_name == _TOKENS
+
+
+def routes_of(services: Mapping[str, ServiceDescriptor] = SERVICES) -> tuple[Route, ...]:
+    """Every HTTP binding of the services' annotated RPCs, in the protos' order.
+
+    Raises:
+        BadAnnotation: a binding the gateway cannot serve (a body other than
+            the whole request for POST, PATCH and PUT, or any for GET and
+            DELETE; a custom method).
+    """
+    routes: list[Route] = []
+    for service, descriptor in services.items():
+        for method in descriptor.methods:
+            options = method.GetOptions()
+            if not options.HasExtension(annotations_pb2.http):
+                continue
+            public = options.Extensions[api_options.public]
+            for verb, template, body in _bindings(options.Extensions[annotations_pb2.http]):
+                wanted = "*" if verb in {"POST", "PATCH", "PUT"} else ""
+                if body != wanted:
+                    raise BadAnnotation(
+                        f"{descriptor.name}.{method.name}: {verb} {template} has body {body!r}; "
+                        f"the gateway sends {'the whole request' if wanted else 'no body'}"
+                    )
+                routes.append(
+                    Route(
+                        verb,
+                        template,
+                        service,
+                        method.name,
+                        resume=_resume(method),
+                        access=Access.PUBLIC if public else Access.SIGNED_IN,
+                        opens_session=_opens_session(method),
+                    )
+                )
+    return operation_ids(routes)
+
+
+def operation_ids(routes: Sequence[Route]) -> tuple[Route, ...]:
+    """The routes with unique OpenAPI operationIds: the RPC's name, or where
+    several RPCs share it `<Service>_<RPC>`, and `_2`, `_3`... for an RPC's
+    additional bindings (grpc-gateway's OpenAPI generator's convention)."""
+    owners: dict[str, set[str]] = {}
+    for route in routes:
+        owners.setdefault(route.rpc, set()).add(route.service)
+    seen: Counter[tuple[str, str]] = Counter()
+    named = []
+    for route in routes:
+        key = (route.service, route.rpc)
+        seen[key] += 1
+        base = route.rpc if len(owners[route.rpc]) == 1 else f"{SERVICES[route.service].name}_{route.rpc}"
+        name = base if seen[key] == 1 else f"{base}_{seen[key]}"
+        named.append(replace(route, operation=name))
+    return tuple(named)
+
+
+ROUTES: tuple[Route, ...] = routes_of()
+
+# RPCs the gateway serves with behaviour of its own beside the call: it
+# forgets the access tokens it exchanged the caller's personal tokens for.
+REVOKES_PERSONAL_TOKEN = frozenset({("auth", "RevokePersonalToken")})
 
 # The query parameter SSE routes accept besides request fields: the member
 # whose view to stream (browsers' EventSource can set no header). It is no

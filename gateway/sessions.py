@@ -16,8 +16,10 @@ import hmac
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -28,6 +30,9 @@ KEY_BYTES = 32
 _NONCE_BYTES = 12
 # Binds sealed cookies to their purpose and format version.
 _SEAL_CONTEXT = b"agentim gateway session v1"
+# A sign-in with the OpenID provider in progress (gateway.oidc): sealed with
+# the same key for another purpose, so neither kind opens as the other.
+_FLOW_CONTEXT = b"agentim gateway oidc flow v1"
 _CSRF_CONTEXT = b"agentim gateway csrf v1"
 # A cookie larger than browsers keep (4096 bytes with its name) is refused unread.
 MAX_COOKIE_CHARS = 4000
@@ -129,6 +134,29 @@ class SessionSealer:
         self._aead = AESGCM(hmac.digest(key, _SEAL_CONTEXT, hashlib.sha256))
         self._csrf_key = hmac.digest(key, _CSRF_CONTEXT, hashlib.sha256)
 
+    def _seal(self, payload: bytes, context: bytes) -> str:
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        return _b64encode(nonce + self._aead.encrypt(nonce, payload, context))
+
+    def _open(self, value: str, context: bytes) -> Any:
+        """The JSON sealed in a value for `context`; raises ValueError (or InvalidTag) if it is none."""
+        if not value or len(value) > MAX_COOKIE_CHARS:
+            raise ValueError("not a sealed value")
+        raw = _b64decode(value)
+        return json.loads(self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], context))
+
+    def seal_flow(self, flow: Mapping[str, Any]) -> str:
+        """Seals an OpenID Connect sign-in in progress (see gateway.oidc)."""
+        return self._seal(json.dumps(dict(flow), separators=(",", ":")).encode(), _FLOW_CONTEXT)
+
+    def open_flow(self, value: str) -> dict[str, Any] | None:
+        """The sign-in sealed by `seal_flow`; None if it is not one of ours, or was altered."""
+        try:
+            opened = self._open(value, _FLOW_CONTEXT)
+        except (binascii.Error, ValueError, InvalidTag):
+            return None
+        return opened if isinstance(opened, dict) else None
+
     def seal(self, session: Session) -> str:
         payload = json.dumps(
             {
@@ -141,16 +169,12 @@ class SessionSealer:
             },
             separators=(",", ":"),
         ).encode()
-        nonce = secrets.token_bytes(_NONCE_BYTES)
-        return _b64encode(nonce + self._aead.encrypt(nonce, payload, _SEAL_CONTEXT))
+        return self._seal(payload, _SEAL_CONTEXT)
 
     def open(self, value: str) -> Session | None:
         """The session sealed in a cookie value; None if it is not one of ours, or was altered."""
-        if not value or len(value) > MAX_COOKIE_CHARS:
-            return None
         try:
-            raw = _b64decode(value)
-            payload = json.loads(self._aead.decrypt(raw[:_NONCE_BYTES], raw[_NONCE_BYTES:], _SEAL_CONTEXT))
+            payload = self._open(value, _SEAL_CONTEXT)
             return Session(
                 session_id=str(payload["sid"]),
                 member_id=str(payload["mem"]),

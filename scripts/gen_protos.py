@@ -28,7 +28,9 @@ def generate(out: Path) -> None:
     bindir = str(Path(sys.executable).parent)
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     out.mkdir(parents=True, exist_ok=True)
-    sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
+    # google/api (the HTTP annotations, vendored for protoc and buf) comes
+    # generated with googleapis-common-protos.
+    sources = sorted(str(p.relative_to(PROTOS)) for p in (PROTOS / "agentim").rglob("*.proto"))
     well_known = Path(grpc_tools.__file__).parent / "_proto"
     args = [
         "protoc",

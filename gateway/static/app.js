@@ -129,9 +129,57 @@ function loadIdentity() {
   }
 }
 
+// -- signing in with the organisation's OpenID Connect provider -------------------
+
+let signInOptions = null;
+
+/** How people may sign in here (GET /v1/auth/options), asked once. */
+function loadSignInOptions() {
+  signInOptions ??= api("GET", "/v1/auth/options", { member: "" }).catch(() => ({ oidc: false }));
+  return signInOptions;
+}
+
+/** Sends the browser to the provider through the gateway (which keeps the flow's secrets). */
+function goToProvider(query) {
+  const params = new URLSearchParams(Object.entries(query).filter(([, value]) => value));
+  const search = params.toString();
+  window.location.assign(`/v1/auth/oidc/start${search ? `?${search}` : ""}`);
+}
+
+/** A button that goes to the provider, shown only when one is configured. */
+function providerButton(label, testid, query) {
+  const button = h("button", { class: "btn btn-org", type: "button", hidden: true, testid, onclick: () => goToProvider(query()) }, icon("key", 16), label);
+  loadSignInOptions().then((options) => (button.hidden = !options.oidc));
+  return button;
+}
+
+/**
+ * What the gateway's callback said, from the URL's fragment (which no
+ * request carries): an error and its status, a linked email, the invite
+ * being accepted. The fragment is cleared but for the invite.
+ */
+function takeSignInResult() {
+  const params = new URLSearchParams(window.location.hash.slice(1));
+  const result = {
+    error: params.get("signin_error") || "",
+    status: params.get("signin_status") || "",
+    linked: params.get("linked") || "",
+    invite: params.get("invite") || "",
+  };
+  if (result.error || result.linked) {
+    const keep = result.invite ? `#invite=${encodeURIComponent(result.invite)}` : "";
+    history.replaceState(null, "", window.location.pathname + keep);
+  }
+  return result;
+}
+
 // -- the start screen ----------------------------------------------------------
 
-function showStart(errorMessage = "") {
+/**
+ * The sign-in page. `askWorkspace`: the login or email is in several
+ * workspaces, so the workspace field is shown (it is hidden otherwise).
+ */
+function showStart(errorMessage = "", { askWorkspace = false } = {}) {
   stopStreams();
   closeAgentPanel();
   state.me = null;
@@ -146,6 +194,7 @@ function showStart(errorMessage = "") {
   };
   const password = (testid) => h("input", { type: "password", required: true, minlength: 8, autocomplete: "current-password", testid });
   const login = (testid) => h("input", { required: true, autocomplete: "username", maxlength: 64, testid });
+  const or = () => h("div", { class: "or", hidden: true }, h("span", {}, "or"));
 
   const invite = new URLSearchParams(window.location.hash.slice(1)).get("invite");
   let section;
@@ -154,6 +203,9 @@ function showStart(errorMessage = "") {
     const user = login("invite-login");
     const secret = password("invite-password");
     secret.autocomplete = "new-password";
+    const separator = or();
+    const orgJoin = providerButton("Join with your organisation", "invite-oidc", () => ({ invite, name: name.value.trim() }));
+    loadSignInOptions().then((options) => (separator.hidden = !options.oidc));
     section = h(
       "form",
       {
@@ -179,16 +231,28 @@ function showStart(errorMessage = "") {
       field("Login", user),
       field("Password", secret),
       h("button", { class: "btn btn-primary", type: "submit", testid: "invite-submit" }, "Join"),
+      separator,
+      orgJoin,
     );
   } else {
     const known = loadKnown();
-    const workspace = h("input", { required: true, placeholder: "workspace id", value: known[0]?.workspaceId || "", testid: "signin-workspace" });
+    // Asked for only when the login (or email) is in several workspaces; the last one used here is offered.
+    const workspace = h("input", { placeholder: "workspace id", value: known[0]?.workspaceId || "", testid: "signin-workspace" });
+    const hint = known.length ? `Used in this browser: ${known.map((k) => `${k.workspaceName} (${k.workspaceId})`).join(", ")}` : "";
+    const workspaceField = field("Workspace", workspace, hint);
+    workspaceField.dataset.testid = "signin-workspace-field";
+    const askForWorkspace = () => {
+      workspaceField.hidden = false;
+      workspace.required = true;
+    };
+    workspaceField.hidden = true;
+    if (askWorkspace) askForWorkspace();
+    const chosenWorkspace = () => (workspaceField.hidden ? "" : workspace.value.trim());
     const user = login("signin-login");
     const secret = password("signin-password");
-    const oidc = h("button", { class: "btn", type: "button", hidden: true, disabled: true, testid: "signin-oidc", title: "Single sign-on is not available yet" }, "Sign in with your organisation");
-    api("GET", "/v1/auth/options", { member: "" })
-      .then((options) => (oidc.hidden = !options.oidc))
-      .catch(() => {});
+    const separator = or();
+    loadSignInOptions().then((options) => (separator.hidden = !options.oidc));
+    const oidc = providerButton("Sign in with your organisation", "signin-oidc", () => ({ workspace: chosenWorkspace() }));
     const signIn = h(
       "form",
       {
@@ -197,22 +261,29 @@ function showStart(errorMessage = "") {
         onsubmit: async (event) => {
           event.preventDefault();
           try {
+            const chosen = chosenWorkspace();
             await api("POST", "/v1/auth/sign-in", {
               member: "",
-              body: { workspaceId: workspace.value.trim(), login: user.value.trim(), password: secret.value },
+              body: { ...(chosen ? { workspaceId: chosen } : {}), login: user.value.trim(), password: secret.value },
             });
             await startSession();
           } catch (err) {
             fail(err);
+            // The login is in several workspaces: which one, the person says.
+            if (err instanceof ApiError && err.status === "FAILED_PRECONDITION") {
+              askForWorkspace();
+              workspace.focus();
+            }
           }
         },
       },
       h("h2", {}, "Sign in"),
-      known.length > 1 ? h("p", { class: "muted small" }, `Workspaces used in this browser: ${known.map((k) => `${k.workspaceName} (${k.workspaceId})`).join(", ")}`) : null,
-      field("Workspace", workspace),
+      workspaceField,
       field("Login", user),
       field("Password", secret),
-      h("div", { class: "inline-form" }, h("button", { class: "btn btn-primary", type: "submit", testid: "signin-submit" }, "Sign in"), oidc),
+      h("button", { class: "btn btn-primary", type: "submit", testid: "signin-submit" }, "Sign in"),
+      separator,
+      oidc,
     );
 
     const wsName = h("input", { required: true, placeholder: "e.g. Acme", testid: "create-workspace-name", maxlength: 100 });
@@ -253,7 +324,9 @@ function showStart(errorMessage = "") {
       field("Password", creatorPassword, "At least 10 characters."),
       h("button", { class: "btn btn-primary", type: "submit", testid: "create-workspace-submit" }, "Create and sign in"),
     );
-    section = [known.length ? signIn : create, known.length ? create : signIn];
+    // A browser that signed in before, or whose sign-in was just refused, wants to sign in.
+    const signInFirst = known.length || errorMessage;
+    section = [signInFirst ? signIn : create, signInFirst ? create : signIn];
   }
 
   setChildren(
@@ -794,6 +867,9 @@ function showAccount() {
 
   if (isAdmin()) {
     const inviteRole = h("select", { testid: "invite-role" }, h("option", { value: "MEMBER_ROLE_MEMBER" }, "member"), h("option", { value: "MEMBER_ROLE_ADMIN" }, "admin"));
+    // Optional (with an OpenID provider): only this person may then join, through the provider.
+    const inviteEmail = h("input", { type: "email", maxlength: 254, placeholder: "email (optional)", hidden: true, testid: "invite-email", title: "Only this person can join, with your organisation's sign-in" });
+    loadSignInOptions().then((options) => (inviteEmail.hidden = !options.oidc));
     const inviteLink = h("div", {});
     const inviteForm = h(
       "form",
@@ -802,14 +878,17 @@ function showAccount() {
         onsubmit: async (event) => {
           event.preventDefault();
           try {
-            const made = await api("POST", "/v1/auth/invites", { member: "", body: { role: inviteRole.value, requestId: uuid4() } });
+            const email = inviteEmail.value.trim();
+            const made = await api("POST", "/v1/auth/invites", { member: "", body: { role: inviteRole.value, requestId: uuid4(), ...(email ? { email } : {}) } });
             const link = `${window.location.origin}/#invite=${encodeURIComponent(made.secret)}`;
-            setChildren(inviteLink, shownOnce("Send this link to the person you invite; it works once.", link, "invite-link"));
+            const whom = made.invite.email ? ` (for ${made.invite.email} only)` : "";
+            setChildren(inviteLink, shownOnce(`Send this link to the person you invite${whom}; it works once.`, link, "invite-link"));
           } catch (err) {
             showError(err, "No invite made");
           }
         },
       },
+      inviteEmail,
       inviteRole,
       h("button", { class: "btn", type: "submit", testid: "invite-create" }, "Invite a person"),
     );
@@ -845,6 +924,15 @@ function showAccount() {
       h("button", { class: "btn", type: "button", testid: "audit-open", onclick: () => showAuditLog(appContext) }, "Open the audit log"),
     );
   }
+  const linking = h(
+    "div",
+    { hidden: true, testid: "oidc-link-section" },
+    h("h3", {}, "Your organisation's sign-in"),
+    h("p", { class: "muted small" }, "Link your organisation's account to sign in with it (your password keeps working)."),
+    providerButton("Link your organisation's account", "oidc-link", () => ({ link: "1" })),
+  );
+  loadSignInOptions().then((options) => (linking.hidden = !options.oidc));
+  body.append(linking);
   body.append(h("div", { class: "account-actions" }, h("button", { class: "btn", type: "button", testid: "sign-out-account", onclick: signOut }, "Sign out")));
   modal("Your account", body, { testid: "account" });
   loadTokens().catch((err) => showError(err, "Could not list tokens"));
@@ -1724,11 +1812,16 @@ window.addEventListener("unhandledrejection", (event) => {
 });
 
 async function boot() {
+  const result = takeSignInResult();
   try {
     await startSession();
   } catch (err) {
-    showStart(err instanceof ApiError && err.httpStatus === 401 ? "" : `Could not continue: ${err.message}`);
+    const message = result.error || (err instanceof ApiError && err.httpStatus === 401 ? "" : `Could not continue: ${err.message}`);
+    showStart(message, { askWorkspace: result.status === "FAILED_PRECONDITION" });
+    return;
   }
+  if (result.linked) toast(`Your organisation's account (${result.linked}) is linked: you can sign in with it from now on.`);
+  else if (result.error) showError(new ApiError(400, result.status, result.error), "Not linked");
 }
 
 boot();

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import logging
 import signal
-import sys
+from collections.abc import Sequence
 
-from services.common.logs import configure_logging
-from services.common.server import stop_on_signals
-from services.common.settings import ConfigError
+from services.common import entrypoint
 from services.common.tokens import KeyRing, KeyRingError, has_signing_key
 from services.im import bootstrap
 from services.im.adapters import migrate
 from services.im.adapters.service_credentials import EMBEDDED_SERVICES, ensure_embedded_credentials
 from services.im.config import Settings
-
-logger = logging.getLogger("services.im")
 
 
 async def _migrate(settings: Settings) -> None:
@@ -27,7 +21,6 @@ async def _migrate(settings: Settings) -> None:
         await migrate.upgrade(database)
     finally:
         await database.aclose()
-    logger.info("IM schema is up to date")
 
 
 def _keygen(settings: Settings, *, upcoming: bool, if_missing: bool) -> None:
@@ -60,43 +53,19 @@ def _credentials(settings: Settings) -> None:
     print(f"wrote the credentials of {', '.join(EMBEDDED_SERVICES)} to {path.parent}", flush=True)
 
 
-async def _serve(settings: Settings) -> None:
-    try:
-        app = bootstrap.build(settings)
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        raise SystemExit(2) from None
-    with stop_on_signals() as stop:
-        # SIGHUP reads the signing keys and service credentials again (key rotation).
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, app.reload_identity)
-        try:
-            port = await app.start()
-        except OSError as error:
-            await app.stop()
-            raise SystemExit(f"IM service cannot start: {error}") from None
-        host = settings.grpc_address.rpartition(":")[0]
-        database = "SQLite" if app.database.is_sqlite else "PostgreSQL"
-        signals = "Redis" if settings.redis_url else "in-process"
-        tls = settings.tls.describe()
-        print(
-            f"IM service listening on {host}:{port} ({database}, {signals} event signals, {tls})", flush=True
-        )
-        # What start-up built lives as long as the process: keep the collector off it.
-        gc.collect()
-        gc.freeze()
-        await app.server.serve_until(stop)
+def _listening(settings: Settings, port: int) -> str:
+    host = settings.grpc_address.rpartition(":")[0]
+    database = "SQLite" if settings.sqlite_path else "PostgreSQL"
+    signals = "Redis" if settings.redis_url else "in-process"
+    return f"{host}:{port} ({database}, {signals} event signals, {settings.tls.describe()})"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.im", description="The Agent IM messaging service."
-    )
-    parser.add_argument(
-        "command",
-        choices=["serve", "migrate", "keygen", "credentials"],
-        help="serve the gRPC API, apply migrations, write a signing key into AUTH_SIGNING_KEYS_DIR,"
-        " or write the services' credentials (AUTH_SERVICE_CREDENTIALS_FILE, if missing)",
-    )
+def _reload_on_sighup(app: bootstrap.IMApp, loop: asyncio.AbstractEventLoop) -> None:
+    # SIGHUP reads the signing keys and service credentials again (key rotation).
+    loop.add_signal_handler(signal.SIGHUP, app.reload_identity)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--next",
         action="store_true",
@@ -106,20 +75,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--if-missing", action="store_true", help="keygen: do nothing if the directory has a signing key"
     )
-    options = parser.parse_args(argv)
-    try:
-        settings = Settings.from_env()
-    except ConfigError as error:
-        print(error, file=sys.stderr)
-        raise SystemExit(2) from None
-    configure_logging(settings.log_level)
-    if options.command == "keygen":
-        _keygen(settings, upcoming=options.upcoming, if_missing=options.if_missing)
-        return
-    if options.command == "credentials":
-        _credentials(settings)
-        return
-    asyncio.run(_migrate(settings) if options.command == "migrate" else _serve(settings))
+
+
+SERVICE = entrypoint.Service(
+    name="IM service",
+    module="services.im",
+    description="The Agent IM messaging service.",
+    settings=Settings.from_env,
+    log_level=lambda settings: settings.log_level,
+    build=bootstrap.build,
+    listening=_listening,
+    migrate=_migrate,
+    prepare=_reload_on_sighup,
+    commands={
+        "keygen": entrypoint.Command(
+            "write a signing key into AUTH_SIGNING_KEYS_DIR",
+            lambda settings, options: _keygen(
+                settings, upcoming=options.upcoming, if_missing=options.if_missing
+            ),
+        ),
+        "credentials": entrypoint.Command(
+            "write the services' credentials (AUTH_SERVICE_CREDENTIALS_FILE, if missing)",
+            lambda settings, options: _credentials(settings),
+        ),
+    },
+    options=_options,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    entrypoint.main(SERVICE, argv)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,13 @@ from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2, im_pb2_grpc
 from services.common.audit_boundary import AuditInterceptor, AuditPruner
 from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor
+from services.common.oidc import ProviderClient
 from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
 from services.common.settings import ConfigError
 from services.common.tokens import KeyRing, KeyRingError, Verifier, has_signing_key, keyring_source
 from services.im.adapters.message_log import open_message_log
+from services.im.adapters.oidc_keys import HttpProviderKeys
 from services.im.adapters.passwords import Argon2Passwords
 from services.im.adapters.read_path import open_read_path
 from services.im.adapters.service_credentials import (
@@ -26,6 +28,7 @@ from services.im.adapters.signals import InProcessSignal, RedisSignal
 from services.im.adapters.sql import Database
 from services.im.adapters.tables import audit_events
 from services.im.config import Settings
+from services.im.domain.oidc import IdTokenRules
 from services.im.entrypoints.auth_servicer import AuthServicer
 from services.im.entrypoints.grpc_servicer import IMServicer
 from services.im.entrypoints.policy import IM_POLICY
@@ -33,6 +36,7 @@ from services.im.service_layer.auth import AuthService
 from services.im.service_layer.events import EventFeed, EventHub
 from services.im.service_layer.handlers import IMService
 from services.im.service_layer.machine_access import MachineAccess
+from services.im.service_layer.oidc import IdTokenVerifier, OidcAccess
 from services.im.service_layer.ports import EventSignal
 
 logger = logging.getLogger(__name__)
@@ -198,6 +202,7 @@ def build(settings: Settings) -> IMApp:
         audit_log=audit_log,
         audit_settings=settings.audit,
         member_quota=service.check_member_quota,
+        oidc_configured=settings.oidc is not None,
     )
     machines = MachineAccess(
         services=lambda: identity.services,
@@ -209,11 +214,29 @@ def build(settings: Settings) -> IMApp:
         audit_log=audit_log,
         audit_settings=settings.audit,
     )
+    provider: ProviderClient | None = None
+    id_tokens: IdTokenVerifier | None = None
+    if settings.oidc is not None:
+        provider = ProviderClient(settings.oidc)
+        id_tokens = IdTokenVerifier(
+            HttpProviderKeys(provider),
+            IdTokenRules(issuer=settings.oidc.issuer, client_id=settings.oidc.client_id),
+        )
+    oidc = OidcAccess(
+        verifier=id_tokens,
+        uow=database.transaction,
+        keys=identity.keys,
+        passwords=passwords,
+        limits=settings.auth_limits,
+        audit_log=audit_log,
+        audit_settings=settings.audit,
+        member_quota=service.check_member_quota,
+    )
     # The IM checks its own tokens as every service will: through the JWKS
     # (read from its own key ring, so a reload counts at once).
     verifier = Verifier(keyring_source(identity.keys), refetch_seconds=0, max_age_seconds=5)
     servicer = IMServicer(service, feed, accounts=accounts)
-    auth_servicer = AuthServicer(accounts, machines)
+    auth_servicer = AuthServicer(accounts, machines, oidc)
 
     async def ready() -> bool:
         return await database.ping()
@@ -249,6 +272,7 @@ def build(settings: Settings) -> IMApp:
             signal.aclose,
             database.aclose,
             passwords.aclose,
+            *([provider.aclose] if provider is not None else []),
         ],
     )
     return IMApp(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from services.common.audit import AuditSettings, read_audit_settings
 from services.common.logs import LOG_LEVELS
+from services.common.oidc import OidcSettings, read_oidc
 from services.common.ratelimit import RateLimits, read_rate_limits
 from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
@@ -42,6 +43,9 @@ class Settings:
     rate_limits: RateLimits = field(default_factory=RateLimits)
     quotas: Quotas = field(default_factory=Quotas)
     audit: AuditSettings = field(default_factory=AuditSettings)
+
+    # The organisation's OpenID Connect provider, whose ID tokens sign people in (None: none).
+    oidc: OidcSettings | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -100,9 +104,14 @@ class Settings:
                     "AUTH_SIGN_IN_MAX_FAILURES", auth.sign_in_max_failures, minimum=1
                 ),
                 sign_in_window=timedelta(minutes=env.integer("AUTH_SIGN_IN_WINDOW_MINUTES", 15, minimum=1)),
+                sign_in_max_workspaces=env.integer(
+                    "AUTH_SIGN_IN_MAX_WORKSPACES", auth.sign_in_max_workspaces, minimum=1
+                ),
             ),
             argon2_memory_kib=env.integer("AUTH_ARGON2_MEMORY_KIB", 65536, minimum=1024),
             argon2_time_cost=env.integer("AUTH_ARGON2_TIME_COST", 3, minimum=1),
+            # The IM only verifies ID tokens: it needs no client secret.
+            oidc=read_oidc(env, needs_secret=False),
         )
         if settings.database_url.split(":", 1)[0].split("+", 1)[0] not in {
             "sqlite",

@@ -2,7 +2,10 @@
 
 The script (tests/e2e/browser/ui.test.mjs, playwright-core) creates a
 workspace with a password (its creator signed in by an HttpOnly session
-cookie), signs out and in again, creates two agents, chats, watches an
+cookie), signs out and in again (login and password: no workspace id),
+links the owner's account at a real OpenID provider (npm's oidc-provider,
+tests/e2e/oidc/provider.mjs), signs out and in with the organisation,
+creates two agents, chats, watches an
 agent's steps stream, and checks replies, mentions and that hostile content
 stays inert. The owner invites a second person from the account dialog (the
 link shown once); a second browser opens the link, joins and is signed in,
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import re
 import selectors
@@ -59,7 +63,24 @@ STOP_SECONDS = 30.0
 # "IM service listening on 127.0.0.1:50051 (...)" -> {"IM service": "127.0.0.1:50051"}
 _LISTENING = re.compile(r"^(?P<what>.+?) listening on (?P<address>[^\s:]+:\d+)")
 # Settings the test chooses itself: a developer's own must not leak in.
-_SERVICE_PREFIXES = ("AGENTIM_", "IM_", "RUNTIME_", "GATEWAY_", "OPENAI_", "GRPC_", "LLM_", "TOOL_", "AUTH_")
+_SERVICE_PREFIXES = (
+    "AGENTIM_",
+    "IM_",
+    "RUNTIME_",
+    "GATEWAY_",
+    "OPENAI_",
+    "GRPC_",
+    "LLM_",
+    "TOOL_",
+    "AUTH_",
+    "OIDC_",
+    "MEMORY_",
+)
+PROVIDER_SCRIPT = ROOT / "tests" / "e2e" / "oidc" / "provider.mjs"
+OIDC_CLIENT_ID = "agentim-browser-test"
+OIDC_CLIENT_SECRET = "browser-test-secret"
+# The owner's organisation account, which the browser links and signs in with.
+OIDC_LOGIN = "ada@acme.example"
 _SERVICE_NAMES = {"DATABASE_URL", "REDIS_URL", "LOG_LEVEL", "SHUTDOWN_GRACE_SECONDS"}
 
 
@@ -94,6 +115,8 @@ def _environment(data_dir: Path) -> dict[str, str]:
         AGENTIM_DATA_DIR=str(data_dir),
         IM_GRPC_ADDRESS="127.0.0.1:0",
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
+        # Not the fixed default: another system on this machine may hold it.
+        MEMORY_GRPC_ADDRESS="127.0.0.1:0",
         GATEWAY_HTTP_ADDRESS="127.0.0.1:0",
         LOG_LEVEL="WARNING",
         SHUTDOWN_GRACE_SECONDS="2",
@@ -218,6 +241,42 @@ def _service(module: str, env: Mapping[str, str], log_path: Path) -> Iterator[Se
             process.stdout.close()
 
 
+@contextmanager
+def _oidc_provider(node: str) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A real OpenID provider (tests/e2e/oidc/provider.mjs); yields its issuer URL and
+    a function that registers the gateway's callback URL with it."""
+    process = subprocess.Popen(
+        [node, str(PROVIDER_SCRIPT)],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "OIDC_TEST_CLIENT_ID": OIDC_CLIENT_ID,
+            "OIDC_TEST_CLIENT_SECRET": OIDC_CLIENT_SECRET,
+        },
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    stdin, stdout = process.stdin, process.stdout
+
+    def configure(callback: str) -> None:
+        stdin.write(json.dumps({"redirect_uris": [callback]}) + "\n")
+        stdin.flush()
+        assert json.loads(stdout.readline()) == {"ready": True}
+
+    try:
+        yield json.loads(stdout.readline())["issuer"], configure
+    finally:
+        stdin.close()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _run_browser(node: str, url: str, model_url: str) -> tuple[int, str]:
     """Runs the Playwright script; on a timeout it is stopped (SIGTERM lets it close Chromium)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -227,6 +286,7 @@ def _run_browser(node: str, url: str, model_url: str) -> tuple[int, str]:
         "AGENTIM_FAKE_LLM_URL": model_url,
         "AGENTIM_ARTIFACTS": str(ARTIFACTS),
         "CHROMIUM": str(CHROMIUM),
+        "AGENTIM_OIDC_LOGIN": OIDC_LOGIN,
     }
     process = subprocess.Popen(
         [node, str(SCRIPT)],
@@ -254,6 +314,8 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
     node = _missing_or_skip()
     env = _environment(tmp_path)
     with ExitStack() as stack:
+        issuer, register_callback = stack.enter_context(_oidc_provider(node))
+        env.update(OIDC_ISSUER=issuer, OIDC_CLIENT_ID=OIDC_CLIENT_ID, OIDC_CLIENT_SECRET=OIDC_CLIENT_SECRET)
         system = stack.enter_context(_service("services.run_all", env, tmp_path / "run_all.log"))
         addresses = system.read_until(lambda lines: any(RUNNING in line for line in lines), START_SECONDS)
         assert "IM service" in addresses and "runtime service" in addresses, system.report()
@@ -273,6 +335,7 @@ def test_the_web_ui_drives_the_whole_system_in_a_real_browser(tmp_path: Path) ->
             assert url_address is not None, gateway.report()
             services.insert(0, gateway)
 
+        register_callback(f"http://{url_address}/v1/auth/oidc/callback")
         model_url = stack.enter_context(_fake_models())
         code, output = _run_browser(node, f"http://{url_address}/", model_url)
         logs = "\n".join(service.report() for service in services)

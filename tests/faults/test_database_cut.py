@@ -230,6 +230,27 @@ async def stored_contents(im: im_pb2_grpc.IMServiceStub, group_id: str, member_i
             return contents
 
 
+async def unread_settled(im: im_pb2_grpc.IMServiceStub, world: World, within: float = 15.0) -> list[int]:
+    """Each agent's count of unread messages, once all are read or `within` has passed:
+    the agents' read positions move in the IM a while after their runs
+    (RUNTIME_READ_POSITION_DELAY_SECONDS), and again after a failed move."""
+    deadline = time.monotonic() + within
+    while True:
+        unread = [
+            len(
+                (
+                    await im.GetAllUnread(
+                        im_pb2.GetAllUnreadRequest(), metadata=as_member(a.member_id), timeout=10
+                    )
+                ).messages
+            )
+            for a in world.agents
+        ]
+        if not any(unread) or time.monotonic() > deadline:
+            return unread
+        await asyncio.sleep(0.2)
+
+
 async def test_cut_database_connections_give_unavailable_and_everything_recovers(
     postgres_url: str, tmp_path: Path
 ) -> None:
@@ -272,16 +293,7 @@ async def test_cut_database_connections_give_unavailable_and_everything_recovers
                 stored = Counter[str]()
                 for group_id in [world.group_id, *world.chats]:
                     stored += await stored_contents(im, group_id, world.ada)
-                unread = [
-                    len(
-                        (
-                            await im.GetAllUnread(
-                                im_pb2.GetAllUnreadRequest(), metadata=as_member(a.member_id), timeout=10
-                            )
-                        ).messages
-                    )
-                    for a in world.agents
-                ]
+                unread = await unread_settled(im, world)
 
     statuses = Counter(call.code.name for c in load for call in c.calls)
     recoveries = [c.recovery(cut) for cut in cuts for c in load]

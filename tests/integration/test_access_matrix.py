@@ -16,6 +16,7 @@ One IM on SQLite serves the whole module; PostgreSQL is covered by
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from tests.authn_support import (
     tampered_token,
 )
 from tests.conftest import RunningIM, start_im, stop_im
+from tests.oidc_support import TestIssuer
 
 OK = grpc.StatusCode.OK
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -92,6 +94,7 @@ class Matrix:
     cast: Cast
     metadata: dict[str, Metadata]
     callers: dict[str, Caller]
+    issuer: TestIssuer
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +103,12 @@ async def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
     database = Database(url)
     await migrate.upgrade(database)
     await database.aclose()
+    issuer = TestIssuer()
+    await issuer.start()
     # Many sign-ins of one login are part of the matrix, not an attack.
-    im = await start_im(url, AUTH_SIGN_IN_MAX_FAILURES="100000", LIMIT_CREATE_PER_SECOND="0")
+    im = await start_im(
+        url, AUTH_SIGN_IN_MAX_FAILURES="100000", LIMIT_CREATE_PER_SECOND="0", **issuer.environment()
+    )
     try:
         cast = await make_cast(im)
         people = {name: getattr(cast, name) for name in (*PEOPLE, "agent")}
@@ -119,9 +126,10 @@ async def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
             for name, md in metadata.items()
             if name not in BAD_CREDENTIALS
         }
-        yield Matrix(im, cast, metadata, callers)
+        yield Matrix(im, cast, metadata, callers, issuer)
     finally:
         await stop_im(im)
+        await issuer.stop()
 
 
 def expected(service: str, method: str, caller: str, m: Matrix) -> grpc.StatusCode:
@@ -166,6 +174,24 @@ async def _invite(m: Matrix, _: str) -> Any:
     return auth_pb2.AcceptInviteRequest(
         invite=made.secret, display_name="Joiner", login=login, password=PASSWORD
     )
+
+
+async def _oidc_sign_in(m: Matrix, _: str) -> Any:
+    # A newcomer joining with an invite bound to their email: every call a fresh one.
+    email = f"joiner-{uuid.uuid4().hex[:8]}@example.test"
+    made = await auth_stub(m.im).CreateInvite(
+        auth_pb2.CreateInviteRequest(email=email), metadata=m.cast.owner.md
+    )
+    nonce = secrets.token_urlsafe(16)
+    return auth_pb2.SignInWithOidcRequest(
+        id_token=m.issuer.id_token(email=email, nonce=nonce), nonce=nonce, invite=made.secret
+    )
+
+
+async def _oidc_link(m: Matrix, _: str) -> Any:
+    nonce = secrets.token_urlsafe(16)
+    email = f"linked-{uuid.uuid4().hex[:8]}@example.test"
+    return auth_pb2.LinkOidcAccountRequest(id_token=m.issuer.id_token(email=email, nonce=nonce), nonce=nonce)
 
 
 async def _pat_secret(m: Matrix, _: str) -> Any:
@@ -268,6 +294,8 @@ AUTH_REQUESTS: dict[str, Build] = {
     "SignIn": fixed(
         lambda c: auth_pb2.SignInRequest(workspace_id=c.workspace.id, login="ada-owner", password=PASSWORD)
     ),
+    "SignInWithOidc": _oidc_sign_in,
+    "LinkOidcAccount": _oidc_link,
     "RefreshTokens": _refresh,
     "SignOut": _sign_out,
     "ChangePassword": fixed(

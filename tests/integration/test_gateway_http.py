@@ -626,7 +626,13 @@ async def test_the_openapi_document_lists_every_route(stack: Stack) -> None:
     document = await stack.api.ok("GET", "/openapi.json")
     operations = {(method.upper(), path) for path, item in document["paths"].items() for method in item}
     routes = {(r.method, r.openapi_path) for r in stack.gateway.gateway.table.routes}
-    own = {("GET", "/v1/auth/session"), ("POST", "/v1/auth/sign-out"), ("GET", "/v1/auth/options")}
+    own = {
+        ("GET", "/v1/auth/session"),
+        ("POST", "/v1/auth/sign-out"),
+        ("GET", "/v1/auth/options"),
+        ("GET", "/v1/auth/oidc/start"),
+        ("GET", "/v1/auth/oidc/callback"),
+    }
     assert operations == routes | own and len(routes) == 69
 
 

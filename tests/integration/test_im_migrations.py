@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -15,7 +16,7 @@ from sqlalchemy.engine import Connection
 
 from services.im.adapters import migrate
 from services.im.adapters.sql import Database
-from services.im.adapters.tables import SCHEMA, members, metadata, workspaces
+from services.im.adapters.tables import SCHEMA, accounts, members, metadata, workspaces
 from services.im.domain.model import Role
 
 
@@ -113,5 +114,82 @@ async def test_downgrade_to_nothing_and_up_again(tmp_path: Path) -> None:
             names = await conn.run_sync(lambda c: sa.inspect(c).get_table_names())
         assert set(names) == {"im_alembic_version"}
         await migrate.upgrade(database)
+    finally:
+        await database.aclose()
+
+
+async def test_0004_keeps_accounts_and_lets_new_ones_go_without_a_password(tmp_path: Path) -> None:
+    # On SQLite, 0004 copies the accounts table (nullability changes so): nothing may be lost.
+    database = Database(f"sqlite:///{tmp_path / 'im.db'}")
+    try:
+        await migrate.upgrade(database, "0003")
+        member, workspace, at = uuid.uuid4(), uuid.uuid4(), datetime(2026, 1, 1, tzinfo=UTC)
+        async with database.engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    "INSERT INTO accounts (member_id, workspace_id, login, password_hash, created_at,"
+                    " password_changed_at) VALUES (:m, :w, 'ada', '$argon2id$hash', :at, :at)"
+                ),
+                {"m": member.hex, "w": workspace.hex, "at": at.replace(tzinfo=None)},
+            )
+        await migrate.upgrade(database)
+        async with database.engine.begin() as conn:
+            rows = (await conn.execute(sa.select(accounts))).all()
+            assert [(r.member_id, r.login, r.password_hash, r.email) for r in rows] == [
+                (member, "ada", "$argon2id$hash", None)
+            ]
+            # The login stays unique in its workspace; an email-only account needs none.
+            with pytest.raises(sa.exc.IntegrityError):
+                async with conn.begin_nested():
+                    await conn.execute(
+                        accounts.insert().values(
+                            member_id=uuid.uuid4(),
+                            workspace_id=workspace,
+                            login="ada",
+                            password_hash="x",
+                            created_at=at,
+                            password_changed_at=at,
+                        )
+                    )
+            for _ in range(2):
+                await conn.execute(
+                    accounts.insert().values(
+                        member_id=uuid.uuid4(),
+                        workspace_id=workspace,
+                        login=None,
+                        password_hash=None,
+                        created_at=at,
+                        password_changed_at=at,
+                        email=f"{uuid.uuid4().hex[:6]}@x.test",
+                    )
+                )
+            with pytest.raises(sa.exc.IntegrityError):
+                async with conn.begin_nested():
+                    await conn.execute(
+                        accounts.insert().values(
+                            member_id=uuid.uuid4(),
+                            workspace_id=workspace,
+                            login=None,
+                            password_hash=None,
+                            created_at=at,
+                            password_changed_at=at,
+                            email="ada@x.test",
+                        )
+                    )
+                    await conn.execute(
+                        accounts.insert().values(
+                            member_id=uuid.uuid4(),
+                            workspace_id=workspace,
+                            login=None,
+                            password_hash=None,
+                            created_at=at,
+                            password_changed_at=at,
+                            email="ada@x.test",
+                        )
+                    )
+        await migrate.downgrade(database, "0003")
+        async with database.engine.connect() as conn:
+            logins = (await conn.execute(sa.text("SELECT login FROM accounts"))).scalars().all()
+        assert logins == ["ada"]  # the accounts without a password are gone with 0004
     finally:
         await database.aclose()

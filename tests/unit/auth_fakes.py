@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from services.im.domain.accounts import Account, Invite, PersonalToken, RefreshToken, SignInFailures
 from services.im.domain.model import Role
-from services.im.service_layer.auth_ports import AuthRecords, LoginTaken, Passwords
+from services.im.service_layer.auth_ports import AuthRecords, EmailTaken, LoginTaken, Passwords
 
 T = TypeVar("T")
 
@@ -29,6 +29,7 @@ class AuthState:
     invites: dict[uuid.UUID, Invite] = field(default_factory=dict)
     personal_tokens: dict[uuid.UUID, PersonalToken] = field(default_factory=dict)
     attempts: dict[tuple[uuid.UUID, str], SignInFailures] = field(default_factory=dict)
+    oidc_nonces: dict[str, datetime] = field(default_factory=dict)
 
     def copy(self) -> AuthState:
         return AuthState(
@@ -37,10 +38,21 @@ class AuthState:
             invites=dict(self.invites),
             personal_tokens=dict(self.personal_tokens),
             attempts=dict(self.attempts),
+            oidc_nonces=dict(self.oidc_nonces),
         )
 
-    def login_taken(self, workspace_id: uuid.UUID, login: str) -> bool:
-        return any(a.workspace_id == workspace_id and a.login == login for a in self.accounts.values())
+    def login_taken(self, workspace_id: uuid.UUID, login: str | None) -> bool:
+        return login is not None and any(
+            a.workspace_id == workspace_id and a.login == login for a in self.accounts.values()
+        )
+
+    def email_taken(
+        self, workspace_id: uuid.UUID, email: str | None, *, besides: uuid.UUID | None = None
+    ) -> bool:
+        return email is not None and any(
+            a.workspace_id == workspace_id and a.email == email and a.member_id != besides
+            for a in self.accounts.values()
+        )
 
 
 class FakeAuthRecords(AuthRecords):
@@ -73,7 +85,12 @@ class FakeAuthRecords(AuthRecords):
         await self._auth_unique(
             ("login", account.workspace_id, account.login),
             lambda a: a.login_taken(account.workspace_id, account.login),
-            LoginTaken(account.login),
+            LoginTaken(account.login or ""),
+        )
+        await self._auth_unique(
+            ("email", account.workspace_id, account.email),
+            lambda a: a.email_taken(account.workspace_id, account.email),
+            EmailTaken(account.email or ""),
         )
         self._auth_change(lambda a: a.accounts.__setitem__(account.member_id, account))
 
@@ -87,6 +104,34 @@ class FakeAuthRecords(AuthRecords):
             if account.workspace_id == workspace_id and account.login == login:
                 return account
         return None
+
+    async def find_accounts_by_login(self, login: str, *, limit: int) -> list[Account]:
+        await self._enter("find_accounts_by_login")
+        found = [a for a in self._auth().accounts.values() if a.login == login]
+        return sorted(found, key=lambda a: a.workspace_id)[:limit]
+
+    async def find_accounts_by_email(
+        self, email: str, *, workspace_id: uuid.UUID | None, limit: int
+    ) -> list[Account]:
+        await self._enter("find_accounts_by_email")
+        found = [
+            a
+            for a in self._auth().accounts.values()
+            if a.email == email and (workspace_id is None or a.workspace_id == workspace_id)
+        ]
+        return sorted(found, key=lambda a: a.workspace_id)[:limit]
+
+    async def set_account_email(self, member_id: uuid.UUID, email: str) -> None:
+        await self._enter("set_account_email")
+        account = self._auth().accounts.get(member_id)
+        if account is None:
+            return
+        await self._auth_unique(
+            ("email", account.workspace_id, email),
+            lambda a: a.email_taken(account.workspace_id, email, besides=member_id),
+            EmailTaken(email),
+        )
+        self._auth_change(lambda a: _update(a.accounts, member_id, email=email))
 
     async def set_password(self, member_id: uuid.UUID, password_hash: str, at: datetime) -> None:
         await self._enter("set_password")
@@ -162,6 +207,22 @@ class FakeAuthRecords(AuthRecords):
     async def replace_invite_secret(self, invite_id: uuid.UUID, secret_hash: str) -> None:
         await self._enter("replace_invite_secret")
         self._auth_change(lambda a: _update(a.invites, invite_id, secret_hash=secret_hash))
+
+    # -- OpenID Connect ----------------------------------------------------------------
+
+    async def use_oidc_nonce(self, nonce_hash: str, *, keep_until: datetime, now: datetime) -> bool:
+        await self._enter("use_oidc_nonce")
+        await self._auth_unique(("oidc-nonce", nonce_hash), lambda a: False, LookupError())
+
+        def change(a: AuthState) -> bool:
+            for kept in [h for h, until in a.oidc_nonces.items() if until < now]:
+                del a.oidc_nonces[kept]
+            if nonce_hash in a.oidc_nonces:
+                return False
+            a.oidc_nonces[nonce_hash] = keep_until
+            return True
+
+        return self._auth_change(change)
 
     # -- personal access tokens ------------------------------------------------------
 

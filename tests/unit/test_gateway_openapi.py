@@ -21,15 +21,15 @@ def operation(method: str, path: str) -> dict[str, Any]:
 
 def test_every_route_is_an_operation_with_a_unique_id() -> None:
     operations = [op for item in DOCUMENT["paths"].values() for op in item.values()]
-    assert len(operations) == len(ROUTES) + 3  # and the gateway's own session routes
-    assert len({op["operationId"] for op in operations}) == len(ROUTES) + 3
+    assert len(operations) == len(ROUTES) + 5  # and the gateway's own session and OIDC routes
+    assert len({op["operationId"] for op in operations}) == len(ROUTES) + 5
     assert DOCUMENT["openapi"].startswith("3.1")
 
 
 def test_schemathesis_loads_every_operation() -> None:
     schema = schemathesis.openapi.from_dict(DOCUMENT)
     results = list(schema.get_all_operations())
-    assert len(results) == len(ROUTES) + 3
+    assert len(results) == len(ROUTES) + 5
     assert all(hasattr(result, "ok") for result in results), [
         getattr(r, "err", lambda: None)() for r in results
     ]

@@ -22,6 +22,7 @@ from services.im.adapters.tables import (
     accounts,
     invites,
     members,
+    oidc_nonces,
     personal_tokens,
     refresh_tokens,
     sign_in_attempts,
@@ -35,7 +36,7 @@ from services.im.domain.accounts import (
     SignInFailures,
 )
 from services.im.domain.model import Role
-from services.im.service_layer.auth_ports import AuthRecords, LoginTaken
+from services.im.service_layer.auth_ports import AuthRecords, EmailTaken, LoginTaken
 
 
 def _account(row: sa.Row[Any]) -> Account:
@@ -46,6 +47,7 @@ def _account(row: sa.Row[Any]) -> Account:
         password_hash=row.password_hash,
         created_at=row.created_at,
         password_changed_at=row.password_changed_at,
+        email=row.email,
     )
 
 
@@ -73,6 +75,7 @@ def _invite(row: sa.Row[Any]) -> Invite:
         expires_at=row.expires_at,
         used_at=row.used_at,
         used_by=row.used_by,
+        email=row.email,
     )
 
 
@@ -111,6 +114,8 @@ class SqlAuthRecords(AuthRecords):
     # -- accounts and roles ---------------------------------------------------------
 
     async def add_account(self, account: Account) -> None:
+        # No conflict target: a clash on the login or on the email is skipped
+        # alike (either would abort a PostgreSQL transaction), then told apart.
         result = await self._execute(
             self._insert(accounts)
             .values(
@@ -120,11 +125,17 @@ class SqlAuthRecords(AuthRecords):
                 password_hash=account.password_hash,
                 created_at=account.created_at,
                 password_changed_at=account.password_changed_at,
+                email=account.email,
             )
-            .on_conflict_do_nothing(index_elements=[accounts.c.workspace_id, accounts.c.login])
+            .on_conflict_do_nothing()
         )
-        if not result.rowcount:
-            raise LoginTaken(account.login)
+        if result.rowcount:
+            return
+        if account.email is not None and await self.find_accounts_by_email(
+            account.email, workspace_id=account.workspace_id, limit=1
+        ):
+            raise EmailTaken(account.email)
+        raise LoginTaken(account.login or "")
 
     async def get_account(self, member_id: uuid.UUID) -> Account | None:
         rows = await self._rows(accounts.select().where(accounts.c.member_id == member_id))
@@ -135,6 +146,36 @@ class SqlAuthRecords(AuthRecords):
             accounts.select().where(accounts.c.workspace_id == workspace_id, accounts.c.login == login)
         )
         return _account(rows[0]) if rows else None
+
+    async def find_accounts_by_login(self, login: str, *, limit: int) -> list[Account]:
+        rows = await self._rows(
+            accounts.select().where(accounts.c.login == login).order_by(accounts.c.workspace_id).limit(limit)
+        )
+        return [_account(r) for r in rows]
+
+    async def find_accounts_by_email(
+        self, email: str, *, workspace_id: uuid.UUID | None, limit: int
+    ) -> list[Account]:
+        query = accounts.select().where(accounts.c.email == email)
+        if workspace_id is not None:
+            query = query.where(accounts.c.workspace_id == workspace_id)
+        rows = await self._rows(query.order_by(accounts.c.workspace_id).limit(limit))
+        return [_account(r) for r in rows]
+
+    async def set_account_email(self, member_id: uuid.UUID, email: str) -> None:
+        account = await self.get_account(member_id)
+        if account is None:
+            return
+        taken = await self.find_accounts_by_email(email, workspace_id=account.workspace_id, limit=1)
+        if taken and taken[0].member_id != member_id:
+            raise EmailTaken(email)
+        try:
+            await self._execute(
+                accounts.update().where(accounts.c.member_id == member_id).values(email=email)
+            )
+        except sa.exc.IntegrityError:
+            # Taken meanwhile by a concurrent transaction; this one is lost anyway.
+            raise EmailTaken(email) from None
 
     async def set_password(self, member_id: uuid.UUID, password_hash: str, at: datetime) -> None:
         await self._execute(
@@ -206,6 +247,7 @@ class SqlAuthRecords(AuthRecords):
                 expires_at=invite.expires_at,
                 used_at=invite.used_at,
                 used_by=invite.used_by,
+                email=invite.email,
             )
         )
 
@@ -227,6 +269,17 @@ class SqlAuthRecords(AuthRecords):
 
     async def replace_invite_secret(self, invite_id: uuid.UUID, secret_hash: str) -> None:
         await self._execute(invites.update().where(invites.c.id == invite_id).values(secret_hash=secret_hash))
+
+    # -- OpenID Connect ----------------------------------------------------------------
+
+    async def use_oidc_nonce(self, nonce_hash: str, *, keep_until: datetime, now: datetime) -> bool:
+        await self._execute(oidc_nonces.delete().where(oidc_nonces.c.expires_at < now))
+        result = await self._execute(
+            self._insert(oidc_nonces)
+            .values(nonce_hash=nonce_hash, expires_at=keep_until)
+            .on_conflict_do_nothing(index_elements=[oidc_nonces.c.nonce_hash])
+        )
+        return bool(result.rowcount)
 
     # -- personal access tokens ------------------------------------------------------
 

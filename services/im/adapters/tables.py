@@ -128,12 +128,20 @@ accounts = sa.Table(
     metadata,
     sa.Column("member_id", sa.Uuid, primary_key=True),
     sa.Column("workspace_id", sa.Uuid, nullable=False),
-    # Normalized (case-folded); unique in its workspace.
-    sa.Column("login", sa.String(64), nullable=False),
-    sa.Column("password_hash", sa.Text, nullable=False),
+    # Normalized (case-folded); unique in its workspace. None (and no
+    # password) for a person who joined through OpenID Connect.
+    sa.Column("login", sa.String(64), nullable=True),
+    sa.Column("password_hash", sa.Text, nullable=True),
     sa.Column("created_at", UtcDateTime, nullable=False),
     sa.Column("password_changed_at", UtcDateTime, nullable=False),
+    # Normalized (lower case); unique in its workspace: the OpenID Connect
+    # provider's verified email signs its person in.
+    sa.Column("email", sa.String(320), nullable=True),
     sa.UniqueConstraint("workspace_id", "login", name="uq_accounts_login"),
+    sa.UniqueConstraint("workspace_id", "email", name="uq_accounts_email"),
+    # Signing in without a workspace finds accounts by login or email alone.
+    sa.Index("ix_accounts_login", "login"),
+    sa.Index("ix_accounts_email", "email"),
 )
 
 # Each row is one refresh token; a session (sign-in) is the family of
@@ -166,7 +174,19 @@ invites = sa.Table(
     sa.Column("expires_at", UtcDateTime, nullable=False),
     sa.Column("used_at", UtcDateTime, nullable=True),
     sa.Column("used_by", sa.Uuid, nullable=True),
+    # Bound to one (normalized) email, if set.
+    sa.Column("email", sa.String(320), nullable=True),
     sa.UniqueConstraint("secret_hash", name="uq_invites_secret_hash"),
+)
+
+# The nonces of OpenID Connect sign-ins already made (SHA-256), kept while
+# their ID token could still be used: a replayed token is refused.
+oidc_nonces = sa.Table(
+    "oidc_nonces",
+    metadata,
+    sa.Column("nonce_hash", sa.String(64), primary_key=True),
+    sa.Column("expires_at", UtcDateTime, nullable=False),
+    sa.Index("ix_oidc_nonces_expires", "expires_at"),
 )
 
 personal_tokens = sa.Table(

@@ -31,6 +31,12 @@ PERSONAL_TOKEN_PREFIX = "aim_pat_"
 MAX_SECRET_CHARS = 128
 MAX_PASSWORD_CHARS = 1024
 _LOGIN = re.compile(r"^[a-z0-9._@-]{3,64}$")
+# RFC 5321's limit on a path; anything longer cannot be delivered to.
+MAX_EMAIL_CHARS = 254
+_EMAIL = re.compile(r"^[^\s@]{1,64}@[^\s@]+$")
+# Sign-in attempts without a workspace count under this key too (a login
+# tried across every workspace is throttled as one).
+ANY_WORKSPACE = uuid.UUID(int=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,9 @@ class AuthLimits:
     refresh_token_lifetime: timedelta = timedelta(days=30)
     sign_in_max_failures: int = 5
     sign_in_window: timedelta = timedelta(minutes=15)
+    # A sign-in without a workspace checks the password of at most this many
+    # accounts with the login (each check is a slow hash); more: name the workspace.
+    sign_in_max_workspaces: int = 10
     invite_default_lifetime: timedelta = timedelta(days=7)
     invite_max_lifetime: timedelta = timedelta(days=30)
     personal_token_default_lifetime: timedelta = timedelta(days=90)
@@ -89,6 +98,15 @@ def normalize_login(login: str) -> str:
     value = unicodedata.normalize("NFKC", login[:200]).strip().casefold()
     if not _LOGIN.match(value):
         raise InvalidRequest("login must be 3-64 characters: ASCII letters, digits, '.', '_', '-' or '@'")
+    return value
+
+
+def normalize_email(email: str, *, field: str = "email") -> str:
+    """The stored form of an email: trimmed and lower-cased, so that two
+    spellings of one address are one (compared ignoring case)."""
+    value = unicodedata.normalize("NFKC", email[: MAX_EMAIL_CHARS + 1]).strip().lower()
+    if len(value) > MAX_EMAIL_CHARS or not _EMAIL.match(value) or not value.isprintable():
+        raise InvalidRequest(f"{field} must be an email address (at most {MAX_EMAIL_CHARS} characters)")
     return value
 
 

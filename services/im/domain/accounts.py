@@ -24,14 +24,21 @@ class PersonalTokenScope(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Account:
-    """A person's password sign-in. The login is stored normalized (see `access.normalize_login`)."""
+    """How a person signs in: a login and password, an email the organisation's
+    OpenID Connect provider vouches for, or both.
+
+    The login and the email are stored normalized (`access.normalize_login`,
+    `access.normalize_email`), each unique in the workspace. A person who
+    joined through the provider has no login and no password.
+    """
 
     member_id: uuid.UUID
     workspace_id: uuid.UUID
-    login: str
-    password_hash: str = field(repr=False)
+    login: str | None
+    password_hash: str | None = field(repr=False)
     created_at: datetime
     password_changed_at: datetime
+    email: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +69,8 @@ class Invite:
     expires_at: datetime
     used_at: datetime | None = None
     used_by: uuid.UUID | None = None
+    # Bound to one email (normalized): only that person may accept it.
+    email: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,3 +63,7 @@ class Conflict(IMError, errors.Conflict):
 
 class ShuttingDown(IMError, errors.Unavailable):
     pass
+
+
+class ProviderUnavailable(IMError, errors.Unavailable):
+    """The OpenID Connect provider cannot be reached (or answers nonsense)."""

@@ -63,6 +63,7 @@ def invite(i: Invite) -> auth_pb2.Invite:
         creator_id=str(i.created_by),
         create_time=timestamp(i.created_at),
         expire_time=timestamp(i.expires_at),
+        email=i.email or "",
     )
 
 

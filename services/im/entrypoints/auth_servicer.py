@@ -12,6 +12,7 @@ from services.im.entrypoints import auth_mappers as out
 from services.im.entrypoints import mappers
 from services.im.service_layer.auth import AuthService
 from services.im.service_layer.machine_access import MachineAccess
+from services.im.service_layer.oidc import OidcAccess
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any
@@ -23,11 +24,13 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     Args:
         accounts: sign-in, sessions, invites, roles.
         machines: personal access tokens, service and agent tokens.
+        oidc: signing in with the organisation's OpenID Connect provider.
     """
 
-    def __init__(self, accounts: AuthService, machines: MachineAccess) -> None:
+    def __init__(self, accounts: AuthService, machines: MachineAccess, oidc: OidcAccess) -> None:
         self._accounts = accounts
         self._machines = machines
+        self._oidc = oidc
 
     async def _caller(self, context: Context) -> Caller | None:
         # Verified by the AuthenticationInterceptor before this handler ran.
@@ -45,6 +48,26 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             workspace_id=request.workspace_id, login=request.login, password=request.password
         )
         return auth_pb2.SignInResponse(tokens=out.tokens(issued))
+
+    async def SignInWithOidc(
+        self, request: auth_pb2.SignInWithOidcRequest, context: Context
+    ) -> auth_pb2.SignInWithOidcResponse:
+        issued, joined = await self._oidc.sign_in(
+            id_token=request.id_token,
+            nonce=request.nonce,
+            workspace_id=request.workspace_id,
+            invite=request.invite,
+            display_name=request.display_name,
+        )
+        return auth_pb2.SignInWithOidcResponse(tokens=out.tokens(issued), joined=joined)
+
+    async def LinkOidcAccount(
+        self, request: auth_pb2.LinkOidcAccountRequest, context: Context
+    ) -> auth_pb2.LinkOidcAccountResponse:
+        member, email = await self._oidc.link(
+            await self._caller(context), id_token=request.id_token, nonce=request.nonce
+        )
+        return auth_pb2.LinkOidcAccountResponse(member=mappers.member(member), email=email)
 
     async def RefreshTokens(
         self, request: auth_pb2.RefreshTokensRequest, context: Context
@@ -74,6 +97,7 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
             role=mappers.role(request.role),
             ttl=out.duration(request.ttl, "ttl") if request.HasField("ttl") else None,
             request_id=request.request_id,
+            email=request.email,
         )
         return auth_pb2.CreateInviteResponse(invite=out.invite(invite), secret=secret)
 

@@ -47,6 +47,9 @@ IM_POLICY = Policy.of_service(
     {
         "GetSigningKeys": public(),
         "SignIn": public(),
+        # Proves itself: an ID token the IM verifies, with its one-time nonce.
+        "SignInWithOidc": public(),
+        "LinkOidcAccount": writes(HUMAN).audited("member"),
         "RefreshTokens": public(),
         "SignOut": public(),
         "ChangePassword": writes(HUMAN).audited("member"),

@@ -11,12 +11,13 @@ transaction opens, so that no transaction waits on argon2.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Protocol
 
 from uuid_utils.compat import uuid7
@@ -44,6 +45,8 @@ from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 logger = logging.getLogger(__name__)
 
 BAD_REFRESH = "the refresh token is not valid; sign in again"
+# Which workspaces hold a login is never told: one message for every case.
+WORKSPACE_REQUIRED = "this login needs its workspace: give the workspace id (workspace_id) as well"
 
 
 class WorkspaceOpener(Protocol):
@@ -75,6 +78,8 @@ class AuthService(AuthBase):
         open_workspace: `IMService.open_workspace`, which creates a workspace
             with its owner (and runs a hook in that transaction).
         member_quota: `IMService.check_member_quota` (accepting an invite adds a person).
+        oidc_configured: people may sign in with an OpenID Connect provider,
+            so invites may be bound to an email (which only it proves).
         (the rest as `AuthBase`)
     """
 
@@ -90,6 +95,7 @@ class AuthService(AuthBase):
         audit_log: audit.AuditLog | None = None,
         audit_settings: audit.AuditSettings | None = None,
         member_quota: MemberQuota | None = None,
+        oidc_configured: bool = False,
     ) -> None:
         super().__init__(
             uow=uow,
@@ -102,6 +108,7 @@ class AuthService(AuthBase):
         )
         self._open_workspace = open_workspace
         self._member_quota = member_quota
+        self._oidc_configured = oidc_configured
 
     def signing_keys(self) -> list[dict[str, str]]:
         """The published public keys (JWKS entries)."""
@@ -111,7 +118,16 @@ class AuthService(AuthBase):
     # -- signing in ---------------------------------------------------------------
 
     async def sign_in(self, *, workspace_id: str, login: str, password: str) -> IssuedTokens:
-        workspace = rules.parse_id(workspace_id, "workspace_id")
+        """Tokens for the account with the login and password: in the workspace, or
+        (without one) the one account in any workspace that the password fits.
+
+        Raises:
+            Unauthenticated: the login or password is wrong (one message for both).
+            TooManyAttempts: too many attempts for the login lately.
+            WrongState: no workspace, and the password fits accounts of several
+                workspaces (or more workspaces hold the login than are checked).
+        """
+        workspace = rules.parse_id(workspace_id, "workspace_id") if workspace_id else None
         try:
             key = access.normalize_login(login)
         except InvalidRequest:
@@ -119,53 +135,112 @@ class AuthService(AuthBase):
         if not password or len(password) > access.MAX_PASSWORD_CHARS:
             raise Unauthenticated(WRONG_LOGIN)
         now = self._clock()
-        # Counted before the password is checked, so that parallel guesses all count.
-        async with self._uow() as tx:
-            known = await tx.get_workspace(workspace) is not None
-            attempts = await tx.count_sign_in_attempt(
-                workspace, key, at=now, window=self.limits.sign_in_window
-            )
-            account = await tx.find_account(workspace, key)
-            await tx.commit()
+        candidates: list[Account] = []
         try:
-            wait = access.sign_in_retry_after(attempts, now, self.limits)
-            if wait is not None:
-                logger.info(
-                    "a sign-in to workspace %s was refused: too many attempts for one login", workspace
-                )
-                raise TooManyAttempts(
-                    f"too many sign-in attempts for this login; try again in {math.ceil(wait)} seconds",
-                    retry_after_seconds=wait,
-                )
-            if account is None:
+            candidates = await self._throttled_candidates(workspace, key)
+            if len(candidates) > self.limits.sign_in_max_workspaces:
+                raise WrongState(WORKSPACE_REQUIRED)
+            checked = [a for a in candidates if a.password_hash is not None]
+            if not checked:
                 await self._passwords.waste_time(password)
                 raise Unauthenticated(WRONG_LOGIN)
-            if not await self._passwords.verify(account.password_hash, password):
+            fits = await asyncio.gather(
+                *(self._passwords.verify(a.password_hash or "", password) for a in checked)
+            )
+            matched = [a for a, fit in zip(checked, fits, strict=True) if fit]
+            if not matched:
                 raise Unauthenticated(WRONG_LOGIN)
+            if len(matched) > 1:
+                raise WrongState(WORKSPACE_REQUIRED)
         except (TooManyAttempts, Unauthenticated) as error:
-            if known:
-                # Only for a workspace that exists: anyone may name any id.
-                await self._record_refusal(
-                    audit.refused(
-                        audit.ANONYMOUS,
-                        workspace_id=workspace,
-                        action="SignIn",
-                        target=audit.Target("login", key),
-                        at=now,
-                        code=error.code.name,
-                        reason=error.message,
-                    )
-                )
+            # In the workspace named, if it exists (anyone may name any id),
+            # or in each workspace that holds the login.
+            named = [workspace] if workspace is not None else []
+            for place in named or sorted({a.workspace_id for a in candidates}):
+                await self._record_sign_in_refusal(place, key, now, error, known=not named)
             raise
+        account = matched[0]
         async with self._uow() as tx:
             member = await tx.get_member(account.member_id)
             if member is None:
                 raise Unauthenticated(WRONG_LOGIN)
-            await tx.clear_sign_in_attempts(workspace, key)
+            # This account's count, and the count of the login in any workspace
+            # (never another workspace's account: its count is its own).
+            await tx.clear_sign_in_attempts(account.workspace_id, key)
+            if workspace is None:
+                await tx.clear_sign_in_attempts(access.ANY_WORKSPACE, key)
             secret, refresh = await self._new_session(tx, member)
             await tx.add_audit(self._member_action(member, "SignIn", details={"login": key}))
             await tx.commit()
         return self._tokens(member, secret, refresh)
+
+    async def _record_sign_in_refusal(
+        self,
+        workspace: uuid.UUID,
+        key: str,
+        at: datetime,
+        error: TooManyAttempts | Unauthenticated,
+        *,
+        known: bool,
+    ) -> None:
+        if not known:
+            async with self._uow(write=False) as tx:
+                if await tx.get_workspace(workspace) is None:
+                    return
+        await self._record_refusal(
+            audit.refused(
+                audit.ANONYMOUS,
+                workspace_id=workspace,
+                action="SignIn",
+                target=audit.Target("login", key),
+                at=at,
+                code=error.code.name,
+                reason=error.message,
+            )
+        )
+
+    async def _throttled_candidates(self, workspace: uuid.UUID | None, key: str) -> list[Account]:
+        """The accounts a sign-in may be for, its attempt counted; TooManyAttempts if refused.
+
+        Without a workspace: every account with the login (more than
+        `sign_in_max_workspaces` only to say so), less those under attack.
+        """
+        now = self._clock()
+        most = self.limits.sign_in_max_workspaces
+        # Counted before the password is checked, so that parallel guesses all count.
+        async with self._uow() as tx:
+            if workspace is not None:
+                found = await tx.find_account(workspace, key)
+                candidates = [found] if found is not None else []
+                counted = [workspace]
+            else:
+                candidates = await tx.find_accounts_by_login(key, limit=most + 1)
+                # Each account's own count too: going without the workspace is
+                # no way around the limit of guesses at one account.
+                counted = [access.ANY_WORKSPACE, *(a.workspace_id for a in candidates[:most])]
+            attempts = [
+                await tx.count_sign_in_attempt(w, key, at=now, window=self.limits.sign_in_window)
+                for w in counted
+            ]
+            await tx.commit()
+        waits = [access.sign_in_retry_after(a, now, self.limits) for a in attempts]
+        # The login's own count (of this workspace, or of any) refuses all; an
+        # account of one workspace under attack drops out only itself (whoever
+        # holds the login elsewhere, say in a workspace of the attacker's own,
+        # cannot lock everyone else out).
+        refused = waits[0]
+        if refused is None and workspace is None and len(candidates) <= most:
+            open_accounts = [a for a, w in zip(candidates, waits[1:], strict=True) if w is None]
+            if candidates and not open_accounts:
+                refused = max(w for w in waits[1:] if w is not None)
+            candidates = open_accounts
+        if refused is not None:
+            logger.info("a sign-in was refused: too many attempts for one login")
+            raise TooManyAttempts(
+                f"too many sign-in attempts for this login; try again in {math.ceil(refused)} seconds",
+                retry_after_seconds=refused,
+            )
+        return candidates
 
     async def refresh(self, refresh_token: str) -> IssuedTokens:
         if not access.plausible_secret(refresh_token, access.REFRESH_TOKEN_PREFIX):
@@ -216,8 +291,10 @@ class AuthService(AuthBase):
             access.require_session(authority, "change the password")
             access.require_write(authority, "change the password")
             account = await tx.get_account(member.id)
-        if account is None:
-            raise WrongState("this member has no password (it has no account to sign in with)")
+        if account is None or account.password_hash is None or account.login is None:
+            raise WrongState(
+                "this member has no password (it signs in with the organisation's provider, or not at all)"
+            )
         now = self._clock()
         # Guessing the old password is throttled like signing in.
         async with self._uow() as tx:
@@ -311,11 +388,27 @@ class AuthService(AuthBase):
     # -- invites ------------------------------------------------------------------
 
     async def create_invite(
-        self, caller: Caller | None, *, role: Role | None, ttl: timedelta | None, request_id: str
+        self,
+        caller: Caller | None,
+        *,
+        role: Role | None,
+        ttl: timedelta | None,
+        request_id: str,
+        email: str = "",
     ) -> tuple[Invite, str]:
-        """An invite and its secret (shown this once)."""
+        """An invite (bound to an email, if one is given) and its secret (shown this once).
+
+        An invite bound to an email is accepted only through the OpenID
+        provider, by the person it verifies has that email.
+        """
         role = role or Role.MEMBER
         rid = rules.check_request_id(request_id)
+        bound = access.normalize_email(email) if email else None
+        if bound is not None and not self._oidc_configured:
+            raise WrongState(
+                "an invite is bound to an email only where people sign in with an OpenID Connect provider"
+                " (OIDC_ISSUER), which proves the email; leave email empty"
+            )
         authority = self._authority(caller)
         secret = access.new_secret(access.INVITE_PREFIX)
         async with self._uow() as tx:
@@ -325,7 +418,10 @@ class AuthService(AuthBase):
             now = self._now()
             expires = access.invite_expiry(ttl, now, self.limits)
             fingerprint = rules.request_fingerprint(
-                op="create_invite", role=role.value, ttl=ttl.total_seconds() if ttl else None
+                op="create_invite",
+                role=role.value,
+                ttl=ttl.total_seconds() if ttl else None,
+                **({"email": bound} if bound else {}),
             )
             existing = await self._replay(tx, member.id, rid, fingerprint)
             if existing is not None:
@@ -347,6 +443,10 @@ class AuthService(AuthBase):
                 )
                 await tx.commit()
                 return replace(invite, secret_hash=access.secret_hash(secret)), secret
+            if bound is not None and await tx.find_accounts_by_email(
+                bound, workspace_id=member.workspace_id, limit=1
+            ):
+                raise AlreadyTaken(f"a member of this workspace has the email {bound} already")
             invite = Invite(
                 id=uuid7(),
                 workspace_id=member.workspace_id,
@@ -355,6 +455,7 @@ class AuthService(AuthBase):
                 created_by=member.id,
                 created_at=now,
                 expires_at=expires,
+                email=bound,
             )
             await tx.add_invite(invite)
             await self._remember(tx, member.id, rid, fingerprint, invite.id)
@@ -390,6 +491,9 @@ class AuthService(AuthBase):
         if member is not None:
             return await self._signed_in_again(member, password)
         self._usable(found)
+        if found.email is not None:
+            # Only the provider proves who has the email: a password proves nothing of it.
+            raise WrongState(f"this invite is for {found.email} only: join with your organisation's sign-in")
         access.check_password(password, self.limits)
         password_hash = await self._passwords.hash(password)
         async with self._uow() as tx:

@@ -213,7 +213,11 @@ class AuthBase:
         """A new session for a member whose password is checked here."""
         async with self._uow(write=False) as tx:
             account = await tx.get_account(member.id)
-        if account is None or not await self._passwords.verify(account.password_hash, password):
+        if (
+            account is None
+            or account.password_hash is None
+            or not await self._passwords.verify(account.password_hash, password)
+        ):
             raise Unauthenticated(WRONG_LOGIN)
         async with self._uow() as tx:
             secret, refresh = await self._new_session(tx, member)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import abc
 import uuid
+from collections.abc import Mapping
 from datetime import datetime, timedelta
+from typing import Any
 
 from services.im.domain.accounts import Account, Invite, PersonalToken, RefreshToken, SignInFailures
 from services.im.domain.model import Role
@@ -17,6 +19,10 @@ from services.im.domain.model import Role
 
 class LoginTaken(Exception):
     """The workspace already has an account with this login."""
+
+
+class EmailTaken(Exception):
+    """The workspace already has an account with this email."""
 
 
 class AuthRecords(abc.ABC):
@@ -30,13 +36,27 @@ class AuthRecords(abc.ABC):
     # Accounts and roles
     @abc.abstractmethod
     async def add_account(self, account: Account) -> None:
-        """Stores an account; raises LoginTaken if its workspace has the login."""
+        """Stores an account; raises LoginTaken or EmailTaken if its workspace has the login or email."""
 
     @abc.abstractmethod
     async def get_account(self, member_id: uuid.UUID) -> Account | None: ...
 
     @abc.abstractmethod
     async def find_account(self, workspace_id: uuid.UUID, login: str) -> Account | None: ...
+
+    @abc.abstractmethod
+    async def find_accounts_by_login(self, login: str, *, limit: int) -> list[Account]:
+        """Accounts with the login in any workspace, at most `limit`, ordered by workspace."""
+
+    @abc.abstractmethod
+    async def find_accounts_by_email(
+        self, email: str, *, workspace_id: uuid.UUID | None, limit: int
+    ) -> list[Account]:
+        """Accounts with the (normalized) email, in one workspace or in any; at most `limit`."""
+
+    @abc.abstractmethod
+    async def set_account_email(self, member_id: uuid.UUID, email: str) -> None:
+        """Gives an account an email; raises EmailTaken if another account of its workspace has it."""
 
     @abc.abstractmethod
     async def set_password(self, member_id: uuid.UUID, password_hash: str, at: datetime) -> None: ...
@@ -79,6 +99,12 @@ class AuthRecords(abc.ABC):
 
     @abc.abstractmethod
     async def replace_invite_secret(self, invite_id: uuid.UUID, secret_hash: str) -> None: ...
+
+    # OpenID Connect
+    @abc.abstractmethod
+    async def use_oidc_nonce(self, nonce_hash: str, *, keep_until: datetime, now: datetime) -> bool:
+        """Records a sign-in's nonce as used, until `keep_until` (forgetting
+        those kept until before `now`); False if it was used already."""
 
     # Personal access tokens
     @abc.abstractmethod
@@ -132,3 +158,15 @@ class Passwords(abc.ABC):
     @abc.abstractmethod
     async def waste_time(self, password: str) -> None:
         """Takes as long as a verify, for a login with no account (no timing difference)."""
+
+
+class ProviderKeys(abc.ABC):
+    """The OpenID Connect provider's signing keys (its JWKS, found through its discovery document)."""
+
+    @abc.abstractmethod
+    async def fetch(self) -> Mapping[str, Any]:
+        """The provider's JWKS, fetched now.
+
+        Raises:
+            ProviderUnavailable: the provider cannot be reached or answers nonsense.
+        """

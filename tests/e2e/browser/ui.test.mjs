@@ -62,6 +62,8 @@ function watch(page, name) {
     const text = message.text();
     const url = message.location().url || "";
     if (text.startsWith("Failed to load resource") && expectedRefusals.some((pattern) => pattern.test(url))) return;
+    // The OpenID provider's own pages (its web font, its favicon) are not the UI's business.
+    if (!page.url().startsWith(new URL(BASE).origin) || (url && !url.startsWith(new URL(BASE).origin) && text.startsWith("Failed to load resource"))) return;
     // A refused inline script or style (CSP) is what hostile content would cause; count it too.
     problems.push(`${name}: console error: ${text}`);
   });
@@ -103,6 +105,29 @@ async function shot(page, name) {
 
 async function actingAs(page, name) {
   await page.locator(testid("me-name")).filter({ hasText: new RegExp(`^${name}$`) }).waitFor({ state: "attached" });
+}
+
+/**
+ * Goes through the OpenID provider's own pages (oidc-provider's development
+ * ones: a login form taking any password, a consent form) until the browser
+ * is back on the web UI; a provider that remembers the person skips them.
+ */
+async function throughProvider(p, login) {
+  const home = new URL(BASE).origin;
+  const back = (url) => url.origin === home && !url.pathname.startsWith("/v1/auth/oidc/");
+  for (let i = 0; i < 4; i++) {
+    await p.waitForURL((url) => back(url) || url.pathname.startsWith("/interaction/"), { timeout: 15000 });
+    if (back(new URL(p.url()))) return;
+    const loginBox = p.locator('input[name="login"]');
+    if (await loginBox.count()) {
+      await loginBox.fill(login);
+      await p.locator('input[name="password"]').fill("any password");
+    }
+    const before = p.url();
+    await p.locator('form button[type="submit"]').first().click();
+    await p.waitForURL((url) => url.href !== before, { timeout: 15000 });
+  }
+  throw new Error(`the provider did not send the browser back: ${p.url()}`);
 }
 
 async function switchTo(page, name) {
@@ -358,15 +383,77 @@ try {
   });
 
   await step("sign out, then sign in with the password", async () => {
-    const workspace = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).workspaceId);
     await page.locator(testid("sign-out")).click();
     await page.locator(testid("signin-form")).waitFor();
     await shot(page, "01b-sign-in");
-    await page.locator(testid("signin-workspace")).fill(workspace);
+    // No workspace field: the login and password find the account.
+    if (await page.locator(testid("signin-workspace-field")).isVisible()) throw new Error("the sign-in page asks for the workspace");
     await page.locator(testid("signin-login")).fill("ada");
     await page.locator(testid("signin-password")).fill(PASSWORD);
     await page.locator(testid("signin-submit")).click();
     await actingAs(page, "Ada");
+  });
+
+  const orgLogin = process.env.AGENTIM_OIDC_LOGIN;
+  if (orgLogin) {
+    await step("link the organisation's account, sign out, and sign in with the organisation", async () => {
+      await page.locator(testid("account-button")).click();
+      const link = page.locator(testid("oidc-link"));
+      await link.waitFor();
+      await shot(page, "01c-account-link");
+      await link.click();
+      await throughProvider(page, orgLogin);
+      await page.locator(testid("toast")).filter({ hasText: `(${orgLogin}) is linked` }).waitFor();
+      await actingAs(page, "Ada");
+      await page.locator(testid("sign-out")).click();
+      const button = page.locator(testid("signin-oidc"));
+      await button.waitFor();
+      // No workspace field unless a login is in several workspaces.
+      if (await page.locator(testid("signin-workspace-field")).isVisible()) throw new Error("the sign-in page asks for the workspace");
+      await shot(page, "01d-sign-in-with-organisation");
+      await button.click();
+      await throughProvider(page, orgLogin);
+      await actingAs(page, "Ada");
+      await page.locator(testid("signed-in-as")).filter({ hasText: "Signed in as Ada (owner)" }).waitFor();
+    });
+
+    await step("an unverified email is refused on the sign-in page (phone)", async () => {
+      const phoneContext = await browser.newContext({ viewport: PHONE, isMobile: true, hasTouch: true });
+      try {
+        const p = await phoneContext.newPage();
+        watch(p, "phone sign-in");
+        await p.goto(BASE);
+        await p.locator(testid("signin-oidc")).click();
+        await throughProvider(p, "unverified-pia@acme.example");
+        const refused = p.locator(testid("start-error"));
+        await refused.filter({ hasText: "has not verified the email address" }).waitFor();
+        if ((await p.evaluate(() => window.location.hash)) !== "") throw new Error("the refusal stays in the URL");
+        await shot(p, "01e-refused-phone");
+      } finally {
+        await phoneContext.close();
+      }
+    });
+  }
+
+  await step("a login of two workspaces asks for the workspace, and only then", async () => {
+    // Both main journeys made a workspace whose owner is "pia", with one password.
+    const freshContext = await browser.newContext({ viewport: DESKTOP });
+    try {
+      const p = await freshContext.newPage();
+      watch(p, "fresh sign-in");
+      expectedRefusals.push(/\/v1\/auth\/sign-in$/);
+      await p.goto(BASE);
+      const field = p.locator(testid("signin-workspace-field"));
+      if (await field.isVisible()) throw new Error("the workspace is asked for before it is needed");
+      await p.locator(testid("signin-login")).fill("pia");
+      await p.locator(testid("signin-password")).fill(PASSWORD);
+      await p.locator(testid("signin-submit")).click();
+      await p.locator(testid("start-error")).filter({ hasText: "needs its workspace" }).waitFor();
+      await field.waitFor();
+      await shot(p, "01f-which-workspace");
+    } finally {
+      await freshContext.close();
+    }
   });
 
   await step("create two agents (one reporting to the other)", async () => {
@@ -638,9 +725,10 @@ try {
     await bob.locator(testid("sign-out")).click();
     const signIn = bob.locator(testid("signin-form"));
     await signIn.waitFor();
-    // The workspace this browser used is filled in.
+    // No workspace to give; the one this browser used is kept for when it is asked for.
+    if (await signIn.locator(testid("signin-workspace-field")).isVisible()) throw new Error("the sign-in page asks for the workspace");
     const workspace = await page.evaluate(() => JSON.parse(localStorage.getItem("agentim.identity")).workspaceId);
-    if ((await signIn.locator(testid("signin-workspace")).inputValue()) !== workspace) throw new Error("the sign-in page does not offer the workspace used last");
+    if ((await signIn.locator(testid("signin-workspace")).inputValue()) !== workspace) throw new Error("the sign-in page does not keep the workspace used last");
     await shot(bob, "07f-sign-in-phone");
     if ((await bobContext.cookies()).some((c) => c.name === "agentim_session")) throw new Error("the session cookie outlived sign-out");
     // The old cookie, sent again, is refused: the session ended at the server too.

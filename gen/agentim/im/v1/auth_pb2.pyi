@@ -142,7 +142,9 @@ class SignInRequest(_message.Message):
     LOGIN_FIELD_NUMBER: _builtins.int
     PASSWORD_FIELD_NUMBER: _builtins.int
     workspace_id: _builtins.str
-    """The workspace the account belongs to."""
+    """The workspace the account belongs to. Optional: without it, the
+    account is found by its login and password (see SignIn).
+    """
     login: _builtins.str
     """The account's login (compared ignoring case)."""
     password: _builtins.str
@@ -185,6 +187,135 @@ class SignInResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SignInResponse: _TypeAlias = SignInResponse  # noqa: Y015
+
+@_typing.final
+class SignInWithOidcRequest(_message.Message):
+    """Request for SignInWithOidc."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_TOKEN_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    WORKSPACE_ID_FIELD_NUMBER: _builtins.int
+    INVITE_FIELD_NUMBER: _builtins.int
+    DISPLAY_NAME_FIELD_NUMBER: _builtins.int
+    id_token: _builtins.str
+    """The ID token (a JWT) the provider's token endpoint returned."""
+    nonce: _builtins.str
+    """The nonce the relying party sent in the authorization request; the
+    ID token must carry it. Used once.
+    """
+    workspace_id: _builtins.str
+    """The workspace to sign in to. Optional: needed only when members of
+    several workspaces have the email.
+    """
+    invite: _builtins.str
+    """An invite's secret (`aim_inv_...`): join its workspace if no member
+    there has the email. An invite bound to an email
+    (CreateInviteRequest.email) takes only that email.
+    """
+    display_name: _builtins.str
+    """The new member's name when an invite is accepted; the ID token's
+    `name` (else the email's local part) if empty.
+    """
+    def __init__(
+        self,
+        *,
+        id_token: _builtins.str = ...,
+        nonce: _builtins.str = ...,
+        workspace_id: _builtins.str = ...,
+        invite: _builtins.str = ...,
+        display_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["display_name", b"display_name", "id_token", b"id_token", "invite", b"invite", "nonce", b"nonce", "workspace_id", b"workspace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignInWithOidcRequest: _TypeAlias = SignInWithOidcRequest  # noqa: Y015
+
+@_typing.final
+class SignInWithOidcResponse(_message.Message):
+    """Response for SignInWithOidc."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKENS_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
+    joined: _builtins.bool
+    """Whether this sign-in accepted the invite (created the member)."""
+    @_builtins.property
+    def tokens(self) -> _im_pb2.Tokens:
+        """The new session's tokens."""
+
+    def __init__(
+        self,
+        *,
+        tokens: _im_pb2.Tokens | None = ...,
+        joined: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["joined", b"joined", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignInWithOidcResponse: _TypeAlias = SignInWithOidcResponse  # noqa: Y015
+
+@_typing.final
+class LinkOidcAccountRequest(_message.Message):
+    """Request for LinkOidcAccount."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_TOKEN_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    id_token: _builtins.str
+    """The ID token (a JWT) the provider's token endpoint returned."""
+    nonce: _builtins.str
+    """The nonce the relying party sent in the authorization request. Used once."""
+    def __init__(
+        self,
+        *,
+        id_token: _builtins.str = ...,
+        nonce: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id_token", b"id_token", "nonce", b"nonce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkOidcAccountRequest: _TypeAlias = LinkOidcAccountRequest  # noqa: Y015
+
+@_typing.final
+class LinkOidcAccountResponse(_message.Message):
+    """Response for LinkOidcAccount."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBER_FIELD_NUMBER: _builtins.int
+    EMAIL_FIELD_NUMBER: _builtins.int
+    email: _builtins.str
+    """The verified email the caller's account now has (lower case)."""
+    @_builtins.property
+    def member(self) -> _im_pb2.Member:
+        """The caller."""
+
+    def __init__(
+        self,
+        *,
+        member: _im_pb2.Member | None = ...,
+        email: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["email", b"email", "member", b"member"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkOidcAccountResponse: _TypeAlias = LinkOidcAccountResponse  # noqa: Y015
 
 @_typing.final
 class RefreshTokensRequest(_message.Message):
@@ -333,6 +464,7 @@ class Invite(_message.Message):
     CREATOR_ID_FIELD_NUMBER: _builtins.int
     CREATE_TIME_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
+    EMAIL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -341,6 +473,8 @@ class Invite(_message.Message):
     """The role the new member gets."""
     creator_id: _builtins.str
     """The member who created it."""
+    email: _builtins.str
+    """The email it is bound to (lower case); empty if it is not bound."""
     @_builtins.property
     def create_time(self) -> _timestamp_pb2.Timestamp:
         """When it was created."""
@@ -358,10 +492,11 @@ class Invite(_message.Message):
         creator_id: _builtins.str = ...,
         create_time: _timestamp_pb2.Timestamp | None = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
+        email: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "expire_time", b"expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "creator_id", b"creator_id", "expire_time", b"expire_time", "id", b"id", "role", b"role", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["create_time", b"create_time", "creator_id", b"creator_id", "email", b"email", "expire_time", b"expire_time", "id", b"id", "role", b"role", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -376,6 +511,7 @@ class CreateInviteRequest(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EMAIL_FIELD_NUMBER: _builtins.int
     role: _im_pb2.MemberRole.ValueType
     """The role of the member who accepts it: ADMIN or MEMBER (MEMBER if
     unspecified).
@@ -384,6 +520,14 @@ class CreateInviteRequest(_message.Message):
     """Client-chosen id: a retry with the same id gets the same invite with
     a new secret (the first response may have been lost, and a secret is
     shown only once); the earlier secret stops working.
+    """
+    email: _builtins.str
+    """Optional: binds the invite to one email address. It is then accepted
+    only through the OpenID Connect provider (SignInWithOidc), by the
+    person whose verified email this is (compared ignoring case); AcceptInvite
+    with a password is FAILED_PRECONDITION. Only where OIDC_ISSUER is set
+    (else FAILED_PRECONDITION); no member of the workspace may have the
+    email already (ALREADY_EXISTS).
     """
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
@@ -395,10 +539,11 @@ class CreateInviteRequest(_message.Message):
         role: _im_pb2.MemberRole.ValueType = ...,
         ttl: _duration_pb2.Duration | None = ...,
         request_id: _builtins.str = ...,
+        email: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "role", b"role", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["email", b"email", "request_id", b"request_id", "role", b"role", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

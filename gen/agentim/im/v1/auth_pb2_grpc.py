@@ -56,6 +56,16 @@ class AuthServiceStub:
                 request_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInRequest.SerializeToString,
                 response_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInResponse.FromString,
                 _registered_method=True)
+        self.SignInWithOidc = channel.unary_unary(
+                '/agentim.im.v1.AuthService/SignInWithOidc',
+                request_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInWithOidcRequest.SerializeToString,
+                response_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInWithOidcResponse.FromString,
+                _registered_method=True)
+        self.LinkOidcAccount = channel.unary_unary(
+                '/agentim.im.v1.AuthService/LinkOidcAccount',
+                request_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.LinkOidcAccountRequest.SerializeToString,
+                response_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.LinkOidcAccountResponse.FromString,
+                _registered_method=True)
         self.RefreshTokens = channel.unary_unary(
                 '/agentim.im.v1.AuthService/RefreshTokens',
                 request_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.RefreshTokensRequest.SerializeToString,
@@ -152,6 +162,46 @@ class AuthServiceServicer:
         wrong login and a wrong password get the same UNAUTHENTICATED
         message; after too many failures for one login the account is
         refused for a while (RESOURCE_EXHAUSTED, with google.rpc.RetryInfo).
+        Without a workspace, the account is the one account with that login
+        and that password, in whichever workspace; when the password fits
+        accounts of several workspaces (or the login is held in more
+        workspaces than the IM checks at once) it is FAILED_PRECONDITION:
+        ask for the workspace and call again with it. Which workspaces hold a
+        login is never told.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SignInWithOidc(self, request, context):
+        """Signs a person in with an ID token of the organisation's OpenID
+        Connect provider (`OIDC_ISSUER`), which the caller (the gateway, the
+        relying party) got by the authorization code flow with PKCE. The IM
+        trusts no caller: it verifies the token itself against the issuer's
+        keys (its signature, issuer, audience `OIDC_CLIENT_ID`, times, the
+        nonce, `email_verified`) and maps its email to the member whose
+        account has it. With an invite, a person with no account in the
+        invite's workspace joins it (a HUMAN member with the invite's role and
+        an account holding the verified email). A nonce works once: a replayed
+        ID token is UNAUTHENTICATED, and so is a retry (sign in again: a lost
+        response cannot be replayed without allowing a stolen token to be).
+        No member with the email (and no invite): PERMISSION_DENIED. Members
+        of several workspaces with the email, without `workspace_id`:
+        FAILED_PRECONDITION, as for SignIn. OpenID Connect not configured:
+        FAILED_PRECONDITION. The provider unreachable: UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LinkOidcAccount(self, request, context):
+        """Gives the caller's account the verified email of an ID token of the
+        organisation's provider (checked as SignInWithOidc checks it), so that
+        the caller signs in with the provider from then on: how someone who
+        joined with a password (the workspace's creator, say) links their
+        organisation account. Needs a signed-in person (not a personal
+        token). Another account of the workspace with the email:
+        ALREADY_EXISTS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -194,7 +244,8 @@ class AuthServiceServicer:
     def AcceptInvite(self, request, context):
         """Joins a workspace with an invite: creates a HUMAN member with the
         invite's role and an account, and signs it in. An invite works once
-        and until it expires.
+        and until it expires; one bound to an email is accepted only through
+        the OpenID Connect provider (FAILED_PRECONDITION here).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -280,6 +331,16 @@ def add_AuthServiceServicer_to_server(servicer, server):
                     servicer.SignIn,
                     request_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInRequest.FromString,
                     response_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInResponse.SerializeToString,
+            ),
+            'SignInWithOidc': grpc.unary_unary_rpc_method_handler(
+                    servicer.SignInWithOidc,
+                    request_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInWithOidcRequest.FromString,
+                    response_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.SignInWithOidcResponse.SerializeToString,
+            ),
+            'LinkOidcAccount': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkOidcAccount,
+                    request_deserializer=agentim_dot_im_dot_v1_dot_auth__pb2.LinkOidcAccountRequest.FromString,
+                    response_serializer=agentim_dot_im_dot_v1_dot_auth__pb2.LinkOidcAccountResponse.SerializeToString,
             ),
             'RefreshTokens': grpc.unary_unary_rpc_method_handler(
                     servicer.RefreshTokens,
@@ -413,6 +474,60 @@ class AuthService:
             '/agentim.im.v1.AuthService/SignIn',
             agentim_dot_im_dot_v1_dot_auth__pb2.SignInRequest.SerializeToString,
             agentim_dot_im_dot_v1_dot_auth__pb2.SignInResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SignInWithOidc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.im.v1.AuthService/SignInWithOidc',
+            agentim_dot_im_dot_v1_dot_auth__pb2.SignInWithOidcRequest.SerializeToString,
+            agentim_dot_im_dot_v1_dot_auth__pb2.SignInWithOidcResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkOidcAccount(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.im.v1.AuthService/LinkOidcAccount',
+            agentim_dot_im_dot_v1_dot_auth__pb2.LinkOidcAccountRequest.SerializeToString,
+            agentim_dot_im_dot_v1_dot_auth__pb2.LinkOidcAccountResponse.FromString,
             options,
             channel_credentials,
             insecure,

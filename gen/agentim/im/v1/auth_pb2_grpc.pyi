@@ -55,6 +55,38 @@ class AuthServiceStub:
     wrong login and a wrong password get the same UNAUTHENTICATED
     message; after too many failures for one login the account is
     refused for a while (RESOURCE_EXHAUSTED, with google.rpc.RetryInfo).
+    Without a workspace, the account is the one account with that login
+    and that password, in whichever workspace; when the password fits
+    accounts of several workspaces (or the login is held in more
+    workspaces than the IM checks at once) it is FAILED_PRECONDITION:
+    ask for the workspace and call again with it. Which workspaces hold a
+    login is never told.
+    """
+    SignInWithOidc: _grpc.UnaryUnaryMultiCallable[_auth_pb2.SignInWithOidcRequest, _auth_pb2.SignInWithOidcResponse]
+    """Signs a person in with an ID token of the organisation's OpenID
+    Connect provider (`OIDC_ISSUER`), which the caller (the gateway, the
+    relying party) got by the authorization code flow with PKCE. The IM
+    trusts no caller: it verifies the token itself against the issuer's
+    keys (its signature, issuer, audience `OIDC_CLIENT_ID`, times, the
+    nonce, `email_verified`) and maps its email to the member whose
+    account has it. With an invite, a person with no account in the
+    invite's workspace joins it (a HUMAN member with the invite's role and
+    an account holding the verified email). A nonce works once: a replayed
+    ID token is UNAUTHENTICATED, and so is a retry (sign in again: a lost
+    response cannot be replayed without allowing a stolen token to be).
+    No member with the email (and no invite): PERMISSION_DENIED. Members
+    of several workspaces with the email, without `workspace_id`:
+    FAILED_PRECONDITION, as for SignIn. OpenID Connect not configured:
+    FAILED_PRECONDITION. The provider unreachable: UNAVAILABLE.
+    """
+    LinkOidcAccount: _grpc.UnaryUnaryMultiCallable[_auth_pb2.LinkOidcAccountRequest, _auth_pb2.LinkOidcAccountResponse]
+    """Gives the caller's account the verified email of an ID token of the
+    organisation's provider (checked as SignInWithOidc checks it), so that
+    the caller signs in with the provider from then on: how someone who
+    joined with a password (the workspace's creator, say) links their
+    organisation account. Needs a signed-in person (not a personal
+    token). Another account of the workspace with the email:
+    ALREADY_EXISTS.
     """
     RefreshTokens: _grpc.UnaryUnaryMultiCallable[_auth_pb2.RefreshTokensRequest, _auth_pb2.RefreshTokensResponse]
     """Exchanges a refresh token for new tokens. Each refresh token works
@@ -77,7 +109,8 @@ class AuthServiceStub:
     AcceptInvite: _grpc.UnaryUnaryMultiCallable[_auth_pb2.AcceptInviteRequest, _auth_pb2.AcceptInviteResponse]
     """Joins a workspace with an invite: creates a HUMAN member with the
     invite's role and an account, and signs it in. An invite works once
-    and until it expires.
+    and until it expires; one bound to an email is accepted only through
+    the OpenID Connect provider (FAILED_PRECONDITION here).
     """
     SetMemberRole: _grpc.UnaryUnaryMultiCallable[_auth_pb2.SetMemberRoleRequest, _auth_pb2.SetMemberRoleResponse]
     """Changes a member's role (admins and the owner only). Only the owner
@@ -143,6 +176,38 @@ class AuthServiceAsyncStub(AuthServiceStub):
     wrong login and a wrong password get the same UNAUTHENTICATED
     message; after too many failures for one login the account is
     refused for a while (RESOURCE_EXHAUSTED, with google.rpc.RetryInfo).
+    Without a workspace, the account is the one account with that login
+    and that password, in whichever workspace; when the password fits
+    accounts of several workspaces (or the login is held in more
+    workspaces than the IM checks at once) it is FAILED_PRECONDITION:
+    ask for the workspace and call again with it. Which workspaces hold a
+    login is never told.
+    """
+    SignInWithOidc: _aio.UnaryUnaryMultiCallable[_auth_pb2.SignInWithOidcRequest, _auth_pb2.SignInWithOidcResponse]  # type: ignore[assignment]
+    """Signs a person in with an ID token of the organisation's OpenID
+    Connect provider (`OIDC_ISSUER`), which the caller (the gateway, the
+    relying party) got by the authorization code flow with PKCE. The IM
+    trusts no caller: it verifies the token itself against the issuer's
+    keys (its signature, issuer, audience `OIDC_CLIENT_ID`, times, the
+    nonce, `email_verified`) and maps its email to the member whose
+    account has it. With an invite, a person with no account in the
+    invite's workspace joins it (a HUMAN member with the invite's role and
+    an account holding the verified email). A nonce works once: a replayed
+    ID token is UNAUTHENTICATED, and so is a retry (sign in again: a lost
+    response cannot be replayed without allowing a stolen token to be).
+    No member with the email (and no invite): PERMISSION_DENIED. Members
+    of several workspaces with the email, without `workspace_id`:
+    FAILED_PRECONDITION, as for SignIn. OpenID Connect not configured:
+    FAILED_PRECONDITION. The provider unreachable: UNAVAILABLE.
+    """
+    LinkOidcAccount: _aio.UnaryUnaryMultiCallable[_auth_pb2.LinkOidcAccountRequest, _auth_pb2.LinkOidcAccountResponse]  # type: ignore[assignment]
+    """Gives the caller's account the verified email of an ID token of the
+    organisation's provider (checked as SignInWithOidc checks it), so that
+    the caller signs in with the provider from then on: how someone who
+    joined with a password (the workspace's creator, say) links their
+    organisation account. Needs a signed-in person (not a personal
+    token). Another account of the workspace with the email:
+    ALREADY_EXISTS.
     """
     RefreshTokens: _aio.UnaryUnaryMultiCallable[_auth_pb2.RefreshTokensRequest, _auth_pb2.RefreshTokensResponse]  # type: ignore[assignment]
     """Exchanges a refresh token for new tokens. Each refresh token works
@@ -165,7 +230,8 @@ class AuthServiceAsyncStub(AuthServiceStub):
     AcceptInvite: _aio.UnaryUnaryMultiCallable[_auth_pb2.AcceptInviteRequest, _auth_pb2.AcceptInviteResponse]  # type: ignore[assignment]
     """Joins a workspace with an invite: creates a HUMAN member with the
     invite's role and an account, and signs it in. An invite works once
-    and until it expires.
+    and until it expires; one bound to an email is accepted only through
+    the OpenID Connect provider (FAILED_PRECONDITION here).
     """
     SetMemberRole: _aio.UnaryUnaryMultiCallable[_auth_pb2.SetMemberRoleRequest, _auth_pb2.SetMemberRoleResponse]  # type: ignore[assignment]
     """Changes a member's role (admins and the owner only). Only the owner
@@ -240,6 +306,50 @@ class AuthServiceServicer(metaclass=_abc_1.ABCMeta):
         wrong login and a wrong password get the same UNAUTHENTICATED
         message; after too many failures for one login the account is
         refused for a while (RESOURCE_EXHAUSTED, with google.rpc.RetryInfo).
+        Without a workspace, the account is the one account with that login
+        and that password, in whichever workspace; when the password fits
+        accounts of several workspaces (or the login is held in more
+        workspaces than the IM checks at once) it is FAILED_PRECONDITION:
+        ask for the workspace and call again with it. Which workspaces hold a
+        login is never told.
+        """
+
+    @_abc_1.abstractmethod
+    def SignInWithOidc(
+        self,
+        request: _auth_pb2.SignInWithOidcRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_auth_pb2.SignInWithOidcResponse, _abc.Awaitable[_auth_pb2.SignInWithOidcResponse]]:
+        """Signs a person in with an ID token of the organisation's OpenID
+        Connect provider (`OIDC_ISSUER`), which the caller (the gateway, the
+        relying party) got by the authorization code flow with PKCE. The IM
+        trusts no caller: it verifies the token itself against the issuer's
+        keys (its signature, issuer, audience `OIDC_CLIENT_ID`, times, the
+        nonce, `email_verified`) and maps its email to the member whose
+        account has it. With an invite, a person with no account in the
+        invite's workspace joins it (a HUMAN member with the invite's role and
+        an account holding the verified email). A nonce works once: a replayed
+        ID token is UNAUTHENTICATED, and so is a retry (sign in again: a lost
+        response cannot be replayed without allowing a stolen token to be).
+        No member with the email (and no invite): PERMISSION_DENIED. Members
+        of several workspaces with the email, without `workspace_id`:
+        FAILED_PRECONDITION, as for SignIn. OpenID Connect not configured:
+        FAILED_PRECONDITION. The provider unreachable: UNAVAILABLE.
+        """
+
+    @_abc_1.abstractmethod
+    def LinkOidcAccount(
+        self,
+        request: _auth_pb2.LinkOidcAccountRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_auth_pb2.LinkOidcAccountResponse, _abc.Awaitable[_auth_pb2.LinkOidcAccountResponse]]:
+        """Gives the caller's account the verified email of an ID token of the
+        organisation's provider (checked as SignInWithOidc checks it), so that
+        the caller signs in with the provider from then on: how someone who
+        joined with a password (the workspace's creator, say) links their
+        organisation account. Needs a signed-in person (not a personal
+        token). Another account of the workspace with the email:
+        ALREADY_EXISTS.
         """
 
     @_abc_1.abstractmethod
@@ -292,7 +402,8 @@ class AuthServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_auth_pb2.AcceptInviteResponse, _abc.Awaitable[_auth_pb2.AcceptInviteResponse]]:
         """Joins a workspace with an invite: creates a HUMAN member with the
         invite's role and an account, and signs it in. An invite works once
-        and until it expires.
+        and until it expires; one bound to an email is accepted only through
+        the OpenID Connect provider (FAILED_PRECONDITION here).
         """
 
     @_abc_1.abstractmethod

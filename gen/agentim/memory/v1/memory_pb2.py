@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61gentim/memory/v1/memory.proto\x12\x11\x61gentim.memory.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x82\x01\n\x06\x41nchor\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x15\n\rstep_sequence\x18\x05 \x01(\x03\x12\x15\n\rsegment_index\x18\x06 \x01(\x05\"\xd3\x01\n\x07Segment\x12)\n\x06\x61nchor\x18\x01 \x01(\x0b\x32\x19.agentim.memory.v1.Anchor\x12,\n\x04type\x18\x02 \x01(\x0e\x32\x1e.agentim.memory.v1.SegmentType\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\ttool_name\x18\x06 \x01(\t\x12\x0b\n\x03ref\x18\x07 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x87\x02\n\x0c\x41rchivedStep\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.agentim.memory.v1.StepRole\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x11\n\treasoning\x18\x04 \x01(\t\x12/\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1b.agentim.memory.v1.ToolCall\x12\x11\n\ttool_name\x18\x06 \x01(\t\x12\x10\n\x08group_id\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07summary\x18\t \x01(\x08\"4\n\x0c\x43onversation\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nmember_ids\x18\x02 \x03(\t\"\xb8\x02\n\x0b\x41rchivedRun\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x17\n\x0f\x61gent_member_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12.\n\nstart_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x05steps\x18\x08 \x03(\x0b\x32\x1f.agentim.memory.v1.ArchivedStep\x12\x36\n\rconversations\x18\t \x03(\x0b\x32\x1f.agentim.memory.v1.Conversation\"@\n\x11\x41rchiveRunRequest\x12+\n\x03run\x18\x01 \x01(\x0b\x32\x1e.agentim.memory.v1.ArchivedRun\"<\n\x12\x41rchiveRunResponse\x12\x15\n\rsegment_count\x18\x01 \x01(\x05\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x08\";\n\nAgentScope\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x1b\n\x13\x61udience_member_ids\x18\x02 \x03(\t\"&\n\x0eWorkspaceScope\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\"\xd3\x01\n\x0fRetrieveFilters\x12-\n\x05types\x18\x01 \x03(\x0e\x32\x1e.agentim.memory.v1.SegmentType\x12)\n\x05since\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\x17\n\x0f\x65xclude_run_ids\x18\x06 \x03(\t\"\xec\x01\n\x0fRetrieveRequest\x12.\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentim.memory.v1.AgentScopeH\x00\x12\x36\n\tworkspace\x18\x02 \x01(\x0b\x32!.agentim.memory.v1.WorkspaceScopeH\x00\x12\r\n\x05query\x18\x03 \x01(\t\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\x33\n\x07\x66ilters\x18\x05 \x01(\x0b\x32\".agentim.memory.v1.RetrieveFilters\x12\x15\n\rprefer_recent\x18\x06 \x01(\x08\x42\x07\n\x05scope\"b\n\x10RetrievedSegment\x12+\n\x07segment\x18\x01 \x01(\x0b\x32\x1a.agentim.memory.v1.Segment\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x12\n\nduplicates\x18\x03 \x01(\x05\"d\n\x10RetrieveResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.agentim.memory.v1.RetrievedSegment\x12\x1a\n\x12pending_embeddings\x18\x02 \x01(\x03\"\xac\x01\n\rExpandRequest\x12.\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentim.memory.v1.AgentScopeH\x00\x12\x36\n\tworkspace\x18\x02 \x01(\x0b\x32!.agentim.memory.v1.WorkspaceScopeH\x00\x12\x0b\n\x03ref\x18\x03 \x01(\t\x12\x0e\n\x06\x62\x65\x66ore\x18\x04 \x01(\x05\x12\r\n\x05\x61\x66ter\x18\x05 \x01(\x05\x42\x07\n\x05scope\"\xb4\x01\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12.\n\nstart_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rsegment_count\x18\x06 \x01(\x05\"\xbb\x01\n\x0e\x45xpandResponse\x12)\n\x05\x66ocus\x18\x01 \x01(\x0b\x32\x1a.agentim.memory.v1.Segment\x12*\n\x06\x62\x65\x66ore\x18\x02 \x03(\x0b\x32\x1a.agentim.memory.v1.Segment\x12)\n\x05\x61\x66ter\x18\x03 \x03(\x0b\x32\x1a.agentim.memory.v1.Segment\x12\'\n\x03run\x18\x04 \x01(\x0b\x32\x1a.agentim.memory.v1.RunInfo\"\x99\x01\n\rForgetRequest\x12\x10\n\x06run_id\x18\x01 \x01(\tH\x00\x12\x14\n\nsession_id\x18\x02 \x01(\tH\x00\x12\x12\n\x08\x61gent_id\x18\x03 \x01(\tH\x00\x12\x16\n\x0cworkspace_id\x18\x04 \x01(\tH\x00\x12*\n\x06\x62\x65\x66ore\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x08\n\x06target\"*\n\x0e\x46orgetResponse\x12\x18\n\x10\x64\x65leted_segments\x18\x01 \x01(\x03\"L\n\x15GetMemoryStatsRequest\x12\x12\n\x08\x61gent_id\x18\x01 \x01(\tH\x00\x12\x16\n\x0cworkspace_id\x18\x02 \x01(\tH\x00\x42\x07\n\x05scope\"\xc0\x01\n\x16GetMemoryStatsResponse\x12\x11\n\trun_count\x18\x01 \x01(\x03\x12\x15\n\rsegment_count\x18\x02 \x01(\x03\x12\x1a\n\x12pending_embeddings\x18\x03 \x01(\x03\x12/\n\x0boldest_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bnewest_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xd5\x01\n\x0bSegmentType\x12\x1c\n\x18SEGMENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19SEGMENT_TYPE_USER_MESSAGE\x10\x01\x12\x1a\n\x16SEGMENT_TYPE_REASONING\x10\x02\x12\x1a\n\x16SEGMENT_TYPE_TOOL_CALL\x10\x03\x12\x1c\n\x18SEGMENT_TYPE_TOOL_RESULT\x10\x04\x12\x19\n\x15SEGMENT_TYPE_RESPONSE\x10\x05\x12\x18\n\x14SEGMENT_TYPE_SUMMARY\x10\x06*|\n\x08StepRole\x12\x19\n\x15STEP_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10STEP_ROLE_SYSTEM\x10\x01\x12\x12\n\x0eSTEP_ROLE_USER\x10\x02\x12\x17\n\x13STEP_ROLE_ASSISTANT\x10\x03\x12\x12\n\x0eSTEP_ROLE_TOOL\x10\x04\x32\xc4\x03\n\rMemoryService\x12Y\n\nArchiveRun\x12$.agentim.memory.v1.ArchiveRunRequest\x1a%.agentim.memory.v1.ArchiveRunResponse\x12S\n\x08Retrieve\x12\".agentim.memory.v1.RetrieveRequest\x1a#.agentim.memory.v1.RetrieveResponse\x12M\n\x06\x45xpand\x12 .agentim.memory.v1.ExpandRequest\x1a!.agentim.memory.v1.ExpandResponse\x12M\n\x06\x46orget\x12 .agentim.memory.v1.ForgetRequest\x1a!.agentim.memory.v1.ForgetResponse\x12\x65\n\x0eGetMemoryStats\x12(.agentim.memory.v1.GetMemoryStatsRequest\x1a).agentim.memory.v1.GetMemoryStatsResponseB5\n\x15\x64\x65v.agentim.memory.v1P\x01Z\x1a\x61gentim/memory/v1;memoryv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x61gentim/memory/v1/memory.proto\x12\x11\x61gentim.memory.v1\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x82\x01\n\x06\x41nchor\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x15\n\rstep_sequence\x18\x05 \x01(\x03\x12\x15\n\rsegment_index\x18\x06 \x01(\x05\"\xd3\x01\n\x07Segment\x12)\n\x06\x61nchor\x18\x01 \x01(\x0b\x32\x19.agentim.memory.v1.Anchor\x12,\n\x04type\x18\x02 \x01(\x0e\x32\x1e.agentim.memory.v1.SegmentType\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12/\n\x0b\x63reate_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\ttool_name\x18\x06 \x01(\t\x12\x0b\n\x03ref\x18\x07 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x87\x02\n\x0c\x41rchivedStep\x12\x10\n\x08sequence\x18\x01 \x01(\x03\x12)\n\x04role\x18\x02 \x01(\x0e\x32\x1b.agentim.memory.v1.StepRole\x12\x0f\n\x07\x63ontent\x18\x03 \x01(\t\x12\x11\n\treasoning\x18\x04 \x01(\t\x12/\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1b.agentim.memory.v1.ToolCall\x12\x11\n\ttool_name\x18\x06 \x01(\t\x12\x10\n\x08group_id\x18\x07 \x01(\t\x12/\n\x0b\x63reate_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07summary\x18\t \x01(\x08\"4\n\x0c\x43onversation\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\x12\n\nmember_ids\x18\x02 \x03(\t\"\xb8\x02\n\x0b\x41rchivedRun\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x17\n\x0f\x61gent_member_id\x18\x03 \x01(\t\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12.\n\nstart_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x05steps\x18\x08 \x03(\x0b\x32\x1f.agentim.memory.v1.ArchivedStep\x12\x36\n\rconversations\x18\t \x03(\x0b\x32\x1f.agentim.memory.v1.Conversation\"@\n\x11\x41rchiveRunRequest\x12+\n\x03run\x18\x01 \x01(\x0b\x32\x1e.agentim.memory.v1.ArchivedRun\"<\n\x12\x41rchiveRunResponse\x12\x15\n\rsegment_count\x18\x01 \x01(\x05\x12\x0f\n\x07\x63hanged\x18\x02 \x01(\x08\";\n\nAgentScope\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x1b\n\x13\x61udience_member_ids\x18\x02 \x03(\t\"&\n\x0eWorkspaceScope\x12\x14\n\x0cworkspace_id\x18\x01 \x01(\t\"\xd3\x01\n\x0fRetrieveFilters\x12-\n\x05types\x18\x01 \x03(\x0e\x32\x1e.agentim.memory.v1.SegmentType\x12)\n\x05since\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x05until\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08group_id\x18\x04 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x05 \x01(\t\x12\x17\n\x0f\x65xclude_run_ids\x18\x06 \x03(\t\"\xec\x01\n\x0fRetrieveRequest\x12.\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentim.memory.v1.AgentScopeH\x00\x12\x36\n\tworkspace\x18\x02 \x01(\x0b\x32!.agentim.memory.v1.WorkspaceScopeH\x00\x12\r\n\x05query\x18\x03 \x01(\t\x12\r\n\x05limit\x18\x04 \x01(\x05\x12\x33\n\x07\x66ilters\x18\x05 \x01(\x0b\x32\".agentim.memory.v1.RetrieveFilters\x12\x15\n\rprefer_recent\x18\x06 \x01(\x08\x42\x07\n\x05scope\"b\n\x10RetrievedSegment\x12+\n\x07segment\x18\x01 \x01(\x0b\x32\x1a.agentim.memory.v1.Segment\x12\r\n\x05score\x18\x02 \x01(\x01\x12\x12\n\nduplicates\x18\x03 \x01(\x05\"d\n\x10RetrieveResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.agentim.memory.v1.RetrievedSegment\x12\x1a\n\x12pending_embeddings\x18\x02 \x01(\x03\"\xac\x01\n\rExpandRequest\x12.\n\x05\x61gent\x18\x01 \x01(\x0b\x32\x1d.agentim.memory.v1.AgentScopeH\x00\x12\x36\n\tworkspace\x18\x02 \x01(\x0b\x32!.agentim.memory.v1.WorkspaceScopeH\x00\x12\x0b\n\x03ref\x18\x03 \x01(\t\x12\x0e\n\x06\x62\x65\x66ore\x18\x04 \x01(\x05\x12\r\n\x05\x61\x66ter\x18\x05 \x01(\x05\x42\x07\n\x05scope\"\xb4\x01\n\x07RunInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x10\n\x08\x61gent_id\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12.\n\nstart_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rsegment_count\x18\x06 \x01(\x05\"\xbb\x01\n\x0e\x45xpandResponse\x12)\n\x05\x66ocus\x18\x01 \x01(\x0b\x32\x1a.agentim.memory.v1.Segment\x12*\n\x06\x62\x65\x66ore\x18\x02 \x03(\x0b\x32\x1a.agentim.memory.v1.Segment\x12)\n\x05\x61\x66ter\x18\x03 \x03(\x0b\x32\x1a.agentim.memory.v1.Segment\x12\'\n\x03run\x18\x04 \x01(\x0b\x32\x1a.agentim.memory.v1.RunInfo\"\x99\x01\n\rForgetRequest\x12\x10\n\x06run_id\x18\x01 \x01(\tH\x00\x12\x14\n\nsession_id\x18\x02 \x01(\tH\x00\x12\x12\n\x08\x61gent_id\x18\x03 \x01(\tH\x00\x12\x16\n\x0cworkspace_id\x18\x04 \x01(\tH\x00\x12*\n\x06\x62\x65\x66ore\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\x08\n\x06target\"*\n\x0e\x46orgetResponse\x12\x18\n\x10\x64\x65leted_segments\x18\x01 \x01(\x03\"L\n\x15GetMemoryStatsRequest\x12\x12\n\x08\x61gent_id\x18\x01 \x01(\tH\x00\x12\x16\n\x0cworkspace_id\x18\x02 \x01(\tH\x00\x42\x07\n\x05scope\"\xc0\x01\n\x16GetMemoryStatsResponse\x12\x11\n\trun_count\x18\x01 \x01(\x03\x12\x15\n\rsegment_count\x18\x02 \x01(\x03\x12\x1a\n\x12pending_embeddings\x18\x03 \x01(\x03\x12/\n\x0boldest_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bnewest_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\xd5\x01\n\x0bSegmentType\x12\x1c\n\x18SEGMENT_TYPE_UNSPECIFIED\x10\x00\x12\x1d\n\x19SEGMENT_TYPE_USER_MESSAGE\x10\x01\x12\x1a\n\x16SEGMENT_TYPE_REASONING\x10\x02\x12\x1a\n\x16SEGMENT_TYPE_TOOL_CALL\x10\x03\x12\x1c\n\x18SEGMENT_TYPE_TOOL_RESULT\x10\x04\x12\x19\n\x15SEGMENT_TYPE_RESPONSE\x10\x05\x12\x18\n\x14SEGMENT_TYPE_SUMMARY\x10\x06*|\n\x08StepRole\x12\x19\n\x15STEP_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10STEP_ROLE_SYSTEM\x10\x01\x12\x12\n\x0eSTEP_ROLE_USER\x10\x02\x12\x17\n\x13STEP_ROLE_ASSISTANT\x10\x03\x12\x12\n\x0eSTEP_ROLE_TOOL\x10\x04\x32\xb9\x05\n\rMemoryService\x12Y\n\nArchiveRun\x12$.agentim.memory.v1.ArchiveRunRequest\x1a%.agentim.memory.v1.ArchiveRunResponse\x12\xa1\x01\n\x08Retrieve\x12\".agentim.memory.v1.RetrieveRequest\x1a#.agentim.memory.v1.RetrieveResponse\"L\x82\xd3\xe4\x93\x02\x46\")/v1/agents/{agent.agent_id}/memory:search:\x01*Z\x16\"\x11/v1/memory:search:\x01*\x12\x9b\x01\n\x06\x45xpand\x12 .agentim.memory.v1.ExpandRequest\x1a!.agentim.memory.v1.ExpandResponse\"L\x82\xd3\xe4\x93\x02\x46\")/v1/agents/{agent.agent_id}/memory:expand:\x01*Z\x16\"\x11/v1/memory:expand:\x01*\x12}\n\x06\x46orget\x12 .agentim.memory.v1.ForgetRequest\x1a!.agentim.memory.v1.ForgetResponse\".\x82\xd3\xe4\x93\x02(\"#/v1/agents/{agent_id}/memory:forget:\x01*\x12\x8b\x01\n\x0eGetMemoryStats\x12(.agentim.memory.v1.GetMemoryStatsRequest\x1a).agentim.memory.v1.GetMemoryStatsResponse\"$\x82\xd3\xe4\x93\x02\x1e\x12\x1c/v1/agents/{agent_id}/memoryB5\n\x15\x64\x65v.agentim.memory.v1P\x01Z\x1a\x61gentim/memory/v1;memoryv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,52 +34,60 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'agentim.memory.v1.memory_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\025dev.agentim.memory.v1P\001Z\032agentim/memory/v1;memoryv1'
-  _globals['_SEGMENTTYPE']._serialized_start=3031
-  _globals['_SEGMENTTYPE']._serialized_end=3244
-  _globals['_STEPROLE']._serialized_start=3246
-  _globals['_STEPROLE']._serialized_end=3370
-  _globals['_ANCHOR']._serialized_start=87
-  _globals['_ANCHOR']._serialized_end=217
-  _globals['_SEGMENT']._serialized_start=220
-  _globals['_SEGMENT']._serialized_end=431
-  _globals['_TOOLCALL']._serialized_start=433
-  _globals['_TOOLCALL']._serialized_end=488
-  _globals['_ARCHIVEDSTEP']._serialized_start=491
-  _globals['_ARCHIVEDSTEP']._serialized_end=754
-  _globals['_CONVERSATION']._serialized_start=756
-  _globals['_CONVERSATION']._serialized_end=808
-  _globals['_ARCHIVEDRUN']._serialized_start=811
-  _globals['_ARCHIVEDRUN']._serialized_end=1123
-  _globals['_ARCHIVERUNREQUEST']._serialized_start=1125
-  _globals['_ARCHIVERUNREQUEST']._serialized_end=1189
-  _globals['_ARCHIVERUNRESPONSE']._serialized_start=1191
-  _globals['_ARCHIVERUNRESPONSE']._serialized_end=1251
-  _globals['_AGENTSCOPE']._serialized_start=1253
-  _globals['_AGENTSCOPE']._serialized_end=1312
-  _globals['_WORKSPACESCOPE']._serialized_start=1314
-  _globals['_WORKSPACESCOPE']._serialized_end=1352
-  _globals['_RETRIEVEFILTERS']._serialized_start=1355
-  _globals['_RETRIEVEFILTERS']._serialized_end=1566
-  _globals['_RETRIEVEREQUEST']._serialized_start=1569
-  _globals['_RETRIEVEREQUEST']._serialized_end=1805
-  _globals['_RETRIEVEDSEGMENT']._serialized_start=1807
-  _globals['_RETRIEVEDSEGMENT']._serialized_end=1905
-  _globals['_RETRIEVERESPONSE']._serialized_start=1907
-  _globals['_RETRIEVERESPONSE']._serialized_end=2007
-  _globals['_EXPANDREQUEST']._serialized_start=2010
-  _globals['_EXPANDREQUEST']._serialized_end=2182
-  _globals['_RUNINFO']._serialized_start=2185
-  _globals['_RUNINFO']._serialized_end=2365
-  _globals['_EXPANDRESPONSE']._serialized_start=2368
-  _globals['_EXPANDRESPONSE']._serialized_end=2555
-  _globals['_FORGETREQUEST']._serialized_start=2558
-  _globals['_FORGETREQUEST']._serialized_end=2711
-  _globals['_FORGETRESPONSE']._serialized_start=2713
-  _globals['_FORGETRESPONSE']._serialized_end=2755
-  _globals['_GETMEMORYSTATSREQUEST']._serialized_start=2757
-  _globals['_GETMEMORYSTATSREQUEST']._serialized_end=2833
-  _globals['_GETMEMORYSTATSRESPONSE']._serialized_start=2836
-  _globals['_GETMEMORYSTATSRESPONSE']._serialized_end=3028
-  _globals['_MEMORYSERVICE']._serialized_start=3373
-  _globals['_MEMORYSERVICE']._serialized_end=3825
+  _globals['_MEMORYSERVICE'].methods_by_name['Retrieve']._loaded_options = None
+  _globals['_MEMORYSERVICE'].methods_by_name['Retrieve']._serialized_options = b'\202\323\344\223\002F\")/v1/agents/{agent.agent_id}/memory:search:\001*Z\026\"\021/v1/memory:search:\001*'
+  _globals['_MEMORYSERVICE'].methods_by_name['Expand']._loaded_options = None
+  _globals['_MEMORYSERVICE'].methods_by_name['Expand']._serialized_options = b'\202\323\344\223\002F\")/v1/agents/{agent.agent_id}/memory:expand:\001*Z\026\"\021/v1/memory:expand:\001*'
+  _globals['_MEMORYSERVICE'].methods_by_name['Forget']._loaded_options = None
+  _globals['_MEMORYSERVICE'].methods_by_name['Forget']._serialized_options = b'\202\323\344\223\002(\"#/v1/agents/{agent_id}/memory:forget:\001*'
+  _globals['_MEMORYSERVICE'].methods_by_name['GetMemoryStats']._loaded_options = None
+  _globals['_MEMORYSERVICE'].methods_by_name['GetMemoryStats']._serialized_options = b'\202\323\344\223\002\036\022\034/v1/agents/{agent_id}/memory'
+  _globals['_SEGMENTTYPE']._serialized_start=3061
+  _globals['_SEGMENTTYPE']._serialized_end=3274
+  _globals['_STEPROLE']._serialized_start=3276
+  _globals['_STEPROLE']._serialized_end=3400
+  _globals['_ANCHOR']._serialized_start=117
+  _globals['_ANCHOR']._serialized_end=247
+  _globals['_SEGMENT']._serialized_start=250
+  _globals['_SEGMENT']._serialized_end=461
+  _globals['_TOOLCALL']._serialized_start=463
+  _globals['_TOOLCALL']._serialized_end=518
+  _globals['_ARCHIVEDSTEP']._serialized_start=521
+  _globals['_ARCHIVEDSTEP']._serialized_end=784
+  _globals['_CONVERSATION']._serialized_start=786
+  _globals['_CONVERSATION']._serialized_end=838
+  _globals['_ARCHIVEDRUN']._serialized_start=841
+  _globals['_ARCHIVEDRUN']._serialized_end=1153
+  _globals['_ARCHIVERUNREQUEST']._serialized_start=1155
+  _globals['_ARCHIVERUNREQUEST']._serialized_end=1219
+  _globals['_ARCHIVERUNRESPONSE']._serialized_start=1221
+  _globals['_ARCHIVERUNRESPONSE']._serialized_end=1281
+  _globals['_AGENTSCOPE']._serialized_start=1283
+  _globals['_AGENTSCOPE']._serialized_end=1342
+  _globals['_WORKSPACESCOPE']._serialized_start=1344
+  _globals['_WORKSPACESCOPE']._serialized_end=1382
+  _globals['_RETRIEVEFILTERS']._serialized_start=1385
+  _globals['_RETRIEVEFILTERS']._serialized_end=1596
+  _globals['_RETRIEVEREQUEST']._serialized_start=1599
+  _globals['_RETRIEVEREQUEST']._serialized_end=1835
+  _globals['_RETRIEVEDSEGMENT']._serialized_start=1837
+  _globals['_RETRIEVEDSEGMENT']._serialized_end=1935
+  _globals['_RETRIEVERESPONSE']._serialized_start=1937
+  _globals['_RETRIEVERESPONSE']._serialized_end=2037
+  _globals['_EXPANDREQUEST']._serialized_start=2040
+  _globals['_EXPANDREQUEST']._serialized_end=2212
+  _globals['_RUNINFO']._serialized_start=2215
+  _globals['_RUNINFO']._serialized_end=2395
+  _globals['_EXPANDRESPONSE']._serialized_start=2398
+  _globals['_EXPANDRESPONSE']._serialized_end=2585
+  _globals['_FORGETREQUEST']._serialized_start=2588
+  _globals['_FORGETREQUEST']._serialized_end=2741
+  _globals['_FORGETRESPONSE']._serialized_start=2743
+  _globals['_FORGETRESPONSE']._serialized_end=2785
+  _globals['_GETMEMORYSTATSREQUEST']._serialized_start=2787
+  _globals['_GETMEMORYSTATSREQUEST']._serialized_end=2863
+  _globals['_GETMEMORYSTATSRESPONSE']._serialized_start=2866
+  _globals['_GETMEMORYSTATSRESPONSE']._serialized_end=3058
+  _globals['_MEMORYSERVICE']._serialized_start=3403
+  _globals['_MEMORYSERVICE']._serialized_end=4100
 # @@protoc_insertion_point(module_scope)
