@@ -88,7 +88,6 @@ from bench.runtime_bench import (
     _errors,
     _problems_section,
     _states,
-    as_member,
     bounded,
     create_agent,
     delete_agents,
@@ -105,6 +104,7 @@ from bench.runtime_bench import (
     snapshot_sources,
     wait_quiet,
 )
+from tests.identities import as_member
 
 SECTION = "## Agent control (issue 5)"
 BACKENDS = ("embedded", "postgresql")

@@ -56,7 +56,6 @@ from bench.runtime_bench import (
     SETTLE_S,
     Backend,
     Clients,
-    as_member,
     create_agent,
     delete_agents,
     direct_chat,
@@ -70,6 +69,7 @@ from bench.runtime_bench import (
     send,
     until_run_ended,
 )
+from tests.identities import as_member, learn_member, member_token
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -98,6 +98,11 @@ async def sse_events(response: aiohttp.ClientResponse) -> Any:
         elif not line and data:
             yield kind, data, time.monotonic_ns()
             kind, data = "message", ""
+
+
+def bearer(member: str) -> dict[str, str]:
+    """The member's access token, as a program sends it to the gateway."""
+    return {"Authorization": f"Bearer {member_token(member)}"}
 
 
 # --- 1. streamed deltas ------------------------------------------------------------------
@@ -137,8 +142,10 @@ async def delta_run(
                 return
 
     url = f"http://{gateway}/v1/agents/{agent.id}/events"
-    params = {"member_id": person, "live_only": "true"}
-    async with http.get(url, params=params, timeout=aiohttp.ClientTimeout(total=None)) as response:
+    params = {"live_only": "true"}
+    async with http.get(
+        url, params=params, headers=bearer(person), timeout=aiohttp.ClientTimeout(total=None)
+    ) as response:
         if response.status != 200:
             raise BenchError(f"SSE refused: {response.status} {await response.text()}")
         await response.content.readuntil(b"\n\n")  # the opening: subscribed
@@ -194,6 +201,7 @@ async def fan_out(
         im_pb2.CreateWorkspaceRequest(name=f"fan-{count}", creator_display_name="sender"),
         timeout=CALL_TIMEOUT_S,
     )
+    learn_member(created.creator)
     sender = created.creator.id
 
     async def member(index: int) -> str:
@@ -202,6 +210,7 @@ async def fan_out(
             metadata=as_member(sender),
             timeout=CALL_TIMEOUT_S,
         )
+        learn_member(response.member)
         return str(response.member.id)
 
     readers = await _bounded([lambda i=i: member(i) for i in range(count)], CREATE_CONCURRENCY)
@@ -226,7 +235,7 @@ async def fan_out(
         nonlocal opened
         response = await http.get(
             f"http://{gateway}/v1/events",
-            params={"member_id": reader},
+            headers=bearer(reader),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CALL_TIMEOUT_S),
         )
         if response.status != 200:
@@ -361,12 +370,14 @@ async def run(options: Options) -> Result:
             )
             connector = aiohttp.TCPConnector(limit=0)
             http = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
-            person = (
+            creator = (
                 await clients.im.CreateWorkspace(
                     im_pb2.CreateWorkspaceRequest(name="deltas", creator_display_name="person"),
                     timeout=CALL_TIMEOUT_S,
                 )
-            ).creator.id
+            ).creator
+            learn_member(creator)
+            person = creator.id
             for index in range(options.runs):
                 sample = await delta_run(
                     clients,

@@ -59,6 +59,8 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from bench import echo_server
 from bench.speedscope import render, summarise
+from tests.auth_support import credentials_environment
+from tests.identities import as_member, learn_member
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -96,8 +98,10 @@ class BenchError(Exception):
     """The benchmark could not run (a server did not start, setup failed...)."""
 
 
-def as_member(member_id: str) -> Metadata:
-    return (("x-member-id", member_id),)
+def learned(member: im_pb2.Member) -> str:
+    """The member's id, once its access tokens can be signed (`as_member`)."""
+    learn_member(member)
+    return member.id
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -396,7 +400,7 @@ async def setup_senders(stub: Any) -> list[Sender]:
         im_pb2.CreateWorkspaceRequest(name="bench-send", creator_display_name="bench creator"),
         timeout=CALL_TIMEOUT_S,
     )
-    creator = as_member(created.creator.id)
+    creator = as_member(learned(created.creator))
     responses = await asyncio.gather(
         *(
             stub.CreateMember(
@@ -407,7 +411,7 @@ async def setup_senders(stub: Any) -> list[Sender]:
             for i in range(SEND_MEMBERS)
         )
     )
-    ids = [r.member.id for r in responses]
+    ids = [learned(r.member) for r in responses]
     n = len(ids)
     groups = await asyncio.gather(
         *(
@@ -443,15 +447,17 @@ async def setup_reader(stub: Any) -> Reader:
         im_pb2.CreateWorkspaceRequest(name="bench-unread", creator_display_name="bench reader"),
         timeout=CALL_TIMEOUT_S,
     )
-    reader = as_member(created.creator.id)
+    reader = as_member(learned(created.creator))
     authors = [
-        (
-            await stub.CreateMember(
-                im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_HUMAN, display_name=f"author {i}"),
-                metadata=reader,
-                timeout=CALL_TIMEOUT_S,
-            )
-        ).member.id
+        learned(
+            (
+                await stub.CreateMember(
+                    im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_HUMAN, display_name=f"author {i}"),
+                    metadata=reader,
+                    timeout=CALL_TIMEOUT_S,
+                )
+            ).member
+        )
         for i in range(UNREAD_AUTHORS)
     ]
     group_ids = [
@@ -580,6 +586,8 @@ def _server_env(database_url: str, data_dir: Path) -> dict[str, str]:
         LOG_LEVEL="WARNING",
         AGENTIM_DATA_DIR=str(data_dir),
         PYTHONUNBUFFERED="1",
+        # The test keys and credentials: the benchmark signs its members' access tokens with them.
+        **credentials_environment(),
         # The path is measured, not the per-member rate limits (32 senders would hit them).
         LIMIT_SEND_PER_SECOND="0",
         LIMIT_CREATE_PER_SECOND="0",
@@ -765,14 +773,16 @@ async def measure_wake(stub: Any, echo_call: Any, server_pid: int) -> WakeSample
         im_pb2.CreateWorkspaceRequest(name="bench-wake", creator_display_name="bench reader"),
         timeout=CALL_TIMEOUT_S,
     )
-    reader = as_member(created.creator.id)
-    author_id = (
-        await stub.CreateMember(
-            im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_AGENT, display_name="bench author"),
-            metadata=reader,
-            timeout=CALL_TIMEOUT_S,
-        )
-    ).member.id
+    reader = as_member(learned(created.creator))
+    author_id = learned(
+        (
+            await stub.CreateMember(
+                im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_AGENT, display_name="bench author"),
+                metadata=reader,
+                timeout=CALL_TIMEOUT_S,
+            )
+        ).member
+    )
     author = as_member(author_id)
     groups = [
         (

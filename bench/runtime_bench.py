@@ -88,6 +88,8 @@ from agentim.im.v1 import im_pb2, im_pb2_grpc
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
 from bench.im_bench import BenchError, code_version, exclusive_postgres, percentile
+from tests.auth_support import credentials_environment
+from tests.identities import as_member, as_service, learn_agent, learn_member
 
 T = TypeVar("T")
 
@@ -98,8 +100,6 @@ BACKENDS = ("embedded", "postgresql")
 PARTS = ("wake", "deltas", "chatter", "resident")
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/agentim_bench"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-# What the services accept from a trusted caller when they have no token configured.
-SERVICE_TOKEN = "bench"
 
 WAKE_WARMUP = 10
 WAKE_GAP_S = 0.01
@@ -160,13 +160,6 @@ Metadata = tuple[tuple[str, str], ...]
 
 class StreamEnded(BenchError):
     """A WatchAgent stream ended (with status OK) before the run it showed did."""
-
-
-def as_member(member_id: str) -> Metadata:
-    return (("x-member-id", member_id),)
-
-
-SERVICE_METADATA: Metadata = (("x-agentim-service", SERVICE_TOKEN),)
 
 
 def median(values: Iterable[float]) -> float:
@@ -478,6 +471,7 @@ async def new_workspace(clients: Clients, name: str) -> str:
     created = await clients.im.CreateWorkspace(
         im_pb2.CreateWorkspaceRequest(name=name, creator_display_name="bench person"), timeout=CALL_TIMEOUT_S
     )
+    learn_member(created.creator)  # its access tokens are signed with the test key (as_member)
     return str(created.creator.id)
 
 
@@ -487,6 +481,7 @@ async def create_agent(
     response = await clients.runtime.CreateAgent(
         rpb.CreateAgentRequest(name=name, model=model), metadata=as_member(person), timeout=CALL_TIMEOUT_S
     )
+    learn_agent(response.agent)
     return response.agent
 
 
@@ -873,7 +868,7 @@ async def chatter_run(
         )
     ).member.workspace_id
     watch = clients.im.WatchEvents(
-        im_pb2.WatchEventsRequest(workspace_id=workspace), metadata=SERVICE_METADATA
+        im_pb2.WatchEventsRequest(workspace_id=workspace), metadata=as_service("runtime")
     )
     last_in_group: dict[str, int] = {}
     hops: list[tuple[int, float]] = []  # (received ns, ms since the previous message of its group)
@@ -1235,7 +1230,6 @@ class Backend:
             "OPENAI_BASE_URL",
             "OPENAI_API_KEY",
             "OPENAI_MODEL",
-            "AGENTIM_SERVICE_TOKEN",
             "RUNTIME_AGENT_CHATTER_LIMIT",
             "RUNTIME_TOKEN_BUDGET",
         ):
@@ -1249,6 +1243,8 @@ class Backend:
             LIMIT_CREATE_PER_SECOND="0",
             # The servers run from `source` (their working directory); the stubs come with it.
             PYTHONPATH=str(self.source / "gen"),
+            # The test keys and credentials: the benchmark signs its callers' tokens with them.
+            **credentials_environment(),
         )
         return env
 
@@ -1265,6 +1261,8 @@ class Backend:
             RUNTIME_DATABASE_URL=self.runtime_url,
             RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
             IM_ADDRESS=self.im_address or "127.0.0.1:1",
+            # The fake model servers the agents are pointed at listen on loopback.
+            RUNTIME_LLM_ALLOWED_HOSTS="127.0.0.1",
             **extra,
         )
         return env
@@ -1791,8 +1789,8 @@ def _chatter_section(results: Sequence[BackendResult], options: Options) -> list
         "Pairs of agents (offline model) in direct chats, with RUNTIME_AGENT_CHATTER_LIMIT and "
         "RUNTIME_TOKEN_BUDGET lifted so "
         "that they answer each other without end; the benchmark sends each pair's first message as its "
-        "first agent (the IM takes the member from `x-member-id`), waits "
-        f"{CHATTER_WARMUP_S:g} s, then counts through a trusted WatchEvents on the workspace the messages "
+        "first agent (with an access token for it, signed with the IM's key), waits "
+        f"{CHATTER_WARMUP_S:g} s, then counts through a service's WatchEvents on the workspace the messages "
         f"exchanged in {options.seconds:g} s. Each is one hop (IM event, wake, GetAllUnread, run stored, "
         "offline completion streamed, step stored, answer sent, MarkRead); a round trip is two hops. Hop "
         "ms is the time between consecutive messages of a chat as the watcher sees them. Each message "

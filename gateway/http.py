@@ -55,8 +55,9 @@ logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-MEMBER_HEADER = "X-Member-Id"
-CORS_ALLOW_HEADERS = f"Authorization, X-Member-Id, {CSRF_HEADER}, Content-Type, Last-Event-ID"
+# The agent whose view a person reads (the web UI's "view as"); no credential.
+VIEW_AS_HEADER = "X-View-As"
+CORS_ALLOW_HEADERS = f"Authorization, {VIEW_AS_HEADER}, {CSRF_HEADER}, Content-Type, Last-Event-ID"
 CORS_ALLOW_METHODS = "GET, POST, PATCH, DELETE, OPTIONS"
 CORS_MAX_AGE_S = 600
 _JSON = "application/json"
@@ -315,10 +316,10 @@ class Gateway:
         self, request: web.Request, credentials: Credentials | None, *, streaming: bool
     ) -> Metadata:
         """The caller's access token and, for a view through an agent's eyes
-        (the browser's `X-Member-Id`), that agent in `x-agentim-view-as`."""
+        (the browser's `X-View-As`), that agent in `x-agentim-view-as`."""
         if credentials is None:
             return ()
-        acting = request.headers.get(MEMBER_HEADER, "").strip()
+        acting = request.headers.get(VIEW_AS_HEADER, "").strip()
         if not acting and streaming:
             acting = request.query.get(SSE_MEMBER_PARAM, "").strip()
         if acting and acting != credentials.member_id:
@@ -335,7 +336,7 @@ class Gateway:
             HttpError: 403 for a person, 404 for a member the caller cannot see.
         """
         if not _valid_member_id(member_id):
-            raise bad_request(f"{MEMBER_HEADER} is not a valid member id")
+            raise bad_request(f"{VIEW_AS_HEADER} is not a valid member id")
         key = (credentials.member_id, member_id)
         now = time.monotonic()
         if self._views.get(key, 0.0) > now:

@@ -177,7 +177,7 @@ def _operation(route: Route, builder: SchemaBuilder) -> dict[str, Any]:
             {
                 "name": SSE_MEMBER_PARAM,
                 "in": "query",
-                "description": "Whose view to stream, for clients that cannot set X-Member-Id (EventSource).",
+                "description": "Whose view to stream, for clients that cannot set X-View-As (EventSource).",
                 "schema": {"type": "string"},
             },
         ]

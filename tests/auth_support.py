@@ -33,12 +33,16 @@ def auth_dir() -> Path:
 
 def auth_environment() -> dict[str, str]:
     """IM settings pointing at the test keys and credentials, with cheap argon2."""
+    return {**credentials_environment(), "AUTH_ARGON2_MEMORY_KIB": "8192", "AUTH_ARGON2_TIME_COST": "1"}
+
+
+def credentials_environment() -> dict[str, str]:
+    """Every service's settings naming the test keys and credentials (benchmarks
+    start their servers with these, to call them with `tests.identities` tokens)."""
     root = auth_dir()
     return {
         "AUTH_SIGNING_KEYS_DIR": str(root / "keys"),
         "AUTH_SERVICE_CREDENTIALS_FILE": str(root / "secrets" / "service-credentials"),
-        "AUTH_ARGON2_MEMORY_KIB": "8192",
-        "AUTH_ARGON2_TIME_COST": "1",
         # Where the runtime and the memory service find their credentials.
         **service_environment(),
     }

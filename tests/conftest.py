@@ -31,7 +31,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
-from services.common.identity import caller_metadata
 from services.common.sql import async_url
 from services.im import bootstrap
 from services.im.adapters import migrate
@@ -44,6 +43,7 @@ from services.runtime.adapters.tables import SCHEMA as RUNTIME_SCHEMA
 from tests.auth_support import auth_environment
 from tests.fake_openai import FakeOpenAI
 from tests.faults.harness import RedisProcess
+from tests.identities import as_member, learn_member, learning_channel
 
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _BASE_POSTGRES_URL = os.environ.get("AGENTIM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test")
@@ -246,7 +246,7 @@ class RunningIM:
 async def start_im(database_url: str, **overrides: str) -> RunningIM:
     app = bootstrap.build(settings_for(database_url, **overrides))
     port = await app.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = learning_channel(f"127.0.0.1:{port}")
     return RunningIM(app=app, port=port, channel=channel, stub=im_pb2_grpc.IMServiceStub(channel))
 
 
@@ -279,10 +279,6 @@ async def im(im_factory: Callable[..., Any]) -> RunningIM:
     return running
 
 
-def as_member(member_id: str) -> tuple[tuple[str, str], ...]:
-    return caller_metadata(member_id=member_id)
-
-
 @dataclass
 class World:
     """A workspace with members, for tests that need some people."""
@@ -303,6 +299,7 @@ async def make_world(
     created = await stub.CreateWorkspace(
         im_pb2.CreateWorkspaceRequest(name=f"ws-{uuid.uuid4().hex[:6]}", creator_display_name="member-0")
     )
+    learn_member(created.creator)
     members = [created.creator]
     for index in range(1, people):
         kind = (kinds or {}).get(index, im_pb2.MEMBER_KIND_HUMAN)
@@ -310,6 +307,7 @@ async def make_world(
             im_pb2.CreateMemberRequest(kind=kind, display_name=f"member-{index}"),
             metadata=as_member(created.creator.id),
         )
+        learn_member(response.member)
         members.append(response.member)
     return World(workspace=created.workspace, members=members)
 

@@ -16,6 +16,7 @@ from services.runtime import bootstrap as runtime_bootstrap
 from services.runtime.config import Settings as RuntimeSettings
 from tests.auth_support import service_environment
 from tests.conftest import RunningIM
+from tests.identities import learning_channel
 from tests.integration.test_runtime_grpc import RunningRuntime
 
 __all__ = ["RawReply", "call_raw", "runtime_on", "start_runtime_on"]
@@ -33,7 +34,7 @@ async def start_runtime_on(im_address: str, url: str, **overrides: str) -> Runni
     }
     app = runtime_bootstrap.build(RuntimeSettings.from_env(environ))
     port, _ = await app.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = learning_channel(f"127.0.0.1:{port}")
     return RunningRuntime(app, channel, runtime_pb2_grpc.RuntimeServiceStub(channel))
 
 

@@ -1,8 +1,8 @@
 """Helpers for the gateway tests: a whole stack on loopback, an HTTP client, an SSE reader.
 
 Tests act as a member by sending an access token for it (`as_member`),
-signed with the key the test IMs sign with (tests.auth_support): the
-gateway verifies it like any other. Tests of sign-in itself use real
+signed with the key the test IMs sign with (tests.identities): the gateway
+verifies it like any other. Tests of sign-in itself use real
 accounts and the session cookie.
 """
 
@@ -18,51 +18,34 @@ from typing import Any
 
 import aiohttp
 
+from agentim.runtime.v1 import runtime_pb2
 from gateway import bootstrap
 from gateway.config import Settings
 from gateway.sessions import COOKIE_NAME, new_session_key
-from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
-from tests.auth_support import auth_dir
+from tests.identities import learn_agent, learn_json_member, member_token
 
 WAIT = 10.0
 SESSION_KEY = new_session_key()
-# The workspace of every member a gateway answer has shown (see `Api.call`),
-# so that a token made for a bare member id names the member's workspace, as
-# the services check; an unknown member gets the nil workspace (refused).
-_WORKSPACES: dict[str, str] = {}
-UNKNOWN_WORKSPACE = uuid.UUID(int=0)
 
 
-def _learn_workspaces(body: Any) -> None:
+def _learn_members(body: Any) -> None:
+    """Records every member a gateway answer shows (see `Api.call`), so that
+    a token made for a member names its workspace, kind and role."""
     if isinstance(body, dict):
-        if isinstance(body.get("id"), str) and isinstance(body.get("workspaceId"), str):
-            _WORKSPACES[body["id"]] = body["workspaceId"]
+        if str(body.get("kind", "")).startswith("MEMBER_KIND_"):
+            learn_json_member(body)
+        elif isinstance(body.get("memberId"), str) and isinstance(body.get("workspaceId"), str):
+            learn_agent(runtime_pb2.Agent(member_id=body["memberId"], workspace_id=body["workspaceId"]))
         for value in body.values():
-            _learn_workspaces(value)
+            _learn_members(value)
     elif isinstance(body, list):
         for value in body:
-            _learn_workspaces(value)
-
-
-def member_token(member: str, *, workspace: str | None = None, read_only: bool = False) -> str:
-    """An access token for a member, signed with the test IMs' key."""
-    workspace = workspace or _WORKSPACES.get(member)
-    claims = AccessClaims(
-        kind=PrincipalKind.HUMAN,
-        member_id=uuid.UUID(member),
-        workspace_id=uuid.UUID(workspace) if workspace else UNKNOWN_WORKSPACE,
-        roles=("member",),
-        scope=Scope.READ if read_only else Scope.READ_WRITE,
-    )
-    return sign(claims, KeyRing.load(auth_dir() / "keys"))
+            _learn_members(value)
 
 
 def as_member(member: str, **extra: str) -> dict[str, str]:
-    """Headers that make a request the member's (an id that is no UUID: sent as X-Member-Id, refused)."""
-    try:
-        return {"Authorization": f"Bearer {member_token(member)}", **extra}
-    except ValueError:
-        return {"X-Member-Id": member, **extra}
+    """Headers that make a request the member's: its access token (tests.identities)."""
+    return {"Authorization": f"Bearer {member_token(member)}", **extra}
 
 
 def gateway_settings(im_address: str, runtime_address: str, **overrides: str) -> Settings:
@@ -137,7 +120,7 @@ class Api:
                 parsed: Any = json.loads(text)
             except ValueError:
                 parsed = text
-            _learn_workspaces(parsed)
+            _learn_members(parsed)
             return Reply(response.status, parsed, response.headers)
 
     async def ok(self, method: str, path: str, **kwargs: Any) -> Any:

@@ -13,9 +13,11 @@ import numpy.typing as npt
 from google.protobuf import timestamp_pb2
 
 from agentim.memory.v1 import memory_pb2 as pb
+from services.common.tokens import PrincipalKind
 from services.memory.domain.lexicon import Lexicon, parse_cedict
 from services.memory.domain.terms import lexical_terms
 from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory, MemberInfo, Vector
+from tests.identities import Identity, remember
 
 START = datetime(2026, 11, 1, 9, 0, tzinfo=UTC)
 
@@ -88,8 +90,11 @@ class FakeDirectory(MemberDirectory):
     members: dict[str, MemberInfo] = field(default_factory=dict)
 
     def add(self, workspace_id: str, *, is_agent: bool = False) -> str:
+        """A new member of the workspace, whose access tokens tests may then sign."""
         member_id = str(uuid.uuid4())
         self.members[member_id] = MemberInfo(member_id, workspace_id, is_agent)
+        kind = PrincipalKind.AGENT if is_agent else PrincipalKind.HUMAN
+        remember(member_id, Identity(uuid.UUID(workspace_id), kind))
         return member_id
 
     async def member(self, member_id: str) -> MemberInfo | None:

@@ -5,7 +5,7 @@
 // signed in by the session cookie (HttpOnly: no script here sees a token);
 // every state-changing request carries the session's CSRF token. The member
 // whose view is shown (the person, or one of their agents) goes in
-// X-Member-Id; EventSource cannot send headers, so streams take it as a
+// X-View-As; EventSource cannot send headers, so streams take it as a
 // query parameter (it is no credential: the cookie is).
 
 /**
@@ -75,7 +75,7 @@ async function readError(response) {
 export async function api(method, path, { body, query, member } = {}) {
   const headers = { Accept: "application/json" };
   const who = member === undefined ? actingMember : member;
-  if (who) headers["X-Member-Id"] = who;
+  if (who) headers["X-View-As"] = who;
   if (method !== "GET" && csrfToken) headers["X-CSRF-Token"] = csrfToken;
   if (body !== undefined) headers["Content-Type"] = "application/json";
   let response;

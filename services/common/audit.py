@@ -143,18 +143,10 @@ def actor_of(caller: Caller | None) -> Actor:
     if caller is None:
         return ANONYMOUS
     claims = caller.claims
-    if claims is not None:
-        if claims.kind is PrincipalKind.SERVICE:
-            return Actor(ActorKind.SERVICE, service=claims.service)
-        kind = ActorKind.AGENT if claims.kind is PrincipalKind.AGENT else ActorKind.HUMAN
-        return Actor(kind, member_id=claims.member_id)
-    principal = caller.principal
-    if principal is not None and principal.member_id is not None:
-        # The legacy x-member-id header does not say whether a person or an agent.
-        return Actor("member", member_id=principal.member_id)
-    if principal is not None and principal.is_service:
-        return Actor(ActorKind.SERVICE, service="trusted")
-    return ANONYMOUS
+    if claims.kind is PrincipalKind.SERVICE:
+        return Actor(ActorKind.SERVICE, service=claims.service)
+    kind = ActorKind.AGENT if claims.kind is PrincipalKind.AGENT else ActorKind.HUMAN
+    return Actor(kind, member_id=claims.member_id)
 
 
 def safe_details(details: Mapping[str, object] | None) -> dict[str, str]:

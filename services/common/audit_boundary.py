@@ -142,7 +142,7 @@ def refusal_record(
         code, reason = "INTERNAL", "internal error"
     if code in NOT_RECORDED:
         return None
-    workspace = caller.claims.workspace_id if caller is not None and caller.claims is not None else None
+    workspace = caller.claims.workspace_id if caller is not None else None
     if workspace is None:
         return None
     return refused(

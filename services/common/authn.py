@@ -27,7 +27,7 @@ import grpc
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.common.identity import AUTHORIZATION_KEY, MEMBER_ID_KEY, VIEW_AS_KEY, Caller, identify
+from services.common.identity import AUTHORIZATION_KEY, VIEW_AS_KEY, Caller, identify, retired_keys_in
 from services.common.tokens import JwksSource, PrincipalKind, Verifier
 
 HUMAN = PrincipalKind.HUMAN
@@ -96,8 +96,6 @@ class Rule:
         """Why `caller` may not make this call, or None if it may."""
         if self.public:
             return None
-        if caller.claims is None:
-            return self._legacy_refusal(caller)
         claims = caller.claims
         if claims.kind is PrincipalKind.SERVICE:
             if claims.service not in self.services:
@@ -107,18 +105,6 @@ class Rule:
         if self.writes and not claims.can_write:
             return "this call writes, and the access token is read-only"
         return None
-
-    def _legacy_refusal(self, caller: Caller) -> str | None:
-        # x-member-id names a member (person or agent: the header does not
-        # say which); x-agentim-service stands for any trusted service.
-        principal = caller.principal
-        if principal is None:
-            return "the call names no caller"
-        if principal.member_id is not None and self.kinds:
-            return None
-        if principal.is_service and self.services:
-            return None
-        return "the caller named by the metadata may not make this call"
 
 
 def public() -> Rule:
@@ -209,8 +195,9 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
     """Checks every call against the policy before its handler runs.
 
     A public RPC goes on with no caller. Otherwise the caller is identified
-    (`identify`: the bearer token first) and must fit the method's rule: no
-    credential, or one that does not verify, is UNAUTHENTICATED; a caller of
+    by its access token (`identify`) and must fit the method's rule: no
+    token (whatever else the call sends), or one that does not verify, is
+    UNAUTHENTICATED; a caller of
     a kind or service the rule does not name, or a read-only token on a
     writing RPC, is PERMISSION_DENIED; a method with no rule is
     PERMISSION_DENIED for everyone.
@@ -224,26 +211,13 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
     Args:
         policy: the rules of every method served.
         verifier: checks access tokens.
-        trust_member_header: accept the legacy `x-member-id` (a member, full
-            write scope) and `x-agentim-service` (any trusted service)
-            metadata when a call has no `authorization`.
-        service_token: the token `x-agentim-service` must hold; None accepts any.
+        honour_view_as: let a person's token read as an agent (`VIEW_AS_KEY`).
     """
 
-    def __init__(
-        self,
-        policy: Policy,
-        verifier: Verifier,
-        *,
-        trust_member_header: bool,
-        service_token: str | None,
-        honour_view_as: bool = False,
-    ) -> None:
+    def __init__(self, policy: Policy, verifier: Verifier, *, honour_view_as: bool = False) -> None:
         self._honour_view_as = honour_view_as
         self._policy = policy
         self._verifier = verifier
-        self._trust_member_header = trust_member_header
-        self._service_token = service_token
 
     async def authenticate(
         self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
@@ -260,13 +234,15 @@ class AuthenticationInterceptor(grpc.aio.ServerInterceptor):
         if rule.public:
             return None
         items = list(metadata or ())
-        if not self._trust_member_header:
-            items = [(k, v) for k, v in items if k.lower() in {AUTHORIZATION_KEY, VIEW_AS_KEY}]
-        caller = await identify(items, verifier=self._verifier, service_token=self._service_token)
+        caller = await identify(items, verifier=self._verifier)
         _identified_caller.set(caller)
         if caller is None:
-            legacy = f" (or, for now, `{MEMBER_ID_KEY}`)" if self._trust_member_header else ""
-            raise Unauthenticated(NEEDS_TOKEN_MESSAGE + legacy)
+            retired = retired_keys_in(items)
+            if retired:
+                raise Unauthenticated(
+                    f"`{retired[0]}` is no longer accepted: {NEEDS_TOKEN_MESSAGE} (see docs/security.md)"
+                )
+            raise Unauthenticated(NEEDS_TOKEN_MESSAGE)
         refusal = rule.refusal(caller)
         if refusal is not None:
             raise PermissionDenied(refusal)
@@ -317,7 +293,7 @@ def _with_view(caller: Caller, items: list[tuple[str, str | bytes]], *, writes: 
     if viewed == caller.member_id:
         return caller
     claims = caller.claims
-    if claims is None or claims.kind is not PrincipalKind.HUMAN:
+    if claims.kind is not PrincipalKind.HUMAN:
         raise PermissionDenied(f"only a person's access token may carry {VIEW_AS_KEY}")
     if writes:
         raise PermissionDenied("a view as an agent is read-only")

@@ -163,7 +163,7 @@ class RateLimitInterceptor(grpc.aio.ServerInterceptor):
 
         async def limited(request: Any, context: grpc.aio.ServicerContext) -> Any:
             # Read here, in the handler's task, where authentication put it.
-            # A service acting as a member (legacy metadata) counts against that member.
+            # A member's token spends the member's bucket, a service's the service's.
             who = _bucket_owner(current_caller()) or "peer " + context.peer().rpartition(":")[0]
             wait = self._buckets.take(f"{who} {kind}", rate)
             if wait > 0:

@@ -336,10 +336,9 @@ class ServiceSecretSettings:
     value: str | None = field(default=None, repr=False)
     path: Path | None = None
 
-    def source(self) -> SecretSource | None:
-        """The secret's source; None when neither a secret nor a file is known."""
-        if self.value is None and self.path is None:
-            return None
+    def source(self) -> SecretSource:
+        """The secret's source (it gives None while there is no secret: settings
+        outside the embedded default insist on one, which the IM writes there)."""
         return secret_from(value=self.value, path=self.path)
 
 

@@ -255,8 +255,6 @@ def build(settings: Settings) -> IMApp:
             AuthenticationInterceptor(
                 IM_POLICY,
                 verifier,
-                trust_member_header=settings.trust_member_header,
-                service_token=settings.service_token,
                 honour_view_as=True,
             ),
             RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),

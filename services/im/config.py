@@ -29,7 +29,6 @@ class Settings:
     max_message_bytes: int
     shutdown_grace_seconds: float
     db_pool_size: int
-    service_token: str | None = field(repr=False)
     limits: Limits
     data_dir: Path
     # Identity: where the signing keys are, which services may get tokens.
@@ -45,8 +44,6 @@ class Settings:
     quotas: Quotas = field(default_factory=Quotas)
     audit: AuditSettings = field(default_factory=AuditSettings)
 
-    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
-    trust_member_header: bool = True
     # The organisation's OpenID Connect provider, whose ID tokens sign people in (None: none).
     oidc: OidcSettings | None = None
 
@@ -69,8 +66,6 @@ class Settings:
             max_message_bytes=env.integer("GRPC_MAX_MESSAGE_BYTES", 1024 * 1024, minimum=1024),
             shutdown_grace_seconds=env.number("SHUTDOWN_GRACE_SECONDS", 5.0),
             db_pool_size=env.integer("IM_DB_POOL_SIZE", 16, minimum=1),
-            service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
-            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
             quotas=Quotas(

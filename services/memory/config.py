@@ -51,14 +51,10 @@ class Settings:
     # cedict (CC-CEDICT, for Chinese <-> English lexical search) or none.
     dictionary: str
     embeddings_api_key: str | None = field(repr=False)
-    service_token: str | None = field(repr=False)
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
     # The memory service's credential, exchanged for its access token.
     service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
-
-    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
-    trust_member_header: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -119,8 +115,6 @@ class Settings:
             retention_interval_seconds=env.number("MEMORY_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0),
             dictionary=dictionary,
             embeddings_api_key=env.optional("MEMORY_EMBEDDINGS_API_KEY"),
-            service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
-            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             service_secret=read_service_secret(
                 env,

@@ -128,7 +128,6 @@ def build(settings: Settings) -> RuntimeApp:
     store = SqlAgentStore(database)
     im = GrpcIM(
         settings.im_address,
-        service_token=settings.service_token,
         deadline_seconds=settings.im_call_timeout_seconds,
         tls=settings.tls.client,
         service_name="runtime",
@@ -151,7 +150,6 @@ def build(settings: Settings) -> RuntimeApp:
     memory = (
         GrpcMemory(
             settings.memory_address,
-            service_token=settings.service_token,
             deadline_seconds=settings.memory_call_timeout_seconds,
             tls=settings.tls.client,
             credentials=im.service_token,
@@ -257,8 +255,6 @@ def build(settings: Settings) -> RuntimeApp:
             AuthenticationInterceptor(
                 RUNTIME_POLICY,
                 Verifier(im_signing_keys(im.channel, timeout_seconds=settings.im_call_timeout_seconds)),
-                trust_member_header=settings.trust_member_header,
-                service_token=settings.service_token,
             ),
             RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),
         ],

@@ -51,7 +51,6 @@ class Settings:
     recall_min_score: float
     context_tokens: int | None
     llm_api_key: str | None = field(repr=False)
-    service_token: str | None = field(repr=False)
     # TLS on its gRPC port and to the services it calls (plaintext by default).
     tls: TlsSettings = field(default_factory=TlsSettings)
     # Per-member rates of sending and creating (services.common.ratelimit).
@@ -61,9 +60,6 @@ class Settings:
     service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
     # The hosts agents' model.base_url may name (RUNTIME_LLM_ALLOWED_HOSTS).
     llm_allowed_hosts: AllowedHosts = field(default_factory=AllowedHosts)
-
-    # Accept the legacy x-member-id / x-agentim-service metadata (services.common.authn).
-    trust_member_header: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -122,8 +118,6 @@ class Settings:
             recall_min_score=env.number("RUNTIME_RECALL_MIN_SCORE", 0.3, minimum=0.0),
             context_tokens=env.integer("OPENAI_CONTEXT_TOKENS", 0, minimum=0) or None,
             llm_api_key=env.optional("OPENAI_API_KEY"),
-            service_token=env.optional("AGENTIM_SERVICE_TOKEN"),
-            trust_member_header=env.flag("AUTH_TRUST_MEMBER_HEADER", True),
             tls=read_tls(env),
             rate_limits=read_rate_limits(env),
             audit=read_audit_settings(env),

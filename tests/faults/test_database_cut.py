@@ -31,8 +31,8 @@ from agentim.im.v1 import im_pb2, im_pb2_grpc
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
 from services.common.sql import async_url
-from tests.conftest import as_member
 from tests.faults.harness import ServiceProcess, clean_environment, migrate, scaled
+from tests.identities import as_member, learning_channel
 
 # The bound on recovery, and slack for a loaded 2-core machine.
 RECOVERY_S = 1.0
@@ -268,8 +268,8 @@ async def test_cut_database_connections_give_unavailable_and_everything_recovers
         with ServiceProcess("services.runtime", runtime_env, tmp_path / "runtime.log") as runtime_process:
             runtime_process.start()
             async with (
-                grpc.aio.insecure_channel(im_process.address) as to_im,
-                grpc.aio.insecure_channel(runtime_process.address) as to_runtime,
+                learning_channel(im_process.address) as to_im,
+                learning_channel(runtime_process.address) as to_runtime,
             ):
                 im = im_pb2_grpc.IMServiceStub(to_im)
                 runtime = runtime_pb2_grpc.RuntimeServiceStub(to_runtime)

@@ -43,9 +43,10 @@ from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.identity import bearer_metadata
 from services.common.request_rules import MAX_JSON_DEPTH
 from tests.auth_support import service_secret
-from tests.conftest import RunningIM, as_member, make_world
+from tests.conftest import RunningIM, make_world
 from tests.edge_support import start_runtime_on
 from tests.faults.harness import UNLIMITED, scaled
+from tests.identities import as_unknown, legacy_member_header
 from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime
 
@@ -464,8 +465,9 @@ async def real_ids(im: RunningIM, runtime: RunningRuntime) -> tuple[Known, dict[
     callers: dict[str, Any] = {
         "member": md,
         "outsider": other.md(0),
-        "unknown": as_member("018f0000-0000-7000-8000-000000000000"),
-        "malformed": as_member("not-a-member-" + "x" * 300),
+        "unknown": as_unknown("018f0000-0000-7000-8000-000000000000"),
+        # The retired header, with a malformed id: no credential at all.
+        "retired header": legacy_member_header("not-a-member-" + "x" * 300),
         "nobody": (),
         "signed in": bearer_metadata(tokens.access_token),
         "service": bearer_metadata(service.access_token),

@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
-from tests.conftest import as_member
 from tests.faults.harness import ServiceProcess, clean_environment, migrate, scaled
+from tests.identities import as_member, learning_channel
 
 # Channel options of a client that wants to be back soon after a restart.
 FAST_RECONNECT = [
@@ -98,7 +98,7 @@ async def test_every_acknowledged_message_survives_kills_exactly_once(
     with ServiceProcess("services.im", env, tmp_path / "im.log") as im:
         im.start()
         im.pin_address("IM_GRPC_ADDRESS")
-        channel = grpc.aio.insecure_channel(im.address, options=FAST_RECONNECT)
+        channel = learning_channel(im.address, options=FAST_RECONNECT)
         stub = im_pb2_grpc.IMServiceStub(channel)
         created = await stub.CreateWorkspace(
             im_pb2.CreateWorkspaceRequest(name="kill", creator_display_name="ada"), timeout=10

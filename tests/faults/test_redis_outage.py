@@ -21,12 +21,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
-from tests.conftest import as_member
 from tests.faults.harness import RedisProcess, ServiceProcess, clean_environment, migrate, scaled
+from tests.identities import as_member, learning_channel
 
 FALLBACK_S = 0.25
 # Beyond the fallback interval: a database read, a loaded 2-core machine.
@@ -184,7 +183,7 @@ async def test_delivery_degrades_but_never_stops_or_loses_events_while_redis_is_
         redis_server.start()
         a.start()
         b.start()
-        async with grpc.aio.insecure_channel(a.address) as to_a, grpc.aio.insecure_channel(b.address) as to_b:
+        async with learning_channel(a.address) as to_a, learning_channel(b.address) as to_b:
             stub_a, stub_b = im_pb2_grpc.IMServiceStub(to_a), im_pb2_grpc.IMServiceStub(to_b)
             ada, bob, group_id = await people_and_group(stub_a)
             delivery = Delivery()

@@ -26,10 +26,11 @@ import pytest
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from tests.conftest import RunningIM, World, as_member, make_world
+from tests.conftest import RunningIM, World, make_world
 from tests.faults.harness import ServiceProcess, clean_environment, migrate, scaled
 from tests.faults.llm import DecidingLLM, instruction
 from tests.faults.test_im_kill import FAST_RECONNECT, RETRYABLE
+from tests.identities import as_member, learning_channel
 
 AGENTS = 4
 SETTLE_SECONDS = 90.0
@@ -107,11 +108,17 @@ class Work:
             self.chat_tokens.append(token)
 
     async def direct_chat(self, peer: str, *, as_member_id: str = "") -> im_pb2.Group:
-        response = await self.im.stub.GetOrCreateDirectGroup(
-            im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=peer),
-            metadata=as_member(as_member_id or self.world.members[0].id),
-        )
-        return response.group
+        request = im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=peer)
+        metadata = as_member(as_member_id or self.world.members[0].id)
+        while True:
+            try:
+                response = await self.im.stub.GetOrCreateDirectGroup(request, metadata=metadata, timeout=5)
+                return response.group
+            except grpc.aio.AioRpcError as error:
+                # The IM's SQLite file is busy with the runtime's writes ("try again").
+                if error.code() not in RETRYABLE:
+                    raise
+                await asyncio.sleep(0.05)
 
     async def tasks(self, agent: rpb.Agent) -> list[rpb.Task]:
         request = rpb.ListTasksRequest(agent_id=agent.id, page_size=200)
@@ -163,7 +170,7 @@ async def test_killing_the_runtime_mid_run_repeats_and_loses_nothing(
     with ServiceProcess("services.runtime", env, tmp_path / "runtime.log") as process:
         process.start()
         process.pin_address("RUNTIME_GRPC_ADDRESS")
-        channel = grpc.aio.insecure_channel(process.address, options=FAST_RECONNECT)
+        channel = learning_channel(process.address, options=FAST_RECONNECT)
         work = Work(im, world, runtime_pb2_grpc.RuntimeServiceStub(channel))
         await work.create_agents(AGENTS)
         await work.submit_tasks(tasks_per_agent)

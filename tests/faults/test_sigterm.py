@@ -25,12 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-import grpc
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from tests.conftest import as_member
 from tests.faults.harness import ServiceProcess, clean_environment, free_port, migrate, scaled
 from tests.faults.load import (
     NOT_SERVING,
@@ -46,7 +44,7 @@ from tests.faults.load import (
     watching_health,
 )
 from tests.faults.test_im_kill import all_contents
-from tests.gateway_support import member_token
+from tests.identities import as_member, learning_channel, member_token
 
 CALLERS = 20
 LOAD_SECONDS = 0.6
@@ -204,7 +202,7 @@ class Chat:
 
 
 async def new_chat(address: str) -> Chat:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with learning_channel(address) as channel:
         stub = im_pb2_grpc.IMServiceStub(channel)
         created = await stub.CreateWorkspace(
             im_pb2.CreateWorkspaceRequest(name=f"sigterm-{uuid.uuid4().hex[:6]}", creator_display_name="ada"),
@@ -228,7 +226,7 @@ def watch_events(stub: im_pb2_grpc.IMServiceStub, chat: Chat, streams: Streams) 
 
 
 async def stored_messages(address: str, chat: Chat) -> Counter[str]:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with learning_channel(address) as channel:
         return Counter(await all_contents(im_pb2_grpc.IMServiceStub(channel), chat.group_id, chat.member_id))
 
 
@@ -249,7 +247,7 @@ async def test_sigterm_of_the_im_under_load_is_graceful(database_url: str, tmp_p
         for round_ in range(scaled(1, long=5)):
             if round_:
                 im.start()
-            async with grpc.aio.insecure_channel(im.address) as channel:
+            async with learning_channel(im.address) as channel:
                 stub = im_pb2_grpc.IMServiceStub(channel)
                 stop = await sigterm_under_load(
                     im,
@@ -290,7 +288,7 @@ def watch_agents(
 
 async def stored_tasks(address: str, agent_ids: list[str], md: Metadata) -> Counter[str]:
     inputs: Counter[str] = Counter()
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with learning_channel(address) as channel:
         stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
         for agent_id in agent_ids:
             token = ""
@@ -326,7 +324,7 @@ async def test_sigterm_of_the_runtime_under_load_is_graceful(
         with ServiceProcess("services.runtime", env, tmp_path / "runtime.log") as runtime:
             runtime.start()
             runtime.pin_address("RUNTIME_GRPC_ADDRESS")
-            async with grpc.aio.insecure_channel(runtime.address) as channel:
+            async with learning_channel(runtime.address) as channel:
                 stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
                 agent_ids = [
                     (await stub.CreateAgent(rpb.CreateAgentRequest(name=name), metadata=chat.md)).agent.id
@@ -335,7 +333,7 @@ async def test_sigterm_of_the_runtime_under_load_is_graceful(
             for round_ in range(scaled(1, long=5)):
                 if round_:
                     runtime.start()
-                async with grpc.aio.insecure_channel(runtime.address) as channel:
+                async with learning_channel(runtime.address) as channel:
                     stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
                     stop = await sigterm_under_load(
                         runtime,
@@ -361,7 +359,7 @@ async def test_sigterm_of_the_runtime_under_load_is_graceful(
 
 def signed_in(chat: Chat) -> dict[str, str]:
     """The member's access token, as a program sends it to the gateway."""
-    return {"Authorization": f"Bearer {member_token(chat.member_id, workspace=chat.workspace_id)}"}
+    return {"Authorization": f"Bearer {member_token(chat.member_id)}"}
 
 
 async def post_message(session: aiohttp.ClientSession, base: str, chat: Chat, key: str) -> None:

@@ -12,15 +12,16 @@ import pytest
 import sqlalchemy as sa
 
 from agentim.memory.v1 import memory_pb2_grpc
-from services.common.identity import caller_metadata
+from services.common.tokens import KeyRing, keyring_source
 from services.memory import bootstrap
 from services.memory.adapters import migrate
 from services.memory.adapters.sql import Database
 from services.memory.adapters.tables import SCHEMA
 from services.memory.config import Settings
 from services.memory.service_layer.ports import Dictionary, Embedder, MemberDirectory
-from tests.auth_support import service_environment
+from tests.auth_support import auth_dir, service_environment
 from tests.conftest import POSTGRES_URL, unavailable
+from tests.identities import learning_channel
 from tests.memory_support import FakeDirectory, FakeEmbedder
 
 _prepared: set[str] = set()
@@ -94,9 +95,11 @@ async def start_memory(
         embedder=embedder or fake_embedder,
         directory=directory or fake_directory,
         dictionary=dictionary,
+        # No IM runs beside it: the tokens are verified with the test key ring's public keys.
+        signing_keys=keyring_source(KeyRing.load(auth_dir() / "keys")),
     )
     port = await app.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = learning_channel(f"127.0.0.1:{port}")
     return RunningMemory(
         app, channel, memory_pb2_grpc.MemoryServiceStub(channel), fake_directory, fake_embedder
     )
@@ -105,10 +108,6 @@ async def start_memory(
 async def stop_memory(running: RunningMemory) -> None:
     await running.channel.close()
     await running.app.stop()
-
-
-def as_member(member_id: str) -> tuple[tuple[str, str], ...]:
-    return caller_metadata(member_id=member_id)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -14,14 +14,15 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from tests.conftest import RunningIM, as_member, make_world
+from tests.auth_support import service_environment
+from tests.conftest import RunningIM, make_world
 from tests.fake_openai import FakeOpenAI, Reply, call_fragment, chunk, text_reply, usage_chunk
+from tests.identities import as_member, learning_channel
 from tests.integration.test_runtime_grpc import direct_chat, wait_for_messages
 
 WAIT = 15.0
@@ -42,7 +43,7 @@ class RuntimeProcess:
         if not line:
             raise AssertionError(f"the runtime did not start (exit code {self.process.wait()})")
         self.address = line.split()[4]
-        self.channel = grpc.aio.insecure_channel(self.address)
+        self.channel = learning_channel(self.address)
         self.stub = runtime_pb2_grpc.RuntimeServiceStub(self.channel)
 
     async def kill(self) -> None:
@@ -93,6 +94,7 @@ async def test_a_runtime_killed_mid_run_goes_on_from_the_last_step_without_repea
         "OPENAI_BASE_URL": llm.url,
         "OPENAI_MODEL": "fake",
         "LOG_LEVEL": "WARNING",
+        **service_environment(),
     }
     migrate = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.runtime", "migrate", env=environ

@@ -24,12 +24,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2
-from services.common.identity import bearer_metadata, caller_metadata
+from services.common.identity import bearer_metadata
 from services.common.tokens import KeyRing, PrincipalKind, Scope, Verifier
 from services.im.adapters.tables import metadata as im_tables
 from services.im.entrypoints.auth_mappers import jwks
 from tests.auth_support import service_secret
-from tests.conftest import RunningIM, as_member
+from tests.conftest import RunningIM
+from tests.identities import as_member, legacy_member_header
 
 PASSWORD = "correct horse battery"
 
@@ -86,7 +87,7 @@ async def test_sign_up_sign_in_refresh_and_sign_out(im: RunningIM) -> None:
         PrincipalKind.HUMAN,
     )
     assert int(claims.expires_at.timestamp()) == tokens.access_expire_time.seconds  # type: ignore[union-attr]
-    # The access token works where a caller is needed, as x-member-id does.
+    # The access token works where a caller is needed.
     listed = await auth.ListPersonalTokens(auth_pb2.ListPersonalTokensRequest(), metadata=bearer(tokens))
     assert list(listed.personal_tokens) == []
     signed_in = (
@@ -164,7 +165,7 @@ async def test_tokens_are_refused_when_tampered_and_bearer_beats_x_member_id(im:
         (("authorization", "Basic abc"),),
         (("authorization", "Bearer "),),
         # A bad token is refused even with a good x-member-id beside it.
-        (*bearer_metadata("not.a.jwt"), *as_member(created.creator.id)),
+        (*bearer_metadata("not.a.jwt"), *legacy_member_header(created.creator.id)),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await auth.ListPersonalTokens(auth_pb2.ListPersonalTokensRequest(), metadata=metadata)
@@ -173,7 +174,7 @@ async def test_tokens_are_refused_when_tampered_and_bearer_beats_x_member_id(im:
     # The token names the caller, whatever x-member-id says.
     made = await auth.CreatePersonalToken(
         auth_pb2.CreatePersonalTokenRequest(name="mine", scope=auth_pb2.PERSONAL_TOKEN_SCOPE_READ),
-        metadata=(*bearer(created.tokens), *as_member(other.creator.id)),
+        metadata=(*bearer(created.tokens), *legacy_member_header(other.creator.id)),
     )
     theirs = await auth.ListPersonalTokens(
         auth_pb2.ListPersonalTokensRequest(), metadata=as_member(other.creator.id)
@@ -202,7 +203,7 @@ async def test_invites_are_used_once_and_expire(im: RunningIM) -> None:
     ).tokens
     assert joined.member.role == im_pb2.MEMBER_ROLE_ADMIN and joined.member.kind == im_pb2.MEMBER_KIND_HUMAN
     assert (await verifier.verify(joined.access_token)).roles == ("admin",)
-    # The new member is a member like any other (x-member-id still works).
+    # The new member is a member like any other.
     found = await im.stub.GetMember(
         im_pb2.GetMemberRequest(member_id=joined.member.id), metadata=as_member(created.creator.id)
     )
@@ -361,13 +362,13 @@ async def test_services_get_tokens_for_the_agents_they_host_only(im: RunningIM) 
         )
         == grpc.StatusCode.UNAUTHENTICATED
     )
-    # An agent the runtime creates (as today, with the service header) is hosted by it.
+    # An agent the runtime creates (with its own token) is hosted by it.
     hosted = (
         await im.stub.CreateMember(
             im_pb2.CreateMemberRequest(
                 kind=im_pb2.MEMBER_KIND_AGENT, display_name="helper", workspace_id=created.workspace.id
             ),
-            metadata=caller_metadata(service_token="embedded"),
+            metadata=bearer_metadata(issued.access_token),
         )
     ).member
     unhosted = (

@@ -1,13 +1,16 @@
 """Every IM call authenticated by access tokens, over real gRPC (SQLite and PostgreSQL).
 
-Bad credentials are UNAUTHENTICATED; valid ones act as their own member
-and nobody else; services act only for what their rules allow; and the
+Bad credentials are UNAUTHENTICATED, and so are the retired `x-member-id`
+and `x-agentim-service` headers (on the runtime and the memory service
+too); valid ones act as their own member and nobody else; services act
+only for what their rules allow; and the
 attacks of issue 11's "Anyone can be anyone", made with another member's
 own valid token, are refused.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +19,14 @@ import pytest
 from google.protobuf import field_mask_pb2
 
 from agentim.im.v1 import im_pb2
+from agentim.memory.v1 import memory_pb2 as mpb
+from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.identity import VIEW_AS_KEY, bearer_metadata
+from services.memory.adapters.im_directory import GrpcMemberDirectory
+from tests.auth_support import service_secret
 from tests.authn_support import (
     Cast,
+    Metadata,
     claims_of,
     expired_token,
     foreign_token,
@@ -26,7 +34,10 @@ from tests.authn_support import (
     read_only,
     tampered_token,
 )
-from tests.conftest import RunningIM, as_member
+from tests.conftest import RunningIM
+from tests.identities import legacy_member_header
+from tests.integration.memory_harness import migrated_url, start_memory, stop_memory
+from tests.integration.test_runtime_grpc import start_runtime, stop_runtime
 
 
 async def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
@@ -63,7 +74,7 @@ async def test_expired_tampered_and_foreign_tokens_are_unauthenticated(
         code, _ = await status_of(im.stub.ListGroups(list_groups(), metadata=bearer_metadata(token)))
         assert code == grpc.StatusCode.UNAUTHENTICATED
     # A bad token is never passed over for the legacy header beside it.
-    both = (*bearer_metadata(tampered_token(cast.member.access_token)), *as_member(cast.member.id))
+    both = (*bearer_metadata(tampered_token(cast.member.access_token)), *legacy_member_header(cast.member.id))
     assert (await status_of(im.stub.ListGroups(list_groups(), metadata=both)))[
         0
     ] == grpc.StatusCode.UNAUTHENTICATED
@@ -84,7 +95,7 @@ async def test_a_token_acts_as_its_own_member_whatever_else_the_call_names(im: R
     # The legacy header naming the owner is ignored beside a token: the member sends as itself.
     sent = await im.stub.SendMessage(
         im_pb2.SendMessageRequest(group_id=cast.group.id, content="mine"),
-        metadata=(*cast.member.md, *as_member(cast.owner.id)),
+        metadata=(*cast.member.md, *legacy_member_header(cast.owner.id)),
     )
     assert sent.message.sender_id == cast.member.id
     # Naming another member's groups is refused.
@@ -109,7 +120,7 @@ async def test_the_memory_service_reads_the_directory_and_sends_nothing(im: Runn
 async def test_the_runtime_service_cannot_act_as_a_person(im: RunningIM, cast: Cast) -> None:
     send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="forged")
     # Its own token names no member, and no metadata can name one for it.
-    for metadata in [cast.runtime, (*cast.runtime, *as_member(cast.owner.id))]:
+    for metadata in [cast.runtime, (*cast.runtime, *legacy_member_header(cast.owner.id))]:
         code, _ = await status_of(im.stub.SendMessage(send, metadata=metadata))
         assert code == grpc.StatusCode.PERMISSION_DENIED
     # It creates agents (hosted by it), never people.
@@ -152,12 +163,50 @@ async def test_the_runtime_watches_a_whole_workspace_and_people_do_not(im: Runni
     assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
-async def test_without_trust_in_the_member_header_only_tokens_work(im_factory: Any) -> None:
-    strict: RunningIM = await im_factory(AUTH_TRUST_MEMBER_HEADER="false")
-    cast = await make_cast(strict)
-    code, message = await status_of(strict.stub.ListGroups(list_groups(), metadata=as_member(cast.member.id)))
-    assert code == grpc.StatusCode.UNAUTHENTICATED and "x-member-id" not in message
-    assert len((await strict.stub.ListGroups(list_groups(), metadata=cast.member.md)).groups) == 1
+def retired(key: str, value: str) -> tuple[tuple[str, str], ...]:
+    return ((key, value),)
+
+
+async def test_the_retired_headers_get_no_call_through_on_any_service(
+    im: RunningIM, cast: Cast, database_url: str, tmp_path: Path
+) -> None:
+    """Issue 11's "done when": no call succeeds without a valid credential.
+    The member named by x-member-id exists and may make each call with its token."""
+    runtime = await start_runtime(im.address, tmp_path / "runtime.db")
+    memory = await start_memory(
+        await migrated_url("sqlite" if database_url.startswith("sqlite") else "postgresql", tmp_path),
+        directory=GrpcMemberDirectory(im.address, service_secret=lambda: service_secret("memory")),
+    )
+    try:
+        calls: dict[str, Callable[[Metadata], Any]] = {
+            "IM": lambda md: im.stub.ListGroups(list_groups(), metadata=md),
+            "runtime": lambda md: runtime.stub.ListAgents(rpb.ListAgentsRequest(), metadata=md),
+            "memory": lambda md: memory.stub.GetMemoryStats(
+                mpb.GetMemoryStatsRequest(workspace_id=cast.workspace.id), metadata=md
+            ),
+        }
+        for service, call in calls.items():
+            await call(cast.member.md)  # the member may, with its token
+            for key, value in [
+                ("x-member-id", cast.member.id),
+                ("x-member-id", cast.owner.id),
+                ("x-agentim-service", "embedded"),
+                ("x-agentim-service", service_secret("runtime")),
+            ]:
+                code, message = await status_of(call(retired(key, value)))
+                assert code == grpc.StatusCode.UNAUTHENTICATED, (service, key)
+                assert message == (
+                    f"`{key}` is no longer accepted: this call needs"
+                    " `authorization: Bearer <access token>` (see docs/security.md)"
+                ), (service, key)
+            code, message = await status_of(call(()))
+            assert (code, message) == (
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this call needs `authorization: Bearer <access token>`",
+            ), service
+    finally:
+        await stop_memory(memory)
+        await stop_runtime(runtime)
 
 
 async def test_anyone_can_no_longer_be_anyone(im: RunningIM, cast: Cast) -> None:
@@ -186,7 +235,7 @@ async def test_anyone_can_no_longer_be_anyone(im: RunningIM, cast: Cast) -> None
     code, _ = await status_of(
         im.stub.MarkRead(
             im_pb2.MarkReadRequest(group_id=cast.group.id, up_to_message_id=cast.message.id),
-            metadata=(*intruder, *as_member(cast.member.id)),
+            metadata=(*intruder, *legacy_member_header(cast.member.id)),
         )
     )
     assert code == grpc.StatusCode.PERMISSION_DENIED
@@ -211,7 +260,7 @@ async def test_rate_limits_count_against_the_verified_caller(im_factory: Any) ->
     cast = await make_cast(limited)  # the owner spends its one send here
     send = im_pb2.SendMessageRequest(group_id=cast.group.id, content="hi")
     # The member's token spends the member's bucket, whoever the legacy header names beside it.
-    await limited.stub.SendMessage(send, metadata=(*cast.member.md, *as_member(cast.admin.id)))
+    await limited.stub.SendMessage(send, metadata=(*cast.member.md, *legacy_member_header(cast.admin.id)))
     code, _ = await status_of(limited.stub.SendMessage(send, metadata=cast.member.md))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     await limited.stub.SendMessage(send, metadata=cast.admin.md)

@@ -37,6 +37,7 @@ from services.runtime.adapters.sql import Database as RuntimeDatabase
 from services.runtime.config import Settings as RuntimeSettings
 from tests.auth_support import service_environment
 from tests.conftest import POSTGRES_URL, RunningIM, make_world, start_im, stop_im
+from tests.identities import as_unknown, learning_channel
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 
@@ -146,10 +147,11 @@ async def test_a_read_transaction_goes_again_and_a_write_is_unavailable(postgres
 
 async def test_a_refused_database_is_unavailable_with_a_readable_message() -> None:
     im = await start_im("postgresql://nobody@127.0.0.1:1/none")
-    member = str(uuid.uuid4())
+    # A genuine token: the call gets past authentication to the database.
+    member = as_unknown()
     calls: list[Callable[[], Awaitable[Any]]] = [
         lambda: im.stub.CreateWorkspace(im_pb2.CreateWorkspaceRequest(name="w", creator_display_name="a")),
-        lambda: im.stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=(("x-member-id", member),)),
+        lambda: im.stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=member),
     ]
     try:
         for call in calls:
@@ -180,7 +182,7 @@ async def test_a_runtime_whose_database_refuses_answers_unavailable(tmp_path: Pa
     port = await app.server.start()  # the runners need the database; the API answers without it
     try:
         world = await make_world(im.stub, people=1)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with learning_channel(f"127.0.0.1:{port}") as channel:
             stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stub.ListAgents(rpb.ListAgentsRequest(), metadata=world.md(0), timeout=10)
@@ -211,7 +213,7 @@ async def test_a_runtime_whose_connections_were_cut_serves_the_next_calls(
     port, _ = await app.start()
     world = await make_world(im.stub, people=1)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with learning_channel(f"127.0.0.1:{port}") as channel:
             stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
             agent = (
                 await stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0), timeout=10)
@@ -350,7 +352,7 @@ async def test_the_interceptor_maps_outages_to_unavailable_and_bugs_to_internal(
     )
     port = await server.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with learning_channel(f"127.0.0.1:{port}") as channel:
 
             async def status_of(name: str) -> tuple[grpc.StatusCode, str]:
                 try:

@@ -9,9 +9,11 @@ import grpc
 import pytest
 
 from agentim.im.v1 import im_pb2
-from services.common.identity import caller_metadata
-from tests.conftest import RunningIM, World, as_member, make_world, next_event
+from services.common.identity import bearer_metadata
+from tests.authn_support import service_token, tampered_token
+from tests.conftest import RunningIM, World, make_world, next_event
 from tests.faults.harness import RedisProcess
+from tests.identities import as_member
 
 
 async def make_group(im: RunningIM, world: World, *members: int) -> im_pb2.Group:
@@ -156,7 +158,7 @@ async def test_watch_permissions_and_bad_cursors(im: RunningIM) -> None:
 
 async def test_service_watches_a_set_of_members_and_a_workspace(im: RunningIM) -> None:
     world = await make_world(im.stub, people=3)
-    service = caller_metadata(service_token="any")  # no token configured: any value is trusted
+    service = await service_token(im, "runtime")
     agents = im.stub.WatchEvents(
         im_pb2.WatchEventsRequest(member_ids=[world.members[1].id, world.members[2].id]), metadata=service
     )
@@ -176,21 +178,21 @@ async def test_service_watches_a_set_of_members_and_a_workspace(im: RunningIM) -
     everything.cancel()
 
 
-async def test_service_token_is_checked_when_configured(im_factory: Any) -> None:
-    im: RunningIM = await im_factory(AGENTIM_SERVICE_TOKEN="s3cret")
+async def test_only_a_services_genuine_token_watches_a_workspace(im: RunningIM) -> None:
     world = await make_world(im.stub, people=1)
-    stream = im.stub.WatchEvents(
-        im_pb2.WatchEventsRequest(workspace_id=world.workspace.id),
-        metadata=caller_metadata(service_token="wrong"),
-    )
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await stream.read()
-    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert "s3cret" not in (caught.value.details() or "")
-    ok = im.stub.WatchEvents(
-        im_pb2.WatchEventsRequest(workspace_id=world.workspace.id),
-        metadata=caller_metadata(service_token="s3cret"),
-    )
+    service = await service_token(im, "runtime")
+    forged = bearer_metadata(tampered_token(service[0][1].removeprefix("Bearer ")))
+    for metadata, code in [
+        (forged, grpc.StatusCode.UNAUTHENTICATED),
+        (world.md(0), grpc.StatusCode.PERMISSION_DENIED),
+    ]:
+        stream = im.stub.WatchEvents(
+            im_pb2.WatchEventsRequest(workspace_id=world.workspace.id), metadata=metadata
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stream.read()
+        assert caught.value.code() == code
+    ok = im.stub.WatchEvents(im_pb2.WatchEventsRequest(workspace_id=world.workspace.id), metadata=service)
     await asyncio.wait_for(ok.wait_for_connection(), 5)
     await im.stub.CreateGroup(im_pb2.CreateGroupRequest(name="g"), metadata=world.md(0))
     assert (await next_event(ok)).WhichOneof("event") == "group_changed"

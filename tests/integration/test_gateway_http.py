@@ -29,6 +29,7 @@ from services.im.adapters.sql import Database
 from tests.conftest import RunningIM, start_im, stop_im
 from tests.faults.harness import LONG
 from tests.gateway_support import WAIT, Api, as_member, new_workspace, sse, start_gateway, write_static
+from tests.identities import as_unknown
 from tests.integration.test_memory_runtime import start_memory_service
 from tests.integration.test_runtime_grpc import RunningRuntime, start_runtime, stop_runtime
 
@@ -197,8 +198,9 @@ async def test_errors_carry_the_http_status_and_the_services_message(stack: Stac
     assert "member_id" in invalid.error["message"]
     anonymous = await api.call("GET", "/v1/workspaces")
     assert anonymous.status == 401 and anonymous.error["status"] == "UNAUTHENTICATED"
-    bad_member = await api.call("GET", "/v1/workspaces", headers={"X-Member-Id": "zz\u00e9"})
-    assert bad_member.status == 401
+    # The retired X-Member-Id names nobody: without a credential, 401.
+    named = await api.call("GET", "/v1/workspaces", headers={"X-Member-Id": ada})
+    assert named.status == 401 and named.error["status"] == "UNAUTHENTICATED"
     malformed = await api.call("POST", "/v1/groups", member=ada, data='{"name": ')
     assert malformed.status == 400 and "malformed JSON" in malformed.error["message"]
     not_object = await api.call("POST", "/v1/groups", member=ada, data="[1]")
@@ -265,13 +267,14 @@ async def test_cors_answers_configured_origins_only(stack: Stack) -> None:
         preflight_headers = {
             "Origin": "https://ui.example",
             "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "authorization, x-member-id, content-type",
+            "Access-Control-Request-Headers": "authorization, x-view-as, content-type",
         }
         preflight = await api.call("OPTIONS", "/v1/groups", headers=preflight_headers)
         assert preflight.status == 204
         assert preflight.headers["Access-Control-Allow-Origin"] == "https://ui.example"
         allowed = {h.strip().lower() for h in preflight.headers["Access-Control-Allow-Headers"].split(",")}
-        assert {"authorization", "x-member-id", "content-type", "last-event-id"} <= allowed
+        assert {"authorization", "x-view-as", "content-type", "last-event-id"} <= allowed
+        assert "x-member-id" not in allowed
         assert "PATCH" in preflight.headers["Access-Control-Allow-Methods"]
         other = await api.call(
             "OPTIONS", "/v1/groups", headers={**preflight_headers, "Origin": "https://evil.example"}
@@ -506,7 +509,7 @@ async def test_health_reflects_both_upstreams(stack: Stack) -> None:
         down = await api.call("GET", "/healthz")
         assert down.status == 503 and down.body["upstreams"]["im"] == "SERVING"
         assert down.body["upstreams"]["runtime"] == "UNAVAILABLE"
-        unavailable = await api.call("GET", "/v1/agents", member=str(uuid.uuid4()))
+        unavailable = await api.call("GET", "/v1/agents", headers=dict(as_unknown()))
         assert unavailable.status == 503 and unavailable.error["status"] == "UNAVAILABLE"
         # The container probe says the same.
         assert await asyncio.to_thread(healthcheck.main, [f"127.0.0.1:{app.port}"]) == 1

@@ -202,7 +202,7 @@ async def test_admins_invite_people_who_accept_and_are_signed_in(stack: Stack) -
     )
     assert promoted["member"]["role"] == "MEMBER_ROLE_ADMIN"
     # Bea cannot view the workspace as another person.
-    as_ada = await bea.call("GET", "/v1/groups", headers={"X-Member-Id": created.body["creator"]["id"]})
+    as_ada = await bea.call("GET", "/v1/groups", headers={"X-View-As": created.body["creator"]["id"]})
     assert as_ada.status == 403
     # Changing the password keeps Bea signed in, with new tokens in the cookie.
     before = bea.cookie
@@ -211,6 +211,25 @@ async def test_admins_invite_people_who_accept_and_are_signed_in(stack: Stack) -
     )
     assert changed.status == 200 and bea.cookie != before and "tokens" not in changed.body
     assert (await bea.who())["member"]["displayName"] == "Bea"
+
+
+async def test_the_owner_views_as_an_agent_through_x_view_as_and_x_member_id_asks_nothing(
+    stack: Stack,
+) -> None:
+    ada, _ = await new_workspace(stack.api)
+    agent = (await ada.ok("POST", "/v1/agents", body={"name": "scout"}))["agent"]
+    shared = (
+        await ada.ok("POST", "/v1/groups", body={"name": "with scout", "memberIds": [agent["memberId"]]})
+    )["group"]
+    own = (await ada.ok("POST", "/v1/groups", body={"name": "just ada"}))["group"]
+    as_agent = await ada.ok("GET", "/v1/groups", headers={"X-View-As": agent["memberId"]})
+    assert [g["id"] for g in as_agent["groups"]] == [shared["id"]]
+    # The retired X-Member-Id is no view (nor a credential): Ada sees her own groups.
+    named = await ada.ok("GET", "/v1/groups", headers={"X-Member-Id": agent["memberId"]})
+    assert {g["id"] for g in named["groups"]} == {shared["id"], own["id"]}
+    assert (
+        await stack.api.call("GET", "/v1/groups", headers={"X-Member-Id": agent["memberId"]})
+    ).status == 401
 
 
 async def test_the_sign_in_options_say_whether_oidc_is_configured(stack: Stack) -> None:

@@ -1,4 +1,9 @@
-"""The runtime's IM adapter (`GrpcIM`) against a real IM server on SQLite."""
+"""The runtime's IM adapter (`GrpcIM`) against a real IM server on SQLite.
+
+The client calls with the runtime's credentials: its service token, and the
+tokens of the agents it creates (the only members it may act as). What
+people do in these tests they do over the IM's API with their own tokens.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,16 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from agentim.im.v1 import im_pb2
+from agentim.im.v1 import auth_pb2, im_pb2
+from services.common.tokens import PrincipalKind
 from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from services.runtime.adapters.im_client import GrpcIM
-from services.runtime.service_layer.im_port import IMError, IMEvent, IMUnavailable
-from tests.conftest import RunningIM, World, as_member, make_world, start_im, stop_im
+from services.runtime.service_layer.im_port import IMError, IMEvent, IMMember, IMUnavailable
+from tests.auth_support import service_secret
+from tests.conftest import RunningIM, World, make_world, start_im, stop_im
+from tests.identities import Identity, as_member, remember
 
-TOKEN = f"token-{uuid.uuid4().hex}"
 WAIT_S = 5.0
 
 T = TypeVar("T")
@@ -30,13 +37,16 @@ async def within(awaitable: Awaitable[T], seconds: float = WAIT_S) -> T:
     return await asyncio.wait_for(awaitable, seconds)
 
 
-def make_client(address: str, *, token: str | None = TOKEN, deadline: float = 2.0) -> GrpcIM:
+def make_client(address: str, *, secret: str | None = None, deadline: float = 2.0) -> GrpcIM:
+    """A client with the runtime's credential (or `secret` instead)."""
+    held = secret or service_secret("runtime")
     return GrpcIM(
         address,
-        service_token=token,
         deadline_seconds=deadline,
         reconnect_initial_seconds=0.01,
         reconnect_max_seconds=0.05,
+        service_name="runtime",
+        service_secret=lambda: held,
     )
 
 
@@ -51,7 +61,7 @@ async def sqlite_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def server(sqlite_url: str) -> AsyncIterator[RunningIM]:
-    running = await start_im(sqlite_url, AGENTIM_SERVICE_TOKEN=TOKEN)
+    running = await start_im(sqlite_url)
     yield running
     await stop_im(running)
 
@@ -70,6 +80,30 @@ async def world(server: RunningIM) -> World:
 
 def member(world: World, index: int) -> uuid.UUID:
     return uuid.UUID(world.members[index].id)
+
+
+async def hosted(client: GrpcIM, world: World, name: str = "helper") -> IMMember:
+    """An agent member the client creates, so hosts, and may act as (tests may too)."""
+    agent = await client.create_agent_member(workspace(world), name)
+    remember(agent.id, Identity(agent.workspace_id, PrincipalKind.AGENT))
+    return agent
+
+
+async def person_creates_group(server: RunningIM, who: uuid.UUID, name: str, *others: uuid.UUID) -> uuid.UUID:
+    response = await server.stub.CreateGroup(
+        im_pb2.CreateGroupRequest(name=name, member_ids=[str(o) for o in others]), metadata=as_member(who)
+    )
+    return uuid.UUID(response.group.id)
+
+
+async def person_sends(
+    server: RunningIM, who: uuid.UUID, group: uuid.UUID, content: str, *, mentions: Sequence[uuid.UUID] = ()
+) -> uuid.UUID:
+    response = await server.stub.SendMessage(
+        im_pb2.SendMessageRequest(group_id=str(group), content=content, mentions=[str(m) for m in mentions]),
+        metadata=as_member(who),
+    )
+    return uuid.UUID(response.message.id)
 
 
 def workspace(world: World) -> uuid.UUID:
@@ -152,7 +186,9 @@ def contents(events: list[IMEvent]) -> list[str]:
 # -- members ----------------------------------------------------------------------
 
 
-async def test_agent_members_are_created_once_and_renamed(client: GrpcIM, world: World) -> None:
+async def test_agent_members_are_created_once_and_renamed(
+    client: GrpcIM, server: RunningIM, world: World
+) -> None:
     agent = await client.create_agent_member(workspace(world), "helper", avatar="🤖", request_id="agent-1")
     assert (agent.kind, agent.display_name, agent.workspace_id) == ("agent", "helper", workspace(world))
     again = await client.create_agent_member(workspace(world), "helper", avatar="🤖", request_id="agent-1")
@@ -160,8 +196,9 @@ async def test_agent_members_are_created_once_and_renamed(client: GrpcIM, world:
 
     renamed = await client.rename_member(agent.id, "Helper Bot")
     assert (renamed.id, renamed.display_name, renamed.kind) == (agent.id, "Helper Bot", "agent")
-    seen = await client.get_member(member(world, 1), agent.id)
-    assert seen.display_name == "Helper Bot"
+    remember(agent.id, Identity(agent.workspace_id, PrincipalKind.AGENT))
+    seen = await server.stub.GetMember(im_pb2.GetMemberRequest(member_id=str(agent.id)), metadata=world.md(1))
+    assert seen.member.display_name == "Helper Bot"
 
     refused = await refusal(client.create_agent_member(uuid.uuid4(), "lost"))
     assert refused.code == grpc.StatusCode.NOT_FOUND and "not found" in refused.message
@@ -184,14 +221,15 @@ async def test_members_are_read_as_a_member(client: GrpcIM, server: RunningIM, w
 
 
 async def test_member_and_group_lists_are_read_past_the_page_size(sqlite_url: str) -> None:
-    small_pages = await start_im(sqlite_url, AGENTIM_SERVICE_TOKEN=TOKEN, IM_MAX_PAGE_SIZE="2")
+    small_pages = await start_im(sqlite_url, IM_MAX_PAGE_SIZE="2")
     im = make_client(small_pages.address)
     try:
         world = await make_world(small_pages.stub, people=5)
+        agent = await hosted(im, world)
         everyone = [member(world, i) for i in range(5)]
-        assert [m.id for m in await im.list_members(everyone[0])] == everyone
-        made = [await im.create_group(everyone[0], f"g{i}", everyone[1:]) for i in range(5)]
-        assert [g.id for g in await im.list_groups(everyone[3])] == [g.id for g in made]
+        assert [m.id for m in await im.list_members(agent.id)] == [*everyone, agent.id]
+        made = [await im.create_group(agent.id, f"g{i}", everyone[1:]) for i in range(5)]
+        assert [g.id for g in await im.list_groups(agent.id)] == [g.id for g in made]
     finally:
         await im.aclose()
         await stop_im(small_pages)
@@ -201,23 +239,24 @@ async def test_member_and_group_lists_are_read_past_the_page_size(sqlite_url: st
 
 
 async def test_groups_named_and_direct(client: GrpcIM, server: RunningIM, world: World) -> None:
-    agent = await client.create_agent_member(workspace(world), "helper")
+    agent = await hosted(client, world)
+    peer = await hosted(client, world, "peer")
     team = await client.create_group(agent.id, "team", [member(world, 0), member(world, 1)])
     assert (team.name, team.kind) == ("team", "group")
     assert set(team.member_ids) == {agent.id, member(world, 0), member(world, 1)}
-    assert await client.get_group(member(world, 1), team.id) == team
+    assert await client.get_group(agent.id, team.id) == team
 
-    direct = await client.get_or_create_direct_group(agent.id, member(world, 2))
-    assert (direct.kind, direct.name, set(direct.member_ids)) == ("direct", "", {agent.id, member(world, 2)})
+    direct = await client.get_or_create_direct_group(agent.id, peer.id)
+    assert (direct.kind, direct.name, set(direct.member_ids)) == ("direct", "", {agent.id, peer.id})
     # Asked from the other side: the same group (the IM does not promise an order of member_ids).
-    same = await client.get_or_create_direct_group(member(world, 2), agent.id)
+    same = await client.get_or_create_direct_group(peer.id, agent.id)
     assert (same.id, same.kind, set(same.member_ids)) == (direct.id, "direct", set(direct.member_ids))
     assert [g.id for g in await client.list_groups(agent.id)] == [team.id, direct.id]
-    assert [g.id for g in await client.list_groups(member(world, 2))] == [direct.id]
+    assert [g.id for g in await client.list_groups(peer.id)] == [direct.id]
 
-    refused = await refusal(client.get_group(member(world, 2), team.id))
+    refused = await refusal(client.get_group(peer.id, team.id))
     assert refused.code == grpc.StatusCode.PERMISSION_DENIED
-    assert refused.message == f"member {member(world, 2)} is not in group {team.id}"
+    assert refused.message == f"member {peer.id} is not in group {team.id}"
     missing = uuid.uuid4()
     refused = await refusal(client.get_group(agent.id, missing))
     assert (refused.code, refused.message) == (grpc.StatusCode.NOT_FOUND, f"group {missing} not found")
@@ -230,22 +269,33 @@ async def test_groups_named_and_direct(client: GrpcIM, server: RunningIM, world:
 # -- messages and read state ------------------------------------------------------
 
 
-async def test_messages_history_unread_and_read_state(client: GrpcIM, world: World) -> None:
-    agent = await client.create_agent_member(workspace(world), "helper")
+async def test_messages_history_unread_and_read_state(
+    client: GrpcIM, server: RunningIM, world: World
+) -> None:
+    agent = await hosted(client, world)
     human = member(world, 0)
-    group = await client.create_group(human, "team", [agent.id])
-    first = await client.send_message(human, group.id, "hi @helper", mentions=[agent.id])
-    assert (first.sender_id, first.group_id, first.content_type) == (human, group.id, "text")
+    group_id = await person_creates_group(server, human, "team", agent.id)
+    first_id = await person_sends(server, human, group_id, "hi @helper", mentions=[agent.id])
+    (first,) = await client.list_messages(agent.id, group_id)
+    assert (first.id, first.sender_id, first.group_id, first.content_type) == (
+        first_id,
+        human,
+        group_id,
+        "text",
+    )
     assert first.mentions == (agent.id,)
     assert first.sent_at.tzinfo is not None and abs(time.time() - first.sent_at.timestamp()) < 60
+    group = await client.get_group(agent.id, group_id)
     reply = await client.send_message(agent.id, group.id, "hello", reply_to=first.id, request_id="r-1")
+    assert (reply.sender_id, reply.reply_to) == (agent.id, first.id)
     assert (
         await client.send_message(agent.id, group.id, "hello", reply_to=first.id, request_id="r-1") == reply
     )
-    later = [await client.send_message(human, group.id, f"m{i}") for i in range(3)]
+    later_ids = [await person_sends(server, human, group.id, f"m{i}") for i in range(3)]
 
     history = await client.list_messages(agent.id, group.id)
-    assert [m.id for m in history] == [first.id, reply.id, *(m.id for m in later)]
+    assert [m.id for m in history] == [first.id, reply.id, *later_ids]
+    later = history[2:]
     newest = await client.list_messages(agent.id, group.id, limit=2)
     assert [m.content for m in newest] == ["m1", "m2"]
     older = await client.list_messages(agent.id, group.id, limit=2, before=newest[0].id)
@@ -263,12 +313,14 @@ async def test_messages_history_unread_and_read_state(client: GrpcIM, world: Wor
     assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_sending_refusals_carry_the_ims_status_and_message(client: GrpcIM, world: World) -> None:
-    agent = await client.create_agent_member(workspace(world), "helper")
-    others = await client.create_group(member(world, 0), "others", [member(world, 1)])
-    refused = await refusal(client.send_message(agent.id, others.id, "let me in"))
+async def test_sending_refusals_carry_the_ims_status_and_message(
+    client: GrpcIM, server: RunningIM, world: World
+) -> None:
+    agent = await hosted(client, world)
+    others = await person_creates_group(server, member(world, 0), "others", member(world, 1))
+    refused = await refusal(client.send_message(agent.id, others, "let me in"))
     assert refused.code == grpc.StatusCode.PERMISSION_DENIED
-    assert refused.message == f"member {agent.id} is not in group {others.id}"
+    assert refused.message == f"member {agent.id} is not in group {others}"
     assert str(refused) == refused.message
 
     missing = uuid.uuid4()
@@ -289,25 +341,30 @@ async def test_sending_refusals_carry_the_ims_status_and_message(client: GrpcIM,
 # -- identity -----------------------------------------------------------------------
 
 
-async def test_a_wrong_service_token_is_refused(server: RunningIM, world: World) -> None:
-    async with make_client(server.address, token="not-the-token") as im:
+async def test_a_wrong_credential_is_refused(server: RunningIM, world: World) -> None:
+    async with make_client(server.address, secret="not-the-secret") as im:
         refused = await refusal(im.create_agent_member(workspace(world), "helper"))
         assert refused.code == grpc.StatusCode.UNAUTHENTICATED
-        assert "x-agentim-service" in refused.message
-        refused = await refusal(im.list_members(member(world, 0)))
+        assert (
+            "refused the runtime's credential" in refused.message and "not-the-secret" not in refused.message
+        )
+        refused = await refusal(im.list_members(uuid.uuid4()))
         assert refused.code == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_without_a_token_the_embedded_im_accepts_the_service(sqlite_url: str) -> None:
-    embedded = await start_im(sqlite_url)
-    try:
-        world = await make_world(embedded.stub, people=1)
-        async with make_client(embedded.address, token=None) as im:
-            # A service call with no member: refused unless the service header is sent.
-            agent = await im.create_agent_member(workspace(world), "helper")
-            assert agent.kind == "agent"
-    finally:
-        await stop_im(embedded)
+async def test_the_client_acts_only_as_the_agents_it_hosts(server: RunningIM, world: World) -> None:
+    async with make_client(server.address) as im:
+        agent = await hosted(im, world)
+        assert [m.id for m in await im.list_members(agent.id)][-1] == agent.id
+        # A person, or an agent the runtime did not create: no token, so no call as them.
+        person_made = await server.stub.CreateMember(
+            im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_AGENT, display_name="stray"),
+            metadata=world.md(0),
+        )
+        for someone in (member(world, 0), uuid.UUID(person_made.member.id)):
+            refused = await refusal(im.list_members(someone))
+            assert refused.code == grpc.StatusCode.UNAUTHENTICATED
+            assert f"no access token for member {someone}" in refused.message
 
 
 # -- deadlines ------------------------------------------------------------------------
@@ -344,7 +401,11 @@ async def test_a_silent_server_is_unavailable_at_the_deadline() -> None:
             with pytest.raises(IMUnavailable) as caught:
                 await within(im.list_groups(uuid.uuid4()))
             assert 0.4 <= time.monotonic() - started < 1.5
-            assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The first call the client makes is for its token, and that one times out.
+            assert (
+                caught.value.code == grpc.StatusCode.UNAVAILABLE
+                and "DEADLINE_EXCEEDED" in caught.value.message
+            )
     finally:
         for writer in held:
             writer.close()
@@ -358,12 +419,20 @@ async def test_a_call_the_server_cancels_is_unavailable_not_a_refusal() -> None:
         await context.abort(grpc.StatusCode.CANCELLED, "dropped under load")
         raise AssertionError("abort raises")
 
+    async def issue(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        response = auth_pb2.IssueServiceTokenResponse(access_token="a-token")
+        response.access_expire_time.FromSeconds(int(time.time()) + 900)
+        return response.SerializeToString()
+
     server = grpc.aio.server()
     server.add_generic_rpc_handlers(
         [
             grpc.method_handlers_generic_handler(
-                "agentim.im.v1.IMService", {"GetMember": grpc.unary_unary_rpc_method_handler(cancel)}
-            )
+                "agentim.im.v1.IMService", {"CreateMember": grpc.unary_unary_rpc_method_handler(cancel)}
+            ),
+            grpc.method_handlers_generic_handler(
+                "agentim.im.v1.AuthService", {"IssueServiceToken": grpc.unary_unary_rpc_method_handler(issue)}
+            ),
         ]
     )
     port = server.add_insecure_port("127.0.0.1:0")
@@ -371,7 +440,7 @@ async def test_a_call_the_server_cancels_is_unavailable_not_a_refusal() -> None:
     try:
         async with make_client(f"127.0.0.1:{port}") as im:
             with pytest.raises(IMUnavailable) as caught:
-                await within(im.get_member(uuid.uuid4(), uuid.uuid4()))
+                await within(im.create_agent_member(uuid.uuid4(), "helper"))
             assert caught.value.code == grpc.StatusCode.CANCELLED
     finally:
         await server.stop(None)
@@ -379,11 +448,12 @@ async def test_a_call_the_server_cancels_is_unavailable_not_a_refusal() -> None:
 
 async def test_a_closed_client_refuses_calls_and_closes_once(server: RunningIM, world: World) -> None:
     im = make_client(server.address)
-    await im.list_members(member(world, 0))
+    agent = await hosted(im, world)
+    await im.list_members(agent.id)
     await im.aclose()
     await im.aclose()
     with pytest.raises(IMUnavailable):
-        await within(im.list_members(member(world, 0)))
+        await within(im.list_members(agent.id))
     with pytest.raises(IMUnavailable):
         await within(anext(im.watch(workspace(world))))
 
@@ -392,20 +462,20 @@ async def test_a_closed_client_refuses_calls_and_closes_once(server: RunningIM, 
 
 
 async def test_watch_passes_on_new_messages_only(client: GrpcIM, server: RunningIM, world: World) -> None:
-    human = member(world, 0)
-    before = await client.create_group(human, "before", [member(world, 1)])
-    await client.send_message(human, before.id, "sent before the watch")
+    sender, peer = (await hosted(client, world)).id, (await hosted(client, world, "peer")).id
+    before = await client.create_group(sender, "before", [peer])
+    await client.send_message(sender, before.id, "sent before the watch")
     watcher = Watcher(client, workspace(world))
     try:
         await watcher.subscribed()
-        group = await client.create_group(human, "team", [member(world, 1)])  # group_changed: skipped
-        first = await client.send_message(human, group.id, "one")
+        group = await client.create_group(sender, "team", [peer])  # group_changed: skipped
+        first = await client.send_message(sender, group.id, "one")
         await server.stub.EditMessage(  # message_edited: skipped
             im_pb2.EditMessageRequest(message_id=str(first.id), content="one!"),
-            metadata=as_member(str(human)),
+            metadata=as_member(sender),
         )
-        await client.mark_read(member(world, 1), group.id, first.id)  # read_updated: skipped
-        second = await client.send_message(member(world, 1), group.id, "two", mentions=[human])
+        await client.mark_read(peer, group.id, first.id)  # read_updated: skipped
+        second = await client.send_message(peer, group.id, "two", mentions=[sender])
         events = await watcher.take(2)
         assert [e.message for e in events] == [first, second]
         assert all(e.cursor for e in events) and events[0].cursor != events[1].cursor
@@ -422,23 +492,23 @@ async def test_watch_passes_on_new_messages_only(client: GrpcIM, server: Running
 
 
 async def test_watch_resumes_after_a_cursor(client: GrpcIM, world: World) -> None:
-    human = member(world, 0)
-    group = await client.create_group(human, "team", [member(world, 1)])
+    sender = (await hosted(client, world)).id
+    group = await client.create_group(sender, "team", [member(world, 1)])
     watcher = Watcher(client, workspace(world))
     await watcher.subscribed()
     for i in range(2):
-        await client.send_message(human, group.id, f"m{i}")
+        await client.send_message(sender, group.id, f"m{i}")
     seen = await watcher.take(2)
     await watcher.stop()
 
     for i in range(2, 5):
-        await client.send_message(human, group.id, f"m{i}")
+        await client.send_message(sender, group.id, f"m{i}")
     resumed = Watcher(client, workspace(world), after_cursor=seen[-1].cursor)
     try:
         again = await resumed.take(3)
         assert contents(again) == ["m2", "m3", "m4"]
         assert again[0].previous_sequence == seen[-1].sequence
-        await client.send_message(human, group.id, "m5")
+        await client.send_message(sender, group.id, "m5")
         assert contents(await resumed.take(1)) == ["m5"]
         assert resumed.pending() == 0
     finally:
@@ -446,14 +516,14 @@ async def test_watch_resumes_after_a_cursor(client: GrpcIM, world: World) -> Non
 
 
 async def test_watch_of_members_passes_on_their_groups_messages(client: GrpcIM, world: World) -> None:
-    human, watched = member(world, 0), member(world, 1)
-    theirs = await client.create_group(human, "theirs", [watched])
-    others = await client.create_group(human, "others", [member(world, 2)])
+    sender, watched = (await hosted(client, world)).id, member(world, 1)
+    theirs = await client.create_group(sender, "theirs", [watched])
+    others = await client.create_group(sender, "others", [member(world, 2)])
     watcher = Watcher(client, workspace(world), member_ids=[watched])
     try:
         await watcher.subscribed()
-        await client.send_message(human, others.id, "not for the watched member")
-        sent = await client.send_message(human, theirs.id, "for the watched member")
+        await client.send_message(sender, others.id, "not for the watched member")
+        sent = await client.send_message(sender, theirs.id, "for the watched member")
         (event,) = await watcher.take(1)
         assert (event.message, event.member_ids) == (sent, (watched,))
     finally:
@@ -467,8 +537,8 @@ async def test_watch_of_members_of_another_workspace_is_refused(
     watcher = Watcher(client, workspace(world), member_ids=[member(stranger, 1)])
     try:
         await watcher.subscribed()
-        group = await client.create_group(member(stranger, 0), "g", [member(stranger, 1)])
-        await client.send_message(member(stranger, 0), group.id, "elsewhere")
+        group = await person_creates_group(server, member(stranger, 0), "g", member(stranger, 1))
+        await person_sends(server, member(stranger, 0), group, "elsewhere")
         with pytest.raises(IMError) as caught:
             await watcher.take(1)
         assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -488,8 +558,8 @@ async def test_watch_refusals_are_raised(client: GrpcIM, world: World) -> None:
     assert refused.code == grpc.StatusCode.NOT_FOUND
 
 
-async def test_watch_with_a_wrong_token_is_refused(server: RunningIM, world: World) -> None:
-    async with make_client(server.address, token="not-the-token") as im:
+async def test_watch_with_a_wrong_credential_is_refused(server: RunningIM, world: World) -> None:
+    async with make_client(server.address, secret="not-the-secret") as im:
         refused = await refusal(anext(im.watch(workspace(world))))
         assert refused.code == grpc.StatusCode.UNAUTHENTICATED
 
@@ -502,7 +572,7 @@ async def test_cancelling_the_consumer_ends_the_watch_promptly(client: GrpcIM, w
     await within(asyncio.gather(watcher.task, return_exceptions=True), 1.0)
     assert watcher.task.cancelled() and time.monotonic() - started < 0.5
     # The client stays usable.
-    assert len(await client.list_members(member(world, 0))) == 3
+    assert len(await client.list_members((await hosted(client, world)).id)) == 4
 
 
 async def test_closing_the_client_ends_running_watches(server: RunningIM, world: World) -> None:
@@ -518,25 +588,25 @@ async def start_on_port(url: str, port: int) -> RunningIM:
     """Starts an IM server on a port just given up by another, retrying the bind briefly."""
     for _ in range(50):
         try:
-            return await start_im(url, AGENTIM_SERVICE_TOKEN=TOKEN, IM_GRPC_ADDRESS=f"127.0.0.1:{port}")
+            return await start_im(url, IM_GRPC_ADDRESS=f"127.0.0.1:{port}")
         except OSError:
             await asyncio.sleep(0.05)
     raise AssertionError(f"port {port} did not become free")
 
 
 async def test_watch_keeps_going_across_a_server_restart(sqlite_url: str) -> None:
-    first = await start_im(sqlite_url, AGENTIM_SERVICE_TOKEN=TOKEN)
+    first = await start_im(sqlite_url)
     port = first.port
     second: RunningIM | None = None
     im = make_client(first.address)
     try:
         world = await make_world(first.stub, people=2)
-        human = member(world, 0)
-        group = await im.create_group(human, "team", [member(world, 1)])
+        sender, peer = (await hosted(im, world)).id, (await hosted(im, world, "peer")).id
+        group = await im.create_group(sender, "team", [peer])
         watcher = Watcher(im, workspace(world))
         await watcher.subscribed()
         for i in range(2):
-            await im.send_message(human, group.id, f"m{i}")
+            await im.send_message(sender, group.id, f"m{i}")
         assert contents(await watcher.take(2)) == ["m0", "m1"]
 
         await stop_im(first)  # graceful: the IM ends the stream with OK
@@ -546,12 +616,12 @@ async def test_watch_keeps_going_across_a_server_restart(sqlite_url: str) -> Non
         for i in range(2, 4):
             await second.stub.SendMessage(
                 im_pb2.SendMessageRequest(group_id=str(group.id), content=f"m{i}"),
-                metadata=as_member(str(human)),
+                metadata=as_member(sender),
             )
         await watcher.subscribed(2)
         # The same client's unary calls reach the new server too.
         for i in range(4, 6):
-            await im.send_message(member(world, 1), group.id, f"m{i}")
+            await im.send_message(peer, group.id, f"m{i}")
         events = await watcher.take(4)
         assert contents(events) == ["m2", "m3", "m4", "m5"]
         assert len({e.message.id for e in events}) == 4

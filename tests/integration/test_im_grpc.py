@@ -11,7 +11,8 @@ import pytest
 from google.protobuf import field_mask_pb2
 
 from agentim.im.v1 import im_pb2
-from tests.conftest import RunningIM, as_member, make_world
+from tests.conftest import RunningIM, make_world
+from tests.identities import as_member, as_unknown, legacy_member_header
 
 
 async def status_of(call: Any) -> tuple[grpc.StatusCode, str]:
@@ -64,13 +65,13 @@ async def test_workspace_members_and_identity(im: RunningIM) -> None:
     assert code == grpc.StatusCode.PERMISSION_DENIED and "only update itself" in message
 
     code, message = await status_of(im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id)))
-    assert code == grpc.StatusCode.UNAUTHENTICATED and "x-member-id" in message
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer" in message
     code, _ = await status_of(
-        im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id), metadata=as_member(str(uuid.uuid4())))
+        im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id), metadata=as_unknown())
     )
     assert code == grpc.StatusCode.UNAUTHENTICATED
     code, _ = await status_of(
-        im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id), metadata=(("x-member-id", "not-an-id"),))
+        im.stub.GetMember(im_pb2.GetMemberRequest(member_id=bob.id), metadata=legacy_member_header(bob.id))
     )
     assert code == grpc.StatusCode.UNAUTHENTICATED
 

@@ -24,21 +24,30 @@ from tests.integration.test_runtime_grpc import (
 )
 
 
-async def states_seen(runtime: RunningRuntime, agent_id: str, metadata: object, until: int) -> list[int]:
-    """The agent's state changes on its stream, until (and with) `until`."""
+async def states_seen(
+    runtime: RunningRuntime, agent_id: str, metadata: object, until: int
+) -> asyncio.Task[list[int]]:
+    """Watches the agent's stream (subscribed when this returns) and collects
+    its state changes, until (and with) `until`."""
     call = runtime.stub.WatchAgent(
         rpb.WatchAgentRequest(agent_id=agent_id, live_only=True),
         metadata=metadata,
     )
-    states: list[int] = []
-    try:
-        while not states or states[-1] != until:
-            response = await asyncio.wait_for(call.read(), WAIT)
-            if response.event.WhichOneof("event") == "state_changed":
-                states.append(response.event.state_changed.state)
-    finally:
-        call.cancel()
-    return states
+    # The runtime answers with its headers once the watch is subscribed.
+    await asyncio.wait_for(call.wait_for_connection(), WAIT)
+
+    async def collect() -> list[int]:
+        states: list[int] = []
+        try:
+            while not states or states[-1] != until:
+                response = await asyncio.wait_for(call.read(), WAIT)
+                if response.event.WhichOneof("event") == "state_changed":
+                    states.append(response.event.state_changed.state)
+        finally:
+            call.cancel()
+        return states
+
+    return asyncio.create_task(collect())
 
 
 async def test_pause_resume_terminate_start_over_grpc(im: RunningIM, tmp_path: Path) -> None:
@@ -47,8 +56,7 @@ async def test_pause_resume_terminate_start_over_grpc(im: RunningIM, tmp_path: P
         world = await make_world(im.stub, people=1)
         ada = await create_agent(runtime, world, "ada")
         md = world.md(0)
-        watching = asyncio.create_task(states_seen(runtime, ada.id, md, rpb.AGENT_STATE_TERMINATED))
-        await asyncio.sleep(0.1)
+        watching = await states_seen(runtime, ada.id, md, rpb.AGENT_STATE_TERMINATED)
 
         paused = await runtime.stub.PauseAgent(rpb.PauseAgentRequest(agent_id=ada.id), metadata=md)
         assert paused.agent.state == rpb.AGENT_STATE_PAUSED

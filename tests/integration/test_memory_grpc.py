@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from agentim.memory.v1 import memory_pb2 as pb
+from tests.identities import as_member
 from tests.integration.memory_harness import (
     RunningMemory,
-    as_member,
     memory,
     memory_url,
     start_memory,
@@ -149,6 +149,8 @@ async def test_expand_returns_the_neighbours_and_the_run(memory: RunningMemory) 
 
 async def test_forget_removes_segments_from_every_index(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
+    # Forgetting is a person's (or the runtime's) to do, not the agent's.
+    person = memory.directory.add(workspace)
     keep = RunBuilder(workspace, agent, agent_member)
     keep.user("the staging password rotates monthly")
     drop = RunBuilder(workspace, agent, agent_member)
@@ -157,9 +159,7 @@ async def test_forget_removes_segments_from_every_index(memory: RunningMemory) -
         await archive(memory, run.build())
     await embedded(memory)
     assert len(await recall(memory, agent_member, agent, "password rotates")) == 2
-    forgotten = await memory.stub.Forget(
-        pb.ForgetRequest(run_id=drop.run_id), metadata=as_member(agent_member)
-    )
+    forgotten = await memory.stub.Forget(pb.ForgetRequest(run_id=drop.run_id), metadata=as_member(person))
     assert forgotten.deleted_segments == 1
     hits = await recall(memory, agent_member, agent, "production password weekly")
     assert [hit.segment.anchor.run_id for hit in hits] == [keep.run_id]
@@ -169,11 +169,11 @@ async def test_forget_removes_segments_from_every_index(memory: RunningMemory) -
             metadata=as_member(agent_member),
         )
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
-    forgotten = await memory.stub.Forget(pb.ForgetRequest(agent_id=agent), metadata=as_member(agent_member))
+    forgotten = await memory.stub.Forget(pb.ForgetRequest(agent_id=agent), metadata=as_member(person))
     assert forgotten.deleted_segments == 1
     assert await recall(memory, agent_member, agent, "password") == []
     stats = await memory.stub.GetMemoryStats(
-        pb.GetMemoryStatsRequest(workspace_id=workspace), metadata=as_member(agent_member)
+        pb.GetMemoryStatsRequest(workspace_id=workspace), metadata=as_member(person)
     )
     assert (stats.run_count, stats.segment_count) == (0, 0)
 
@@ -217,7 +217,7 @@ async def test_a_down_embedder_leaves_lexical_search_working(memory_url: str) ->
         running.app.worker.wake()
         await embedded(running)
         stats = await running.stub.GetMemoryStats(
-            pb.GetMemoryStatsRequest(agent_id=agent), metadata=as_member(agent_member)
+            pb.GetMemoryStatsRequest(agent_id=agent), metadata=as_member(running.directory.add(workspace))
         )
         assert stats.pending_embeddings == 0
     finally:

@@ -11,11 +11,13 @@ import pytest
 
 from agentim.im.v1 import im_pb2
 from agentim.memory.v1 import memory_pb2 as pb
+from services.common.tokens import PrincipalKind
 from services.memory.adapters.im_directory import GrpcMemberDirectory
+from tests.auth_support import service_secret
 from tests.conftest import RunningIM, make_world
+from tests.identities import as_member, as_unknown
 from tests.integration.memory_harness import (
     RunningMemory,
-    as_member,
     memory,
     memory_url,
     migrated_url,
@@ -143,7 +145,7 @@ async def test_callers_act_only_within_their_own_workspace_and_as_themselves(mem
     )
     await refused(memory.stub.ArchiveRun(request), grpc.StatusCode.UNAUTHENTICATED)
     await refused(
-        memory.stub.ArchiveRun(request, metadata=as_member(str(uuid.uuid4()))),
+        memory.stub.ArchiveRun(request, metadata=as_unknown(kind=PrincipalKind.AGENT)),
         grpc.StatusCode.UNAUTHENTICATED,
     )
     # Another agent may not take over (replace) this agent's run.
@@ -168,6 +170,8 @@ async def test_callers_act_only_within_their_own_workspace_and_as_themselves(mem
         ),
         grpc.StatusCode.PERMISSION_DENIED,
     )
+    # Forgetting and statistics are people's: a person of the other workspace.
+    outsider = as_member(memory.directory.add(other_workspace))
     for target in (pb.ForgetRequest(run_id=run.run_id), pb.ForgetRequest(workspace_id=workspace)):
         await refused(memory.stub.Forget(target, metadata=outsider), grpc.StatusCode.PERMISSION_DENIED)
     await refused(
@@ -232,12 +236,15 @@ async def test_every_bad_input_is_invalid_argument_with_a_reason(memory_url: str
     running = await start_memory(memory_url, MEMORY_MAX_QUERY_CHARS="50", MEMORY_MAX_RUN_SEGMENTS="3")
     try:
         workspace, agent, agent_member = running.new_workspace()
+        person = running.directory.add(workspace)
         run = RunBuilder(workspace, agent, agent_member)
         for index in range(4):
             run.user(f"message {index}")
         for method, reason, request in _invalid_requests(agent, run):
+            # Each RPC as a caller it lets in: forgetting and statistics are people's.
+            caller = person if method in ("Forget", "GetMemoryStats") else agent_member
             details = await refused(
-                getattr(running.stub, method)(request, metadata=as_member(agent_member)),
+                getattr(running.stub, method)(request, metadata=as_member(caller)),
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
             assert reason in details, (method, details)
@@ -249,7 +256,7 @@ async def test_members_are_who_the_im_says(im: RunningIM, database_url: str, tmp
     url = await migrated_url("sqlite" if database_url.startswith("sqlite") else "postgresql", tmp_path)
     world = await make_world(im.stub, people=3, kinds={1: im_pb2.MEMBER_KIND_AGENT})
     stranger = await make_world(im.stub, people=1)
-    directory = GrpcMemberDirectory(im.address, service_token=None)
+    directory = GrpcMemberDirectory(im.address, service_secret=lambda: service_secret("memory"))
     running = await start_memory(url, directory=directory)
     try:
         agent_member, person = world.members[1].id, world.members[2].id

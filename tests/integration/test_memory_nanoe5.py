@@ -26,7 +26,8 @@ from services.memory.adapters.embedders import (
 )
 from services.memory.domain.ranking import LanguageMeans
 from services.memory.domain.terms import language_of
-from tests.integration.memory_harness import as_member, memory_url, start_memory, stop_memory
+from tests.identities import as_member
+from tests.integration.memory_harness import memory_url, start_memory, stop_memory
 from tests.memory_support import RunBuilder
 
 __all__ = ["memory_url"]

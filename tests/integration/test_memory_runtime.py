@@ -9,7 +9,6 @@ import re
 import socket
 from pathlib import Path
 
-import grpc
 import pytest
 
 from agentim.memory.v1 import memory_pb2 as mpb
@@ -18,6 +17,7 @@ from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.memory import bootstrap as memory_bootstrap
 from tests.conftest import RunningIM, make_world
 from tests.fake_openai import FakeOpenAI
+from tests.identities import learning_channel
 from tests.integration.memory_harness import migrated_url, settings_for
 from tests.integration.test_context_budget import MESSAGES, Conversation
 from tests.integration.test_runtime_grpc import create_agent, direct_chat, start_runtime, stop_runtime
@@ -101,7 +101,7 @@ async def test_after_500_messages_the_agent_recalls_what_it_was_told_at_message_
         (recalled,) = [s for s in steps.steps if s.kind == rpb.STEP_KIND_RECALL]
         assert f"ref={told.id}/" in recalled.content and recalled.role == rpb.STEP_ROLE_USER
         # The memory holds every run, each once.
-        async with grpc.aio.insecure_channel(memory_address) as channel:
+        async with learning_channel(memory_address) as channel:
             stats = await memory_pb2_grpc.MemoryServiceStub(channel).GetMemoryStats(
                 mpb.GetMemoryStatsRequest(agent_id=ada.id), metadata=md
             )
@@ -142,7 +142,7 @@ async def test_runs_ended_while_the_memory_service_was_down_reach_it_once_it_is_
             assert run.status == rpb.RUN_STATUS_COMPLETED  # the agent never waits for memory
 
         memory, _ = await start_memory_service(im, tmp_path, address)
-        channel = grpc.aio.insecure_channel(address)
+        channel = learning_channel(address)
         stub = memory_pb2_grpc.MemoryServiceStub(channel)
 
         async def archived() -> int:

@@ -28,9 +28,9 @@ from services.memory.domain.scope import Filters, Scope
 from services.memory.domain.terms import language_of
 from services.memory.service_layer.retention import RetentionSweep
 from tests.conftest import POSTGRES_URL, unavailable
+from tests.identities import as_member
 from tests.integration.memory_harness import (
     RunningMemory,
-    as_member,
     memory,
     memory_url,
     start_memory,
@@ -133,7 +133,8 @@ async def test_a_replica_sees_writes_made_through_another(memory_url: str) -> No
         loads = second.app.store.vectors.loads
         assert await search(second, "citrus") == ["orange juice in the fridge"]
         assert second.app.store.vectors.loads == loads, "an unchanged scope is not loaded again"
-        await first.stub.Forget(pb.ForgetRequest(run_id=one.run_id), metadata=as_member(agent_member))
+        person = directory.add(workspace)
+        await first.stub.Forget(pb.ForgetRequest(run_id=one.run_id), metadata=as_member(person))
         assert await search(second, "citrus") == []
     finally:
         await stop_memory(first)
@@ -175,7 +176,8 @@ async def test_a_scope_matrix_takes_new_rows_in_without_reloading_and_reloads_af
         embedder.synonyms["fruit"] = "kiwi"
         assert (await search("fruit"))[0] == "a kiwi in the bowl"  # found by meaning: its vector is in
         assert (vectors.loads, vectors.appends) == (loads, appends + 1)
-        await replica.stub.Forget(pb.ForgetRequest(run_id=added), metadata=as_member(agent_member))
+        person = directory.add(workspace)
+        await replica.stub.Forget(pb.ForgetRequest(run_id=added), metadata=as_member(person))
         assert "a kiwi in the bowl" not in await search("fruit")
         assert vectors.loads == loads + 1  # a deletion reloads
     finally:
@@ -205,7 +207,7 @@ async def test_retention_forgets_what_is_older_than_the_period(memory: RunningMe
     )
     assert await sweep.sweep() >= 1
     stats = await memory.stub.GetMemoryStats(
-        pb.GetMemoryStatsRequest(agent_id=agent), metadata=as_member(agent_member)
+        pb.GetMemoryStatsRequest(agent_id=agent), metadata=as_member(memory.directory.add(workspace))
     )
     assert (stats.run_count, stats.segment_count) == (1, 1)
     assert stats.oldest_time.ToDatetime(tzinfo=UTC) > START + timedelta(days=19)
@@ -221,7 +223,7 @@ async def test_forget_before_a_time_keeps_the_newer_part_of_a_session(memory: Ru
     await memory.stub.ArchiveRun(pb.ArchiveRunRequest(run=run.build()), metadata=as_member(agent_member))
     before = pb.ForgetRequest(session_id=run.session_id)
     before.before.FromDatetime(START + timedelta(hours=1))
-    forgotten = await memory.stub.Forget(before, metadata=as_member(agent_member))
+    forgotten = await memory.stub.Forget(before, metadata=as_member(memory.directory.add(workspace)))
     assert forgotten.deleted_segments == 1
     expanded = await memory.stub.Expand(
         pb.ExpandRequest(agent=pb.AgentScope(agent_id=agent), ref=f"{run.run_id}/2/0"),
@@ -323,7 +325,7 @@ async def test_runs_archived_at_once_share_transactions_and_keep_their_own_outco
         assert sorted([twice_a.changed, twice_b.changed]) == [False, True]
         assert all(response.changed and response.segment_count == 1 for response in new)
         stats = await replica.stub.GetMemoryStats(
-            pb.GetMemoryStatsRequest(agent_id=agent), metadata=as_member(member)
+            pb.GetMemoryStatsRequest(agent_id=agent), metadata=as_member(replica.directory.add(workspace))
         )
         assert (stats.run_count, stats.segment_count) == (2 + 1 + 30, 2 + 1 + 30)
 
@@ -534,7 +536,9 @@ async def test_a_large_scope_is_searched_through_its_approximate_index_once_buil
         embedder.synonyms["fruit"] = "kiwi"
         assert (await search("fruit"))[0] == "a kiwi in the bowl"
         # A deletion reloads the matrix: exact search until the index is built again.
-        await replica.stub.Forget(pb.ForgetRequest(run_id=added), metadata=as_member(member))
+        await replica.stub.Forget(
+            pb.ForgetRequest(run_id=added), metadata=as_member(directory.add(workspace))
+        )
         searches = vectors.approximate_searches
         assert "a kiwi in the bowl" not in await search("fruit")
         assert vectors.approximate_searches == searches

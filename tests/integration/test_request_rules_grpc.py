@@ -14,8 +14,9 @@ from google.protobuf import struct_pb2
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.request_rules import MAX_JSON_DEPTH
-from tests.conftest import RunningIM, as_member, make_world
+from tests.conftest import RunningIM, make_world
 from tests.edge_support import call_raw, runtime_on
+from tests.identities import as_unknown
 from tests.integration.test_runtime_grpc import RunningRuntime
 
 __all__ = ["runtime_on"]  # a fixture
@@ -191,7 +192,7 @@ async def test_the_runtime_refuses_the_same_inputs(im: RunningIM, runtime_on: Ru
 
 async def test_an_unknown_member_gets_the_same_answer(im: RunningIM) -> None:
     code, details = await refusal(
-        im.stub.SendMessage(im_pb2.SendMessageRequest(content=NUL), metadata=as_member("nobody"))
+        im.stub.SendMessage(im_pb2.SendMessageRequest(content=NUL), metadata=as_unknown())
     )
     assert (code, details) == invalid("content")
 

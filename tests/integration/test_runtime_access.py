@@ -18,7 +18,8 @@ from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.identity import bearer_metadata
 from services.common.service_auth import TokenRefused
 from services.common.tokens import PrincipalKind, Verifier
-from tests.conftest import RunningIM, as_member
+from tests.conftest import RunningIM
+from tests.identities import as_member
 from tests.integration.test_runtime_grpc import (
     RunningRuntime,
     start_runtime,

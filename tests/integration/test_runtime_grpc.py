@@ -20,9 +20,10 @@ from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database
 from services.runtime.config import Settings
 from tests.auth_support import service_environment
-from tests.conftest import RunningIM, World, as_member, make_world
+from tests.conftest import RunningIM, World, make_world
 from tests.fake_openai import FakeOpenAI, Reply, text_reply
 from tests.holding_proxy import HoldingProxy
+from tests.identities import as_member, learning_channel
 
 WAIT = 10.0
 
@@ -49,7 +50,7 @@ async def start_runtime(im_address: str, database_file: Path, **overrides: str) 
     }
     app = bootstrap.build(Settings.from_env(environ))
     port, _ = await app.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = learning_channel(f"127.0.0.1:{port}")
     return RunningRuntime(app, channel, runtime_pb2_grpc.RuntimeServiceStub(channel))
 
 

@@ -25,13 +25,14 @@ from services.common.settings import ConfigError
 from services.im.config import Settings
 from tests.auth_support import auth_environment
 from tests.conftest import RunningIM, make_world, start_im, stop_im
+from tests.identities import learning_channel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 async def health_of(address: str, service: str = "") -> int:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with learning_channel(address) as channel:
         response = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=service), timeout=5
         )
@@ -45,14 +46,14 @@ async def test_health_reports_serving_for_the_im_service(im: RunningIM) -> None:
 
 async def test_health_lists_every_service_and_component(im: RunningIM) -> None:
     """Reflection advertises List; it answers (it was INTERNAL, with a traceback logged)."""
-    async with grpc.aio.insecure_channel(im.address) as channel:
+    async with learning_channel(im.address) as channel:
         listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
     statuses = {name: response.status for name, response in listed.statuses.items()}
     assert statuses[""] == SERVING and statuses["agentim.im.v1.IMService"] == SERVING
 
 
 async def test_health_can_be_watched(im: RunningIM) -> None:
-    async with grpc.aio.insecure_channel(im.address) as channel:
+    async with learning_channel(im.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         first = await asyncio.wait_for(watch.read(), 5)
         watch.cancel()
@@ -87,7 +88,7 @@ async def test_unreachable_database_is_not_serving() -> None:
 
 async def test_reflection_lists_services_and_can_be_switched_off(im_factory: Any) -> None:
     async def listed(address: str) -> list[str]:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with learning_channel(address) as channel:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
             async for response in call:
@@ -98,7 +99,7 @@ async def test_reflection_lists_services_and_can_be_switched_off(im_factory: Any
     assert "agentim.im.v1.IMService" in await listed(on.address)
     assert "grpc.health.v1.Health" in await listed(on.address)
     off: RunningIM = await im_factory(GRPC_REFLECTION="false")
-    async with grpc.aio.insecure_channel(off.address) as channel:
+    async with learning_channel(off.address) as channel:
         call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
         # The server may end the call before the request is even sent (grpc
         # then fails the write, as INTERNAL on the client): its status tells.
@@ -147,7 +148,7 @@ async def test_shutdown_reports_not_serving_and_drains_in_flight_calls() -> None
         cleanups=[cleanup],
     )
     port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = learning_channel(f"127.0.0.1:{port}")
     slow = asyncio.ensure_future(channel.unary_unary("/test.Slow/Sleep")(b"", timeout=5))
     await asyncio.wait_for(started.wait(), 5)
     health = health_pb2_grpc.HealthStub(channel)
@@ -203,7 +204,7 @@ async def test_a_call_arriving_while_stopping_is_refused_unavailable_after_the_d
         grace_seconds=5,
     )
     port = await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with learning_channel(f"127.0.0.1:{port}") as channel:
         sleep = channel.unary_unary("/test.Slow/Sleep")
         slow = asyncio.ensure_future(_timed(sleep(b"slow", timeout=5)))
         await asyncio.wait_for(started.wait(), 5)
@@ -238,7 +239,7 @@ async def test_health_watch_hears_not_serving_then_ends_unavailable_at_shutdown(
         grace_seconds=5,
     )
     port = await server.start()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with learning_channel(f"127.0.0.1:{port}") as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="test.Slow"))
         first = await asyncio.wait_for(watch.read(), 5)
         assert first.status == SERVING
@@ -317,6 +318,7 @@ def test_settings_report_every_problem_and_hide_secrets() -> None:
     for name in ("DATABASE_URL", "IM_GRPC_ADDRESS", "LOG_LEVEL", "IM_MAX_GROUP_MEMBERS", "GRPC_REFLECTION"):
         assert name in problems
     assert len(caught.value.problems) == 5
+    # The retired shared service token is read by nothing: neither kept nor shown.
     settings = Settings.from_env({"AGENTIM_SERVICE_TOKEN": "hunter2", "AGENTIM_DATA_DIR": "/tmp/x"})
     assert "hunter2" not in repr(settings)
     assert settings.database_url == "sqlite:////tmp/x/im.db" and settings.redis_url is None
@@ -371,7 +373,7 @@ async def test_an_acknowledged_message_survives_a_crash(database_url: str, tmp_p
     }
     process, address = _serve(env)
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with learning_channel(address) as channel:
             stub = im_pb2_grpc.IMServiceStub(channel)
             world = await make_world(stub, people=2)
             group = await stub.CreateGroup(
@@ -386,7 +388,7 @@ async def test_an_acknowledged_message_survives_a_crash(database_url: str, tmp_p
         process.wait()
     process, address = _serve(env)
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with learning_channel(address) as channel:
             stub = im_pb2_grpc.IMServiceStub(channel)
             unread = await stub.GetAllUnread(im_pb2.GetAllUnreadRequest(), metadata=world.md(1))
             assert [m.id for m in unread.messages] == [sent.message.id]

@@ -17,7 +17,8 @@ from services.common.settings import EnvReader
 from services.common.tls import ClientTls, make_dev_certs, read_tls
 from services.im.adapters import migrate
 from services.im.adapters.sql import Database
-from tests.conftest import as_member, start_im, stop_im
+from tests.conftest import start_im, stop_im
+from tests.identities import as_member, learn_member
 from tests.integration.test_runtime_grpc import start_runtime, stop_runtime
 
 
@@ -47,6 +48,7 @@ async def create_workspace(address: str, tls: ClientTls | None) -> im_pb2.Create
         stub = im_pb2_grpc.IMServiceStub(channel)
         request = im_pb2.CreateWorkspaceRequest(name="tls", creator_display_name="Ada")
         response: im_pb2.CreateWorkspaceResponse = await stub.CreateWorkspace(request, timeout=5)
+        learn_member(response.creator)
         return response
 
 

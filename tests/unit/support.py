@@ -7,19 +7,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
+from services.common.tokens import PrincipalKind
 from services.im.domain.model import ContentType, Group, Member, MemberKind, Message, Workspace
 from services.im.domain.rules import Limits
 from services.im.service_layer.handlers import IMService
 from services.im.service_layer.ports import TransactionalMessageLog
+from tests.identities import caller_of, service_caller
 from tests.unit.fakes import FakeClock, InMemoryStore, RecordingSignal
 
-SERVICE = Caller(principal=Principal(member_id=None, is_service=True))
+# The runtime's own token (a service, which acts as no member).
+SERVICE = service_caller("runtime")
 
 
 def me(member: Member) -> Caller:
-    """A member calling for itself (the legacy x-member-id caller)."""
-    return Caller(principal=Principal(member_id=member.id))
+    """A member calling for itself, with a token as the IM issues it."""
+    kind = PrincipalKind.AGENT if member.kind is MemberKind.AGENT else PrincipalKind.HUMAN
+    return caller_of(member.id, member.workspace_id, kind=kind, roles=(member.role.value,))
 
 
 def unique(prefix: str) -> str:

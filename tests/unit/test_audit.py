@@ -14,7 +14,7 @@ import pytest
 from services.common import audit
 from services.common.audit_boundary import AuditPruner, refusal_record
 from services.common.errors import InvalidArgument, PermissionDenied, Unauthenticated, Unavailable
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.common.settings import ConfigError, EnvReader
 from services.common.tokens import AccessClaims, PrincipalKind, Scope
@@ -44,7 +44,6 @@ def test_the_actor_is_the_verified_caller() -> None:
     service = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="runtime"))
     assert audit.actor_of(service) == audit.Actor("service", service="runtime")
     assert audit.actor_of(service).key == "service:runtime"
-    assert audit.actor_of(Caller(principal=Principal(member_id=ADA))).kind == "member"
     assert audit.actor_of(None) == audit.ANONYMOUS
 
 
@@ -91,11 +90,10 @@ def test_a_refusal_is_recorded_for_a_caller_of_a_known_workspace_only() -> None:
     assert record(Unauthenticated("old_password is wrong"), person()) is not None
     internal = record(RuntimeError("boom with details"), person())
     assert internal is not None and (internal.code, internal.reason) == ("INTERNAL", "internal error")
-    # No workspace known: a token-less caller, a service acting for nobody, a legacy header.
+    # No workspace known: a token-less caller, a service acting for nobody.
     assert record(Unauthenticated("no token"), None) is None
     service = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="runtime"))
     assert record(PermissionDenied("no"), service) is None
-    assert record(PermissionDenied("no"), Caller(principal=Principal(member_id=ADA))) is None
     # The service could not answer: nothing happened, nothing is recorded.
     assert record(Unavailable("database down"), person()) is None
     assert record(DependencyUnavailable(DATABASE, "down"), person()) is None

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import ServiceError
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, Verifier, keyring_source
 from services.im.domain.accounts import PersonalTokenScope
 from services.im.domain.errors import (
@@ -29,6 +29,7 @@ from services.im.service_layer.auth_common import IssuedTokens
 from services.im.service_layer.handlers import IMService
 from services.im.service_layer.machine_access import MachineAccess
 from services.im.service_layer.ports import TransactionalMessageLog
+from tests.identities import caller_of, service_caller
 from tests.unit.auth_fakes import FakePasswords
 from tests.unit.fakes import FakeClock, InMemoryStore, RecordingSignal
 from tests.unit.support import unique
@@ -102,10 +103,10 @@ class AuthWorld:
 
     async def agent(self, workspace: Workspace, *, by_service: bool) -> Member:
         creator = next(m for m in self.store.state.members.values() if m.workspace_id == workspace.id)
-        principal = Caller(
-            principal=Principal(member_id=None, is_service=True)
+        principal = (
+            service_caller("runtime")
             if by_service
-            else Principal(member_id=creator.id)
+            else caller_of(creator.id, workspace.id, roles=(creator.role.value,))
         )
         return await self.im.create_member(
             principal,
@@ -122,8 +123,10 @@ def world(tmp_path: Path) -> AuthWorld:
     return AuthWorld.make(tmp_path)
 
 
-def legacy(member: Member) -> Caller:
-    return Caller(principal=Principal(member_id=member.id))
+def token_of(member: Member) -> Caller:
+    """The caller of a token with the member's claims (as the IM would sign them)."""
+    kind = PrincipalKind.AGENT if member.kind is MemberKind.AGENT else PrincipalKind.HUMAN
+    return caller_of(member.id, member.workspace_id, kind=kind, roles=(member.role.value,))
 
 
 # -- workspaces and signing in -----------------------------------------------------
@@ -307,13 +310,13 @@ async def test_changing_the_password_signs_out_every_other_session(world: AuthWo
     with pytest.raises(Unauthenticated):
         await world.accounts.sign_in(workspace_id=str(workspace.id), login="ada", password=PASSWORD)
     await world.accounts.sign_in(workspace_id=str(workspace.id), login="ada", password="a new password")
-    # The legacy principal works too; a member with no account has no password to change.
+    # Any token of the member's works; a member with no account has no password to change.
     await world.accounts.change_password(
-        legacy(creator), old_password="a new password", new_password=PASSWORD
+        token_of(creator), old_password="a new password", new_password=PASSWORD
     )
     agent = await world.agent(workspace, by_service=True)
     with pytest.raises(WrongState):
-        await world.accounts.change_password(legacy(agent), old_password="x", new_password=PASSWORD)
+        await world.accounts.change_password(token_of(agent), old_password="x", new_password=PASSWORD)
     with pytest.raises(Unauthenticated):
         await world.accounts.change_password(None, old_password=PASSWORD, new_password=PASSWORD)
 
@@ -575,7 +578,7 @@ async def test_a_service_gets_tokens_only_for_the_agents_it_hosts(world: AuthWor
         (runtime, [hosted.id, uuid.uuid4()]),
         (memory, [hosted.id]),
         (await world.as_caller(tokens), [hosted.id]),
-        (legacy(creator), [hosted.id]),
+        (token_of(creator), [hosted.id]),
     ]:
         with pytest.raises(ServiceError) as caught:
             await world.machines.issue_agent_tokens(caller, agent_member_ids=[str(i) for i in ids])

@@ -20,7 +20,7 @@ from services.common.authn import (
     writes,
 )
 from services.common.errors import PermissionDenied, Unauthenticated
-from services.common.identity import Caller, Principal, bearer_metadata, caller_metadata
+from services.common.identity import Caller, bearer_metadata
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, Verifier, keyring_source, sign
 
 SEND = "/test.v1.ChatService/Send"
@@ -78,17 +78,6 @@ def test_a_rule_admits_exactly_the_kinds_and_services_it_names(
     assert (rule.refusal(Caller(claims=claims)) is None) is allowed
 
 
-def test_the_legacy_principal_counts_as_a_member_or_any_trusted_service() -> None:
-    member = Caller(principal=Principal(member_id=uuid.uuid4()))
-    trusted = Caller(principal=Principal(member_id=None, is_service=True))
-    send, admin = POLICY.rule_for(SEND), POLICY.rule_for(ADMIN)
-    assert send is not None and admin is not None
-    assert send.refusal(member) is None
-    assert send.refusal(trusted) is not None
-    assert admin.refusal(trusted) is None
-    assert admin.refusal(member) is not None
-
-
 def test_health_and_reflection_are_public_and_unknown_methods_have_no_rule() -> None:
     assert POLICY.rule_for("/grpc.health.v1.Health/Check") == public()
     assert POLICY.rule_for("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo") == public()
@@ -106,18 +95,15 @@ def ring(tmp_path: Path) -> KeyRing:
     return KeyRing.load(tmp_path)
 
 
-def interceptor(ring: KeyRing, *, trust_member_header: bool = True) -> AuthenticationInterceptor:
+def interceptor(ring: KeyRing) -> AuthenticationInterceptor:
     verifier = Verifier(keyring_source(ring), refetch_seconds=0)
-    return AuthenticationInterceptor(
-        POLICY, verifier, trust_member_header=trust_member_header, service_token="s3cret"
-    )
+    return AuthenticationInterceptor(POLICY, verifier)
 
 
 async def test_a_valid_token_yields_its_caller(ring: KeyRing) -> None:
     claims = person()
     caller = await interceptor(ring).authenticate(SEND, bearer_metadata(sign(claims, ring)))
-    assert caller is not None and caller.claims is not None
-    assert caller.claims.member_id == claims.member_id
+    assert caller is not None and caller.claims.member_id == claims.member_id
 
 
 async def test_no_credential_is_unauthenticated_and_a_public_rpc_needs_none(ring: KeyRing) -> None:
@@ -140,11 +126,20 @@ async def test_a_read_only_token_may_read_but_not_write(ring: KeyRing) -> None:
         await interceptor(ring).authenticate(SEND, bearer_metadata(token))
 
 
-async def test_the_member_header_is_refused_unless_trusted(ring: KeyRing) -> None:
-    legacy = caller_metadata(member_id=uuid.uuid4())
-    assert await interceptor(ring).authenticate(SEND, legacy) is not None
-    with pytest.raises(Unauthenticated):
-        await interceptor(ring, trust_member_header=False).authenticate(SEND, legacy)
+@pytest.mark.parametrize("key", ["x-member-id", "x-agentim-service"])
+async def test_the_retired_headers_name_nobody_and_the_refusal_says_so(ring: KeyRing, key: str) -> None:
+    with pytest.raises(Unauthenticated) as refused:
+        await interceptor(ring).authenticate(SEND, ((key, str(uuid.uuid4())),))
+    assert str(refused.value) == (
+        f"`{key}` is no longer accepted: this call needs `authorization: Bearer <access token>`"
+        " (see docs/security.md)"
+    )
+    # Beside a valid token, they change nothing: the token names the caller.
+    claims = person()
+    caller = await interceptor(ring).authenticate(
+        SEND, ((key, str(uuid.uuid4())), *bearer_metadata(sign(claims, ring)))
+    )
+    assert caller is not None and caller.member_id == claims.member_id
 
 
 def test_acting_as_sets_the_current_caller_for_the_block() -> None:

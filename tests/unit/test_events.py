@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.im.adapters import codec
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, ShuttingDown, Unauthenticated
 from services.im.domain.model import (
@@ -721,15 +721,6 @@ async def test_a_service_watches_a_set_of_members(world: World, feed: EventFeed)
         first, second = await take(stream, 2)
         assert first.member_ids == (bob.id,)
         assert set(second.member_ids) == {bob.id, carol.id}
-
-
-async def test_a_service_acting_for_a_member_watches_that_member(world: World, feed: EventFeed) -> None:
-    (alice, bob), group = await team(world)
-    acting = Caller(principal=Principal(member_id=bob.id, is_service=True))
-    async with contextlib.aclosing(await watch(feed, acting)) as stream:
-        await world.send(alice, group, "to bob")
-        (delivery,) = await take(stream, 1)
-        assert delivery.member_ids == (bob.id,)
 
 
 async def test_watch_request_errors(world: World, feed: EventFeed) -> None:

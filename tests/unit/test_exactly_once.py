@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from services.common import errors
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
@@ -43,6 +43,7 @@ from services.runtime.service_layer.runner import Directory, LoopSettings, Runne
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tasks import TaskService
 from services.runtime.service_layer.tools import default_registry
+from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
 
 WAIT = 3.0
@@ -126,7 +127,8 @@ class System:
 
     @property
     def me(self) -> Caller:
-        return Caller(principal=Principal(member_id=self.human))
+        # The workspace's only person, its owner.
+        return caller_of(self.human, self.im.workspace, roles=("owner",))
 
     async def agent(self, name: str = "ada", **fields: Any) -> Agent:
         return await self.agents.create_agent(self.me, AgentDraft(name=name, **fields))

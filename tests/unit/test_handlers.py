@@ -8,7 +8,6 @@ from datetime import datetime, timedelta
 
 import pytest
 
-from services.common.identity import Caller, Principal
 from services.im.domain import rules
 from services.im.domain.errors import (
     Conflict,
@@ -35,6 +34,7 @@ from services.im.domain.model import (
 )
 from services.im.service_layer.handlers import IMService
 from services.im.service_layer.ports import TransactionalMessageLog
+from tests.identities import caller_of
 from tests.unit.fakes import failing
 from tests.unit.support import SERVICE, World, me, unique
 
@@ -185,15 +185,24 @@ async def test_create_and_get_member(world: World) -> None:
     by_service = await world.service.create_member(
         SERVICE,
         workspace_id=str(workspace.id),
-        kind=MemberKind.HUMAN,
+        kind=MemberKind.AGENT,
         display_name="d",
         avatar="",
         request_id="",
     )
-    assert by_service.workspace_id == workspace.id
+    assert (by_service.workspace_id, by_service.host) == (workspace.id, "runtime")
     with pytest.raises(InvalidRequest):
         await world.service.create_member(
-            SERVICE, workspace_id="", kind=MemberKind.HUMAN, display_name="d", avatar="", request_id=""
+            SERVICE, workspace_id="", kind=MemberKind.AGENT, display_name="d", avatar="", request_id=""
+        )
+    with pytest.raises(NotAllowed, match="a service creates only agent members"):
+        await world.service.create_member(
+            SERVICE,
+            workspace_id=str(workspace.id),
+            kind=MemberKind.HUMAN,
+            display_name="d",
+            avatar="",
+            request_id="",
         )
 
 
@@ -220,7 +229,7 @@ async def test_create_member_refuses_other_workspaces_and_missing_identity(world
         )
     with pytest.raises(Unauthenticated):
         await world.service.create_member(
-            Caller(principal=Principal(member_id=uuid.uuid4())),
+            caller_of(uuid.uuid4(), alice.workspace_id),  # a token for no member
             workspace_id="",
             kind=MemberKind.HUMAN,
             display_name="x",
@@ -324,11 +333,23 @@ async def test_update_member_only_self(world: World) -> None:
             me(alice), member_id=str(alice.id), display_name=" ", avatar="", fields=["display_name"]
         )
     assert world.store.state.members[alice.id] == updated
-    # A trusted service may update anyone.
-    renamed = await world.service.update_member(
-        SERVICE, member_id=str(bob.id), display_name="Bob", avatar="", fields=["display_name"]
+    # A service may update the agents it hosts, and no one else.
+    hosted = await world.service.create_member(
+        SERVICE,
+        workspace_id=str(alice.workspace_id),
+        kind=MemberKind.AGENT,
+        display_name="bot",
+        avatar="",
+        request_id="",
     )
-    assert world.store.state.members[bob.id] == renamed
+    renamed = await world.service.update_member(
+        SERVICE, member_id=str(hosted.id), display_name="Bot", avatar="", fields=["display_name"]
+    )
+    assert world.store.state.members[hosted.id] == renamed
+    with pytest.raises(NotAllowed):
+        await world.service.update_member(
+            SERVICE, member_id=str(bob.id), display_name="Bob", avatar="", fields=["display_name"]
+        )
 
 
 # -- groups -------------------------------------------------------------------

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 
 from services.common import errors
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.common.tokens import AccessClaims, PrincipalKind
 from services.runtime.domain.llm import LLMUnavailable, Role
 from services.runtime.domain.model import (
@@ -26,6 +26,7 @@ from services.runtime.service_layer.agents import AgentDraft, NotAllowed
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import Watcher
 from services.runtime.service_layer.lifecycle import LifecycleService
+from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, Script
 from tests.unit.test_runner import Harness, harness
 
@@ -127,9 +128,8 @@ async def test_unknown_agents_bad_ids_and_strangers(w: World) -> None:
     with pytest.raises(errors.InvalidArgument, match="agent_id"):
         await w.history.create_checkpoint(w.me, "nope", "x")
     stranger = w.h.im.human("eve")
-    w.h.im.members[stranger.id] = replace(stranger, workspace_id=uuid.uuid4())
     with pytest.raises(errors.NotFound):
-        await w.history.list_sessions(Caller(principal=Principal(member_id=stranger.id)), str(ada.id))
+        await w.history.list_sessions(caller_of(stranger.id, uuid.uuid4()), str(ada.id))
     with pytest.raises(errors.Unauthenticated):
         await w.history.list_sessions(None, str(ada.id))
     await w.paused(ada)

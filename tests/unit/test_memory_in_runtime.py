@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 import pytest
 
 from agentim.runtime.v1 import runtime_pb2 as pb
-from services.common.identity import Caller, Principal
 from services.runtime.adapters.memory_client import archived_run
 from services.runtime.domain.conversations import (
     TASKS,
@@ -41,6 +40,7 @@ from services.runtime.service_layer.tools import (
     default_registry,
     describe_memory,
 )
+from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, FakeMemory, InMemoryAgentStore, Script, ScriptedLLM
 
 WAIT = 3.0
@@ -61,7 +61,7 @@ class World:
 
     async def agent(self) -> Agent:
         return await self.service.create_agent(
-            Caller(principal=Principal(member_id=self.alice)), AgentDraft(name="ada")
+            caller_of(self.alice, self.im.workspace, roles=("owner",)), AgentDraft(name="ada")
         )
 
     async def settle(self, agent: Agent) -> None:
@@ -434,7 +434,7 @@ def test_a_recalled_memory_reads_with_its_ref_type_and_time() -> None:
 
 
 async def test_how_much_an_agent_recalls_is_its_own_setting(world: World) -> None:
-    me = Caller(principal=Principal(member_id=world.alice))
+    me = caller_of(world.alice, world.im.workspace, roles=("owner",))
     quiet = await world.service.create_agent(me, AgentDraft(name="quiet", auto_recall=0))
     assert quiet.auto_recall == 0
     direct = world.im.group("", world.alice, quiet.member_id, direct=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import (
     ContentDelta,
@@ -42,6 +42,7 @@ from services.runtime.service_layer.im_port import IMEvent, IMUnavailable
 from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import default_registry
+from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Refused, Script, ScriptedLLM
 
 WAIT = 3.0
@@ -59,7 +60,8 @@ class Harness:
 
     @property
     def me(self) -> Caller:
-        return Caller(principal=Principal(member_id=self.human))
+        # The workspace's only person, its owner.
+        return caller_of(self.human, self.im.workspace, roles=("owner",))
 
     async def agent(self, name: str = "ada", **fields: object) -> Agent:
         return await self.service.create_agent(self.me, AgentDraft(name=name, **fields))  # type: ignore[arg-type]

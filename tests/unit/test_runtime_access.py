@@ -14,7 +14,6 @@ ME, SOMEONE = uuid.uuid4(), uuid.uuid4()
 MEMBER = Viewer(ME, WORKSPACE, frozenset({"member"}))
 ADMIN = Viewer(ME, WORKSPACE, frozenset({"admin"}))
 OWNER = Viewer(ME, WORKSPACE, frozenset({"owner"}))
-LEGACY = Viewer(ME, WORKSPACE, None)
 NO_ROLES = Viewer(ME, WORKSPACE, frozenset())
 
 A, D, H = Verdict.ALLOWED, Verdict.DENIED, Verdict.HIDDEN
@@ -28,7 +27,6 @@ TABLE = [
     ("admin, someone's agent", ADMIN, SOMEONE, (A, A, A)),
     ("admin, agent without owner", ADMIN, None, (A, A, A)),
     ("workspace owner, someone's agent", OWNER, SOMEONE, (A, A, A)),
-    ("legacy header (roles unknown)", LEGACY, SOMEONE, (A, A, A)),
 ]
 
 
@@ -39,17 +37,11 @@ def test_the_table(case: str, viewer: Viewer, owner: uuid.UUID | None, verdicts:
     assert found == verdicts
 
 
-@pytest.mark.parametrize("viewer", [MEMBER, ADMIN, OWNER, LEGACY])
+@pytest.mark.parametrize("viewer", [MEMBER, ADMIN, OWNER])
 def test_another_workspaces_agent_is_hidden_from_everyone(viewer: Viewer) -> None:
     for action in Action:
         assert decide(viewer, action, workspace_id=ELSEWHERE, owner_id=ME) is Verdict.HIDDEN
 
 
 def test_only_admins_and_the_owner_set_model_endpoints() -> None:
-    assert [may_set_endpoint(v) for v in (MEMBER, NO_ROLES, ADMIN, OWNER, LEGACY)] == [
-        False,
-        False,
-        True,
-        True,
-        True,
-    ]
+    assert [may_set_endpoint(v) for v in (MEMBER, NO_ROLES, ADMIN, OWNER)] == [False, False, True, True]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from services.common import errors
-from services.common.identity import Caller, Principal
+from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.model import (
@@ -32,6 +32,7 @@ from services.runtime.service_layer.runner import Directory, LoopSettings, Runne
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tasks import RetryPolicy, TaskService
 from services.runtime.service_layer.tools import default_registry
+from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
 
 WAIT = 3.0
@@ -91,7 +92,14 @@ async def make_queue(*, run_tasks: bool = False, **options: object) -> AsyncIter
         supervisor.use_tasks(tasks)
     human = im.human("alice")
     yield Queue(
-        im, store, hub, clock, supervisor, agents, tasks, Caller(principal=Principal(member_id=human.id))
+        im,
+        store,
+        hub,
+        clock,
+        supervisor,
+        agents,
+        tasks,
+        caller_of(human.id, human.workspace_id, roles=("owner",)),
     )
     await supervisor.aclose()
 
@@ -201,10 +209,7 @@ async def test_fifty_concurrent_submissions_with_one_request_id_make_one_task(q:
 async def test_submissions_are_checked(q: Queue) -> None:
     ada = await q.agent()
     stranger_im_member = q.im.human("mallory")
-    other_workspace = Caller(principal=Principal(member_id=stranger_im_member.id))
-    q.im.members[stranger_im_member.id] = stranger_im_member.__class__(
-        stranger_im_member.id, uuid.uuid4(), "human", "mallory"
-    )
+    other_workspace = caller_of(stranger_im_member.id, uuid.uuid4())
     cases: list[tuple[type[errors.ServiceError], Caller | None, str, dict[str, object]]] = [
         (errors.Unauthenticated, None, str(ada.id), {}),
         (errors.NotFound, other_workspace, str(ada.id), {}),
@@ -486,8 +491,7 @@ async def test_tasks_of_other_workspaces_are_not_found(q: Queue) -> None:
     ada = await q.agent()
     task = await q.submit(ada)
     stranger = q.im.human("mallory")
-    q.im.members[stranger.id] = stranger.__class__(stranger.id, uuid.uuid4(), "human", "mallory")
-    them = Caller(principal=Principal(member_id=stranger.id))
+    them = caller_of(stranger.id, uuid.uuid4())
     for call in (q.tasks.get_task, q.tasks.cancel_task):
         with pytest.raises(errors.NotFound):
             await call(them, str(task.id))

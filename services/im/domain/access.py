@@ -63,7 +63,7 @@ class Authority:
     """What the caller's credentials allow, whoever the caller is.
 
     Attributes:
-        can_write: the token's scope includes write (x-member-id: always).
+        can_write: the token's scope includes write.
         via_personal_token: the token was exchanged for a personal access token.
     """
 

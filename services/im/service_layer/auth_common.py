@@ -83,17 +83,15 @@ class AuthBase:
     # -- callers ------------------------------------------------------------------
 
     async def _member(self, tx: Transaction, caller: Caller | None) -> Member:
-        """The member a call is made as: from its access token or its x-member-id."""
+        """The member a call is made as: from its access token."""
         if caller is not None and caller.service is not None:
             raise NotAllowed("this call is made as a member; a service's token names none")
         if caller is None or caller.member_id is None:
-            raise Unauthenticated(
-                "this call needs the caller: authorization: Bearer <access token> (or x-member-id)"
-            )
+            raise Unauthenticated("this call needs the caller: authorization: Bearer <access token>")
         member = await tx.get_member(caller.member_id)
         if member is None:
             raise Unauthenticated(f"member {caller.member_id} does not exist")
-        if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
+        if caller.claims.workspace_id != member.workspace_id:
             raise Unauthenticated("the access token does not match its member")
         return member
 

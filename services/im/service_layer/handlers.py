@@ -130,14 +130,14 @@ class IMService:
     # -- identity -----------------------------------------------------------
 
     async def _acting_member(self, tx: Transaction, caller: Caller | None) -> Member:
-        """The member the call acts as: the member of its token (or, on the
-        legacy path, of its x-member-id, which a trusted service must add too).
+        """The member the call acts as: the member of its token (or the agent
+        whose view a person reads).
 
         Only the member's id and workspace are to be used: they never change
         (members are never deleted or moved), which is what makes the cache
         safe on every replica. Its name may be stale.
         """
-        if caller is not None and caller.claims is not None and caller.member_id is None:
+        if caller is not None and caller.member_id is None:
             raise NotAllowed("this call is made as a member, and a service's token names none")
         if caller is None or caller.member_id is None:
             raise Unauthenticated("this call needs the caller: authorization: Bearer <access token>")
@@ -164,7 +164,7 @@ class IMService:
     async def _caller_workspace(self, tx: Transaction, caller: Caller | None, requested: str) -> uuid.UUID:
         """The workspace a call is about: the actor's own, or for a service, the one named."""
         wanted = rules.parse_optional_id(requested, "workspace_id")
-        if caller is not None and caller.is_service and caller.member_id is None:
+        if caller is not None and caller.is_service:
             if wanted is None:
                 raise InvalidRequest("workspace_id is required for a service call without a member")
             if await tx.get_workspace(wanted) is None:
@@ -359,7 +359,7 @@ class IMService:
         after = self._token_id(page_token)
         async with self._uow(write=False) as tx:
             ids: list[uuid.UUID] | None = None
-            if caller is None or caller.member_id is not None or not caller.is_service:
+            if caller is None or not caller.is_service:
                 ids = [(await self._acting_member(tx, caller)).workspace_id]
             items = await tx.list_workspaces(ids=ids, after=after, limit=limit + 1)
         return self._page(items, limit, lambda w: w.id)
@@ -380,7 +380,6 @@ class IMService:
         if kind is None:
             raise InvalidRequest("kind is required (HUMAN or AGENT)")
         owner = rules.parse_optional_id(owner_id, "owner_id")
-        # The legacy trusted-service header stands for any service (LEGACY_SERVICE_HOST).
         if owner is not None and (kind is not MemberKind.AGENT or caller is None or not caller.is_service):
             raise NotAllowed("only the service that hosts an agent names its owner")
         display_name = rules.check_name(display_name, "display_name", required=True)
@@ -455,9 +454,9 @@ class IMService:
 
     async def set_agent_owners(self, caller: Caller | None, owners: Sequence[tuple[str, str]]) -> int:
         """Sets the owners of agents the calling service hosts; returns how many changed."""
-        if caller is None or not caller.is_service or caller.member_id is not None:
+        if caller is None or caller.service is None:
             raise NotAllowed("only the service that hosts agents names their owners")
-        host = caller.service or LEGACY_SERVICE_HOST
+        host = caller.service
         if not owners:
             raise InvalidRequest("agent_owners is empty")
         if len(owners) > MAX_AGENT_OWNERS:
@@ -666,14 +665,13 @@ class IMService:
         after = self._token_id(page_token)
         whose = rules.parse_optional_id(member_id, "member_id")
         async with self._uow(write=False) as tx:
-            if caller is not None and caller.is_service and caller.member_id is None:
+            if caller is not None and caller.is_service:
                 if whose is None:
                     raise InvalidRequest("member_id is required for a service call without a member")
                 target = whose
             else:
                 actor = await self._acting_member(tx, caller)
-                is_service = caller is not None and caller.is_service
-                if whose is not None and whose != actor.id and not is_service:
+                if whose is not None and whose != actor.id:
                     raise NotAllowed("a member may only list its own groups")
                 target = whose or actor.id
             items = await tx.list_groups_of(target, after=after, limit=limit + 1)
@@ -977,21 +975,13 @@ class IMService:
         return Page(items, rules.encode_page_token({"after": str(key(items[-1]))}))
 
 
-# The trusted-service header names no service, and the runtime is the only
-# service that creates agents; once services call with their own access
-# tokens, the token's service is the host.
-LEGACY_SERVICE_HOST = "runtime"
-
-
 def _host_of_new(kind: MemberKind, caller: Caller | None) -> str | None:
-    """The host of a member about to be created: the trusted service that creates an agent."""
-    if caller is None or not caller.is_service:
+    """The host of a member about to be created: the service that creates an agent."""
+    if caller is None or caller.service is None:
         return None
-    if caller.service is not None and kind is not MemberKind.AGENT:
+    if kind is not MemberKind.AGENT:
         raise NotAllowed("a service creates only agent members")
-    if kind is MemberKind.AGENT:
-        return caller.service or LEGACY_SERVICE_HOST
-    return None
+    return caller.service
 
 
 def _token_matches(caller: Caller, member: Member) -> Member:
@@ -999,16 +989,12 @@ def _token_matches(caller: Caller, member: Member) -> Member:
     and that a view through someone else's eyes is an agent's."""
     if caller.view_as is not None:
         claims = caller.claims
-        if (
-            member.kind is not MemberKind.AGENT
-            or claims is None
-            or claims.workspace_id != member.workspace_id
-        ):
+        if member.kind is not MemberKind.AGENT or claims.workspace_id != member.workspace_id:
             raise NotAllowed("a person may view as an agent of their workspace, and as no one else")
         if not audit.ADMIN_ROLES & set(claims.roles) and member.owner_id != claims.member_id:
             raise NotAllowed("only the agent's owner and the workspace's admins may view as it")
         return member
-    if caller.claims is not None and caller.claims.workspace_id != member.workspace_id:
+    if caller.claims.workspace_id != member.workspace_id:
         raise Unauthenticated("the access token names another workspace than its member's")
     return member
 
@@ -1020,12 +1006,9 @@ def member_actor(member: Member) -> audit.Actor:
 
 
 def _manages(caller: Caller | None, member: Member) -> bool:
-    """Whether a service may change `member`: with its own token, only an
-    agent it hosts; with the legacy trusted-service metadata, anyone."""
-    if caller is None or not caller.is_service:
+    """Whether a service may change `member`: only an agent it hosts."""
+    if caller is None or caller.service is None:
         return False
-    if caller.service is None:
-        return True
     return member.kind is MemberKind.AGENT and member.host == caller.service
 
 

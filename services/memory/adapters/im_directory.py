@@ -1,7 +1,9 @@
 """Who a member is, asked of the IM over gRPC and cached for a while.
 
-A member's workspace and kind never change, so a cached answer stays right;
-the cache's lifetime only bounds how long a deleted member is still known.
+The memory service asks with its own SERVICE access token, got with its
+credential. A member's workspace and kind never change, so a cached answer
+stays right; the cache's lifetime only bounds how long a deleted member is
+still known.
 """
 
 from __future__ import annotations
@@ -14,14 +16,12 @@ import grpc
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common import errors
 from services.common.clients import open_channel
-from services.common.identity import bearer_metadata, caller_metadata
+from services.common.identity import bearer_metadata
 from services.common.service_auth import AuthClient, SecretSource, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
 from services.memory.domain.errors import DirectoryUnavailable
 from services.memory.service_layer.ports import MemberDirectory, MemberInfo
 
-# What the IM accepts from a trusted service when it has no token configured.
-EMBEDDED_SERVICE_TOKEN = "embedded"
 _NOT_A_MEMBER = {
     grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -30,41 +30,33 @@ _NOT_A_MEMBER = {
 
 
 class GrpcMemberDirectory(MemberDirectory):
-    """`MemberDirectory` over the IM's GetMember, asked as the member itself.
+    """`MemberDirectory` over the IM's GetMember, asked as the memory service.
 
     Args:
         address: host:port of the IM.
-        service_token: the token the IM expects from trusted services.
+        service_secret: the memory service's credential, exchanged for its
+            SERVICE access token, which every call carries.
         deadline_seconds: deadline of each call.
         cache_seconds: how long an answer is reused.
         cache_size: members remembered at once.
-        service_secret: the memory service's credential, exchanged for its
-            SERVICE access token, which every call carries; None (or no
-            secret yet): the legacy headers.
     """
 
     def __init__(
         self,
         address: str,
         *,
-        service_token: str | None,
+        service_secret: SecretSource,
         deadline_seconds: float = 5.0,
         cache_seconds: float = 300.0,
         cache_size: int = 10_000,
         tls: ClientTls | None = None,
-        service_secret: SecretSource | None = None,
     ) -> None:
         self._address = address
-        self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
         self._channel = open_channel(address, default_timeout_seconds=deadline_seconds, tls=tls)
-        self.credentials = (
-            ServiceToken(
-                service="memory",
-                secret=service_secret,
-                issue=AuthClient(self._channel, deadline_seconds=deadline_seconds).service_token,
-            )
-            if service_secret is not None
-            else None
+        self.credentials = ServiceToken(
+            service="memory",
+            secret=service_secret,
+            issue=AuthClient(self._channel, deadline_seconds=deadline_seconds).service_token,
         )
         self._stub = im_pb2_grpc.IMServiceStub(self._channel)
         self._deadline = deadline_seconds
@@ -82,20 +74,19 @@ class GrpcMemberDirectory(MemberDirectory):
         cached = self._cache.get(member_id)
         if cached is not None and now - cached[0] < self._cache_seconds:
             return cached[1]
-        metadata = caller_metadata(member_id=member_id, service_token=self._token)
-        if self.credentials is not None:
-            try:
-                token = await self.credentials.get()
-            except (TokenRefused, errors.Unavailable) as failed:
-                raise DirectoryUnavailable(
-                    f"no service token from the IM at {self._address}: {failed}"
-                ) from None
-            if token is not None:
-                metadata = bearer_metadata(token)
+        try:
+            token = await self.credentials.get()
+        except (TokenRefused, errors.Unavailable) as failed:
+            raise DirectoryUnavailable(f"no service token from the IM at {self._address}: {failed}") from None
+        if token is None:
+            raise DirectoryUnavailable(
+                f"the memory service has no credential for the IM at {self._address} yet"
+                " (MEMORY_SERVICE_SECRET or MEMORY_SERVICE_SECRET_FILE)"
+            )
         try:
             response = await self._stub.GetMember(
                 im_pb2.GetMemberRequest(member_id=member_id),
-                metadata=metadata,
+                metadata=bearer_metadata(token),
                 timeout=self._deadline,
             )
         except grpc.aio.AioRpcError as error:

@@ -24,8 +24,7 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
 
     def _caller(self, context: Context) -> Caller:
         # Verified by the AuthenticationInterceptor: an access token (a
-        # person's, an agent's the runtime holds, or a service's own), or the
-        # legacy headers while AUTH_TRUST_MEMBER_HEADER allows them.
+        # person's, an agent's the runtime holds, or a service's own).
         verified = current_caller()
         if verified is None:
             return Caller(member_id=None)

@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """Who calls: a member (from its access token, or the legacy `x-member-id`),
-    or a service acting for nobody (`is_service`, an administrator's call)."""
+    """Who calls: a member (from its access token), or a service's own token,
+    which acts for nobody (`is_service`, an administrator's call)."""
 
     member_id: str | None
     is_service: bool = False
@@ -190,7 +190,7 @@ class Memory:
         check_run(run, self._run_limits)
         member = await self._member(caller)
         if member.member_id != run.agent_member_id or member.workspace_id != run.workspace_id:
-            raise NotAllowed("a run is archived by its own agent (x-member-id = run.agent_member_id)")
+            raise NotAllowed("a run is archived by its own agent (the caller must be run.agent_member_id)")
         identity = await self._store.agent_identity(run.agent_id)
         if identity is not None and identity.agent_member_id != run.agent_member_id:
             raise NotAllowed(f"agent {run.agent_id} has another member id")

@@ -3,13 +3,11 @@
 The runtime calls with its own credentials: a call made as an agent carries
 that agent's AGENT access token, any other its SERVICE access token
 (`services.common.service_auth`); the IM gives the runtime tokens for the
-agents it hosts and for no one else, and judges a call that has a token by
-the token alone. Without a credential (or for a call made for a person,
-whose token the runtime never holds) a call carries the legacy headers
-instead: `x-agentim-service`, and `x-member-id` for a call made as a member,
-which the IM accepts only while `AUTH_TRUST_MEMBER_HEADER` allows. Refusals come
-back as `IMError` carrying the IM's status code and its readable message;
-an IM that cannot be reached within the deadline is `IMUnavailable`.
+agents it hosts and for no one else, so the runtime never acts as a person
+or as another service's agent. Refusals come back as `IMError` carrying the
+IM's status code and its readable message; an IM that cannot be reached
+within the deadline, or that has not given the runtime its token yet, is
+`IMUnavailable`.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from google.rpc import error_details_pb2, status_pb2
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common import errors
 from services.common.clients import make_channel
-from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata, caller_metadata
+from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata
 from services.common.service_auth import AgentTokens, AuthClient, SecretSource, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
 from services.runtime.service_layer.im_port import (
@@ -43,9 +41,6 @@ from services.runtime.service_layer.im_port import (
 )
 
 logger = logging.getLogger(__name__)
-
-# What the IM accepts from a trusted service when it has no token configured.
-EMBEDDED_SERVICE_TOKEN = "embedded"
 
 # A call that ends CANCELLED was not cancelled by us (our own cancellation
 # raises CancelledError, never a status): the channel or the IM dropped it,
@@ -72,8 +67,9 @@ class GrpcIM(IMPort):
 
     Args:
         address: host:port of the IM service.
-        service_token: the token the IM expects in `x-agentim-service`;
-            None sends "embedded", which an IM without a token accepts.
+        service_secret: where the runtime's credential comes from; it is
+            exchanged for the runtime's access token, which gets the tokens
+            of its agents.
         deadline_seconds: deadline of every unary call.
         reconnect_initial_seconds: first wait before a watch stream is
             reopened (and the channel's first reconnect backoff).
@@ -83,15 +79,13 @@ class GrpcIM(IMPort):
         max_concurrent_calls: unary calls in flight at once; more wait their
             turn (one grpc.aio channel cancels calls beyond about a thousand).
         service_name: the name the IM knows this service by (`runtime`).
-        service_secret: where its credential comes from; None calls with
-            the legacy headers only.
     """
 
     def __init__(
         self,
         address: str,
         *,
-        service_token: str | None = None,
+        service_secret: SecretSource,
         deadline_seconds: float = 10.0,
         reconnect_initial_seconds: float = 0.2,
         reconnect_max_seconds: float = 10.0,
@@ -99,14 +93,12 @@ class GrpcIM(IMPort):
         max_concurrent_calls: int = 256,
         tls: ClientTls | None = None,
         service_name: str = "runtime",
-        service_secret: SecretSource | None = None,
     ) -> None:
         if deadline_seconds <= 0:
             raise ValueError("deadline_seconds must be positive")
         if not 0 < reconnect_initial_seconds <= reconnect_max_seconds:
             raise ValueError("need 0 < reconnect_initial_seconds <= reconnect_max_seconds")
         self._address = address
-        self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
         self._deadline = deadline_seconds
         self._initial_backoff = reconnect_initial_seconds
         self._max_backoff = reconnect_max_seconds
@@ -126,13 +118,10 @@ class GrpcIM(IMPort):
         )
         self._stub = im_pb2_grpc.IMServiceStub(self._channel)
         self.auth = AuthClient(self._channel, deadline_seconds=deadline_seconds)
-        self.service_token: ServiceToken | None = None
-        self.agent_tokens: AgentTokens | None = None
-        if service_secret is not None:
-            self.service_token = ServiceToken(
-                service=service_name, secret=service_secret, issue=self.auth.service_token
-            )
-            self.agent_tokens = AgentTokens(issue=self.auth.agent_tokens, service=self.service_token)
+        self.service_token = ServiceToken(
+            service=service_name, secret=service_secret, issue=self.auth.service_token
+        )
+        self.agent_tokens = AgentTokens(issue=self.auth.agent_tokens, service=self.service_token)
         self._calls = asyncio.Semaphore(max_concurrent_calls)
         self._closed = False
 
@@ -152,45 +141,64 @@ class GrpcIM(IMPort):
         if self._closed:
             return
         self._closed = True
-        if self.agent_tokens is not None:
-            await self.agent_tokens.aclose()
+        await self.agent_tokens.aclose()
         await self._channel.close()
 
     # -- plumbing -----------------------------------------------------------
 
     async def _metadata(self, as_member: uuid.UUID | None = None) -> tuple[tuple[str, str], ...]:
-        """The agent's token for a call made as an agent this runtime hosts; its
-        own for a call made as itself; none for a call made for a person.
+        """The agent's token for a call made as an agent this runtime hosts, its
+        own for a call made as itself.
 
-        The runtime never holds a person's token: a call for a person (to
-        learn the workspace of a caller named by the legacy `x-member-id`)
-        goes with the legacy headers only, and stops working with them.
+        Raises:
+            IMError: UNAUTHENTICATED: the IM refused the runtime's credential,
+                or `as_member` is no agent the runtime hosts (the runtime
+                holds no other member's token).
+            IMUnavailable: the IM is away, or the credential is not there yet
+                (the embedded IM writes it on its first start).
         """
-        token: str | None = None
         try:
-            if as_member is None:
-                if self.service_token is not None:
-                    token = await self.service_token.get()
-            elif self.agent_tokens is not None:
+            token = own = await self.service_token.get()
+            if own is not None and as_member is not None:
                 token = await self.agent_tokens.get(as_member)
         except TokenRefused as refused:
             raise _refused(
                 grpc.StatusCode.UNAUTHENTICATED, f"the IM refused the runtime's credential: {refused}"
             ) from None
         except errors.Unavailable as away:
-            unreachable = IMUnavailable(f"the IM at {self._address} is unavailable: {away}")
-            unreachable.code = grpc.StatusCode.UNAVAILABLE
-            raise unreachable from None
+            raise _unavailable(f"the IM at {self._address} is unavailable: {away}") from None
+        if own is None:
+            raise _unavailable(
+                f"the runtime has no credential for the IM at {self._address} yet"
+                " (RUNTIME_SERVICE_SECRET or RUNTIME_SERVICE_SECRET_FILE)"
+            )
         if token is None:
-            return caller_metadata(member_id=as_member, service_token=self._token)
+            raise _refused(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"the runtime has no access token for member {as_member}:"
+                " it acts only as the agents it hosts",
+            )
         return bearer_metadata(token)
 
-    async def _watch_metadata(self) -> tuple[tuple[str, str], ...]:
-        try:
-            return await self._metadata()
-        except IMUnavailable:
-            # The IM is away: the watch fails UNAVAILABLE too, and is reopened.
-            return caller_metadata(service_token=self._token)
+    async def _watch_metadata(self, workspace_id: uuid.UUID) -> tuple[tuple[str, str], ...] | None:
+        """The runtime's token for a watch; None once the client is closed.
+
+        While the IM is away, or has not given the runtime its token yet,
+        waits (backing off as the watch does) and asks again.
+        """
+        backoff = self._initial_backoff
+        level = logging.WARNING
+        while not self._closed:
+            try:
+                return await self._metadata()
+            except IMUnavailable as away:
+                logger.log(
+                    level, "watch of workspace %s waits for the runtime's token: %s", workspace_id, away
+                )
+                level = logging.DEBUG
+                await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+                backoff = min(backoff * 2, self._max_backoff)
+        return None
 
     async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID | None = None) -> Any:
         if self._closed:
@@ -427,7 +435,8 @@ class GrpcIM(IMPort):
         failures = 0
         chain = _Chain(_sequence(cursor))
         while True:
-            metadata = await self._watch_metadata()
+            if (metadata := await self._watch_metadata(workspace_id)) is None:
+                return  # closed meanwhile
             call = self._stub.WatchEvents(
                 im_pb2.WatchEventsRequest(
                     workspace_id=scope, member_ids=watched_members, after_cursor=cursor
@@ -525,6 +534,12 @@ def _refused(code: grpc.StatusCode, message: str) -> IMError:
     error = IMError(message)
     error.code = code
     return error
+
+
+def _unavailable(message: str) -> IMUnavailable:
+    away = IMUnavailable(message)
+    away.code = grpc.StatusCode.UNAVAILABLE
+    return away
 
 
 # -- proto to port -------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The memory port over the memory service's gRPC API.
 
-Calls act as the agent (`x-member-id`) and carry the service token, like the
-IM client's. A memory that cannot be reached within the deadline is
+Calls act as the agent, with its AGENT access token (else the runtime's own
+SERVICE token), which the IM client gets. A memory that cannot be reached
+within the deadline, or a runtime without its tokens yet, is
 `MemoryUnavailable`; any other refusal is `MemoryRefused` with its reason.
 """
 
@@ -18,10 +19,9 @@ from google.protobuf import timestamp_pb2
 from agentim.memory.v1 import memory_pb2, memory_pb2_grpc
 from services.common import errors
 from services.common.clients import open_channel
-from services.common.identity import bearer_metadata, caller_metadata
+from services.common.identity import bearer_metadata
 from services.common.service_auth import AgentTokens, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
-from services.runtime.adapters.im_client import EMBEDDED_SERVICE_TOKEN
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import Agent, StepKind
 from services.runtime.service_layer.memory_port import (
@@ -120,17 +120,15 @@ class GrpcMemory(MemoryPort):
         self,
         address: str,
         *,
-        service_token: str | None = None,
+        credentials: ServiceToken,
+        agent_tokens: AgentTokens,
         deadline_seconds: float = 10.0,
         max_message_bytes: int = 16 * 1024 * 1024,
         tls: ClientTls | None = None,
-        credentials: ServiceToken | None = None,
-        agent_tokens: AgentTokens | None = None,
     ) -> None:
         self._address = address
-        self._token = service_token if service_token is not None else EMBEDDED_SERVICE_TOKEN
         # Every call is made as an agent: with its AGENT token, else the
-        # runtime's SERVICE token; the legacy headers only without either.
+        # runtime's SERVICE token.
         self._credentials = credentials
         self._agent_tokens = agent_tokens
         self._channel = open_channel(
@@ -142,14 +140,13 @@ class GrpcMemory(MemoryPort):
         await self._channel.close()
 
     async def _metadata(self, as_member: uuid.UUID) -> tuple[tuple[str, str], ...]:
-        legacy = caller_metadata(member_id=as_member, service_token=self._token)
         try:
-            token = await self._agent_tokens.get(as_member) if self._agent_tokens is not None else None
-            if token is None and self._credentials is not None:
-                token = await self._credentials.get()
+            token = await self._agent_tokens.get(as_member) or await self._credentials.get()
         except (TokenRefused, errors.Unavailable) as failed:
             raise MemoryUnavailable(f"no service token for the memory at {self._address}: {failed}") from None
-        return bearer_metadata(token) if token is not None else legacy
+        if token is None:
+            raise MemoryUnavailable(f"the runtime has no credential for the memory at {self._address} yet")
+        return bearer_metadata(token)
 
     async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID) -> Any:
         metadata = await self._metadata(as_member)

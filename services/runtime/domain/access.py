@@ -9,10 +9,7 @@ does not exist for the caller.
 
 Roles come from the caller's access token, so a role change reaches the
 runtime when the caller's next token is issued (within the token lifetime,
-15 minutes). A caller named only by the legacy `x-member-id` header has
-no known roles; until that header is gone such callers keep the
-behaviour they had before owners existed: they may do everything in their
-workspace.
+15 minutes).
 """
 
 from __future__ import annotations
@@ -48,18 +45,17 @@ class Viewer:
     Attributes:
         member_id: the member.
         workspace_id: its workspace.
-        roles: its workspace roles from its token; None when unknown (the
-            legacy `x-member-id` header).
+        roles: its workspace roles, from its token.
     """
 
     member_id: uuid.UUID
     workspace_id: uuid.UUID
-    roles: frozenset[str] | None
+    roles: frozenset[str]
 
     @property
     def privileged(self) -> bool:
-        """An admin or the owner of the workspace, or a legacy caller (roles unknown)."""
-        return self.roles is None or bool(self.roles & PRIVILEGED_ROLES)
+        """An admin or the owner of the workspace."""
+        return bool(self.roles & PRIVILEGED_ROLES)
 
 
 def decide(viewer: Viewer, action: Action, *, workspace_id: uuid.UUID, owner_id: uuid.UUID | None) -> Verdict:

@@ -51,8 +51,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         self._tasks = tasks
 
     async def _caller(self, context: Context) -> Caller | None:
-        # Verified by the AuthenticationInterceptor: an access token, or the
-        # legacy x-member-id header while AUTH_TRUST_MEMBER_HEADER allows it.
+        # Verified by the AuthenticationInterceptor from the access token.
         return current_caller()
 
     async def CreateAgent(self, request: pb.CreateAgentRequest, context: Context) -> pb.CreateAgentResponse:

@@ -113,35 +113,17 @@ class AgentService:
         self._tools = tools
         self._clock = clock
         self._max_page = max_page_size
-        self._workspaces: dict[uuid.UUID, uuid.UUID] = {}
 
     # -- identity -----------------------------------------------------------
 
     async def _viewer(self, caller: Caller | None) -> Viewer:
         """The calling member, its workspace and (from its token) its roles."""
-        if caller is None or (caller.claims is None and caller.member_id is None):
+        if caller is None:
             raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
         claims = caller.claims
-        if claims is not None:
-            if (
-                claims.kind is PrincipalKind.SERVICE
-                or claims.member_id is None
-                or claims.workspace_id is None
-            ):
-                raise NotAllowed("a service acts on no agent of its own: call as a member")
-            return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
-        # The legacy x-member-id header: the workspace is asked of the IM, roles are unknown.
-        member_id = caller.member_id
-        assert member_id is not None
-        if member_id not in self._workspaces:
-            try:
-                member = await self._im.get_member(member_id, member_id)
-            except errors.ServiceError as error:
-                if isinstance(error, errors.Unavailable):
-                    raise
-                raise NotAuthenticated(f"member {member_id} does not exist") from None
-            self._workspaces[member_id] = member.workspace_id
-        return Viewer(member_id, self._workspaces[member_id], None)
+        if claims.kind is PrincipalKind.SERVICE or claims.member_id is None or claims.workspace_id is None:
+            raise NotAllowed("a service acts on no agent of its own: call as a member")
+        return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
 
     async def _visible(self, caller: Caller | None, agent_id: str, action: Action = Action.VIEW) -> Agent:
         """The agent as its runner has it, if the caller may do `action` to it."""

@@ -154,7 +154,7 @@ async function createAgent(page, name, role, parent = "") {
   const offered = await dialog.locator('[data-testid^="agent-tool-"]').evaluateAll((inputs) => inputs.map((input) => input.value));
   const listed = await page.evaluate(async () => {
     const me = JSON.parse(localStorage.getItem("agentim.identity")).memberId;
-    const response = await fetch("/v1/tools", { headers: { "X-Member-Id": me } });
+    const response = await fetch("/v1/tools", { headers: { "X-View-As": me } });
     return (await response.json()).tools.map((tool) => tool.name);
   });
   if (JSON.stringify(offered) !== JSON.stringify(listed)) throw new Error(`the dialog offers ${offered} where the runtime lists ${listed}`);
@@ -1041,7 +1041,7 @@ try {
     await page.waitForTimeout(300);
     const shown = await page.evaluate(async () => {
       const me = JSON.parse(localStorage.getItem("agentim.identity")).memberId;
-      const response = await fetch("/v1/agents?page_size=200", { headers: { "X-Member-Id": me } });
+      const response = await fetch("/v1/agents?page_size=200", { headers: { "X-View-As": me } });
       const agent = (await response.json()).agents.find((a) => a.name === "slowpoke");
       return {
         api: agent.state,

@@ -1,74 +1,45 @@
 // A Node.js client of the runtime service, over the wire: the runtime protos
 // (agent control included) used from another language, loaded at run time.
+// It calls with a personal access token's access token, which the runtime
+// verifies with the IM's public keys.
 //
 // Run by tests/e2e/test_node_client.py with IM_ADDRESS and RUNTIME_ADDRESS.
 import assert from 'node:assert/strict';
-import { randomUUID } from 'node:crypto';
-import { createRequire } from 'node:module';
-import path from 'node:path';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { after, before, describe, test } from 'node:test';
-import { fileURLToPath } from 'node:url';
 
 import * as grpc from '@grpc/grpc-js';
-import * as protoLoader from '@grpc/proto-loader';
 
-const require = createRequire(import.meta.url);
-const here = path.dirname(fileURLToPath(import.meta.url));
-const protosDir = path.resolve(here, '..', '..', '..', 'protos');
-const googleProtosDir = path.dirname(require.resolve('protobufjs/package.json'));
+import { call, imClients, load, personalAccess, signUp } from './support.mjs';
 
 const imAddress = process.env.IM_ADDRESS;
 const runtimeAddress = process.env.RUNTIME_ADDRESS;
-const DEADLINE_MS = 5000;
-
-function load(file) {
-  const definition = protoLoader.loadSync(file, {
-    includeDirs: [protosDir, googleProtosDir],
-    keepCase: true,
-    longs: String,
-    enums: String,
-    defaults: true,
-    oneofs: true,
-  });
-  return grpc.loadPackageDefinition(definition).agentim;
-}
-
-function call(client, method, request, memberId) {
-  const metadata = new grpc.Metadata();
-  if (memberId) {
-    metadata.set('x-member-id', memberId);
-  }
-  const deadline = new Date(Date.now() + DEADLINE_MS);
-  return new Promise((resolve, reject) => {
-    client[method](request, metadata, { deadline }, (error, response) =>
-      error ? reject(error) : resolve(response),
-    );
-  });
-}
 
 const skip = imAddress && runtimeAddress ? false : 'IM_ADDRESS or RUNTIME_ADDRESS is not set';
 
 describe('RuntimeService from Node.js', { skip }, () => {
   let im;
+  let auth;
   let runtime;
   let person;
   let agent;
 
   before(async () => {
-    im = new (load('agentim/im/v1/im.proto').im.v1.IMService)(imAddress, grpc.credentials.createInsecure());
+    ({ im, auth } = imClients(imAddress));
     const Runtime = load('agentim/runtime/v1/runtime.proto').runtime.v1.RuntimeService;
     runtime = new Runtime(runtimeAddress, grpc.credentials.createInsecure());
-    const created = await call(im, 'CreateWorkspace', {
-      name: `node-runtime-${randomUUID()}`,
-      creator_display_name: 'Ada',
-    });
-    person = created.creator.id;
+    const signedUp = await signUp(im, 'Ada');
+    person = (await personalAccess(auth, signedUp.accessToken)).accessToken;
   });
 
   after(() => {
     im?.close();
+    auth?.close();
     runtime?.close();
+  });
+
+  test('a call without an access token is UNAUTHENTICATED', async () => {
+    await assert.rejects(call(runtime, 'ListAgents', {}), { code: grpc.status.UNAUTHENTICATED });
   });
 
   test('creates an agent and pauses it', async () => {

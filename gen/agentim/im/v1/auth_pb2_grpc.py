@@ -33,8 +33,7 @@ class AuthServiceStub:
 
     Calls made as a signed-in member (ChangePassword, CreateInvite,
     SetMemberRole and the personal token calls) take `authorization: Bearer
-    <access token>`; until every service takes access tokens they also
-    accept the `x-member-id` metadata. Such a call made with a read-only
+    <access token>`. Such a call made with a read-only
     token, or with one exchanged for a personal access token where the call
     needs a signed-in person, is PERMISSION_DENIED. A secret a call creates
     (refresh token, invite, personal access token) is in its response only:
@@ -142,8 +141,7 @@ class AuthServiceServicer:
 
     Calls made as a signed-in member (ChangePassword, CreateInvite,
     SetMemberRole and the personal token calls) take `authorization: Bearer
-    <access token>`; until every service takes access tokens they also
-    accept the `x-member-id` metadata. Such a call made with a read-only
+    <access token>`. Such a call made with a read-only
     token, or with one exchanged for a personal access token where the call
     needs a signed-in person, is PERMISSION_DENIED. A secret a call creates
     (refresh token, invite, personal access token) is in its response only:
@@ -425,8 +423,7 @@ class AuthService:
 
     Calls made as a signed-in member (ChangePassword, CreateInvite,
     SetMemberRole and the personal token calls) take `authorization: Bearer
-    <access token>`; until every service takes access tokens they also
-    accept the `x-member-id` metadata. Such a call made with a read-only
+    <access token>`. Such a call made with a read-only
     token, or with one exchanged for a personal access token where the call
     needs a signed-in person, is PERMISSION_DENIED. A secret a call creates
     (refresh token, invite, personal access token) is in its response only:

@@ -34,8 +34,7 @@ class AuthServiceStub:
 
     Calls made as a signed-in member (ChangePassword, CreateInvite,
     SetMemberRole and the personal token calls) take `authorization: Bearer
-    <access token>`; until every service takes access tokens they also
-    accept the `x-member-id` metadata. Such a call made with a read-only
+    <access token>`. Such a call made with a read-only
     token, or with one exchanged for a personal access token where the call
     needs a signed-in person, is PERMISSION_DENIED. A secret a call creates
     (refresh token, invite, personal access token) is in its response only:
@@ -159,8 +158,7 @@ class AuthServiceAsyncStub(AuthServiceStub):
 
     Calls made as a signed-in member (ChangePassword, CreateInvite,
     SetMemberRole and the personal token calls) take `authorization: Bearer
-    <access token>`; until every service takes access tokens they also
-    accept the `x-member-id` metadata. Such a call made with a read-only
+    <access token>`. Such a call made with a read-only
     token, or with one exchanged for a personal access token where the call
     needs a signed-in person, is PERMISSION_DENIED. A secret a call creates
     (refresh token, invite, personal access token) is in its response only:
@@ -280,8 +278,7 @@ class AuthServiceServicer(metaclass=_abc_1.ABCMeta):
 
     Calls made as a signed-in member (ChangePassword, CreateInvite,
     SetMemberRole and the personal token calls) take `authorization: Bearer
-    <access token>`; until every service takes access tokens they also
-    accept the `x-member-id` metadata. Such a call made with a read-only
+    <access token>`. Such a call made with a read-only
     token, or with one exchanged for a personal access token where the call
     needs a signed-in person, is PERMISSION_DENIED. A secret a call creates
     (refresh token, invite, personal access token) is in its response only:

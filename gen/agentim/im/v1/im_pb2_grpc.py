@@ -29,10 +29,10 @@ class IMServiceStub:
     """IMService is the instant-messaging bounded context: workspaces, members,
     groups, messages, read state and the live event feed.
 
-    Every call names the acting member in the call metadata `x-member-id`
-    (a member id). Trusted services (the agent runtime) may instead send
-    `x-agentim-service` with the service token. An object of another
-    workspace, or one the caller may not see, is reported as NOT_FOUND.
+    Every call names its caller with `authorization: Bearer <access token>`
+    (AuthService issues them); a call without a valid one is UNAUTHENTICATED.
+    The agent runtime calls with its own token or its agents'. An object of
+    another workspace, or one the caller may not see, is reported as NOT_FOUND.
     """
 
     def __init__(self, channel):
@@ -162,10 +162,10 @@ class IMServiceServicer:
     """IMService is the instant-messaging bounded context: workspaces, members,
     groups, messages, read state and the live event feed.
 
-    Every call names the acting member in the call metadata `x-member-id`
-    (a member id). Trusted services (the agent runtime) may instead send
-    `x-agentim-service` with the service token. An object of another
-    workspace, or one the caller may not see, is reported as NOT_FOUND.
+    Every call names its caller with `authorization: Bearer <access token>`
+    (AuthService issues them); a call without a valid one is UNAUTHENTICATED.
+    The agent runtime calls with its own token or its agents'. An object of
+    another workspace, or one the caller may not see, is reported as NOT_FOUND.
     """
 
     def CreateWorkspace(self, request, context):
@@ -472,10 +472,10 @@ class IMService:
     """IMService is the instant-messaging bounded context: workspaces, members,
     groups, messages, read state and the live event feed.
 
-    Every call names the acting member in the call metadata `x-member-id`
-    (a member id). Trusted services (the agent runtime) may instead send
-    `x-agentim-service` with the service token. An object of another
-    workspace, or one the caller may not see, is reported as NOT_FOUND.
+    Every call names its caller with `authorization: Bearer <access token>`
+    (AuthService issues them); a call without a valid one is UNAUTHENTICATED.
+    The agent runtime calls with its own token or its agents'. An object of
+    another workspace, or one the caller may not see, is reported as NOT_FOUND.
     """
 
     @staticmethod

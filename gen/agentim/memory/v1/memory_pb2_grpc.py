@@ -31,8 +31,8 @@ class MemoryServiceStub:
     search and anchored to the exact run, step and part it came from, so that
     a hit can be expanded to its verbatim surroundings.
 
-    Callers name the acting member in the metadata `x-member-id`. The runtime
-    archives a run acting as the run's agent. What a segment may reach follows
+    Callers send their access token (`authorization: Bearer <access token>`).
+    The runtime archives a run acting as the run's agent. What a segment may reach follows
     one rule: a segment that came from a conversation is shown for an audience
     only if every member of that audience was a member of that conversation
     when the run was archived; a segment from a task (no conversation) is the
@@ -79,8 +79,8 @@ class MemoryServiceServicer:
     search and anchored to the exact run, step and part it came from, so that
     a hit can be expanded to its verbatim surroundings.
 
-    Callers name the acting member in the metadata `x-member-id`. The runtime
-    archives a run acting as the run's agent. What a segment may reach follows
+    Callers send their access token (`authorization: Bearer <access token>`).
+    The runtime archives a run acting as the run's agent. What a segment may reach follows
     one rule: a segment that came from a conversation is shown for an audience
     only if every member of that audience was a member of that conversation
     when the run was archived; a segment from a task (no conversation) is the
@@ -169,8 +169,8 @@ class MemoryService:
     search and anchored to the exact run, step and part it came from, so that
     a hit can be expanded to its verbatim surroundings.
 
-    Callers name the acting member in the metadata `x-member-id`. The runtime
-    archives a run acting as the run's agent. What a segment may reach follows
+    Callers send their access token (`authorization: Bearer <access token>`).
+    The runtime archives a run acting as the run's agent. What a segment may reach follows
     one rule: a segment that came from a conversation is shown for an audience
     only if every member of that audience was a member of that conversation
     when the run was archived; a segment from a task (no conversation) is the

@@ -32,8 +32,8 @@ class MemoryServiceStub:
     search and anchored to the exact run, step and part it came from, so that
     a hit can be expanded to its verbatim surroundings.
 
-    Callers name the acting member in the metadata `x-member-id`. The runtime
-    archives a run acting as the run's agent. What a segment may reach follows
+    Callers send their access token (`authorization: Bearer <access token>`).
+    The runtime archives a run acting as the run's agent. What a segment may reach follows
     one rule: a segment that came from a conversation is shown for an audience
     only if every member of that audience was a member of that conversation
     when the run was archived; a segment from a task (no conversation) is the
@@ -69,8 +69,8 @@ class MemoryServiceAsyncStub(MemoryServiceStub):
     search and anchored to the exact run, step and part it came from, so that
     a hit can be expanded to its verbatim surroundings.
 
-    Callers name the acting member in the metadata `x-member-id`. The runtime
-    archives a run acting as the run's agent. What a segment may reach follows
+    Callers send their access token (`authorization: Bearer <access token>`).
+    The runtime archives a run acting as the run's agent. What a segment may reach follows
     one rule: a segment that came from a conversation is shown for an audience
     only if every member of that audience was a member of that conversation
     when the run was archived; a segment from a task (no conversation) is the
@@ -102,8 +102,8 @@ class MemoryServiceServicer(metaclass=_abc_1.ABCMeta):
     search and anchored to the exact run, step and part it came from, so that
     a hit can be expanded to its verbatim surroundings.
 
-    Callers name the acting member in the metadata `x-member-id`. The runtime
-    archives a run acting as the run's agent. What a segment may reach follows
+    Callers send their access token (`authorization: Bearer <access token>`).
+    The runtime archives a run acting as the run's agent. What a segment may reach follows
     one rule: a segment that came from a conversation is shown for an audience
     only if every member of that audience was a member of that conversation
     when the run was archived; a segment from a task (no conversation) is the

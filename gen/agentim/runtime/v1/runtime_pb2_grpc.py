@@ -28,8 +28,8 @@ if _version_not_supported:
 class RuntimeServiceStub:
     """RuntimeService owns agents: resident loops that wake on IM messages, think
     in streamed steps (native LLM chat messages), call tools and answer in the
-    IM. Callers name the acting member in the metadata `x-member-id`; a member
-    manages the agents of its own workspace.
+    IM. Callers send their access token (`authorization: Bearer <access
+    token>`); a member manages the agents of its own workspace.
     """
 
     def __init__(self, channel):
@@ -203,8 +203,8 @@ class RuntimeServiceStub:
 class RuntimeServiceServicer:
     """RuntimeService owns agents: resident loops that wake on IM messages, think
     in streamed steps (native LLM chat messages), call tools and answer in the
-    IM. Callers name the acting member in the metadata `x-member-id`; a member
-    manages the agents of its own workspace.
+    IM. Callers send their access token (`authorization: Bearer <access
+    token>`); a member manages the agents of its own workspace.
     """
 
     def CreateAgent(self, request, context):
@@ -634,8 +634,8 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
 class RuntimeService:
     """RuntimeService owns agents: resident loops that wake on IM messages, think
     in streamed steps (native LLM chat messages), call tools and answer in the
-    IM. Callers name the acting member in the metadata `x-member-id`; a member
-    manages the agents of its own workspace.
+    IM. Callers send their access token (`authorization: Bearer <access
+    token>`); a member manages the agents of its own workspace.
     """
 
     @staticmethod

@@ -29,8 +29,8 @@ GRPC_VERSION: str
 class RuntimeServiceStub:
     """RuntimeService owns agents: resident loops that wake on IM messages, think
     in streamed steps (native LLM chat messages), call tools and answer in the
-    IM. Callers name the acting member in the metadata `x-member-id`; a member
-    manages the agents of its own workspace.
+    IM. Callers send their access token (`authorization: Bearer <access
+    token>`); a member manages the agents of its own workspace.
     """
 
     @_typing.overload
@@ -149,8 +149,8 @@ class RuntimeServiceStub:
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
     """RuntimeService owns agents: resident loops that wake on IM messages, think
     in streamed steps (native LLM chat messages), call tools and answer in the
-    IM. Callers name the acting member in the metadata `x-member-id`; a member
-    manages the agents of its own workspace.
+    IM. Callers send their access token (`authorization: Bearer <access
+    token>`); a member manages the agents of its own workspace.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -265,8 +265,8 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
     """RuntimeService owns agents: resident loops that wake on IM messages, think
     in streamed steps (native LLM chat messages), call tools and answer in the
-    IM. Callers name the acting member in the metadata `x-member-id`; a member
-    manages the agents of its own workspace.
+    IM. Callers send their access token (`authorization: Bearer <access
+    token>`); a member manages the agents of its own workspace.
     """
 
     @_abc_1.abstractmethod
