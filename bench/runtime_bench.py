@@ -509,9 +509,11 @@ async def direct_chat(clients: Clients, member: str, peer: str) -> str:
     return str(response.group.id)
 
 
-async def send(clients: Clients, member: str, group: str, content: str) -> None:
+async def send(
+    clients: Clients, member: str, group: str, content: str, *, mentions: Sequence[str] = ()
+) -> None:
     await clients.im.SendMessage(
-        im_pb2.SendMessageRequest(group_id=group, content=content),
+        im_pb2.SendMessageRequest(group_id=group, content=content, mentions=list(mentions)),
         metadata=as_member(member),
         timeout=CALL_TIMEOUT_S,
     )
@@ -889,10 +891,19 @@ async def chatter_run(
         await asyncio.wait_for(watch.initial_metadata(), CALL_TIMEOUT_S)
         # Let the runtime's own IM watch take in the new agents before the first message.
         await asyncio.sleep(0.5)
+        # Agents answer an agent's answer only when it names them (issue 10):
+        # the offline model repeats what it was told, so a first message
+        # naming both keeps the two answering each other.
         await asyncio.gather(
             *(
-                send(clients, a.member_id, g, "bench-chatter hello")
-                for (a, _), g in zip(couples, groups, strict=True)
+                send(
+                    clients,
+                    a.member_id,
+                    g,
+                    f"@{a.name} @{b.name} bench-chatter hello",
+                    mentions=[a.member_id, b.member_id],
+                )
+                for (a, b), g in zip(couples, groups, strict=True)
             )
         )
         await asyncio.sleep(CHATTER_WARMUP_S)

@@ -29,10 +29,12 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import IO, Any
 
+from services.common import entrypoint
 from services.runtime import bootstrap
-from services.runtime.__main__ import main as runtime_main
+from services.runtime.__main__ import SERVICE
 from services.runtime.config import Settings
 from services.runtime.domain.llm import CompletionRequest, Role
 
@@ -99,10 +101,8 @@ def main() -> None:
         instrument(app, trace)
         return app
 
-    # `services.runtime.__main__` calls `bootstrap.build` through the module.
-    bootstrap.build = traced_build
     try:
-        runtime_main(["serve"])
+        entrypoint.main(replace(SERVICE, build=traced_build), ["serve"])
     finally:
         trace.close()
 

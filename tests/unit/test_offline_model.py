@@ -75,6 +75,14 @@ async def test_a_long_text_is_echoed_in_part() -> None:
     assert completion.message.content == f"(offline model) You said: {text.strip()[:200]}"
 
 
+async def test_another_offline_agents_echo_is_echoed_without_nesting() -> None:
+    said = "(offline model) You said: (offline model) You said: @ada @bea hello"
+
+    _, completion = await run(request(user(said)))
+
+    assert completion.message.content == "(offline model) You said: @ada @bea hello"
+
+
 async def test_it_thinks_first() -> None:
     deltas, completion = await run(request(user("hello")))
 

@@ -56,6 +56,7 @@ from services.runtime.domain.llm import (
 from services.runtime.service_layer.llm_port import LLM
 
 MODEL_NAME = "offline"
+_ECHO = "(offline model) You said: "
 SEND_DIRECT_MESSAGE = "send_direct_message"
 LIST_GROUPS = "list_groups"
 
@@ -162,9 +163,14 @@ def _plan(request: CompletionRequest) -> _Plan:
         return _Plan(
             thought=f"I am asked about my groups; I will call {LIST_GROUPS}.", call=_Call(LIST_GROUPS, "{}")
         )
+    # Another offline agent's echo is echoed as what it echoed, not nested in
+    # it: two agents that answer each other keep saying the same thing (and
+    # the names they mention) instead of pushing them past the preview.
+    while text.startswith(_ECHO):
+        text = text[len(_ECHO) :]
     return _Plan(
         thought="Nothing to do but answer; I will echo the message.",
-        content=f"(offline model) You said: {text[:_PREVIEW]}",
+        content=f"{_ECHO}{text[:_PREVIEW]}",
     )
 
 
