@@ -19,8 +19,9 @@ from services.im.domain.rules import Limits, Quotas
 
 @dataclass(frozen=True)
 class Settings:
-    database_url: str
-    redis_url: str | None
+    # Not in the repr: a URL may hold a password.
+    database_url: str = field(repr=False)
+    redis_url: str | None = field(repr=False)
     redis_fallback_poll_seconds: float
     redis_reconnect_max_seconds: float
     grpc_address: str

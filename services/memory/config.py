@@ -17,7 +17,8 @@ DICTIONARIES = {"cedict", "none"}
 
 @dataclass(frozen=True)
 class Settings:
-    database_url: str
+    # Not in the repr: a URL may hold a password.
+    database_url: str = field(repr=False)
     grpc_address: str
     im_address: str
     log_level: str

@@ -322,6 +322,15 @@ def test_settings_report_every_problem_and_hide_secrets() -> None:
     settings = Settings.from_env({"AGENTIM_SERVICE_TOKEN": "hunter2", "AGENTIM_DATA_DIR": "/tmp/x"})
     assert "hunter2" not in repr(settings)
     assert settings.database_url == "sqlite:////tmp/x/im.db" and settings.redis_url is None
+    # Nor are the passwords the database and Redis URLs may hold.
+    with_passwords = Settings.from_env(
+        {
+            "DATABASE_URL": "postgresql://im:s3cret-db@db/agentim",
+            "REDIS_URL": "redis://:s3cret-redis@redis:6379/0",
+            "AUTH_SIGNING_KEYS_DIR": "/tmp/x/keys",
+        }
+    )
+    assert "s3cret" not in repr(with_passwords)
 
 
 def _free_port() -> int:
