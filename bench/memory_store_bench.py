@@ -1,10 +1,11 @@
 """Memory storage at scale: archive throughput and Retrieve latency.
 
 Seeds one agent's memory with N segments (runs of 10 steps of varied
-bilingual text, vectors precomputed: 384-d, unit length, clustered so that
-queries have near neighbours) through the memory's own handler and store,
+bilingual text, vectors precomputed: 384-d, unit length, nearly random, or
+clustered with `--clustered`) through the memory's own handler and store,
 then measures Retrieve through the handler with the query vector given (the
-embedder answers at once), on SQLite and on PostgreSQL (no pgvector).
+embedder answers at once), on SQLite and on PostgreSQL (no pgvector; `bench.memory_pgvector_bench`
+measures pgvector).
 Retrieve has the bilingual dictionary (CC-CEDICT) loaded, as a running
 service has it a few seconds after start (`--without-dictionary`: not).
 Run with `.venv/bin/python -m bench.memory_store_bench --segments 100000`.
@@ -73,16 +74,24 @@ HANZI = "部署发布账单搜索结账支付网关库存配送报告延迟错�
 
 
 class PrecomputedEmbedder(Embedder):
-    """Vectors from a hash of the text, near the centre of one of CLUSTERS
-    directions; those of the seeded texts computed before the clock starts."""
+    """Vectors from a hash of the text: one of CLUSTERS directions plus
+    Gaussian noise; those of the seeded texts computed before the clock starts.
+
+    By default the noise (0.3 per dimension, norm about 5.9) swamps the
+    direction: the vectors are nearly random, a worst case for an
+    approximate index (a vector's nearest neighbours are hardly nearer than
+    the rest). `clustered`: noise of norm 0.8, so that the members of a
+    cluster are each other's neighbours, as paraphrases are.
+    """
 
     name = "precomputed"
     dimensions = DIMENSIONS
 
-    def __init__(self) -> None:
+    def __init__(self, *, clustered: bool = False) -> None:
         rng = np.random.default_rng(7)
         centres = rng.standard_normal((CLUSTERS, DIMENSIONS)).astype(np.float32)
         self.centres = centres / np.linalg.norm(centres, axis=1, keepdims=True)
+        self.noise = 0.8 / np.sqrt(DIMENSIONS) if clustered else 0.3
         self.known: dict[str, Vector] = {}
 
     def vector(self, text: str) -> Vector:
@@ -91,7 +100,7 @@ class PrecomputedEmbedder(Embedder):
             return known
         seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
         rng = np.random.default_rng(seed)
-        v = self.centres[seed % CLUSTERS] + 0.3 * rng.standard_normal(DIMENSIONS).astype(np.float32)
+        v = self.centres[seed % CLUSTERS] + self.noise * rng.standard_normal(DIMENSIONS).astype(np.float32)
         return (v / np.linalg.norm(v)).astype(np.float32)
 
     def precompute(self, texts: Sequence[str]) -> None:
@@ -232,7 +241,7 @@ async def run_backend(url: str, options: argparse.Namespace) -> str:
             await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
     await migrate.upgrade(database)
     vocabulary = Vocabulary(hard=options.hard)
-    embedder = PrecomputedEmbedder()
+    embedder = PrecomputedEmbedder(clustered=options.clustered)
     store = SqlMemoryStore(database, dimensions=DIMENSIONS)
     worker = EmbeddingWorker(store, embedder, batch_size=256)
     dictionary = None
@@ -318,4 +327,5 @@ if __name__ == "__main__":
         help="no cross-language lexical search (as before CC-CEDICT, or while it loads)",
     )
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/bench_h3")
+    parser.add_argument("--clustered", action="store_true", help="vectors near their cluster's direction")
     asyncio.run(main(parser.parse_args()))

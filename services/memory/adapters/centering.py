@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,6 +38,11 @@ Vector = npt.NDArray[np.float32]
 # How often the job looks for work that another replica left, and waits after a failure.
 _POLL_SECONDS = 60.0
 _RETRY_SECONDS = 5.0
+
+
+class IndexBeingBuilt(Exception):
+    """Another replica is building the index (`when_centered`): the job asks again later."""
+
 
 vector_centering = sa.Table(
     "vector_centering",
@@ -100,18 +105,29 @@ class Centering:
         drift: a language starts a new epoch once its mean has moved this
             far (Euclidean distance) from the epoch's.
         batch_rows: rows the job writes per transaction.
+        when_centered: awaited once every stored vector is centered, before
+            the job says so (`ready`): builds the index they need.
     """
 
     def __init__(
-        self, database: Any, *, dimensions: int, vector_type: str, drift: float, batch_rows: int
+        self,
+        database: Any,
+        *,
+        dimensions: int,
+        vector_type: str,
+        drift: float,
+        batch_rows: int,
+        when_centered: Callable[[], Awaitable[None]],
     ) -> None:
         self._db = database
         self.dimensions = dimensions
         self._type = vector_type
         self.drift = drift
         self._batch = batch_rows
-        # Whether every stored vector of the right size has its centered copy.
+        # Whether every stored vector of the right size has its centered copy
+        # (and `when_centered` is done).
         self.ready = False
+        self._when_centered = when_centered
         self._backfilled_to = 0
         self._wake = asyncio.Event()
         self._job: asyncio.Task[None] | None = None
@@ -228,8 +244,17 @@ class Centering:
             self._wake.clear()
             try:
                 worked = await self.center_some()
-            except Exception as error:  # an outage: the job goes on when the database is back
-                logger.warning("centering vectors failed (%s); trying again shortly", error)
+            except Exception as error:  # an outage, or another replica's index build: the job goes on
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    # Stopping: an error in the clean-up of what was cancelled must not swallow it.
+                    raise asyncio.CancelledError from error
+                logger.log(
+                    logging.INFO if isinstance(error, IndexBeingBuilt) else logging.WARNING,
+                    "centering vectors paused (%s); trying again shortly",
+                    error,
+                    exc_info=not isinstance(error, IndexBeingBuilt),
+                )
                 await asyncio.sleep(_RETRY_SECONDS)
                 continue
             if not worked:
@@ -242,6 +267,7 @@ class Centering:
         if not self.ready:
             if await self._backfill():
                 return True
+            await self._when_centered()
             self.ready = True
             logger.info("every stored vector is centered: vectors are searched in PostgreSQL")
         return await self._recenter()

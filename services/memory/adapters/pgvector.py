@@ -24,10 +24,13 @@ cannot follow a distance that changes under it. So:
   candidates hold numpy's best.
 - None of this is in a migration: whether the extension exists, and the
   embedder's vector size, are known only when the service starts.
-  `prepare` adds the column, its indexes and the centering table when they
-  are missing (idempotent, under an advisory lock); vectors stored before
-  (with pgvector off, or before it was installed) are centered by the same
-  job, and until it is done vector search stays on the numpy path.
+  `prepare` adds the column, its partial index of the rows still to center
+  and the centering table when they are missing (idempotent, under an
+  advisory lock). Vectors stored before (with pgvector off, or before it
+  was installed) are centered by the same job, and the HNSW index is built
+  after them, in one go and without blocking writes (CREATE INDEX
+  CONCURRENTLY: at 100,000 rows several times faster than taking them in
+  one by one); until then vector search stays on the numpy path.
 
 Every replica of the service must agree on `MEMORY_PGVECTOR`: one with it
 off stores vectors without their centered copies.
@@ -35,8 +38,10 @@ off stores vectors without their centered copies.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +53,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.memory.adapters.centering import (
     Centering,
+    IndexBeingBuilt,
     means_and_epochs,
     unit_rows,
     vector_centering,
@@ -65,10 +71,20 @@ Vector = npt.NDArray[np.float32]
 # HNSW came with pgvector 0.5.0, iterative index scans with 0.8.0.
 _HNSW_SINCE = (0, 5, 0)
 _ITERATIVE_SINCE = (0, 8, 0)
-# pg_advisory_xact_lock key of `prepare` (two replicas starting at once).
+# Advisory lock keys: `prepare` (two replicas starting at once), and the
+# index build (held for its length by the replica that builds it).
 _PREPARE_LOCK = 0x6D656D5F76656374
+_BUILD_LOCK = 0x6D656D5F686E7377
 HNSW_INDEX = "ix_memory_segment_vectors_centered"
 UNCENTERED_INDEX = "ix_memory_segment_vectors_uncentered"
+# maintenance_work_mem of the session that builds the HNSW index (pgvector
+# builds much faster when its graph fits; see docs/benchmarks.md).
+_BUILD_MEMORY = "512MB"
+# The HNSW index's state: true when valid, false when a build failed or is under way.
+_INDEX_STATE = (
+    "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
+    " WHERE c.relname = :name AND c.relnamespace = CAST(:schema AS regnamespace)"
+)
 # Candidates fetched per hit asked for: re-scored exactly, the best kept.
 _OVERSAMPLE = 2
 # pgvector's ceiling for hnsw.ef_search.
@@ -195,14 +211,16 @@ class PgVectorIndex:
             vector_type=self._type.spec,
             drift=recenter_drift,
             batch_rows=batch_rows,
+            when_centered=self._build_index,
         )
+        self._building = asyncio.Lock()
         self.searches = 0
         self.exact_searches = 0
 
     @property
     def ready(self) -> bool:
-        """Whether every stored vector has its centered copy (until then,
-        vectors are searched on the numpy path)."""
+        """Whether every stored vector has its centered copy, in the HNSW
+        index (until then, vectors are searched on the numpy path)."""
         return self.centering.ready
 
     # -- start and stop -----------------------------------------------------
@@ -236,12 +254,6 @@ class PgVectorIndex:
                 await conn.execute(
                     sa.text(f"ALTER TABLE {table} ADD COLUMN centered {self._type.get_col_spec()}")
                 )
-            await conn.execute(
-                sa.text(
-                    f"CREATE INDEX IF NOT EXISTS {HNSW_INDEX} ON {table}"
-                    f" USING hnsw (centered {self._opclass})"
-                )
-            )
             # What the centering job has left to do when pgvector comes to vectors stored before.
             await conn.execute(
                 sa.text(
@@ -250,9 +262,55 @@ class PgVectorIndex:
                 )
             )
             await conn.run_sync(lambda sync: vector_centering.create(sync, checkfirst=True))
-            self.centering.ready = not await self.centering.uncentered(conn, limit=1)
+            indexed = await self._index_valid(conn)
+            self.centering.ready = indexed and not await self.centering.uncentered(conn, limit=1)
         if not self.ready:
-            logger.info("centering the vectors stored before pgvector; searching in numpy until then")
+            logger.info("centering and indexing the vectors stored before; searching in numpy until then")
+
+    async def _index_valid(self, conn: AsyncConnection) -> bool:
+        """Whether the HNSW index is there and whole (a build that failed
+        half-way leaves an invalid one behind, as does one under way)."""
+        valid = (await conn.execute(sa.text(_INDEX_STATE), {"name": HNSW_INDEX, "schema": SCHEMA})).scalar()
+        return bool(valid)
+
+    async def _build_index(self) -> None:
+        """Builds the HNSW index over the centered vectors unless it is there.
+
+        On a connection of its own, without a transaction: the advisory lock
+        is the session's, and CONCURRENTLY runs outside one (writes go on
+        meanwhile). A build that fails or is cancelled closes that
+        connection, so that neither the lock nor the setting outlives it.
+
+        Raises:
+            IndexBeingBuilt: another replica is building it (the job asks again later).
+        """
+        async with self._building, self._db.driver_connection() as driver:
+            if not await driver.fetchval("SELECT pg_try_advisory_lock($1)", _BUILD_LOCK):
+                raise IndexBeingBuilt("another replica is building the HNSW index")
+            try:
+                await self._build_on(driver)
+            except BaseException:
+                driver.terminate()
+                raise
+            await driver.execute("SELECT pg_advisory_unlock($1)", _BUILD_LOCK)
+
+    async def _build_on(self, driver: Any) -> None:
+        valid = await driver.fetchval(
+            _INDEX_STATE.replace(":name", "$1").replace(":schema", "$2"), HNSW_INDEX, SCHEMA
+        )
+        if valid:
+            return
+        if valid is False:
+            # Left by a build that failed (nobody else builds: the lock is ours).
+            await driver.execute(f"DROP INDEX {SCHEMA}.{HNSW_INDEX}")
+        started = time.monotonic()
+        await driver.execute(f"SET maintenance_work_mem = '{_BUILD_MEMORY}'")
+        await driver.execute(
+            f"CREATE INDEX CONCURRENTLY {HNSW_INDEX}"
+            f" ON {SCHEMA}.segment_vectors USING hnsw (centered {self._opclass})"
+        )
+        await driver.execute("RESET maintenance_work_mem")
+        logger.info("built the HNSW index of the memory's vectors in %.1f s", time.monotonic() - started)
 
     def start(self) -> None:
         """Starts the background job that centers vectors again (and those stored before)."""
