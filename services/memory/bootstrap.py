@@ -55,7 +55,7 @@ class MemoryApp:
         returns the port.
 
         Raises:
-            VectorExtensionMissing: MEMORY_PGVECTOR=on and the database has no pgvector for it.
+            PgVectorUnavailable: MEMORY_PGVECTOR=on and the database has no pgvector for it.
             DependencyUnavailable: the database cannot serve (PostgreSQL, unless MEMORY_PGVECTOR=off).
             OSError: the address cannot be bound.
         """

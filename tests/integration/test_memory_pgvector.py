@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 
 from agentim.memory.v1 import memory_pb2 as pb
 from services.memory.adapters import migrate
-from services.memory.adapters.pgvector import HNSW_INDEX, VectorExtensionMissing
+from services.memory.adapters.pgvector import HNSW_INDEX, PgVectorUnavailable
 from services.memory.adapters.sql import Database, SqlMemoryStore
 from services.memory.domain.model import SegmentType
 from services.memory.domain.ranking import Hit
@@ -494,7 +494,7 @@ async def test_a_role_that_may_not_create_the_extension_searches_in_numpy_unless
             assert automatic.app.store.pgvector is None
         finally:
             await stop_memory(automatic)
-        with pytest.raises(VectorExtensionMissing, match="this role cannot create it"):
+        with pytest.raises(PgVectorUnavailable, match="this role cannot create it"):
             await start_memory(url, MEMORY_PGVECTOR="on")
 
         # Once a superuser has created it, the role uses it.
@@ -527,7 +527,7 @@ async def test_pgvector_on_refuses_to_start_where_the_database_has_none(tmp_path
     finally:
         await stop_memory(automatic)
     with pytest.raises(
-        VectorExtensionMissing, match="MEMORY_PGVECTOR=on, but the database server has no pgvector"
+        PgVectorUnavailable, match="MEMORY_PGVECTOR=on, but the database server has no pgvector"
     ):
         await start_memory(url, MEMORY_PGVECTOR="on")
     environ = {
@@ -551,3 +551,48 @@ async def test_pgvector_on_refuses_to_start_where_the_database_has_none(tmp_path
     assert "memory service cannot start: MEMORY_PGVECTOR=on, but the database server has no pgvector" in (
         process.stderr
     )
+
+
+async def test_an_index_build_that_failed_is_built_again_and_tables_must_be_there_first() -> None:
+    async with fresh_database() as url:
+        first = await start_memory(url, MEMORY_PGVECTOR="on")
+        try:
+            assert first.app.store.pgvector is not None
+            await first.app.store.pgvector.centering.settled()
+            assert first.app.store.pgvector.ready
+        finally:
+            await stop_memory(first)
+        # What a CREATE INDEX CONCURRENTLY that failed half-way leaves behind.
+        admin = await admin_connection(str(make_url(url).database))
+        try:
+            failed = await admin.fetchval("SELECT CAST(CAST($1 AS regclass) AS oid)", f"memory.{HNSW_INDEX}")
+            await admin.execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = $1", failed)
+        finally:
+            await admin.close()
+        second = await start_memory(url, MEMORY_PGVECTOR="on")
+        try:
+            store = second.app.store
+            assert store.pgvector is not None
+            await store.pgvector.centering.settled()
+            async with second.app.database.transaction(write=False) as conn:
+                rebuilt = (
+                    await conn.execute(
+                        sa.text(
+                            "SELECT indexrelid, indisvalid FROM pg_index"
+                            " WHERE indexrelid = CAST(:name AS regclass)"
+                        ),
+                        {"name": f"memory.{HNSW_INDEX}"},
+                    )
+                ).one()
+            # Dropped and made again.
+            assert store.pgvector.ready and rebuilt.indisvalid and rebuilt.indexrelid != failed
+        finally:
+            await stop_memory(second)
+    # A database the memory's migrations have not been run on.
+    name = f"agentim_pgv_{uuid.uuid4().hex[:10]}"
+    url = await pgvector_url(name)
+    try:
+        with pytest.raises(PgVectorUnavailable, match="the memory's tables are missing"):
+            await start_memory(url, MEMORY_PGVECTOR="on")
+    finally:
+        await drop_database(name)

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -30,6 +30,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.memory.adapters.tables import SCHEMA, language_means, segments
 from services.memory.domain.ranking import LanguageMeans
+
+if TYPE_CHECKING:
+    from services.memory.adapters.sql import Database
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +114,7 @@ class Centering:
 
     def __init__(
         self,
-        database: Any,
+        database: Database,
         *,
         dimensions: int,
         vector_type: str,

@@ -43,7 +43,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -63,6 +63,9 @@ from services.memory.adapters.search import best_hits, centered_matrix, conditio
 from services.memory.adapters.tables import SCHEMA, segments
 from services.memory.domain.ranking import Hit, LanguageMeans
 from services.memory.domain.scope import Filters, Scope
+
+if TYPE_CHECKING:
+    from services.memory.adapters.sql import Database
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,8 @@ _OVERSAMPLE = 2
 _MAX_EF_SEARCH = 1000
 
 
-class VectorExtensionMissing(Exception):
-    """MEMORY_PGVECTOR=on, and this database cannot give the service pgvector."""
+class PgVectorUnavailable(Exception):
+    """MEMORY_PGVECTOR=on, and pgvector cannot be used with this database."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +192,7 @@ class PgVectorIndex:
 
     def __init__(
         self,
-        database: Any,
+        database: Database,
         *,
         dimensions: int,
         extension: Extension,
@@ -200,7 +203,7 @@ class PgVectorIndex:
         self._db = database
         self.dimensions = dimensions
         self.extension = extension
-        self._ef_search = ef_search
+        self.ef_search = ef_search
         schema = database.engine.dialect.identifier_preparer.quote(extension.schema)
         self._type = _VectorType(f"{schema}.vector({dimensions})")
         self._distance = f"OPERATOR({schema}.<#>)"
@@ -334,7 +337,7 @@ class PgVectorIndex:
             # ef_search until enough rows pass them (up to hnsw.max_scan_tuples).
             settings += ", set_config('hnsw.iterative_scan', 'relaxed_order', true)"
 
-        ef_search = min(_MAX_EF_SEARCH, max(self._ef_search, fetch))
+        ef_search = min(_MAX_EF_SEARCH, max(self.ef_search, fetch))
 
         async def read() -> tuple[list[Any], LanguageMeans]:
             async with self._db.transaction(write=False, set_local=True) as conn:

@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase
 from services.memory.adapters import search
-from services.memory.adapters.pgvector import PgVectorIndex, VectorExtensionMissing, find_extension
+from services.memory.adapters.pgvector import PgVectorIndex, PgVectorUnavailable, find_extension
 from services.memory.adapters.tables import (
     SCHEMA,
     audience_members,
@@ -219,16 +219,19 @@ class SqlMemoryStore(MemoryStore):
         and index; starts the job that keeps the index's vectors centered.
 
         Raises:
-            VectorExtensionMissing: pgvector is `on` and cannot be had.
+            PgVectorUnavailable: pgvector is `on` and cannot be had.
             DependencyUnavailable: the database cannot serve.
         """
         if self._db.is_sqlite or self._pgvector_mode == "off" or self.pgvector is not None:
             return
         async with self._db.transaction() as conn:
-            extension, reason = await find_extension(conn)
+            if await conn.scalar(sa.text(f"SELECT to_regclass('{SCHEMA}.segment_vectors')")) is None:
+                extension, reason = None, "the memory's tables are missing (run its migrations first)"
+            else:
+                extension, reason = await find_extension(conn)
         if extension is None:
             if self._pgvector_mode == "on":
-                raise VectorExtensionMissing(f"MEMORY_PGVECTOR=on, but {reason}")
+                raise PgVectorUnavailable(f"MEMORY_PGVECTOR=on, but {reason}")
             logger.info("vectors are searched in numpy: %s", reason)
             return
         index = PgVectorIndex(
