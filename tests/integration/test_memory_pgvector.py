@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 import subprocess
@@ -110,6 +111,16 @@ def sentence(rng: random.Random) -> str:
     return " ".join(rng.sample(WORDS, rng.randint(2, 5)))
 
 
+_notes = itertools.count()
+
+
+def note(rng: random.Random) -> str:
+    """A sentence made unique by a word of its own: no two segments have the
+    same vector, whose scores would tie, and float32 rounding (which differs
+    with a row's place in a matrix) would then order them either way."""
+    return f"{sentence(rng)} n{next(_notes)}"
+
+
 async def populate(memory: RunningMemory, world: World, rng: random.Random, *, runs: int) -> None:
     """Archives `runs` runs of four steps each (a user's message, a reply with
     reasoning, a tool result) in conversations of every audience, over days."""
@@ -125,9 +136,9 @@ async def populate(memory: RunningMemory, world: World, rng: random.Random, *, r
         )
         group, people = rng.choice(groups)
         run = RunBuilder(world.workspace, agent, member, start=START + timedelta(hours=7 * number))
-        run.user(sentence(rng), group=group, members=people)
-        run.assistant(sentence(rng), reasoning=sentence(rng), group=group, members=people)
-        run.step(pb.STEP_ROLE_TOOL, sentence(rng), tool_name="lookup", group=group, members=people)
+        run.user(note(rng), group=group, members=people)
+        run.assistant(note(rng), reasoning=note(rng), group=group, members=people)
+        run.step(pb.STEP_ROLE_TOOL, note(rng), tool_name="lookup", group=group, members=people)
         await memory.stub.ArchiveRun(pb.ArchiveRunRequest(run=run.build()), metadata=as_member(member))
         world.runs.append(run.run_id)
     # The other workspace: the same words, never to be found from this one.
@@ -137,7 +148,7 @@ async def populate(memory: RunningMemory, world: World, rng: random.Random, *, r
         memory.directory.add(world.stranger_workspace, is_agent=True),
     )
     for _ in range(10):
-        stranger.user(sentence(rng))
+        stranger.user(note(rng))
     await memory.stub.ArchiveRun(
         pb.ArchiveRunRequest(run=stranger.build()), metadata=as_member(stranger.agent_member_id)
     )
@@ -273,7 +284,12 @@ def queries(rng: random.Random, count: int) -> list[str]:
 async def test_the_database_ranks_exactly_as_numpy_does_on_the_same_data() -> None:
     async with fresh_database(index_only=True) as url:
         embedder = FakeEmbedder()
-        memory = await start_memory(url, embedder=embedder, MEMORY_PGVECTOR="on")
+        # ef_search above the rows: at this size the index's walk reaches every
+        # row, so a difference could only be the centering's or the filters'
+        # (recall at the default, 100, is measured in bench.memory_pgvector_bench).
+        memory = await start_memory(
+            url, embedder=embedder, MEMORY_PGVECTOR="on", MEMORY_PGVECTOR_EF_SEARCH="1000"
+        )
         try:
             store = memory.app.store
             assert store.pgvector is not None and store.pgvector.extension.iterative_scan
@@ -336,13 +352,22 @@ async def test_retrieve_answers_alike_with_and_without_pgvector() -> None:
             rng = random.Random(8)
             await populate(with_pgvector, world, rng, runs=30)
             await with_pgvector.app.store.pgvector.centering.settled()  # type: ignore[union-attr]
-            # Lexical search reads the planner's statistics: the same for both replicas.
             async with with_pgvector.app.database.transaction() as conn:
                 await conn.execute(sa.text("ANALYZE memory.segments"))
+                uncentered = await conn.scalar(
+                    sa.text("SELECT count(*) FROM memory.segment_vectors WHERE centered IS NULL")
+                )
+            assert uncentered == 0 and await with_pgvector.app.store.pending_count() == 0
             # Everything is embedded: this replica stores no vector.
             without = await start_memory(url, directory=directory, embedder=embedder, MEMORY_PGVECTOR="off")
             try:
                 assert without.app.store.pgvector is None
+                # The lexical half weighs terms by counts that each replica reads
+                # from PostgreSQL's statistics, whose live-row count moves as
+                # backends flush theirs (two replicas a moment apart read 130
+                # and 190 rows): one set of counts for both, so that only the
+                # vector search differs.
+                without.app.store.term_frequencies = with_pgvector.app.store.term_frequencies
                 for query in queries(rng, 6):
                     for member, scope in (
                         (world.agent_member, {"agent": pb.AgentScope(agent_id=world.agent)}),
@@ -383,9 +408,9 @@ async def test_a_narrow_filter_gets_its_hits_through_the_index() -> None:
             for batch in range(4):
                 run = RunBuilder(workspace, agent, member, start=START + timedelta(days=batch))
                 for _ in range(60):
-                    run.user(sentence(rng))
+                    run.user(note(rng))
                 for _ in range(3):
-                    run.step(pb.STEP_ROLE_TOOL, sentence(rng), tool_name="probe")
+                    run.step(pb.STEP_ROLE_TOOL, note(rng), tool_name="probe")
                 await memory.stub.ArchiveRun(
                     pb.ArchiveRunRequest(run=run.build()), metadata=as_member(member)
                 )
