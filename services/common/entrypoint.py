@@ -65,6 +65,8 @@ class Service(Generic[S, Started]):
             starts (signal handlers of its own, such as SIGHUP).
         commands: commands of its own besides serve and migrate.
         options: adds the options those commands take.
+        start_errors: what `start` raises that means the service cannot
+            start (said in one line, exit status 1, no traceback).
     """
 
     name: str
@@ -78,6 +80,7 @@ class Service(Generic[S, Started]):
     prepare: Callable[[Any, asyncio.AbstractEventLoop], None] | None = None
     commands: Mapping[str, Command[S]] = field(default_factory=dict)
     options: Callable[[argparse.ArgumentParser], None] | None = None
+    start_errors: tuple[type[Exception], ...] = (OSError,)
 
 
 def main(service: Service[S, Started], argv: Sequence[str] | None = None) -> None:
@@ -123,7 +126,7 @@ async def serve(service: Service[S, Started], settings: S) -> None:
             service.prepare(app, asyncio.get_running_loop())
         try:
             started = await app.start()
-        except OSError as error:
+        except service.start_errors as error:
             await app.stop()
             raise SystemExit(f"{service.name} cannot start: {error}") from None
         print(f"{service.name} listening on {service.listening(settings, started)}", flush=True)

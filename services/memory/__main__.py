@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common import entrypoint
+from services.common.outages import DependencyUnavailable
 from services.memory import bootstrap
 from services.memory.adapters import migrate
+from services.memory.adapters.pgvector import PgVectorUnavailable
 from services.memory.config import Settings
 
 
@@ -37,6 +39,8 @@ SERVICE = entrypoint.Service(
     build=bootstrap.build,
     listening=_listening,
     migrate=_migrate,
+    # Besides a taken port: pgvector asked for and missing, the database away.
+    start_errors=(OSError, PgVectorUnavailable, DependencyUnavailable),
 )
 
 

@@ -50,8 +50,16 @@ class MemoryApp:
     dictionary: Dictionary | None = None
 
     async def start(self) -> int:
-        """Starts serving, the embedding worker, the retention sweep and
-        loading the dictionary; returns the port."""
+        """Prepares the store (pgvector, on PostgreSQL), starts serving, the
+        embedding worker, the retention sweep and loading the dictionary;
+        returns the port.
+
+        Raises:
+            PgVectorUnavailable: MEMORY_PGVECTOR=on and the database has no pgvector for it.
+            DependencyUnavailable: the database cannot serve (PostgreSQL, unless MEMORY_PGVECTOR=off).
+            OSError: the address cannot be bound.
+        """
+        await self.store.start()
         port = await self.server.start()
         if self.dictionary is not None:
             self.dictionary.start()
@@ -115,6 +123,8 @@ def build(
         cached_scopes=settings.cached_scopes,
         approximate_from_rows=settings.approximate_from_rows,
         probe_share=settings.probe_share,
+        pgvector=settings.pgvector,
+        ef_search=settings.pgvector_ef_search,
     )
     directory = directory or GrpcMemberDirectory(
         settings.im_address,

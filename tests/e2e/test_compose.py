@@ -202,6 +202,15 @@ def test_compose_memory_listens_where_it_is_published_probed_and_migrated(compos
     assert services["runtime"]["environment"]["MEMORY_ADDRESS"] == f"memory:{port}"
 
 
+def test_compose_postgres_has_pgvector_for_the_memory(compose: dict[str, Any]) -> None:
+    services = _services(compose)
+    # The pgvector project's image of PostgreSQL 15: the major version the
+    # postgres-data volume was made with, and the extension the memory uses.
+    assert services["postgres"]["image"] == "pgvector/pgvector:pg15"
+    for name in ("memory", "memory-migrate"):
+        assert services[name]["environment"]["MEMORY_PGVECTOR"] == "on", name
+
+
 def test_compose_dependencies_exist_and_wait_for_health(compose: dict[str, Any]) -> None:
     services = _services(compose)
     for name, service in services.items():

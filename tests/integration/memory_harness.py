@@ -1,4 +1,12 @@
-"""A memory server on a free port, on SQLite or PostgreSQL, with a fake embedder and directory."""
+"""A memory server on a free port, on SQLite or PostgreSQL, with a fake embedder and directory.
+
+Backends: SQLite, the shared PostgreSQL (Debian's, without pgvector: vectors
+are searched in numpy) and `pgvector`, an embedded PostgreSQL 18 with
+pgvector (`tests/pgvector_server.py`, one server per session) where vectors
+are searched through its HNSW index. The `memory_url` fixture gives the
+first two; a test that should also run on the third asks for it with
+`@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)`.
+"""
 
 from __future__ import annotations
 
@@ -23,13 +31,18 @@ from tests.auth_support import auth_dir, service_environment
 from tests.conftest import POSTGRES_URL, unavailable
 from tests.identities import learning_channel
 from tests.memory_support import FakeDirectory, FakeEmbedder
+from tests.pgvector_server import ServerUnavailable, pgvector_url
+
+BACKENDS = ["sqlite", "postgresql"]
+WITH_PGVECTOR = [*BACKENDS, "pgvector"]
 
 _prepared: set[str] = set()
 
 
 async def migrated_url(kind: str, tmp_path: Path) -> str:
-    """A migrated memory database: a fresh SQLite file, or the shared PostgreSQL
-    test database whose `memory` schema is re-created once per session."""
+    """A migrated memory database: a fresh SQLite file, or a PostgreSQL test
+    database (the shared one, or the embedded one with pgvector) whose
+    `memory` schema is re-created once per session."""
     if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'memory.db'}"
         database = Database(url)
@@ -38,18 +51,25 @@ async def migrated_url(kind: str, tmp_path: Path) -> str:
         finally:
             await database.aclose()
         return url
-    if POSTGRES_URL not in _prepared:
-        database = Database(POSTGRES_URL)
+    if kind == "pgvector":
+        try:
+            url = await pgvector_url()
+        except ServerUnavailable as error:
+            unavailable(f"no PostgreSQL with pgvector: {error}")
+    else:
+        url = POSTGRES_URL
+    if url not in _prepared:
+        database = Database(url)
         try:
             async with database.engine.begin() as conn:
                 await conn.execute(sa.text(f"DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
             await migrate.upgrade(database)
         except (OSError, sa.exc.SQLAlchemyError) as error:
-            unavailable(f"PostgreSQL is unreachable at {POSTGRES_URL}: {error}")
+            unavailable(f"PostgreSQL is unreachable at {url}: {error}")
         finally:
             await database.aclose()
-        _prepared.add(POSTGRES_URL)
-    return POSTGRES_URL
+        _prepared.add(url)
+    return url
 
 
 @dataclass
@@ -110,7 +130,7 @@ async def stop_memory(running: RunningMemory) -> None:
     await running.app.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 async def memory_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return await migrated_url(request.param, tmp_path)
 

@@ -15,6 +15,7 @@ import pytest
 from agentim.memory.v1 import memory_pb2 as pb
 from tests.identities import as_member
 from tests.integration.memory_harness import (
+    WITH_PGVECTOR,
     RunningMemory,
     memory,
     memory_url,
@@ -52,6 +53,7 @@ async def embedded(memory: RunningMemory) -> None:
     await asyncio.wait_for(memory.app.worker.drained(), 10)
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_archive_is_idempotent_and_a_changed_run_replaces_its_segments(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     person = memory.directory.add(workspace)
@@ -75,6 +77,7 @@ async def test_archive_is_idempotent_and_a_changed_run_replaces_its_segments(mem
     assert (stats.run_count, stats.segment_count) == (1, 3)
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_retrieve_finds_an_identifier_and_chinese_and_anchors_the_hit(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     run = RunBuilder(workspace, agent, agent_member)
@@ -98,6 +101,7 @@ async def test_retrieve_finds_an_identifier_and_chinese_and_anchors_the_hit(memo
     assert calls[0].segment.text.startswith("deploy ")
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_filters_and_recency(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     old = RunBuilder(workspace, agent, agent_member, start=START)
@@ -147,6 +151,7 @@ async def test_expand_returns_the_neighbours_and_the_run(memory: RunningMemory) 
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_forget_removes_segments_from_every_index(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     # Forgetting is a person's (or the runtime's) to do, not the agent's.
@@ -178,6 +183,7 @@ async def test_forget_removes_segments_from_every_index(memory: RunningMemory) -
     assert (stats.run_count, stats.segment_count) == (0, 0)
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_background_embedding_makes_a_segment_findable_by_meaning(memory_url: str) -> None:
     running = await start_memory(memory_url)
     try:

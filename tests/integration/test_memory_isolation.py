@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ from tests.auth_support import service_secret
 from tests.conftest import RunningIM, make_world
 from tests.identities import as_member, as_unknown
 from tests.integration.memory_harness import (
+    WITH_PGVECTOR,
     RunningMemory,
     memory,
     memory_url,
@@ -33,6 +35,11 @@ async def archive(memory: RunningMemory, run: pb.ArchivedRun) -> None:
     await memory.stub.ArchiveRun(pb.ArchiveRunRequest(run=run), metadata=as_member(run.agent_member_id))
 
 
+async def embedded(memory: RunningMemory) -> None:
+    assert memory.app.worker is not None
+    await asyncio.wait_for(memory.app.worker.drained(), 10)
+
+
 async def texts(memory: RunningMemory, member: str, request: pb.RetrieveRequest) -> list[str]:
     response = await memory.stub.Retrieve(request, metadata=as_member(member))
     return [hit.segment.text for hit in response.results]
@@ -45,6 +52,7 @@ async def refused(call: object, code: grpc.StatusCode) -> str:
     return str(error.value.details())
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_a_person_never_finds_a_segment_from_a_group_they_are_not_in(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     alice, bob = memory.directory.add(workspace), memory.directory.add(workspace)
@@ -54,6 +62,7 @@ async def test_a_person_never_finds_a_segment_from_a_group_they_are_not_in(memor
     run.user("alpha project notes for both", group="g-both", members=[alice, bob])
     run.user("alpha project notes from a task")
     await archive(memory, run.build())
+    await embedded(memory)  # so that vector search takes part too
 
     def search(query: str) -> pb.RetrieveRequest:
         return pb.RetrieveRequest(workspace=pb.WorkspaceScope(), query=query)
@@ -82,6 +91,7 @@ async def test_a_person_never_finds_a_segment_from_a_group_they_are_not_in(memor
     assert [s.text for s in expanded.after] == ["alpha project notes for both"]
 
 
+@pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_an_agent_scope_with_an_outsider_never_gets_a_private_chat(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
     alice, bob = memory.directory.add(workspace), memory.directory.add(workspace)
@@ -89,6 +99,7 @@ async def test_an_agent_scope_with_an_outsider_never_gets_a_private_chat(memory:
     run.user("the door code is 4711", group="direct-alice", members=[alice])
     run.user("the team meets on friday", group="team", members=[alice, bob])
     await archive(memory, run.build())
+    await embedded(memory)
 
     def recall(*audience: str) -> pb.RetrieveRequest:
         return pb.RetrieveRequest(

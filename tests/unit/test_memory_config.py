@@ -61,3 +61,23 @@ def test_every_problem_is_reported_at_once() -> None:
         assert name in problems
     with pytest.raises(ConfigError, match="needs MEMORY_EMBEDDINGS_BASE_URL"):
         Settings.from_env({"MEMORY_EMBEDDER": "openai"})
+
+
+def test_pgvector_is_used_where_the_database_has_it_unless_turned_off() -> None:
+    assert Settings.from_env({}).pgvector == "auto"
+    on = Settings.from_env(
+        {
+            "DATABASE_URL": "postgresql://x@h/db",
+            "MEMORY_SERVICE_SECRET": "aim_svc_x",
+            "MEMORY_PGVECTOR": "ON",
+            "MEMORY_PGVECTOR_EF_SEARCH": "200",
+        }
+    )
+    assert (on.pgvector, on.pgvector_ef_search) == ("on", 200)
+    with pytest.raises(ConfigError) as error:
+        Settings.from_env({"MEMORY_PGVECTOR": "on", "MEMORY_PGVECTOR_EF_SEARCH": "1001"})
+    problems = "\n".join(error.value.problems)
+    assert "MEMORY_PGVECTOR=on needs PostgreSQL" in problems
+    assert "MEMORY_PGVECTOR_EF_SEARCH: pgvector takes at most 1000" in problems
+    with pytest.raises(ConfigError, match="MEMORY_PGVECTOR: expected one of"):
+        Settings.from_env({"MEMORY_PGVECTOR": "sometimes"})

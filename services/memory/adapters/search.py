@@ -742,20 +742,11 @@ class VectorIndex:
     def _build(
         self, rows: Sequence[Any], means: LanguageMeans, version: int, loaded_rows: int
     ) -> ScopeMatrix:
-        matrix = np.frombuffer(b"".join(row.embedding for row in rows), dtype="<f4").reshape(
-            len(rows), self.dimensions
-        )
-        matrix = matrix.astype(np.float32, copy=True)
-        languages = np.asarray([row.language for row in rows], dtype=object)
-        for language in set(languages.tolist()):
-            matrix[languages == language] -= means.mean(language)
-        norms = np.linalg.norm(matrix, axis=1, keepdims=True)
-        matrix /= np.where(norms > 0, norms, 1.0)
         return ScopeMatrix(
             version=version,
             loaded_rows=loaded_rows,
             keys=np.asarray([row.id for row in rows], dtype=np.int64),
-            matrix=matrix,
+            matrix=centered_matrix(rows, means, self.dimensions),
             means=means,
             types=np.asarray([row.type for row in rows], dtype=np.int16),
             times=np.asarray([row.created_at.timestamp() for row in rows], dtype=np.float64),
@@ -766,17 +757,41 @@ class VectorIndex:
         )
 
 
+def centered_matrix(rows: Sequence[Any], means: LanguageMeans, dimensions: int) -> npt.NDArray[np.float32]:
+    """The rows' vectors (`row.embedding`, float32 bytes of `dimensions`; by
+    `row.language`) centered per language and unit length again: what every
+    vector search compares a centered query with."""
+    matrix = np.frombuffer(b"".join(row.embedding for row in rows), dtype="<f4")
+    matrix = matrix.reshape(len(rows), dimensions).astype(np.float32, copy=True)
+    languages = np.asarray([row.language for row in rows], dtype=object)
+    for language in set(languages.tolist()):
+        matrix[languages == language] -= means.mean(language)
+    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+    matrix /= np.where(norms > 0, norms, 1.0)
+    return matrix
+
+
 def _best(
     entry: ScopeMatrix, scores: npt.NDArray[np.float32], rows: npt.NDArray[np.int64] | None, limit: int
 ) -> list[Hit]:
     """The `limit` best of `scores` (of `rows`, or of every row) as hits; of
     rows scored alike, those of lower keys (whatever order the rows are in)."""
+    return best_hits(entry.keys, scores, rows, limit)
+
+
+def best_hits(
+    keys: npt.NDArray[np.int64],
+    scores: npt.NDArray[np.float32],
+    rows: npt.NDArray[np.int64] | None,
+    limit: int,
+) -> list[Hit]:
+    """`_best` over any keys (those of `rows`, or all, in the order of `scores`)."""
     limit = min(limit, len(scores))
     if limit <= 0:
         return []
     threshold = np.partition(scores, len(scores) - limit)[len(scores) - limit]
     chosen = np.flatnonzero(scores >= threshold)
     positions = chosen if rows is None else rows[chosen]
-    keys = entry.keys[positions]
+    keys = keys[positions]
     ranked = np.lexsort((keys, -scores[chosen]))[:limit]
     return [Hit(int(keys[i]), float(scores[chosen[i]])) for i in ranked]

@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase
 from services.memory.adapters import search
+from services.memory.adapters.pgvector import PgVectorIndex, PgVectorUnavailable, find_extension
 from services.memory.adapters.tables import (
     SCHEMA,
     audience_members,
@@ -46,7 +47,13 @@ from services.memory.domain.model import (
     SegmentType,
     StoredSegment,
 )
-from services.memory.domain.ranking import DEFAULT_LEXICAL_POSTINGS, Hit, rarity, selective_terms
+from services.memory.domain.ranking import (
+    DEFAULT_LEXICAL_POSTINGS,
+    Hit,
+    LanguageMeans,
+    rarity,
+    selective_terms,
+)
 from services.memory.domain.scope import Filters, ForgetTarget, Scope, scopes_of
 from services.memory.domain.terms import language_of, lexical_terms
 from services.memory.service_layer.ports import AgentIdentity, MemoryStore, PendingSegment, Vector
@@ -87,8 +94,14 @@ class Database(SqlDatabase):
         )
 
     @contextlib.asynccontextmanager
-    async def transaction(self, *, write: bool = True) -> AsyncIterator[AsyncConnection]:
+    async def transaction(
+        self, *, write: bool = True, set_local: bool = False
+    ) -> AsyncIterator[AsyncConnection]:
         """A connection in a transaction that commits when the block ends and rolls back if it raises.
+
+        Reads on PostgreSQL run without one (autocommit, each statement sees
+        what is committed), unless `set_local`: a read that changes settings
+        for itself (`SET LOCAL`, pgvector's search settings) needs a real one.
 
         Raises:
             DependencyUnavailable: the database cannot serve.
@@ -100,7 +113,7 @@ class Database(SqlDatabase):
                 conn = await stack.enter_async_context(self.engine.connect())
                 if write:
                     conn = await conn.execution_options(**{_WRITE: True})
-                elif not self.is_sqlite:
+                elif not self.is_sqlite and not set_local:
                     conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
                 async with conn.begin():
                     yield conn
@@ -158,6 +171,12 @@ class SqlMemoryStore(MemoryStore):
         probe_share: the share of that index's lists a search scores.
         archive_batch_runs: runs waiting to be archived at the same moment
             that are written in one transaction, at most.
+        pgvector: on PostgreSQL, `auto` searches vectors with pgvector (an
+            HNSW index, see `adapters.pgvector`) when `start` finds the
+            extension or may create it, `on` requires it, `off` never uses
+            it; otherwise, and on SQLite, vectors are searched in numpy.
+        ef_search: pgvector's `hnsw.ef_search` (candidates kept while the
+            index is searched).
     """
 
     def __init__(
@@ -170,8 +189,14 @@ class SqlMemoryStore(MemoryStore):
         approximate_from_rows: int = 200_000,
         probe_share: float = 0.025,
         archive_batch_runs: int = 64,
+        pgvector: str = "off",
+        ef_search: int = 100,
     ) -> None:
         self._db = database
+        self._pgvector_mode = pgvector
+        self._ef_search = ef_search
+        # Vector search in PostgreSQL, once `start` found pgvector.
+        self.pgvector: PgVectorIndex | None = None
         self._lexical_postings = lexical_postings
         self.term_frequencies = search.TermFrequencies(cap=lexical_postings + 1, sqlite=database.is_sqlite)
         self.vectors = search.VectorIndex(
@@ -188,10 +213,45 @@ class SqlMemoryStore(MemoryStore):
         # Transactions that archived runs (several runs each under load).
         self.archive_transactions = 0
 
+    async def start(self) -> None:
+        """On PostgreSQL (unless pgvector is off): finds pgvector, or creates
+        it if the server has it and this role may, and prepares its column
+        and index; starts the job that keeps the index's vectors centered.
+
+        Raises:
+            PgVectorUnavailable: pgvector is `on` and cannot be had.
+            DependencyUnavailable: the database cannot serve.
+        """
+        if self._db.is_sqlite or self._pgvector_mode == "off" or self.pgvector is not None:
+            return
+        async with self._db.transaction() as conn:
+            if await conn.scalar(sa.text(f"SELECT to_regclass('{SCHEMA}.segment_vectors')")) is None:
+                extension, reason = None, "the memory's tables are missing (run its migrations first)"
+            else:
+                extension, reason = await find_extension(conn)
+        if extension is None:
+            if self._pgvector_mode == "on":
+                raise PgVectorUnavailable(f"MEMORY_PGVECTOR=on, but {reason}")
+            logger.info("vectors are searched in numpy: %s", reason)
+            return
+        index = PgVectorIndex(
+            self._db, dimensions=self.dimensions, extension=extension, ef_search=self._ef_search
+        )
+        await index.prepare()
+        index.start()
+        self.pgvector = index
+        logger.info(
+            "vectors are searched in PostgreSQL: pgvector %s, HNSW index%s",
+            extension.version_text,
+            ", iterative scans" if extension.iterative_scan else " (no iterative scans before 0.8.0)",
+        )
+
     async def aclose(self) -> None:
         if self._archive_writer is not None:
             # Archives already accepted are written before the engine goes.
             await self._archive_writer
+        if self.pgvector is not None:
+            await self.pgvector.aclose()
         await self.term_frequencies.aclose()
         await self.vectors.aclose()
         await self._db.aclose()
@@ -458,27 +518,39 @@ class SqlMemoryStore(MemoryStore):
                 return 0
             done = sorted(row.id for row in waiting)
             await conn.execute(unembedded.delete().where(unembedded.c.segment_id.in_(done)))
-            await conn.execute(
-                segment_vectors.insert(),
-                [{"segment_id": row.id, "embedding": by_key[row.id].tobytes()} for row in waiting],
-            )
             added: dict[str, list[npt.NDArray[np.float32]]] = {}
             for row in waiting:
                 added.setdefault(row.language, []).append(by_key[row.id])
-            await self._add_to_means(conn, added)
+            epoch_started = False
+            if self.pgvector is None:
+                await conn.execute(
+                    segment_vectors.insert(),
+                    [{"segment_id": row.id, "embedding": by_key[row.id].tobytes()} for row in waiting],
+                )
+                await self._add_to_means(conn, added)
+            else:
+                # The centered copies need the languages' new means.
+                means = await self._add_to_means(conn, added)
+                epoch_started = await self.pgvector.centering.insert(
+                    conn, [(row.id, row.language, by_key[row.id]) for row in waiting], means
+                )
             await self._bump(conn, scopes_of((row.agent_id, row.workspace_id) for row in waiting))
+        if epoch_started and self.pgvector is not None:
+            self.pgvector.centering.wake()
         return len(waiting)
 
     async def _add_to_means(
         self, conn: AsyncConnection, vectors: dict[str, list[npt.NDArray[np.float32]]]
-    ) -> None:
-        """Adds vectors (by language) to the running sums the languages' means come from."""
+    ) -> LanguageMeans:
+        """Adds vectors (by language) to the running sums the languages' means
+        come from; returns those languages' means as they are now."""
         sums = {language: np.sum(rows, axis=0, dtype=np.float64) for language, rows in vectors.items()}
         counts = {language: len(rows) for language, rows in vectors.items()}
         query = sa.select(language_means).where(language_means.c.language.in_(sorted(sums)))
         if not self._db.is_sqlite:
             query = query.with_for_update()
         stored = {row.language: row for row in (await conn.execute(query)).all()}
+        now: dict[str, tuple[int, list[float]]] = {}
         for language, added in sums.items():
             row = stored.get(language)
             if row is None:
@@ -487,6 +559,7 @@ class SqlMemoryStore(MemoryStore):
                         language=language, count=counts[language], sums=added.astype("<f8").tobytes()
                     )
                 )
+                now[language] = (counts[language], added.astype("<f8").tolist())
                 continue
             before = np.frombuffer(row.sums, dtype="<f8")
             total, count = added, counts[language]
@@ -498,6 +571,8 @@ class SqlMemoryStore(MemoryStore):
                 .where(language_means.c.language == language)
                 .values(count=count, sums=total.astype("<f8").tobytes())
             )
+            now[language] = (count, total.astype("<f8").tolist())
+        return LanguageMeans.restored(self.dimensions, now)
 
     # -- reading ------------------------------------------------------------
 
@@ -597,6 +672,9 @@ class SqlMemoryStore(MemoryStore):
     async def vector_search(
         self, scope: Scope, filters: Filters, query: Vector, language: str, limit: int
     ) -> list[Hit]:
+        if self.pgvector is not None and self.pgvector.ready:
+            return await self.pgvector.search(scope, filters, query, language, limit)
+
         async def read() -> list[Hit]:
             async with self._db.transaction(write=False) as conn:
                 return await self.vectors.search(
