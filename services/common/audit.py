@@ -34,10 +34,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-import grpc
 from uuid_utils.compat import uuid7
 
-from services.common.errors import InvalidArgument, ServiceError
+from services.common.errors import InvalidArgument, PermissionDenied
 from services.common.identity import Caller
 from services.common.settings import EnvReader
 from services.common.tokens import PrincipalKind
@@ -298,10 +297,8 @@ def page_size(requested: int, *, default: int = 50, maximum: int = 200) -> int:
     return min(requested or default, maximum)
 
 
-class NotAnAdmin(ServiceError):
+class NotAnAdmin(PermissionDenied):
     """Only the workspace's owner and admins read its audit log."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 ADMIN_ROLES = frozenset({"owner", "admin"})

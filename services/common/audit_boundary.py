@@ -25,6 +25,7 @@ from services.common.authn import Policy, current_caller, identified_caller
 from services.common.errors import ServiceError
 from services.common.identity import Caller
 from services.common.outages import unavailable_error
+from services.common.status import status_name
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def refusal_record(
     if isinstance(error, grpc.aio.AbortError) or unavailable_error(error) is not None:
         return None
     if isinstance(error, ServiceError):
-        code, reason = error.code.name, error.message
+        code, reason = status_name(error), error.message
     else:
         code, reason = "INTERNAL", "internal error"
     if code in NOT_RECORDED:

@@ -1,16 +1,16 @@
-"""The categories of failure every service reports, and their gRPC status.
+"""The categories of failure every service reports.
 
-Each bounded context defines its own error classes as subclasses of these;
-one server interceptor (`services.common.interceptors`) turns them into a
-gRPC status with the error's message. Anything else becomes INTERNAL with a
-generic message, and its traceback goes to the log.
+Each bounded context defines its own error classes as subclasses of these.
+Nothing here knows about gRPC: the status a category is reported with is
+chosen at the boundary, by the table in `services.common.status`, and one
+server interceptor (`services.common.interceptors`) turns an error into that
+status with the error's message. Anything else becomes INTERNAL with a generic
+message, and its traceback goes to the log.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import grpc
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,14 +22,16 @@ class QuotaViolation:
 
 
 class ServiceError(Exception):
-    """Base of every expected failure; `code` is the gRPC status it maps to.
+    """Base of every expected failure.
 
     `retry_after_seconds`, when set, goes to the client as
     `google.rpc.RetryInfo` (how long to wait before trying again), and
-    `quota_violation` as `google.rpc.QuotaFailure`.
+    `quota_violation` as `google.rpc.QuotaFailure`. `relayed_status` is set
+    only on a refusal relayed from another service: the status name
+    (`google.rpc.Code`, e.g. "NOT_FOUND") that service chose, kept as it was.
     """
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    relayed_status: str | None = None
     retry_after_seconds: float | None = None
     quota_violation: QuotaViolation | None = None
 
@@ -41,36 +43,36 @@ class ServiceError(Exception):
 
 
 class InvalidArgument(ServiceError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """The request itself is wrong; retrying it unchanged cannot succeed."""
 
 
 class NotFound(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
+    """What the request names does not exist (or the caller may not know it does)."""
 
 
 class AlreadyExists(ServiceError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    """What the request would create exists already."""
 
 
 class PermissionDenied(ServiceError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+    """The caller is known and may not do this."""
 
 
 class Unauthenticated(ServiceError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    """The caller could not be identified."""
 
 
 class FailedPrecondition(ServiceError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """The system is not in a state where this can be done."""
 
 
 class Conflict(ServiceError):
-    code = grpc.StatusCode.ABORTED
+    """A concurrent change won; the caller may read again and retry."""
 
 
 class ResourceExhausted(ServiceError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    """A limit or quota was reached."""
 
 
 class Unavailable(ServiceError):
-    code = grpc.StatusCode.UNAVAILABLE
+    """A dependency could not be reached; retrying later may succeed."""

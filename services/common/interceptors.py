@@ -18,6 +18,7 @@ from grpc_status import rpc_status
 from services.common.errors import InvalidArgument, ServiceError
 from services.common.outages import describe, unavailable_error
 from services.common.request_rules import MAX_JSON_DEPTH, check_request
+from services.common.status import status_name
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,9 @@ async def _abort_for(error: BaseException, context: grpc.aio.ServicerContext, me
         # Says which dependency and why; the driver's own words (which may name
         # hosts) go to the log only.
         logger.warning("%s: %s (%s)", method, unavailable.message, describe(error))
-        await context.abort(unavailable.code, unavailable.message)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, unavailable.message)
     if isinstance(error, ServiceError):
-        await context.abort(error.code, error.message, _details(error))
+        await context.abort(grpc.StatusCode[status_name(error)], error.message, _details(error))
     logger.error("unexpected error in %s", method, exc_info=error)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
@@ -56,7 +57,9 @@ def _details(error: ServiceError) -> tuple[tuple[str, bytes], ...]:
         details[-1].Pack(quota)
     if not details:
         return ()
-    status = status_pb2.Status(code=error.code.value[0], message=error.message, details=details)
+    status = status_pb2.Status(
+        code=grpc.StatusCode[status_name(error)].value[0], message=error.message, details=details
+    )
     return rpc_status.to_status(status).trailing_metadata
 
 

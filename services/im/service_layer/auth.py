@@ -24,6 +24,7 @@ from uuid_utils.compat import uuid7
 
 from services.common import audit
 from services.common.identity import Caller
+from services.common.status import status_name
 from services.common.tokens import KeyRing
 from services.im.domain import access, rules
 from services.im.domain.accounts import Account, Invite, RefreshToken
@@ -194,7 +195,7 @@ class AuthService(AuthBase):
                 action="SignIn",
                 target=audit.Target("login", key),
                 at=at,
-                code=error.code.name,
+                code=status_name(error),
                 reason=error.message,
             )
         )

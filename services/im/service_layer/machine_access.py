@@ -20,6 +20,7 @@ from uuid_utils.compat import uuid7
 
 from services.common import audit
 from services.common.identity import Caller
+from services.common.status import status_name
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from services.im.domain import access, rules
 from services.im.domain.accounts import PersonalToken, PersonalTokenScope
@@ -231,7 +232,7 @@ class MachineAccess(AuthBase):
                     action="IssueServiceToken",
                     target=target,
                     at=self._clock(),
-                    code=refusal.code.name,
+                    code=status_name(refusal),
                     reason=refusal.message,
                 )
             )

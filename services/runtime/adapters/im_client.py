@@ -215,7 +215,6 @@ class GrpcIM(IMPort):
         details = error.details() or code.name
         if code in _UNREACHABLE:
             unreachable = IMUnavailable(f"the IM at {self._address} is unavailable ({code.name}): {details}")
-            unreachable.code = code
             return unreachable
         refused = _refused(code, details)
         # A quota the IM ran into is the runtime caller's too (CreateAgent over the agents' quota).
@@ -532,14 +531,12 @@ def quota_violation(trailing_metadata: Any) -> errors.QuotaViolation | None:
 
 def _refused(code: grpc.StatusCode, message: str) -> IMError:
     error = IMError(message)
-    error.code = code
+    error.relayed_status = code.name
     return error
 
 
 def _unavailable(message: str) -> IMUnavailable:
-    away = IMUnavailable(message)
-    away.code = grpc.StatusCode.UNAVAILABLE
-    return away
+    return IMUnavailable(message)
 
 
 # -- proto to port -------------------------------------------------------------
