@@ -224,3 +224,26 @@ tasks = sa.Table(
 
 # The runtime's audit log (services.common.audit): agents and what people did to them.
 audit_events = audit_table(metadata, "agent_audit_events")
+
+# Who owns each shard of agents (see services.runtime.domain.shards). Times are
+# seconds since the epoch by the database's clock, never a replica's: a lease
+# expires when the database says so, whatever the replicas' clocks say.
+shard_leases = sa.Table(
+    "shard_leases",
+    metadata,
+    sa.Column("shard", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("owner", sa.String(128), nullable=True),
+    # Incremented by every take and release: a write fenced by an older epoch is refused.
+    sa.Column("epoch", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("expires_at", sa.Float, nullable=False, server_default="0"),
+)
+
+# The live runtime replicas (a row each, kept alive by the lease renewal).
+replicas = sa.Table(
+    "replicas",
+    metadata,
+    sa.Column("id", sa.String(128), primary_key=True),
+    sa.Column("address", sa.Text, nullable=False, server_default=""),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=False),
+)

@@ -1,0 +1,234 @@
+"""Shard leases: which replica may run which agents, and proof of it.
+
+A replica holds a shard (see `services.runtime.domain.shards`) while its lease
+in the database is live. The `LeaseKeeper` renews every lease the replica
+holds in one statement per interval, takes and releases shards towards the
+target assignment a bounded number per round, and stops the runners of a
+shard the moment it can no longer prove its lease: its last successful
+renewal, by its own monotonic clock, plus the lease's time to live minus a
+safety margin. The database alone says when a lease expires (its clock), so
+replicas whose clocks disagree still agree on owners.
+
+Every write a runner makes for a shard carries the shard's `Fence` (its epoch
+when taken); the store refuses a write whose epoch is no longer the shard's
+(`LeaseLost`), so a stale owner's writes are never accepted.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+from services.common import errors
+from services.runtime.domain.shards import moves_for, target_owners
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseLost(errors.Conflict):
+    """A write carried the epoch of a shard lease its replica no longer holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """What a runner's write proves itself with: the shard, the epoch its
+    replica took it at, and the replica."""
+
+    shard: int
+    epoch: int
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    """What one read of the lease table shows: the live replicas and the
+    owner of every shard whose lease is live, at the database's time `now`."""
+
+    replicas: tuple[str, ...]
+    owners: Mapping[int, str]
+    now: float
+
+
+class LeaseStore(abc.ABC):
+    """The lease table (one per database), with the database's clock."""
+
+    @abc.abstractmethod
+    async def prepare(self, shard_count: int) -> None:
+        """Creates the rows of shards 0 .. shard_count - 1 if missing."""
+
+    @abc.abstractmethod
+    async def renew(self, replica: str, address: str, ttl_seconds: float) -> dict[int, int]:
+        """Marks `replica` live and extends every lease it holds, in one
+        statement; returns the shards it holds with their epochs."""
+
+    @abc.abstractmethod
+    async def view(self) -> LeaseView: ...
+
+    @abc.abstractmethod
+    async def take(self, replica: str, shards: Collection[int], ttl_seconds: float) -> dict[int, int]:
+        """Takes those of `shards` that nobody holds (free or expired), each
+        with its epoch incremented; returns the ones taken with their epochs."""
+
+    @abc.abstractmethod
+    async def release(self, replica: str, shards: Collection[int]) -> None:
+        """Gives up `shards` (epoch incremented, so older writes are refused)."""
+
+    @abc.abstractmethod
+    async def leave(self, replica: str) -> None:
+        """Releases every shard of `replica` and forgets it."""
+
+
+ShardsChanged = Callable[[frozenset[int]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseSettings:
+    replica: str
+    address: str = ""
+    shard_count: int = 1024
+    ttl_seconds: float = 10.0
+    renew_seconds: float = 2.0
+    # How long before the database would expire a lease the replica stops
+    # trusting it: covers the time a renewal takes to reach the database.
+    margin_seconds: float = 2.0
+    max_moves: int = 64
+    load_cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.replica:
+            raise ValueError("a replica needs an id")
+        if not 0 < self.renew_seconds < self.ttl_seconds - self.margin_seconds:
+            raise ValueError(
+                "renewal must come well within a lease's time to live (0 < renew < ttl - margin)"
+            )
+
+
+@dataclass
+class LeaseCounters:
+    renewals: int = 0
+    renewal_failures: int = 0
+    taken: int = 0
+    released: int = 0
+    # Shards whose lease was lost (expired, taken, or unprovable), not given up.
+    lost: int = 0
+
+
+@dataclass
+class LeaseKeeper:
+    """One replica's leases: renewals, moves towards the target, and the
+    runners told when shards come and go."""
+
+    store: LeaseStore
+    settings: LeaseSettings
+    gained: ShardsChanged
+    lost: ShardsChanged
+    monotonic: Callable[[], float] = time.monotonic
+    counters: LeaseCounters = field(default_factory=LeaseCounters)
+    _held: dict[int, int] = field(default_factory=dict)
+    _proven_until: float = 0.0
+    _task: asyncio.Task[None] | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def held(self) -> Mapping[int, int]:
+        """The shards this replica holds (and can prove), with their epochs."""
+        return dict(self._held) if self.proven() else {}
+
+    def proven(self) -> bool:
+        return self.monotonic() < self._proven_until
+
+    def fence(self, shard: int) -> Fence | None:
+        """The fence of a write for `shard`, or None if this replica cannot
+        prove it holds the shard."""
+        epoch = self._held.get(shard)
+        if epoch is None or not self.proven():
+            return None
+        return Fence(shard, epoch, self.settings.replica)
+
+    async def start(self) -> None:
+        await self.store.prepare(self.settings.shard_count)
+        await self.round()
+        self._task = asyncio.create_task(self._keep(), name=f"leases {self.settings.replica}")
+
+    async def aclose(self) -> None:
+        """Stops renewing, stops the runners of every shard, and releases them
+        so that other replicas take them at once instead of after the TTL."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._lose(set(self._held), given_up=True)
+        with contextlib.suppress(errors.Unavailable):
+            await self.store.leave(self.settings.replica)
+
+    def nudge(self) -> None:
+        """Runs the next round now (a replica joined or left)."""
+        self._wake.set()
+
+    async def round(self) -> None:
+        """One renewal, then at most `max_moves` takes and releases."""
+        settings = self.settings
+        started = self.monotonic()
+        try:
+            renewed = await self.store.renew(settings.replica, settings.address, settings.ttl_seconds)
+        except errors.Unavailable:
+            self.counters.renewal_failures += 1
+            raise
+        self.counters.renewals += 1
+        self._proven_until = started + settings.ttl_seconds - settings.margin_seconds
+        await self._lose({shard for shard, epoch in self._held.items() if renewed.get(shard) != epoch})
+        # Shards the database says are ours that we did not know of (a take
+        # whose answer was lost): ours, at the epoch the database has.
+        adopted = {shard: epoch for shard, epoch in renewed.items() if shard not in self._held}
+        if adopted:
+            self._held.update(adopted)
+            await self.gained(frozenset(adopted))
+
+        view = await self.store.view()
+        target = target_owners(settings.shard_count, view.replicas, view.owners, load_cap=settings.load_cap)
+        moves = moves_for(settings.replica, target, view.owners, max_moves=settings.max_moves)
+        if moves.release:
+            # Runners stop before the lease goes, so the next owner never overlaps them.
+            await self._lose(set(moves.release), given_up=True)
+            await self.store.release(settings.replica, moves.release)
+            self.counters.released += len(moves.release)
+        if moves.take:
+            taken = await self.store.take(settings.replica, moves.take, settings.ttl_seconds)
+            self._held.update(taken)
+            self.counters.taken += len(taken)
+            if taken:
+                await self.gained(frozenset(taken))
+
+    async def _keep(self) -> None:
+        settings = self.settings
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), settings.renew_seconds)
+            self._wake.clear()
+            left = self._proven_until - self.monotonic()
+            try:
+                # A renewal that cannot finish while the proof lasts is no renewal.
+                await asyncio.wait_for(self.round(), max(left, 0.001) if self._held else None)
+            except (errors.Unavailable, TimeoutError) as error:
+                logger.warning("lease renewal failed: %s", error)
+            if self._held and not self.proven():
+                logger.warning(
+                    "leases of %d shards can no longer be proven; their agents stop", len(self._held)
+                )
+                await self._lose(set(self._held))
+
+    async def _lose(self, shards: set[int], *, given_up: bool = False) -> None:
+        shards &= set(self._held)
+        if not shards:
+            return
+        for shard in shards:
+            del self._held[shard]
+        if not given_up:
+            self.counters.lost += len(shards)
+        await self.lost(frozenset(shards))

@@ -1,0 +1,167 @@
+"""Shard leases against real SQLite and PostgreSQL: exclusive takes, expiry by
+the database's clock, epochs that fence stale writes, one-statement renewal."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from services.runtime.adapters.leases import SqlLeases, check_fence
+from services.runtime.adapters.sql import Database
+from services.runtime.service_layer.leases import Fence, LeaseLost
+
+SHARDS = 64
+
+
+@pytest.fixture
+async def database(own_runtime_url: str) -> AsyncIterator[Database]:
+    database = Database(own_runtime_url)
+    try:
+        yield database
+    finally:
+        await database.aclose()
+
+
+@pytest.fixture
+async def leases(database: Database) -> SqlLeases:
+    leases = SqlLeases(database)
+    await leases.prepare(SHARDS)
+    return leases
+
+
+async def test_prepare_makes_the_shards_once_and_refuses_another_count(
+    database: Database, leases: SqlLeases
+) -> None:
+    await leases.prepare(SHARDS)
+    view = await leases.view()
+    assert view.owners == {} and view.replicas == ()
+    async with database.transaction(write=False) as conn:
+        rows = (await conn.execute(sa.text("SELECT count(*) FROM " + _table(database)))).scalar_one()
+    assert rows == SHARDS
+    with pytest.raises(ValueError, match="RUNTIME_SHARDS"):
+        await leases.prepare(SHARDS // 2)
+
+
+def _table(database: Database) -> str:
+    return "shard_leases" if database.is_sqlite else "runtime.shard_leases"
+
+
+async def test_two_replicas_taking_the_same_shards_at_once_split_them(leases: SqlLeases) -> None:
+    everything = range(SHARDS)
+    a, b = await asyncio.gather(leases.take("a", everything, 30), leases.take("b", everything, 30))
+    assert set(a).isdisjoint(b) and set(a) | set(b) == set(everything)
+    assert set(a.values()) | set(b.values()) == {1}
+    # Nothing is free now.
+    assert await leases.take("c", everything, 30) == {}
+    view = await leases.view()
+    assert view.owners == {**dict.fromkeys(a, "a"), **dict.fromkeys(b, "b")}
+
+
+async def test_renewal_marks_the_replica_live_and_returns_what_it_holds(leases: SqlLeases) -> None:
+    taken = await leases.take("a", [1, 2, 3], 30)
+    assert await leases.renew("a", "10.0.0.1:50052", 30) == taken
+    assert await leases.renew("b", "10.0.0.2:50052", 30) == {}
+    assert (await leases.view()).replicas == ("a", "b")
+
+
+async def test_a_lease_expires_by_the_database_clock_and_its_next_owner_has_a_new_epoch(
+    leases: SqlLeases,
+) -> None:
+    assert await leases.take("a", [5], 0.2) == {5: 1}
+    assert await leases.take("b", [5], 30) == {}
+    await wait_until_expired(leases, 5)
+    assert await leases.take("b", [5], 30) == {5: 2}
+    # The old owner's renewal no longer finds it.
+    assert await leases.renew("a", "", 30) == {}
+    assert await leases.renew("b", "", 30) == {5: 2}
+
+
+async def wait_until_expired(leases: SqlLeases, shard: int) -> None:
+    async with asyncio.timeout(10):
+        while shard in (await leases.view()).owners:  # noqa: ASYNC110 - the database's clock has no event
+            await asyncio.sleep(0.05)
+
+
+async def test_release_and_leave_bump_the_epoch_and_free_the_shards(leases: SqlLeases) -> None:
+    assert await leases.take("a", [1, 2], 30) == {1: 1, 2: 1}
+    await leases.renew("a", "", 30)
+    await leases.release("a", [1])
+    assert await leases.take("b", [1, 2], 30) == {1: 3}
+    await leases.leave("a")
+    view = await leases.view()
+    assert view.owners == {1: "b"} and "a" not in view.replicas
+    assert await leases.take("b", [2], 30) == {2: 3}
+
+
+async def test_a_fenced_write_is_refused_once_the_shard_has_moved(
+    database: Database, leases: SqlLeases
+) -> None:
+    taken = await leases.take("a", [7], 30)
+    fence = Fence(7, taken[7], "a")
+    async with database.transaction() as conn:
+        await check_fence(conn, fence)
+    await leases.release("a", [7])
+    await leases.take("b", [7], 30)
+    with pytest.raises(LeaseLost):
+        async with database.transaction() as conn:
+            await check_fence(conn, fence)
+    async with database.transaction() as conn:
+        await check_fence(conn, Fence(7, 3, "b"))
+
+
+async def test_a_take_waits_for_a_fenced_write_in_flight(database: Database, leases: SqlLeases) -> None:
+    """The fence cannot race a take: the take's update waits for the writer's
+    share lock, so the write commits under the old epoch and every later one
+    sees the new epoch."""
+    if database.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a take cannot run beside a write at all")
+    await leases.take("a", [9], 0.2)
+    fence = Fence(9, 1, "a")
+    await wait_until_expired(leases, 9)
+    async with database.transaction() as conn:
+        await check_fence(conn, fence)  # expired but not taken: still the shard's epoch
+        take = asyncio.create_task(leases.take("b", [9], 30))
+        await wait_for_lock_wait(database)
+        assert not take.done()
+    assert await take == {9: 2}
+    with pytest.raises(LeaseLost):
+        async with database.transaction() as conn:
+            await check_fence(conn, fence)
+
+
+async def wait_for_lock_wait(database: Database) -> None:
+    query = sa.text(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    async with asyncio.timeout(10):
+        while True:
+            async with database.transaction(write=False) as conn:
+                if (await conn.execute(query)).scalar_one():
+                    return
+            await asyncio.sleep(0.02)
+
+
+async def test_renewal_is_one_statement_whatever_the_shards_held(
+    database: Database, leases: SqlLeases
+) -> None:
+    await leases.take("a", range(SHARDS), 30)
+    statements: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if "shard_leases" in statement or "replicas" in statement:
+            statements.append(statement)
+
+    sa.event.listen(database.engine.sync_engine, "before_cursor_execute", count)
+    try:
+        held = await leases.renew("a", "", 30)
+    finally:
+        sa.event.remove(database.engine.sync_engine, "before_cursor_execute", count)
+    assert len(held) == SHARDS
+    # PostgreSQL: the heartbeat rides in the renewal's CTE. SQLite (one process
+    # by design) sends the two in one transaction.
+    assert len(statements) == (2 if database.is_sqlite else 1)

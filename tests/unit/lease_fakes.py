@@ -1,0 +1,83 @@
+"""An in-memory lease table with a clock the test moves."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from services.common import errors
+from services.runtime.service_layer.leases import LeaseStore, LeaseView
+
+
+@dataclass
+class Clock:
+    now: float = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Row:
+    owner: str | None = None
+    epoch: int = 0
+    expires_at: float = 0.0
+
+
+@dataclass
+class InMemoryLeases(LeaseStore):
+    clock: Clock
+    rows: dict[int, Row] = field(default_factory=dict)
+    replicas: dict[str, float] = field(default_factory=dict)
+    down: bool = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise errors.Unavailable("the database is down")
+
+    async def prepare(self, shard_count: int) -> None:
+        self._check()
+        for shard in range(shard_count):
+            self.rows.setdefault(shard, Row())
+
+    async def renew(self, replica: str, address: str, ttl_seconds: float) -> dict[int, int]:
+        self._check()
+        self.replicas[replica] = self.clock.now + ttl_seconds
+        held = {}
+        for shard, row in self.rows.items():
+            if row.owner == replica:
+                row.expires_at = self.clock.now + ttl_seconds
+                held[shard] = row.epoch
+        return held
+
+    async def view(self) -> LeaseView:
+        self._check()
+        now = self.clock.now
+        return LeaseView(
+            replicas=tuple(sorted(r for r, until in self.replicas.items() if until > now)),
+            owners={
+                s: row.owner for s, row in self.rows.items() if row.owner is not None and row.expires_at > now
+            },
+            now=now,
+        )
+
+    async def take(self, replica: str, shards: Collection[int], ttl_seconds: float) -> dict[int, int]:
+        self._check()
+        taken = {}
+        for shard in shards:
+            row = self.rows[shard]
+            if row.owner is None or row.expires_at <= self.clock.now:
+                row.owner, row.epoch, row.expires_at = replica, row.epoch + 1, self.clock.now + ttl_seconds
+                taken[shard] = row.epoch
+        return taken
+
+    async def release(self, replica: str, shards: Collection[int]) -> None:
+        self._check()
+        for shard in shards:
+            row = self.rows[shard]
+            if row.owner == replica:
+                row.owner, row.epoch, row.expires_at = None, row.epoch + 1, self.clock.now
+
+    async def leave(self, replica: str) -> None:
+        await self.release(replica, [s for s, row in self.rows.items() if row.owner == replica])
+        self.replicas.pop(replica, None)

@@ -1,0 +1,141 @@
+"""The lease keeper against an in-memory lease table and a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import errors
+from services.runtime.service_layer.leases import LeaseKeeper, LeaseSettings
+from tests.unit.lease_fakes import Clock, InMemoryLeases
+
+SHARDS = 32
+
+
+class Replica:
+    def __init__(self, name: str, store: InMemoryLeases, clock: Clock, *, max_moves: int = 64) -> None:
+        self.running: set[int] = set()
+        self.keeper = LeaseKeeper(
+            store=store,
+            settings=LeaseSettings(
+                replica=name,
+                shard_count=SHARDS,
+                ttl_seconds=10,
+                renew_seconds=2,
+                margin_seconds=2,
+                max_moves=max_moves,
+            ),
+            gained=self.gained,
+            lost=self.lost,
+            monotonic=clock,
+        )
+
+    async def gained(self, shards: frozenset[int]) -> None:
+        assert not shards & self.running
+        self.running |= shards
+
+    async def lost(self, shards: frozenset[int]) -> None:
+        assert shards <= self.running
+        self.running -= shards
+
+
+async def rounds(replicas: list[Replica], clock: Clock, count: int = 4) -> None:
+    for _ in range(count):
+        for replica in replicas:
+            await replica.keeper.round()
+        clock.now += 2
+
+
+def assert_one_owner_each(replicas: list[Replica]) -> None:
+    seen: dict[int, int] = {}
+    for replica in replicas:
+        for shard in replica.running:
+            seen[shard] = seen.get(shard, 0) + 1
+    assert sorted(seen) == list(range(SHARDS)) and set(seen.values()) == {1}
+
+
+async def test_replicas_share_the_shards_and_run_each_once() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    replicas = [Replica(name, store, clock) for name in "abc"]
+    await rounds(replicas, clock)
+    assert_one_owner_each(replicas)
+    assert sorted(len(r.running) for r in replicas) == [10, 11, 11]
+    for replica in replicas:
+        assert set(replica.keeper.held) == replica.running
+        shard = next(iter(replica.running))
+        fence = replica.keeper.fence(shard)
+        assert fence is not None and fence.epoch == store.rows[shard].epoch
+
+
+async def test_a_new_replica_gets_its_share_a_bounded_number_per_round() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    replicas = [Replica(name, store, clock, max_moves=2) for name in "abc"]
+    await rounds(replicas, clock, count=8)
+    newcomer = Replica("d", store, clock, max_moves=2)
+    replicas.append(newcomer)
+    await newcomer.keeper.round()
+    await rounds(replicas, clock, count=1)
+    assert 0 < len(newcomer.running) <= 2 * 3  # up to 2 from each of the three
+    await rounds(replicas, clock, count=8)
+    assert_one_owner_each(replicas)
+    assert len(newcomer.running) == SHARDS // 4
+
+
+async def test_a_replica_that_cannot_renew_stops_its_runners_before_anyone_else_may_start_them() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    a, b = Replica("a", store, clock), Replica("b", store, clock)
+    await rounds([a, b], clock)
+    held_by_a = set(a.running)
+    assert held_by_a
+    # a's database goes away (b's does not: the fake has one switch, so b is simply not asked).
+    store.down = True
+    with pytest.raises(errors.Unavailable):
+        await a.keeper.round()
+    store.down = False
+    # The last renewal was at most 2 s ago; 8 s on (ttl 10 - margin 2), a can no longer prove it.
+    clock.now += 6
+    assert a.keeper.held == {} and a.keeper.fence(next(iter(held_by_a))) is None
+    # ... and that is before the database lets b take them.
+    assert set((await store.view()).owners) >= held_by_a
+    clock.now += 4
+    await b.keeper.round()
+    await b.keeper.round()
+    assert held_by_a <= b.running
+
+
+async def test_a_shard_taken_away_is_stopped_at_the_next_renewal() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    a = Replica("a", store, clock)
+    await a.keeper.round()
+    assert a.running == set(range(SHARDS))
+    # Someone else takes shard 3 (its lease looked expired to the database).
+    store.rows[3].expires_at = clock.now
+    await store.take("intruder", [3], 10)
+    await a.keeper.round()
+    assert 3 not in a.running and a.keeper.fence(3) is None
+    assert a.keeper.counters.lost == 1
+
+
+async def test_closing_releases_every_shard_at_once() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    a, b = Replica("a", store, clock), Replica("b", store, clock)
+    await rounds([a, b], clock)
+    await a.keeper.aclose()
+    assert a.running == set() and a.keeper.counters.lost == 0
+    # No TTL to wait for: b takes them in its next rounds.
+    await b.keeper.round()
+    assert b.running == set(range(SHARDS))
+
+
+def test_renewal_must_come_well_within_the_ttl() -> None:
+    with pytest.raises(ValueError, match="renew"):
+        LeaseSettings(replica="a", ttl_seconds=10, renew_seconds=9, margin_seconds=2)
