@@ -12,8 +12,10 @@ from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor
 from services.common.oidc import ProviderClient
 from services.common.ratelimit import RateLimitInterceptor
+from services.common.redis_signals import RedisSignal
 from services.common.server import GrpcServer
 from services.common.settings import ConfigError
+from services.common.signals import InProcessSignal
 from services.common.tokens import KeyRing, KeyRingError, Verifier, has_signing_key, keyring_source
 from services.im.adapters.message_log import open_message_log
 from services.im.adapters.oidc_keys import HttpProviderKeys
@@ -24,7 +26,6 @@ from services.im.adapters.service_credentials import (
     ensure_embedded_credentials,
     read_credentials,
 )
-from services.im.adapters.signals import InProcessSignal, RedisSignal
 from services.im.adapters.sql import Database
 from services.im.adapters.tables import audit_events
 from services.im.config import Settings

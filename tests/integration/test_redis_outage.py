@@ -16,14 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentim.im.v1 import im_pb2
-from services.im.adapters.signals import RedisSignal
+from services.common.redis_signals import RedisSignal
 from services.im.bootstrap import SIGNALS_HEALTH_NAME
 from tests.conftest import ImFactory, RunningIM, make_world, next_event
 from tests.faults.harness import RedisProcess
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-SIGNALS_LOGGER = "services.im.adapters.signals"
+SIGNALS_LOGGER = "services.common.redis_signals"
 
 
 async def health_of(im: RunningIM, service: str = "") -> int:

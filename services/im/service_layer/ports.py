@@ -9,13 +9,13 @@ from __future__ import annotations
 import abc
 import enum
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
 from typing import Protocol, Self
 
 from services.common.audit import AuditRecord
+from services.common.signals import Signal
 from services.im.domain.model import (
     Event,
     Group,
@@ -441,28 +441,6 @@ class TransactionalEventLog(EventLog):
             return await tx.last_event_sequence(workspace_id)
 
 
-class EventSignal(abc.ABC):
-    """Tells every replica's event hub that a workspace has new events.
-
-    A signal carries no data that matters for correctness: the database is
-    the only source of truth, and a lost signal only delays delivery.
-    """
-
-    @abc.abstractmethod
-    async def publish(self, workspace_id: uuid.UUID, sequence: int) -> None: ...
-
-    @abc.abstractmethod
-    def connect(self, on_signal: Callable[[uuid.UUID | None, int], None]) -> None:
-        """Registers the receiver; a workspace of None means 'check every workspace'."""
-
-    async def start(self) -> None:  # noqa: B027 - optional hook, a no-op by default
-        """Starts listening (a no-op for in-process signalling)."""
-
-    @property
-    def degraded(self) -> bool:
-        """Whether signals from other replicas cannot arrive now (delivery then
-        falls back to reading the database at intervals). Never, in-process."""
-        return False
-
-    async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
-        """Stops listening and releases connections. Idempotent."""
+# Tells every replica's event hub that a workspace has new events (the key is
+# the workspace, the sequence its newest event's).
+EventSignal = Signal

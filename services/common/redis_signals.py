@@ -1,11 +1,4 @@
-"""Event signals: in-process by default, Redis pub/sub across replicas.
-
-A signal says only "workspace W has events up to N"; receivers read the
-events from the database. Losing a signal delays delivery, never loses an
-event: while Redis is away every hub reads every workspace at a short
-interval, and after Redis comes back every hub is told to look at every
-workspace once.
-"""
+"""Signals across replicas over Redis pub/sub (see `services.common.signals`)."""
 
 from __future__ import annotations
 
@@ -13,62 +6,39 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
 
 import redis.asyncio as redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.im.service_layer.ports import EventSignal
+from services.common.signals import InProcessSignal, Receiver, Signal
 
 logger = logging.getLogger(__name__)
 
-Receiver = Callable[[uuid.UUID | None, int], None]
 
-
-class InProcessSignal(EventSignal):
-    """Delivers signals to receivers in this process, synchronously."""
-
-    def __init__(self) -> None:
-        self._receivers: list[Receiver] = []
-
-    def connect(self, on_signal: Receiver) -> None:
-        self._receivers.append(on_signal)
-
-    async def publish(self, workspace_id: uuid.UUID, sequence: int) -> None:
-        self.deliver(workspace_id, sequence)
-
-    def deliver(self, workspace_id: uuid.UUID | None, sequence: int) -> None:
-        for receiver in self._receivers:
-            receiver(workspace_id, sequence)
-
-    async def publish_all(self) -> None:
-        """Asks every receiver to look at every workspace."""
-        self.deliver(None, 0)
-
-
-class RedisSignal(EventSignal):
+class RedisSignal(Signal):
     """Publishes signals on Redis and listens for every replica's.
 
     The local receivers are also called directly, so delivery in this
     process does not wait for a Redis round trip. Publishing happens in one
     background task that sends only the newest sequence per workspace, so a
     burst of messages costs few Redis calls and a slow or absent Redis never
-    slows down the calls that commit events.
+    slows down the calls that commit what they signal.
 
     While the subscription is lost (Redis down or unreachable) delivery
     degrades instead of stopping: every receiver is told to look at every
-    workspace each `fallback_interval_seconds`, which reads the database (the
+    key each `fallback_interval_seconds`, which reads the database (the
     truth) for what other replicas committed. Reconnection tries back off from
     50 ms to `reconnect_max_seconds`. The outage is logged once as a warning
     and its end once at INFO; `degraded` says whether one is going on.
 
     Args:
         url: Redis URL.
-        channel_prefix: prefix of the per-workspace channels.
+        channel_prefix: prefix of the per-key channels.
         reconnect_max_seconds: cap of the backoff between reconnection tries.
         fallback_interval_seconds: while Redis is unreachable, how often
-            every workspace is read from the database.
+            every key is read from the database.
+        name: names the background tasks and the log lines.
     """
 
     def __init__(
@@ -78,6 +48,7 @@ class RedisSignal(EventSignal):
         channel_prefix: str = "agentim:im:events:",
         reconnect_max_seconds: float = 1.0,
         fallback_interval_seconds: float = 0.25,
+        name: str = "im",
     ) -> None:
         # No retries inside redis-py (by default up to ten, over seconds): a
         # lost connection must be noticed at once, to fall back to the
@@ -90,6 +61,7 @@ class RedisSignal(EventSignal):
             retry=Retry(NoBackoff(), 0),
         )
         self._prefix = channel_prefix
+        self._name = name
         self._reconnect_max = reconnect_max_seconds
         self._fallback_interval = fallback_interval_seconds
         self._local = InProcessSignal()
@@ -113,17 +85,17 @@ class RedisSignal(EventSignal):
     def connect(self, on_signal: Receiver) -> None:
         self._local.connect(on_signal)
 
-    async def publish(self, workspace_id: uuid.UUID, sequence: int) -> None:
-        await self._local.publish(workspace_id, sequence)
-        if sequence > self._pending.get(workspace_id, 0):
-            self._pending[workspace_id] = sequence
+    async def publish(self, key: uuid.UUID, sequence: int) -> None:
+        await self._local.publish(key, sequence)
+        if sequence > self._pending.get(key, 0):
+            self._pending[key] = sequence
             self._has_pending.set()
 
     async def start(self) -> None:
         """Subscribes (or, with Redis unreachable, starts the fallback reads); returns after the first try."""
         if self._listener is None:
-            self._listener = asyncio.create_task(self._listen(), name="im-redis-signal")
-            self._publisher = asyncio.create_task(self._publish_pending(), name="im-redis-publish")
+            self._listener = asyncio.create_task(self._listen(), name=f"{self._name}-redis-signal")
+            self._publisher = asyncio.create_task(self._publish_pending(), name=f"{self._name}-redis-publish")
             await self._tried.wait()
 
     async def _publish_pending(self) -> None:
@@ -134,19 +106,19 @@ class RedisSignal(EventSignal):
             batch, self._pending = self._pending, {}
             try:
                 async with self._client.pipeline(transaction=False) as pipe:
-                    for workspace_id, sequence in batch.items():
-                        pipe.publish(f"{self._prefix}{workspace_id}", str(sequence))
+                    for key, sequence in batch.items():
+                        pipe.publish(f"{self._prefix}{key}", str(sequence))
                     await pipe.execute()
                 failures = 0
             except asyncio.CancelledError:
                 raise
             except Exception as error:
-                # Keep the newest sequence per workspace and try again later.
+                # Keep the newest sequence per key and try again later.
                 # The listener reports the outage (once); this would repeat it.
                 failures += 1
-                for workspace_id, sequence in batch.items():
-                    if sequence > self._pending.get(workspace_id, 0):
-                        self._pending[workspace_id] = sequence
+                for key, sequence in batch.items():
+                    if sequence > self._pending.get(key, 0):
+                        self._pending[key] = sequence
                 delay = self._backoff(failures)
                 logger.debug("publishing %d signals failed (%s); again in %.2fs", len(batch), error, delay)
                 await asyncio.sleep(delay)
@@ -182,14 +154,17 @@ class RedisSignal(EventSignal):
         if self._lost_at is None:
             self._lost_at = asyncio.get_running_loop().time()
             logger.warning(
-                "Redis event signals lost (%s); reading the database every %.0f ms until Redis is back",
+                "Redis %s signals lost (%s); reading the database every %.0f ms until Redis is back",
+                self._name,
                 error or type(error).__name__,
                 self._fallback_interval * 1000,
             )
             # Signals on their way when the connection broke are lost.
             self._local.deliver(None, 0)
         if self._poller is None or self._poller.done():
-            self._poller = asyncio.create_task(self._read_while_degraded(), name="im-redis-fallback")
+            self._poller = asyncio.create_task(
+                self._read_while_degraded(), name=f"{self._name}-redis-fallback"
+            )
 
     def _restored(self) -> None:
         self._subscribed = True
@@ -197,7 +172,7 @@ class RedisSignal(EventSignal):
         if self._lost_at is None:
             return
         now = asyncio.get_running_loop().time()
-        logger.info("Redis event signals restored after %.1f s", now - self._lost_at)
+        logger.info("Redis %s signals restored after %.1f s", self._name, now - self._lost_at)
         self._lost_at = None
         # Anything published while we were away is in the database.
         self._local.deliver(None, 0)
@@ -218,12 +193,12 @@ class RedisSignal(EventSignal):
         if not isinstance(channel, bytes) or not isinstance(data, bytes):
             return
         try:
-            workspace_id = uuid.UUID(channel.decode()[len(self._prefix) :])
+            key = uuid.UUID(channel.decode()[len(self._prefix) :])
             sequence = int(data)
         except ValueError:
-            logger.warning("ignoring a malformed event signal on %r", channel)
+            logger.warning("ignoring a malformed %s signal on %r", self._name, channel)
             return
-        self._local.deliver(workspace_id, sequence)
+        self._local.deliver(key, sequence)
 
     async def aclose(self) -> None:
         for task in (self._listener, self._publisher, self._poller):
