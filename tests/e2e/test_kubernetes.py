@@ -31,6 +31,7 @@ import yaml
 
 from gateway.sessions import new_session_key
 from services.common.settings import ConfigError
+from services.common.tls import make_dev_certs
 from services.common.tokens import KeyRing
 from services.im.adapters.service_credentials import ensure_embedded_credentials
 from services.im.bootstrap import prepare_identity
@@ -43,17 +44,24 @@ KUBERNETES = ROOT / "deploy" / "kubernetes"
 # The oldest release with every field used (gRPC probes are GA since 1.27;
 # 1.29 is the oldest still served by the major clouds) and the newest bundled.
 SCHEMA_VERSIONS = ("1.29.0", "1.37.0")
-RENDERS = ("base", "overlays/example", "overlays/example+autoscaling")
 AUTOSCALING = "queue-depth-autoscaling"
+MUTUAL_TLS = "mutual-tls"
+COMPONENTS = (AUTOSCALING, MUTUAL_TLS)
+# The example overlay alone and with each component, as their comments say to include them.
+OVERLAYS = ("overlays/example", *(f"overlays/example+{component}" for component in COMPONENTS))
+RENDERS = ("base", *OVERLAYS)
+SERVICES = ("im", "runtime", "memory", "gateway")
 EXAMPLE_IMAGE = "registry.example.com/agentim:0.1.0"
 EXAMPLE_NAMESPACE = "agentim"
-# Made outside the kustomization (the example overlay's step 2): its files
-# are named by their key ids, which a rotation changes.
-OUT_OF_BAND_SECRETS = {"agentim-im-signing-keys"}
+# Secrets made outside the kustomization, from these directories of the
+# example overlay's secrets/: the signing keys (the overlay's step 2: their
+# files are named by their key ids, which a rotation changes) and the
+# certificates of the mutual-tls component.
+OUT_OF_BAND_SECRETS = {"agentim-im-signing-keys": "keys", "agentim-tls": "tls"}
+# Variables naming a file or directory of secrets: only ever in a Secret volume.
+SECRET_PATH = re.compile(r"((SECRET|KEYS|CREDENTIALS)_(FILE|DIR)|^GRPC_TLS_KEY)$")
 # Variables holding a secret itself: only ever from a secretKeyRef.
 SECRET_VALUE = re.compile(r"(SECRET|PASSWORD|TOKEN|_KEY|DATABASE_URL|REDIS_URL)$")
-# Variables naming a file or directory of secrets: only ever in a Secret volume.
-SECRET_PATH = re.compile(r"(SECRET|KEYS|CREDENTIALS)_(FILE|DIR)$")
 CREDENTIALS_IN_URL = re.compile(r"://[^/@\s]+:[^/@\s]*@")
 
 Manifest = dict[str, Any]
@@ -98,11 +106,13 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (secrets / "gateway-session-key").write_text(new_session_key() + "\n")
     (secrets / "database-url").write_text("postgresql://agentim:not-a-password@postgres.example:5432/agentim")
     (secrets / "redis-url").write_text("redis://redis.example:6379/0")
-    # The example overlay with the autoscaling component, included as its comment says.
-    autoscaled = copy / "overlays" / "example+autoscaling"
-    shutil.copytree(copy / "overlays" / "example", autoscaled)
-    with (autoscaled / "kustomization.yaml").open("a") as kustomization:
-        kustomization.write(f"\ncomponents:\n  - ../../components/{AUTOSCALING}\n")
+    # The mutual-tls component's certificates, as its comment makes them.
+    make_dev_certs(secrets / "tls", SERVICES)
+    for component in COMPONENTS:
+        overlay = copy / "overlays" / f"example+{component}"
+        shutil.copytree(copy / "overlays" / "example", overlay)
+        with (overlay / "kustomization.yaml").open("a") as kustomization:
+            kustomization.write(f"\ncomponents:\n  - ../../components/{component}\n")
     return copy
 
 
@@ -192,10 +202,9 @@ def _secret_data(manifests: list[Manifest], name: str) -> dict[str, bytes] | Non
 
 
 def _out_of_band_secret(tree: Path, name: str) -> dict[str, bytes]:
-    """The Secret the example overlay's step 2 makes from the keys directory."""
-    assert name == "agentim-im-signing-keys", f"no way to make Secret {name} here"
-    keys = tree / "overlays" / "example" / "secrets" / "keys"
-    return {path.name: path.read_bytes() for path in keys.iterdir()}
+    """A Secret made with `kubectl create secret generic NAME --from-file=DIRECTORY/`."""
+    directory = tree / "overlays" / "example" / "secrets" / OUT_OF_BAND_SECRETS[name]
+    return {path.name: path.read_bytes() for path in directory.iterdir()}
 
 
 def _materialize(workload: Manifest, manifests: list[Manifest], tree: Path, scratch: Path) -> dict[str, str]:
@@ -252,7 +261,11 @@ def _assert_command_accepted(command: Any) -> None:
     subcommand before it acts on --help), in this process: seven
     interpreters importing the services cost seconds of CPU."""
     module, arguments = _python_module_command(command)
-    main = importlib.import_module(f"{module}.__main__").main
+    imported = importlib.import_module(module)
+    # `python -m` runs a package's __main__, or the module itself.
+    main = (
+        importlib.import_module(f"{module}.__main__").main if hasattr(imported, "__path__") else imported.main
+    )
     with pytest.raises(SystemExit) as exited:
         main([*arguments, "--help"])
     assert exited.value.code in (0, None), f"{command!r} is refused by {module}"
@@ -284,7 +297,7 @@ def _pre_stop_seconds(container: Manifest) -> float:
 
 def test_every_kustomization_is_rendered_by_this_test() -> None:
     found = {str(path.parent.relative_to(KUBERNETES)) for path in KUBERNETES.rglob("kustomization.yaml")}
-    checked = {name for name in RENDERS if "+" not in name} | {f"components/{AUTOSCALING}"}
+    checked = {name for name in RENDERS if "+" not in name} | {f"components/{c}" for c in COMPONENTS}
     assert found == checked, "a kustomization this test does not render (add it to RENDERS)"
 
 
@@ -335,7 +348,7 @@ def test_no_overlay_scales_the_runtime_before_fenced_leases() -> None:
 def test_the_autoscaling_example_scales_the_runtime_on_an_external_queue_metric(
     rendered: dict[str, list[Manifest]],
 ) -> None:
-    manifests = rendered["overlays/example+autoscaling"]
+    manifests = rendered[f"overlays/example+{AUTOSCALING}"]
     (autoscaler,) = _of_kind(manifests, "HorizontalPodAutoscaler").values()
     target = autoscaler["spec"]["scaleTargetRef"]
     assert (target["kind"], target["name"]) == ("Deployment", "runtime")
@@ -364,9 +377,11 @@ def test_every_command_is_accepted_and_every_service_is_migrated(example: list[M
     }
 
 
+@pytest.mark.parametrize("render", OVERLAYS)
 def test_every_environment_loads_as_settings_and_sets_only_what_the_service_reads(
-    example: list[Manifest], tree: Path, tmp_path: Path
+    rendered: dict[str, list[Manifest]], render: str, tree: Path, tmp_path: Path
 ) -> None:
+    example = rendered[render]
     for name, workload in _workloads(example).items():
         environment = _ReadRecorder(_materialize(workload, example, tree, tmp_path))
         settings_class = _settings_class(_module(workload))
@@ -385,8 +400,9 @@ def test_every_environment_loads_as_settings_and_sets_only_what_the_service_read
             assert set(identity.services) == {"runtime", "memory"}
 
 
-def test_secrets_come_only_from_secrets(base: list[Manifest]) -> None:
-    for name, workload in _workloads(base).items():
+@pytest.mark.parametrize("render", RENDERS)
+def test_secrets_come_only_from_secrets(rendered: dict[str, list[Manifest]], render: str) -> None:
+    for name, workload in _workloads(rendered[render]).items():
         pod, container = _pod(workload), _container(workload)
         secret_volumes = {v["name"] for v in pod.get("volumes", []) if "secret" in v}
         secret_mounts = [
@@ -398,7 +414,7 @@ def test_secrets_come_only_from_secrets(base: list[Manifest]) -> None:
                 assert not CREDENTIALS_IN_URL.search(value), f"{name}: {variable} holds a password"
             if "valueFrom" in entry:
                 assert set(entry["valueFrom"]) == {"secretKeyRef"}, f"{name}: {variable}"
-            if SECRET_VALUE.search(variable):
+            if SECRET_VALUE.search(variable) and not SECRET_PATH.search(variable):
                 assert "secretKeyRef" in entry.get("valueFrom", {}), (
                     f"{name}: {variable} is a secret: set it with a secretKeyRef"
                 )
@@ -408,9 +424,11 @@ def test_secrets_come_only_from_secrets(base: list[Manifest]) -> None:
                 ), f"{name}: {variable} names a file outside the Secret volumes"
 
 
+@pytest.mark.parametrize("render", OVERLAYS)
 def test_deployments_probe_drain_and_request_resources(
-    example: list[Manifest], tree: Path, tmp_path: Path
+    rendered: dict[str, list[Manifest]], render: str, tree: Path, tmp_path: Path
 ) -> None:
+    example = rendered[render]
     for name, deployment in _of_kind(example, "Deployment").items():
         pod, container = _pod(deployment), _container(deployment)
         environment = _materialize(deployment, example, tree, tmp_path)
@@ -429,7 +447,22 @@ def test_deployments_probe_drain_and_request_resources(
             assert ports == {"grpc": listen}, name
             # grpc.health.v1 on the port the service listens on, for the server as a whole.
             for probe in (readiness, liveness, container.get("startupProbe")):
-                assert probe is not None and probe["grpc"] == {"port": listen}, name
+                assert probe is not None, name
+                if "grpc" in probe:
+                    assert probe["grpc"] == {"port": listen}, name
+                    assert settings.tls.server is None, f"{name}: the kubelet's gRPC probe speaks no TLS"
+                else:
+                    # Over TLS, checking the certificate for the name clients call it by.
+                    command = probe["exec"]["command"]
+                    assert command[:2] == ["env", f"GRPC_TLS_SERVER_NAME={name}"], name
+                    assert command[2:] == [
+                        "python",
+                        "-m",
+                        "services.common.healthcheck",
+                        f"127.0.0.1:{listen}",
+                    ]
+                    assert settings.tls.server is not None and settings.tls.client is not None, name
+                    _assert_command_accepted(command[2:])
         # The probe that restarts gives up later than the one that only takes the pod out.
         assert (
             liveness["periodSeconds"] * liveness["failureThreshold"]
