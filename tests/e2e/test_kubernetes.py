@@ -41,8 +41,8 @@ from . import ROOT, in_ci
 from .test_compose import _python_module_command, _settings_class
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
-# The oldest release with every field used (gRPC probes are GA since 1.27;
-# 1.29 is the oldest still served by the major clouds) and the newest bundled.
+# An older release with every field used (gRPC probes are GA since 1.27)
+# and the newest kubernetes-validate bundles.
 SCHEMA_VERSIONS = ("1.29.0", "1.37.0")
 AUTOSCALING = "queue-depth-autoscaling"
 MUTUAL_TLS = "mutual-tls"
@@ -73,7 +73,7 @@ Manifest = dict[str, Any]
 def _kubectl() -> str:
     command = shutil.which("kubectl")
     if command is None:
-        reason = "kubectl is missing: install it (its `kustomize` renders the manifests offline)"
+        reason = "kubectl is missing: install kubectl 1.27 or later (`kubectl kustomize` renders offline)"
         if in_ci():
             pytest.fail(reason)
         pytest.skip(reason)
