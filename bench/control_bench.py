@@ -76,8 +76,6 @@ from bench.calls import (
     send,
 )
 from bench.harness import (
-    DEFAULT_REDIS_URL,
-    ROOT,
     STALL_S,
     Backend,
     BenchError,
@@ -85,14 +83,16 @@ from bench.harness import (
     CpuMeter,
     RuntimeTables,
     Service,
+    add_backend_options,
     backend_on,
+    listed,
     scratch,
     snapshot_sources,
     wait_quiet,
 )
 from bench.report import (
-    DOC,
     Recorded,
+    add_doc_option,
     errors_note,
     grouped,
     percent,
@@ -979,35 +979,17 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m bench.control_bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: embedded,postgresql")
+    add_backend_options(parser, backends=BACKENDS, postgres_url=DEFAULT_POSTGRES_URL)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {','.join(PARTS)}")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of the task-queue measurement")
     parser.add_argument("--queue-agents", type=int, default=100, help="agents of the task-queue part")
     parser.add_argument("--tasks", type=int, default=10, help="tasks per agent in the task-queue part")
     parser.add_argument("--recovery-agents", type=int, default=1000, help="agents killed mid-run")
     parser.add_argument("--recovery-workspaces", type=int, default=10, help="workspaces they are spread over")
-    parser.add_argument(
-        "--postgres-url",
-        default=DEFAULT_POSTGRES_URL,
-        help="benchmark database (created if missing; its im and runtime schemas are dropped first)",
-    )
-    parser.add_argument(
-        "--redis-url", default=DEFAULT_REDIS_URL, help="Redis of the IM on the postgresql backend"
-    )
-    parser.add_argument(
-        "--worktree",
-        action="store_true",
-        help="run the services of the working tree, uncommitted changes included (default: HEAD's)",
-    )
-    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs after a clean run")
-    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
-    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
-    if not parts or set(parts) - set(PARTS):
-        parser.error(f"--parts: expected some of {','.join(PARTS)}, got {args.parts!r}")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or set(backends) - set(BACKENDS):
-        parser.error(f"--backends: expected some of {','.join(BACKENDS)}, got {args.backends!r}")
+    parts = listed(parser, "--parts", args.parts, PARTS)
+    backends = listed(parser, "--backends", args.backends, BACKENDS)
     counts = (args.runs, args.queue_agents, args.tasks, args.recovery_agents, args.recovery_workspaces)
     if min(counts) < 1:
         parser.error(
@@ -1031,14 +1013,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
-    run_and_record(
-        "bench.control_bench",
-        argv,
-        lambda: run(options),
-        render=lambda results, recorded: render_section(results, options, recorded),
-        write_doc=options.write_doc,
-        title=SECTION,
-    )
+    run_and_record("bench.control_bench", argv, options, run=run, render=render_section, title=SECTION)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ from bench.harness import (
     rss_mib,
     running,
 )
-from bench.report import Recorded, run_and_record
+from bench.report import Recorded, add_doc_option, run_and_record
 from bench.stats import median, ms, percentile
 from tests.identities import as_member, learn_member, member_token
 
@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="SSE client counts (default 100,1000,5000)",
     )
     parser.add_argument("--broadcasts", type=int, default=5, help="messages per client count (default 5)")
-    parser.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
     options = Options(
         runs=args.runs,
@@ -458,13 +458,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         write_doc=not args.no_doc,
     )
     run_and_record(
-        "bench.gateway_bench",
-        argv,
-        lambda: run(options),
-        render=lambda result, recorded: render(result, options, recorded),
-        write_doc=options.write_doc,
-        title=SECTION,
-        python="python",
+        "bench.gateway_bench", argv, options, run=run, render=render, title=SECTION, python="python"
     )
 
 

@@ -17,6 +17,7 @@ Everything here is Linux-only (it reads /proc).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import io
@@ -765,3 +766,41 @@ async def backend_on(
         return Backend(name, postgres_url, postgres_url, redis_url, data_dir, source)
     im_db, runtime_db = f"sqlite:///{data_dir / 'im.db'}", f"sqlite:///{data_dir / 'runtime.db'}"
     return Backend(name, im_db, runtime_db, None, data_dir, source)
+
+
+# --- command-line options -------------------------------------------------------------
+
+
+def add_backend_options(
+    parser: argparse.ArgumentParser, *, backends: Sequence[str], postgres_url: str, snapshot: bool = True
+) -> None:
+    """--backends and --postgres-url; with `snapshot` (the benchmarks that run
+    a copy of the services, the IM with Redis on postgresql) also --redis-url,
+    --worktree and --keep-logs."""
+    parser.add_argument(
+        "--backends", default=",".join(backends), help=f"comma-separated: {','.join(backends)}"
+    )
+    parser.add_argument(
+        "--postgres-url",
+        default=postgres_url,
+        help="benchmark database (created if missing; its im and runtime schemas are dropped first)",
+    )
+    if not snapshot:
+        return
+    parser.add_argument(
+        "--redis-url", default=DEFAULT_REDIS_URL, help="Redis of the IM on the postgresql backend"
+    )
+    parser.add_argument(
+        "--worktree",
+        action="store_true",
+        help="run the services of the working tree, uncommitted changes included (default: HEAD's)",
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs after a clean run")
+
+
+def listed(parser: argparse.ArgumentParser, flag: str, text: str, allowed: Sequence[str]) -> list[str]:
+    """The comma-separated names given to `flag`: at least one, each one of `allowed` (else a usage error)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or set(names) - set(allowed):
+        parser.error(f"{flag}: expected some of {','.join(allowed)}, got {text!r}")
+    return names

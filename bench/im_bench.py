@@ -60,18 +60,19 @@ from bench.calls import (
 )
 from bench.harness import (
     PYTHON,
-    ROOT,
     BenchError,
     LoadSample,
     Service,
+    add_backend_options,
     backend_on,
     closed_loop,
     code_version,
+    listed,
     process_cpu_s,
     running,
     scratch,
 )
-from bench.report import DOC, Recorded, fixed, percent, run_and_record, status
+from bench.report import Recorded, add_doc_option, fixed, percent, run_and_record, status
 from bench.speedscope import render, summarise
 from bench.stats import median, percentile
 from tests.identities import as_member
@@ -790,15 +791,10 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         "wake: one-at-a-time latency and server CPU of GetAllUnread, MarkRead and event delivery "
         "(prints only)",
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: sqlite,postgresql")
+    add_backend_options(parser, backends=BACKENDS, postgres_url=DEFAULT_POSTGRES_URL, snapshot=False)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (medians)")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per closed-loop run")
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each run")
-    parser.add_argument(
-        "--postgres-url",
-        default=DEFAULT_POSTGRES_URL,
-        help="benchmark database (created if missing; its im schema is dropped first)",
-    )
     parser.add_argument(
         "--profile-dir",
         type=Path,
@@ -810,12 +806,9 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         action="store_true",
         help="py-spy --native (C extensions and system calls; pauses the server for each sample)",
     )
-    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown or not backends:
-        parser.error(f"--backends: expected some of {','.join(BACKENDS)}, got {args.backends!r}")
+    backends = listed(parser, "--backends", args.backends, BACKENDS)
     if args.runs < 1 or args.seconds <= 0 or args.warmup < 0 or args.profile_seconds <= 0:
         parser.error("--runs must be >= 1, --seconds and --profile-seconds > 0, --warmup >= 0")
     return Options(
@@ -844,14 +837,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(reports))
         print(f"total time {time.perf_counter() - started:.0f} s")
         return
-    run_and_record(
-        "bench.im_bench",
-        argv,
-        lambda: run(options),
-        render=lambda results, recorded: render_section(results, options, recorded),
-        write_doc=options.write_doc,
-        title=SECTION,
-    )
+    run_and_record("bench.im_bench", argv, options, run=run, render=render_section, title=SECTION)
 
 
 if __name__ == "__main__":

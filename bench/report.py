@@ -9,6 +9,7 @@ section and writes it. A figure that was not measured is `nan` and shows as
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import datetime as dt
 import math
@@ -21,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -34,6 +35,7 @@ NEW_DOC = (
 )
 
 R = TypeVar("R")
+Opts = TypeVar("Opts", bound="Recordable")
 
 _NEXT_SECTION = re.compile(r"^## ", re.MULTILINE)
 
@@ -148,31 +150,43 @@ class Recorded:
     seconds: float
 
 
+class Recordable(Protocol):
+    """A benchmark's options, which say whether to write docs/benchmarks.md."""
+
+    @property
+    def write_doc(self) -> bool: ...
+
+
+def add_doc_option(parser: argparse.ArgumentParser) -> None:
+    """--no-doc: print the section without writing it to docs/benchmarks.md."""
+    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+
+
 def run_and_record(
     module: str,
     argv: Sequence[str] | None,
-    bench: Callable[[], Coroutine[Any, Any, tuple[R, str]]],
+    options: Opts,
     *,
-    render: Callable[[R, Recorded], str],
-    write_doc: bool,
+    run: Callable[[Opts], Coroutine[Any, Any, tuple[R, str]]],
+    render: Callable[[R, Opts, Recorded], str],
     title: str,
     python: str = ".venv/bin/python",
 ) -> None:
-    """Runs a benchmark (which returns its results and the code it measured),
-    prints its section and writes it to docs/benchmarks.md under `title`."""
+    """Runs a benchmark (`run` returns its results and the code it measured),
+    prints its section and, unless `--no-doc`, writes it to docs/benchmarks.md under `title`."""
     arguments = list(sys.argv[1:] if argv is None else argv)
     command = " ".join([f"{python} -m {module}", *arguments])
     started = time.perf_counter()
     try:
-        results, version = asyncio.run(bench())
+        results, version = asyncio.run(run(options))
     except BenchError as error:
         raise SystemExit(f"benchmark failed: {error}") from None
     elapsed = time.perf_counter() - started
     # Other people may commit while this runs: say so if HEAD moved.
-    section = render(results, Recorded(command, (version, code_version()), elapsed))
+    section = render(results, options, Recorded(command, (version, code_version()), elapsed))
     print()
     print(section)
-    if write_doc:
+    if options.write_doc:
         update_section(DOC, section, title)
         print(f"updated {DOC.relative_to(ROOT)}")
     print(f"total time {elapsed:.0f} s")

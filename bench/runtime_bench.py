@@ -82,11 +82,9 @@ from bench.calls import (
     watching,
 )
 from bench.harness import (
-    DEFAULT_REDIS_URL,
     PYTHON,
     QUIET_CORES,
     QUIET_WINDOW_S,
-    ROOT,
     TICKS,
     Backend,
     Clients,
@@ -94,7 +92,9 @@ from bench.harness import (
     Ended,
     RuntimeTables,
     Service,
+    add_backend_options,
     backend_on,
+    listed,
     process_cpu_s,
     rss_mib,
     scratch,
@@ -102,8 +102,8 @@ from bench.harness import (
     wait_quiet,
 )
 from bench.report import (
-    DOC,
     Recorded,
+    add_doc_option,
     errors_note,
     fixed,
     grouped,
@@ -1217,7 +1217,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m bench.runtime_bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: embedded,postgresql")
+    add_backend_options(parser, backends=BACKENDS, postgres_url=DEFAULT_POSTGRES_URL)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (medians)")
     parser.add_argument("--messages", type=int, default=200, help="sequential messages per wake-latency run")
     parser.add_argument("--pairs", default="1,32", help="agent pairs chatting, comma-separated levels")
@@ -1230,30 +1230,11 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         default="",
         help="backend of the resident-agents part (default: postgresql if run)",
     )
-    parser.add_argument(
-        "--postgres-url",
-        default=DEFAULT_POSTGRES_URL,
-        help="benchmark database (created if missing; its im and runtime schemas are dropped first)",
-    )
-    parser.add_argument(
-        "--redis-url", default=DEFAULT_REDIS_URL, help="Redis of the IM on the postgresql backend"
-    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {','.join(PARTS)}")
-    parser.add_argument(
-        "--worktree",
-        action="store_true",
-        help="run the services of the working tree, uncommitted changes included (default: HEAD's)",
-    )
-    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs after a clean run")
-    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
-    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
-    if not parts or set(parts) - set(PARTS):
-        parser.error(f"--parts: expected some of {','.join(PARTS)}, got {args.parts!r}")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown or not backends:
-        parser.error(f"--backends: expected some of {','.join(BACKENDS)}, got {args.backends!r}")
+    parts = listed(parser, "--parts", args.parts, PARTS)
+    backends = listed(parser, "--backends", args.backends, BACKENDS)
     try:
         pairs = _numbers(args.pairs)
     except ValueError:
@@ -1286,14 +1267,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
-    run_and_record(
-        "bench.runtime_bench",
-        argv,
-        lambda: run(options),
-        render=lambda results, recorded: render_section(results, options, recorded),
-        write_doc=options.write_doc,
-        title=SECTION,
-    )
+    run_and_record("bench.runtime_bench", argv, options, run=run, render=render_section, title=SECTION)
 
 
 if __name__ == "__main__":
