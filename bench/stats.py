@@ -20,7 +20,13 @@ T = TypeVar("T")
 
 
 def nearest_rank(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values (q in 0..1; nan if empty)."""
+    """Nearest-rank percentile of already sorted values (q in 0..1; nan if empty).
+
+    The rank is round(q * n + 0.5) (Python rounds ties to even), within 1..n:
+    the usual ceil(q * n), but one rank higher when q * n is an odd whole
+    number (the p50 of 10 values is the 6th). Kept as it is because the
+    figures in docs/benchmarks.md were taken with it.
+    """
     if not sorted_values:
         return float("nan")
     rank = max(1, min(len(sorted_values), round(q * len(sorted_values) + 0.5)))
