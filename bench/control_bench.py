@@ -99,6 +99,7 @@ from bench.report import (
     preamble,
     problems_section,
     run_and_record,
+    table_head,
     tally,
 )
 from bench.stats import mean, median, median_of, ms, percentile
@@ -823,10 +824,19 @@ def _queue_section(results: Sequence[ControlResult], options: Options) -> list[s
         "average_wait_ms once every task has ended, averaged over the agents. SubmitTask: from the first "
         "call to the answer. CPU is over the whole run (100% = one core).",
         "",
-        "| Backend | Tasks/s, events (min-max) | Tasks/s, stored | Wait ms, events: mean / p50 "
-        "| Wait ms, stored: mean | Wait ms, GetQueueStats | Latency ms, events: p50 / p99 "
-        "| Latency ms, stored: p50 / p99 | SubmitTask ms: p50 / p99 | Runtime CPU | IM CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Tasks/s, events (min-max)",
+            "Tasks/s, stored",
+            "Wait ms, events: mean / p50",
+            "Wait ms, stored: mean",
+            "Wait ms, GetQueueStats",
+            "Latency ms, events: p50 / p99",
+            "Latency ms, stored: p50 / p99",
+            "SubmitTask ms: p50 / p99",
+            "Runtime CPU",
+            "IM CPU",
+        ),
     ]
     for r in results:
         if not r.queue:
@@ -854,10 +864,21 @@ def _queue_section(results: Sequence[ControlResult], options: Options) -> list[s
         "times (start_time against the predecessor's end_time and start_time) follow the slash. All "
         "should be 0; *no events* counts tasks whose RUNNING or end event never arrived.",
         "",
-        "| Backend | Run | Tasks succeeded | Other end | SubmitTask errors (calls) | Submitted after a retry "
-        "| Never submitted | Violations (events / stored) | Reordered (events / stored) | Watch cut "
-        "| No events | Left in queue |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Run",
+            "Tasks succeeded",
+            "Other end",
+            "SubmitTask errors (calls)",
+            "Submitted after a retry",
+            "Never submitted",
+            "Violations (events / stored)",
+            "Reordered (events / stored)",
+            "Watch cut",
+            "No events",
+            "Left in queue",
+            align="lrrllrrrrrrr",
+        ),
     ]
     for r in results:
         for run, x in enumerate(r.queue, 1):

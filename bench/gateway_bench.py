@@ -68,7 +68,7 @@ from bench.harness import (
     rss_mib,
     running,
 )
-from bench.report import Recorded, add_doc_option, run_and_record
+from bench.report import Recorded, add_doc_option, run_and_record, table_head
 from bench.stats import median, ms, percentile
 from tests.identities import as_member, learn_member, member_token
 
@@ -397,8 +397,7 @@ def render(result: Result, options: Options, recorded: Recorded) -> str:
         "runtime; two watchers of the same run in one process: gRPC `WatchAgent` and the gateway's "
         "`/v1/agents/{id}/events`. Latency from the fake server writing a delta to a watcher reading it.",
         "",
-        "| Measurement | p50 | p99 |",
-        "|---|---:|---:|",
+        *table_head("Measurement", "p50", "p99"),
     ]
     for name, attribute in (
         ("gRPC WatchAgent (runtime)", "grpc_ms"),
@@ -422,9 +421,17 @@ def render(result: Result, options: Options, recorded: Recorded) -> str:
         "",
         f"Gateway RSS at start (no stream): {result.rss_start_mib:.0f} MiB.",
         "",
-        "| Clients | all connected in | delivered | p50 | p99 | last client "
-        "| gateway RSS with streams open | after the broadcasts |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Clients",
+            "all connected in",
+            "delivered",
+            "p50",
+            "p99",
+            "last client",
+            "gateway RSS with streams open",
+            "after the broadcasts",
+            align="rrrrrrrr",
+        ),
     ]
     for fan in result.fan_out:
         delivered = min(fan.delivered) if fan.delivered else 0

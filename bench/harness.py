@@ -435,25 +435,17 @@ def scratch(prefix: str) -> Iterator[Scratch]:
 # --- the code under test -------------------------------------------------------------
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=10
+    ).stdout.strip()
+
+
 def code_version() -> str:
     """The commit the servers ran from, flagged if the service code had uncommitted changes."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "services", "protos", "gen"],
-            check=False,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
+        commit = _git("rev-parse", "--short", "HEAD")
+        dirty = _git("status", "--porcelain", "--", "services", "protos", "gen")
     except (OSError, subprocess.SubprocessError):
         return "unknown (git unavailable)"
     if not commit:

@@ -72,7 +72,7 @@ from bench.harness import (
     running,
     scratch,
 )
-from bench.report import Recorded, add_doc_option, fixed, percent, run_and_record, status
+from bench.report import Recorded, add_doc_option, fixed, percent, run_and_record, status, table_head
 from bench.speedscope import render, summarise
 from bench.stats import median, percentile
 from tests.identities import as_member
@@ -568,8 +568,7 @@ def wake_report(backend: str, samples: list[WakeSample]) -> str:
         [
             f"### {backend}: one call at a time, median of {len(samples)} runs of {WAKE_CALLS} calls",
             "",
-            "| Call | p50 ms (median) | p50 ms (min-max) | p90 ms | server CPU ms/call |",
-            "|---|---:|---:|---:|---:|",
+            *table_head("Call", "p50 ms (median)", "p50 ms (min-max)", "p90 ms", "server CPU ms/call"),
             row("echo (floor)", [s.echo_ms for s in samples], [math.nan]),
             row(
                 f"GetAllUnread ({WAKE_GROUPS} unread)",
@@ -645,9 +644,19 @@ def backend_section(result: BackendResult, options: Options) -> list[str]:
     lines = [
         f"### {title}",
         "",
-        "| Measurement | Calls/s (median) | Calls/s (min-max) | p50 ms | p99 ms | max ms | Errors "
-        "| Server CPU | Client CPU | Machine busy | Ratio to echo@32 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Measurement",
+            "Calls/s (median)",
+            "Calls/s (min-max)",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "Errors",
+            "Server CPU",
+            "Client CPU",
+            "Machine busy",
+            "Ratio to echo@32",
+        ),
         _load_row("echo@32 (ceiling)", result.echo, "1.00"),
         _load_row("SendMessage@1", result.send1, "-"),
         _load_row(
@@ -660,9 +669,16 @@ def backend_section(result: BackendResult, options: Options) -> list[str]:
         f"{UNREAD_MESSAGES:,} messages ({UNREAD_CALLS} sequential calls per run; seeding through "
         f"SendMessage took {result.seed_seconds:.1f} s):",
         "",
-        "| Case | Messages returned | remaining_count | Response KiB | p50 ms | p99 ms | max ms "
-        "| Unexpected answers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Case",
+            "Messages returned",
+            "remaining_count",
+            "Response KiB",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "Unexpected answers",
+        ),
         _unread_row(f"all {UNREAD_MESSAGES:,} unread (first page)", result.unread_all),
         _unread_row(f"typical: last message of each group unread ({UNREAD_GROUPS})", result.unread_typical),
         "",
@@ -716,8 +732,7 @@ def targets(results: list[BackendResult]) -> list[str]:
     p99_met = p99 < TARGET_P99_MS
     return [
         *lines,
-        "| Target | Measured | Status |",
-        "|---|---:|---|",
+        *table_head("Target", "Measured", "Status", align="lrl"),
         f"| SendMessage on PostgreSQL at 32 clients reaches at least half of the echo ceiling "
         f"measured in the same run | {ratio:.2f} x echo@32 | {status(ratio_met)} |",
         f"| SendMessage on PostgreSQL at 32 clients: p99 under {TARGET_P99_MS:.0f} ms | {p99:.2f} ms "

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from bench.memory_store_bench import (
+from bench.memory_corpus import (
     DIMENSIONS,
     VECTOR_KINDS,
     PrecomputedEmbedder,
     Vocabulary,
+    archiving_memory,
     bench_queries,
     make_embedder,
     measure,
@@ -45,9 +46,7 @@ from services.memory.adapters.tables import SCHEMA
 from services.memory.domain.model import SegmentType
 from services.memory.domain.scope import Filters, Scope
 from services.memory.domain.terms import language_of
-from services.memory.service_layer.embedding import EmbeddingWorker
 from services.memory.service_layer.handlers import AgentScopeRequest, Caller, Memory
-from tests.memory_support import FakeDirectory
 from tests.pgvector_server import pgvector_url
 
 NUMPY, PGVECTOR = "numpy (exact)", "pgvector (HNSW)"
@@ -81,15 +80,7 @@ async def prepare(options: argparse.Namespace) -> Seeded:
     await dictionary.loaded()
 
     async def seeded_through(store: SqlMemoryStore, segments: int) -> tuple[Memory, str, str, float]:
-        worker = EmbeddingWorker(store, embedder, batch_size=256)
-        memory = Memory(
-            store=store,
-            embedder=embedder,
-            directory=FakeDirectory(),
-            dictionary=dictionary,
-            on_archived=worker.wake,
-        )
-        worker.start()
+        memory, worker = archiving_memory(store, embedder, dictionary)
         try:
             agent, member, rate = await seed(
                 memory, worker, embedder, vocabulary, segments=segments, archivers=options.archivers

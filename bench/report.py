@@ -81,10 +81,14 @@ def row(*cells: object) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def table_head(*columns: str, left: int = 1) -> list[str]:
-    """A markdown table's header and alignment rows: the first `left` columns
-    left-aligned (labels), the others right-aligned (figures)."""
-    return [row(*columns), "|" + "---|" * left + "---:|" * (len(columns) - left)]
+def table_head(*columns: str, align: str = "") -> list[str]:
+    """A markdown table's header and alignment rows. `align` has an `l` (left)
+    or `r` (right) per column; by default the first column (labels) is left
+    and the others (figures) right."""
+    align = align or "l" + "r" * (len(columns) - 1)
+    if len(align) != len(columns) or set(align) - {"l", "r"}:
+        raise ValueError(f"align {align!r} does not fit {len(columns)} columns")
+    return [row(*columns), "|" + "".join("---|" if a == "l" else "---:|" for a in align)]
 
 
 def preamble(title: str, command: str, versions: tuple[str, str], seconds: float) -> list[str]:

@@ -112,6 +112,7 @@ from bench.report import (
     problems_section,
     run_and_record,
     status,
+    table_head,
     tally,
 )
 from bench.stats import median, median_of, ms, percentile
@@ -981,8 +982,7 @@ def _resident_lines(backend: str, r: ResidentResult, options: Options) -> list[s
         f"{QUIET_WINDOW_S:g} s (each runner's first cycle reads its steps and calls GetAllUnread). Runs "
         "and agent states are read from the runtime's tables. Measured once.",
         "",
-        "| Measurement | Value |",
-        "|---|---:|",
+        *table_head("Measurement", "Value"),
         f"| empty runtime (no agent): RSS / CPU while idle for {options.idle_seconds:g} s | "
         f"{r.empty_rss_mib:.0f} MiB / {r.empty_idle_cpu_ms:.0f} ms |",
         f"| CreateAgent x {r.agents:,} ({CREATE_CONCURRENCY} at a time) | {r.create_s:.1f} s "
@@ -1013,7 +1013,7 @@ def _resident_lines(backend: str, r: ResidentResult, options: Options) -> list[s
 
 
 def targets(results: Sequence[BackendResult]) -> list[str]:
-    lines = ["### Targets (issue 3)", "", "| Target | Measured | Status |", "|---|---:|---|"]
+    lines = ["### Targets (issue 3)", "", *table_head("Target", "Measured", "Status", align="lrl")]
     for r in results:
         for label, samples in (("offline model", r.wake_offline), ("fake OpenAI server", r.wake_fake)):
             if not samples:
@@ -1098,8 +1098,17 @@ def _wake_section(results: Sequence[BackendResult], options: Options) -> list[st
         "its steps with every request, so the context grows with each message: hence the first/last 50 "
         "column.",
         "",
-        "| Backend | Model | Messages | p50 ms | p99 ms | max ms | p50 first 50 / last 50 | Failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Model",
+            "Messages",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "p50 first 50 / last 50",
+            "Failed",
+            align="llrrrrrr",
+        ),
     ]
     for r in results:
         lines += _wake_rows(r)
@@ -1115,8 +1124,7 @@ def _delta_section(results: Sequence[BackendResult]) -> list[str]:
         "(this process) subtracts it from the time it receives the step_delta: the latency the runtime "
         "adds, both loopback hops included.",
         "",
-        "| Backend | Deltas | Added p50 ms | p99 ms | max ms | Lost |",
-        "|---|---:|---:|---:|---:|---:|",
+        *table_head("Backend", "Deltas", "Added p50 ms", "p99 ms", "max ms", "Lost"),
         *(_delta_rows(r)[0] for r in results if r.deltas),
         "",
         "Throughput: one long reply of one-character deltas streamed to one watcher, at offered rates "
@@ -1127,9 +1135,16 @@ def _delta_section(results: Sequence[BackendResult]) -> list[str]:
         "its last completed step). Runtime CPU "
         "is over the whole reply; the last column is the pace at which the fake server got to write.",
         "",
-        "| Backend | Offered/s | Deltas | Received | Received/s (min-max) | Streams cut | Runtime CPU "
-        "| Server wrote/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Offered/s",
+            "Deltas",
+            "Received",
+            "Received/s (min-max)",
+            "Streams cut",
+            "Runtime CPU",
+            "Server wrote/s",
+        ),
         *(row for r in results if r.deltas for row in _delta_rows(r)[1]),
         "",
     ]
@@ -1150,9 +1165,17 @@ def _chatter_section(results: Sequence[BackendResult], options: Options) -> list
         "and step is committed to the database before the next hop starts; the chats end when the "
         "agents are deleted.",
         "",
-        "| Backend | Pairs | Hops/s (min-max) | Round trips/s | Hop p50 ms | Hop p99 ms | Runtime CPU "
-        "| IM CPU | Machine busy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Pairs",
+            "Hops/s (min-max)",
+            "Round trips/s",
+            "Hop p50 ms",
+            "Hop p99 ms",
+            "Runtime CPU",
+            "IM CPU",
+            "Machine busy",
+        ),
     ]
     for r in results:
         lines += _chatter_rows(r)

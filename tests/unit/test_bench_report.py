@@ -6,6 +6,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from bench.report import (
     NEW_DOC,
     errors_note,
@@ -95,7 +97,9 @@ def test_counts_read_in_key_order() -> None:
 
 def test_tables() -> None:
     assert table_head("Backend", "p50 ms", "p99 ms") == ["| Backend | p50 ms | p99 ms |", "|---|---:|---:|"]
-    assert table_head("Backend", "Case", "n", left=2)[1] == "|---|---|---:|"
+    assert table_head("Target", "Measured", "Status", align="lrl")[1] == "|---|---:|---|"
+    with pytest.raises(ValueError, match="does not fit"):
+        table_head("a", "b", align="l")
     assert row("a", 1, "2.0") == "| a | 1 | 2.0 |"
 
 
