@@ -1,8 +1,8 @@
 """What verifying access tokens costs `SendMessage` (issue 11).
 
 One IM server (a subprocess on SQLite, as `bench.im_bench` runs it) and the
-32 senders of `bench.im_bench`; each run measures SendMessage at 32 clients
-and at 1 client twice, interleaved: once as clients call, each sender with
+32 senders of `bench.im_bench` (`bench.calls.setup_senders`); each run
+measures SendMessage at 32 clients and at 1 client twice, interleaved: once as clients call, each sender with
 its one access token (the IM verifies a token the first time it sees it and
 then remembers it), and once with a token never seen before on every call,
 so that every call is verified in full (an Ed25519 signature, issuer,

@@ -1,11 +1,11 @@
 """Benchmark of agent control (issue 5): the serial task queue and crash recovery.
 
-The servers run as in `bench.runtime_bench` (whose infrastructure this
-imports): each one a subprocess on a free loopback port, from a copy of the
-code taken at the start (HEAD's services by default, `--worktree` for
-uncommitted ones), on two backends: `embedded` (SQLite files, in-process
-event signals) and `postgresql` (the database `agentim_control_bench`,
-Redis signals for the IM). The client is this process.
+The servers run as in `bench.runtime_bench`, on `bench.harness`: each one
+a subprocess on a free loopback port, from a copy of the code taken at the
+start (HEAD's services by default, `--worktree` for uncommitted ones), on
+two backends: `embedded` (SQLite files, in-process event signals) and
+`postgresql` (the database `agentim_control_bench`, Redis signals for the
+IM). The client is this process.
 
 Measured:
 
@@ -785,9 +785,10 @@ async def bench_backend(name: str, options: Options, workdir: Path, source: Path
 
 def _method(options: Options) -> list[str]:
     return [
-        "Method: `bench/control_bench.py`, on the infrastructure of `bench/runtime_bench.py`: every service "
-        "is a subprocess on a free loopback port with LOG_LEVEL=WARNING (the IM service, the runtime and, "
-        "for the recovery, `bench/llm_server.py`); the client is the benchmark's process. Backends: "
+        "Method: `bench/control_bench.py`, on the same harness as `bench/runtime_bench.py` "
+        "(`bench/harness.py`): every service is a subprocess on a free loopback port with "
+        "LOG_LEVEL=WARNING (the IM service, the runtime and, for the recovery, `bench/llm_server.py`); "
+        "the client is the benchmark's process. Backends: "
         "*embedded* (IM and runtime on their own SQLite files, in-process event signals) and *postgresql* "
         "(both in the database `agentim_control_bench`, the IM with Redis signals). Task-queue figures are "
         f"medians of {options.runs} runs (a new workspace and new agents each, on one runtime process); "

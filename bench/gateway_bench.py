@@ -2,11 +2,12 @@
 and how many concurrent SSE clients one gateway process carries.
 
 Every server runs as its own subprocess on a free loopback port, on the
-embedded default (SQLite, in-process signals), started with the helpers of
-`bench.runtime_bench`: the IM service, the runtime, `bench.llm_server` (the
-fake OpenAI server) and the gateway (`python -m gateway serve`). The clients
-are this process. Times of different processes are compared on
-CLOCK_MONOTONIC (`time.monotonic_ns()`), system-wide on Linux.
+embedded default (SQLite, in-process signals), started by `bench.harness`
+as `bench.runtime_bench` starts them: the IM service, the runtime,
+`bench.llm_server` (the fake OpenAI server) and the gateway (`python -m
+gateway serve`). The clients are this process. Times of different processes
+are compared on CLOCK_MONOTONIC (`time.monotonic_ns()`), system-wide on
+Linux.
 
 1. Streamed deltas: an agent whose model is the fake server's
    `bench-timed-<n>-<gap_us>` streams n deltas, each carrying the time it was
