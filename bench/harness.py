@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from agentim.im.v1 import im_pb2_grpc
@@ -495,7 +495,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _BENCH_LOCK_KEY = 0x61676E62656E6368  # "agnbench"
 
 
-def _bench_database(url: str, schema: str) -> Any:
+def _bench_database(url: str, schema: str) -> URL:
     target = make_url(url).set(drivername="postgresql+asyncpg")
     if "bench" not in (target.database or ""):
         # Dropping a schema in a database that tests (or people) use would destroy their data.
