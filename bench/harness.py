@@ -11,6 +11,8 @@
 - Meters: the CPU of processes over a window (`CpuMeter`), their memory
   (`rss_mib`), `wait_quiet` until they are idle, and `closed_loop` load.
 - `RuntimeTables` reads the runtime's runs and agents from its database.
+- Around a run: `scratch` (a directory for data and logs, kept when the
+  run fails); `add_backend_options` and `listed` for the command lines.
 
 Everything here is Linux-only (it reads /proc).
 """
