@@ -1,8 +1,8 @@
 """What verifying access tokens costs `SendMessage` (issue 11).
 
 One IM server (a subprocess on SQLite, as `bench.im_bench` runs it) and the
-32 senders of `bench.im_bench`; each run measures SendMessage at 32 clients
-and at 1 client twice, interleaved: once as clients call, each sender with
+32 senders of `bench.im_bench` (`bench.calls.setup_senders`); each run
+measures SendMessage at 32 clients and at 1 client twice, interleaved: once as clients call, each sender with
 its one access token (the IM verifies a token the first time it sees it and
 then remembers it), and once with a token never seen before on every call,
 so that every call is verified in full (an Ed25519 signature, issuer,
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
-import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -34,21 +33,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from agentim.im.v1 import im_pb2_grpc
-from bench.im_bench import (
-    CALL_TIMEOUT_S,
-    CONCURRENCY,
-    MIGRATE_TIMEOUT_S,
-    LoadSample,
-    Sender,
-    _server_env,
-    closed_loop,
-    run_command,
-    running_server,
-    setup_senders,
-)
+from bench import stats
+from bench.calls import CALL_TIMEOUT_S, SEND_MEMBERS, Sender, setup_senders
+from bench.harness import LoadSample, backend_on, closed_loop
 from services.common.authn import AuthenticationInterceptor
 from services.common.identity import bearer_metadata
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Verifier, keyring_source, sign
@@ -58,6 +45,8 @@ from tests.auth_support import auth_dir
 # Calls a second that a pool of fresh tokens is sized for (more than this
 # machine serves); a pool that runs out starts over, and says so.
 POOL_CALLS_PER_SECOND = 2500
+# Each sender its own worker.
+CONCURRENCY = SEND_MEMBERS
 
 
 @dataclass
@@ -106,17 +95,11 @@ async def measure(runs: int, seconds: float, warmup: float) -> Figures:
     figures = Figures([], [], [], [])
     keys = KeyRing.load(auth_dir() / "keys")
     with tempfile.TemporaryDirectory(prefix="agentim-auth-bench-") as workdir:
-        data_dir = Path(workdir)
-        env = _server_env(f"sqlite:///{data_dir / 'im.db'}", data_dir)
-        python = sys.executable
-        await run_command([python, "-m", "services.im", "migrate"], env=env, limit_s=MIGRATE_TIMEOUT_S)
-        async with (
-            running_server(
-                "IM service", [python, "-m", "services.im", "serve"], env=env, log_path=data_dir / "im.log"
-            ) as server,
-            grpc.aio.insecure_channel(server.address) as channel,
-        ):
-            stub: Any = im_pb2_grpc.IMServiceStub(channel)
+        async with contextlib.AsyncExitStack() as stack:
+            backend = await backend_on(stack, "sqlite", workdir=Path(workdir))
+            await backend.migrate(runtime=False)
+            server = await backend.start_im(stack, name="IM service", log_path=Path(workdir) / "im.log")
+            stub: Any = backend.im_stub
             senders = await setup_senders(stub)
             verifier = Verifier(keyring_source(keys))
             claims = [await verifier.verify(s.metadata[0][1].removeprefix("Bearer ")) for s in senders]
@@ -209,14 +192,14 @@ async def authentication_cost(repeats: int = 20000) -> float:
             for _ in range(repeats // 20):
                 await interceptor.authenticate(method, metadata)
             rounds.append((time.perf_counter() - started) / (repeats // 20) * 1e6)
-    return statistics.median(rounds)
+    return stats.median(rounds)
 
 
 def report(figures: Figures, first_sight_us: float, remembered_us: float, per_call_us: float) -> str:
     def median(samples: list[LoadSample], what: str) -> float:
         if what == "throughput":
-            return statistics.median(s.throughput for s in samples)
-        return statistics.median(s.p(0.5) for s in samples)
+            return stats.median(s.throughput for s in samples)
+        return stats.median(s.p(0.5) for s in samples)
 
     ratios = [f.throughput / c.throughput for f, c in zip(figures.fresh32, figures.cached32, strict=True)]
     added = [f.p(0.5) - c.p(0.5) for f, c in zip(figures.fresh1, figures.cached1, strict=True)]
@@ -231,8 +214,8 @@ def report(figures: Figures, first_sight_us: float, remembered_us: float, per_ca
         f"| {median(figures.fresh1, 'p50'):.3f} |",
         "",
         f"New-token/seen-token throughput at 32 clients, median of the per-run ratios: "
-        f"{statistics.median(ratios):.2f}; added p50 at 1 client, median of the per-run differences: "
-        f"{statistics.median(added):.3f} ms.",
+        f"{stats.median(ratios):.2f}; added p50 at 1 client, median of the per-run differences: "
+        f"{stats.median(added):.3f} ms.",
         f"Verifier.verify in process: {first_sight_us:.0f} µs for a token seen the first time, "
         f"{remembered_us:.1f} µs for one seen before.",
         f"Authentication of a SendMessage in process (the interceptor, a token seen before): "

@@ -1,11 +1,11 @@
 """Benchmark of agent control (issue 5): the serial task queue and crash recovery.
 
-The servers run as in `bench.runtime_bench` (whose infrastructure this
-imports): each one a subprocess on a free loopback port, from a copy of the
-code taken at the start (HEAD's services by default, `--worktree` for
-uncommitted ones), on two backends: `embedded` (SQLite files, in-process
-event signals) and `postgresql` (the database `agentim_control_bench`,
-Redis signals for the IM). The client is this process.
+The servers run as in `bench.runtime_bench`, on `bench.harness`: each one
+a subprocess on a free loopback port, from a copy of the code taken at the
+start (HEAD's services by default, `--worktree` for uncommitted ones), on
+two backends: `embedded` (SQLite files, in-process event signals) and
+`postgresql` (the database `agentim_control_bench`, Redis signals for the
+IM). The client is this process.
 
 Measured:
 
@@ -49,11 +49,8 @@ import datetime as dt
 import itertools
 import math
 import os
-import platform
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -66,44 +63,46 @@ from typing import Any
 import grpc
 import sqlalchemy as sa
 
-from agentim.im.v1 import im_pb2_grpc
 from agentim.runtime.v1 import runtime_pb2 as rpb
-from agentim.runtime.v1 import runtime_pb2_grpc
-from bench.im_bench import BenchError, exclusive_postgres
-from bench.runtime_bench import (
+from bench.calls import (
     CALL_TIMEOUT_S,
     CREATE_CONCURRENCY,
-    DEFAULT_REDIS_URL,
-    DOC,
-    ROOT,
     SEND_CONCURRENCY,
-    STALL_S,
-    Backend,
-    BackendResult,
-    Clients,
-    CpuMeter,
-    RuntimeTables,
-    Service,
-    _banner_agents,
-    _errors,
-    _problems_section,
-    _states,
     bounded,
     create_agent,
     delete_agents,
     direct_chat,
-    drop_runtime_schema,
-    median,
-    ms,
     new_workspace,
-    p,
-    run_and_record,
-    run_command,
-    running,
     send,
+)
+from bench.harness import (
+    STALL_S,
+    Backend,
+    BenchError,
+    Clients,
+    CpuMeter,
+    RuntimeTables,
+    Service,
+    add_backend_options,
+    backend_on,
+    listed,
+    scratch,
     snapshot_sources,
     wait_quiet,
 )
+from bench.report import (
+    Recorded,
+    add_doc_option,
+    errors_note,
+    grouped,
+    percent,
+    preamble,
+    problems_section,
+    run_and_record,
+    table_head,
+    tally,
+)
+from bench.stats import mean, median, median_of, ms, percentile
 from tests.identities import as_member
 
 SECTION = "## Agent control (issue 5)"
@@ -436,14 +435,10 @@ async def queue_run(
             for a in created
         )
     )
-    sample.stats_wait_ms = _mean([s.average_wait_ms for s in stats])
+    sample.stats_wait_ms = mean([s.average_wait_ms for s in stats])
     sample.stats_left = sum(s.queued + int(s.running) for s in stats)
     await delete_agents(clients, person, created)
     return sample
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 async def queue_part(
@@ -451,17 +446,9 @@ async def queue_part(
 ) -> list[QueueSample]:
     name = backend.name
     samples: list[QueueSample] = []
-    async with (
-        running(
-            f"runtime, task queue ({name})",
-            [sys.executable, "-m", "services.runtime", "serve"],
-            env=backend.runtime_env(),
-            cwd=backend.source,
-            log_path=workdir / f"runtime-queue-{name}.log",
-        ) as rt,
-        grpc.aio.insecure_channel(rt.address) as channel,
-    ):
-        clients = Clients(backend.im_stub, runtime_pb2_grpc.RuntimeServiceStub(channel))
+    async with backend.runtime(
+        f"runtime, task queue ({name})", log_path=workdir / f"runtime-queue-{name}.log"
+    ) as (rt, clients):
         for run in range(1, options.runs + 1):
             sample = await queue_run(
                 clients,
@@ -475,9 +462,10 @@ async def queue_part(
                 f"[{name}] queue run {run}: {sample.final['succeeded']}/{sample.submitted} succeeded in "
                 f"{sample.seconds:.1f} s ({sample.rate:,.0f} tasks/s; "
                 f"stored times {sample.stored_rate:,.0f}/s); "
-                f"wait mean {_mean(sample.wait_ms):.0f} ms (stored {_mean(sample.stored_wait_ms):.0f} ms, "
+                f"wait mean {mean(sample.wait_ms):.0f} ms (stored {mean(sample.stored_wait_ms):.0f} ms, "
                 f"GetQueueStats {sample.stats_wait_ms:.0f} ms); "
-                f"latency p50 {p(sample.latency_ms, 0.5):.0f} ms p99 {p(sample.latency_ms, 0.99):.0f} ms; "
+                f"latency p50 {percentile(sample.latency_ms, 0.5):.0f} ms "
+                f"p99 {percentile(sample.latency_ms, 0.99):.0f} ms; "
                 f"violations {sample.overlaps}/{sample.reordered} (events), "
                 f"{sample.stored_overlaps}/{sample.stored_reordered} (stored)"
                 + ("" if sample.complete else "; INCOMPLETE")
@@ -645,18 +633,11 @@ async def _killed_runtime(
 ) -> set[uuid.UUID]:
     """Creates the agents, starts a run on each, and SIGKILLs the runtime mid-runs."""
     name = backend.name
-    async with (
-        running(
-            f"runtime, killed ({name})",
-            [sys.executable, "-m", "services.runtime", "serve"],
-            env=backend.runtime_env(),
-            cwd=backend.source,
-            log_path=workdir / f"runtime-killed-{name}.log",
-            exit_codes=(-signal.SIGKILL,),
-        ) as rt,
-        grpc.aio.insecure_channel(rt.address) as channel,
-    ):
-        clients = Clients(backend.im_stub, runtime_pb2_grpc.RuntimeServiceStub(channel))
+    async with backend.runtime(
+        f"runtime, killed ({name})",
+        log_path=workdir / f"runtime-killed-{name}.log",
+        exit_codes=(-signal.SIGKILL,),
+    ) as (rt, clients):
         agents = await _recovery_agents(clients, result, model, [rt.pid, im.pid])
         print(f"[{name}] created {result.created} agents in {result.create_s:.1f} s", flush=True)
         chats, result.setup_errors = await bounded(
@@ -714,29 +695,20 @@ async def recovery_part(
     result = RecoveryResult(agents=options.recovery_agents, workspaces=options.recovery_workspaces)
     tables = RecoveryTables(backend.runtime_url)
     try:
-        async with running(
-            "fake OpenAI server",
-            [sys.executable, "-m", "bench.llm_server"],
-            env=backend.base_env(),
-            cwd=backend.source,
-            log_path=workdir / f"llm-{name}.log",
-        ) as llm:
+        async with backend.llm(log_path=workdir / f"llm-{name}.log") as llm:
             stall = f"bench-stall-{options.recovery_agents}-{name}-{uuid.uuid4().hex[:8]}"
             model = rpb.ModelSettings(base_url=f"http://{llm.address}/v1", model=stall)
             ids = await _killed_runtime(
                 backend, workdir=workdir, im=im, result=result, model=model, tables=tables, problems=problems
             )
-            async with running(
+            async with backend.runtime(
                 f"runtime, restarted after SIGKILL ({name})",
-                [sys.executable, "-m", "services.runtime", "serve"],
-                env=backend.runtime_env(),
-                cwd=backend.source,
                 log_path=workdir / f"runtime-restarted-{name}.log",
-            ) as rt:
+            ) as (rt, _):
                 result.listening_s = rt.listening_after_s
                 # The process start on the wall clock, which the runtime stores its times in.
                 spawned = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=time.perf_counter() - rt.spawned_at)
-                result.banner_agents = _banner_agents(rt.banner)
+                result.banner_agents = rt.banner_agents()
                 await _watch_recovery(rt, tables, ids, result)
                 found = await tables.agent_runs(ids)
                 result.states_after = Counter(state for state, _ in found.values())
@@ -787,36 +759,19 @@ class Options:
 
 
 async def bench_backend(name: str, options: Options, workdir: Path, source: Path) -> ControlResult:
-    data_dir = workdir / name
-    data_dir.mkdir(parents=True, exist_ok=True)
     result = ControlResult(name)
     async with contextlib.AsyncExitStack() as stack:
-        if name == "postgresql":
-            # The advisory lock of the benchmarks, in this benchmark's own database.
-            await stack.enter_async_context(exclusive_postgres(options.postgres_url))
-            await drop_runtime_schema(options.postgres_url)
-            url = options.postgres_url
-            backend = Backend(name, url, url, options.redis_url, data_dir, source)
-        else:
-            im_db, runtime_db = f"sqlite:///{data_dir / 'im.db'}", f"sqlite:///{data_dir / 'runtime.db'}"
-            backend = Backend(name, im_db, runtime_db, None, data_dir, source)
-        python = sys.executable
-        await run_command([python, "-m", "services.im", "migrate"], env=backend.im_env(), cwd=source)
-        await run_command(
-            [python, "-m", "services.runtime", "migrate"], env=backend.runtime_env(), cwd=source
+        # On postgresql, the benchmarks' advisory lock, in this benchmark's own database.
+        backend = await backend_on(
+            stack,
+            name,
+            workdir=workdir,
+            source=source,
+            postgres_url=options.postgres_url,
+            redis_url=options.redis_url,
         )
-        im = await stack.enter_async_context(
-            running(
-                f"IM service ({name})",
-                [python, "-m", "services.im", "serve"],
-                env=backend.im_env(),
-                cwd=source,
-                log_path=workdir / f"im-{name}.log",
-            )
-        )
-        backend.im_address = im.address
-        channel = await stack.enter_async_context(grpc.aio.insecure_channel(im.address))
-        backend.im_stub = im_pb2_grpc.IMServiceStub(channel)
+        await backend.migrate()
+        im = await backend.start_im(stack, name=f"IM service ({name})", log_path=workdir / f"im-{name}.log")
         if "queue" in options.parts:
             result.queue = await queue_part(backend, options, workdir, im, result.problems)
         if "recovery" in options.parts:
@@ -828,40 +783,27 @@ async def bench_backend(name: str, options: Options, workdir: Path, source: Path
 # --- report ----------------------------------------------------------------------
 
 
-def _f(value: float, digits: int = 0) -> str:
-    return "n/a" if math.isnan(value) else f"{value:,.{digits}f}"
-
-
-def _med(samples: Sequence[QueueSample], get: Any) -> float:
-    return median([get(s) for s in samples])
-
-
-def _header(command: str, versions: tuple[str, str], seconds: float, options: Options) -> list[str]:
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load = os.getloadavg()
-    moved = versions[0].split()[0] != versions[1].split()[0]
+def _method(options: Options) -> list[str]:
     return [
-        SECTION,
-        "",
-        f"Command: `{command}` (took {seconds / 60:.1f} min)",
-        "",
-        f"Code: {versions[0]}" + (f"; HEAD was {versions[1]} at the end" if moved else "") + ". The servers "
-        "run from a copy of that code taken at the start, so edits made meanwhile do not affect them.",
-        "",
-        f"Date: {now}. Machine: {os.cpu_count()} cores, {platform.platform()}, Python "
-        f"{platform.python_version()}, grpcio {grpc.__version__}; load average at the end {load[0]:.2f}. "
-        "The machine is shared and noisy, and its 2 cores run the benchmark client, the IM, the runtime, "
-        "the fake LLM server, PostgreSQL and Redis together: read the figures as orders of magnitude.",
-        "",
-        "Method: `bench/control_bench.py`, on the infrastructure of `bench/runtime_bench.py`: every service "
-        "is a subprocess on a free loopback port with LOG_LEVEL=WARNING (the IM service, the runtime and, "
-        "for the recovery, `bench/llm_server.py`); the client is the benchmark's process. Backends: "
+        "Method: `bench/control_bench.py`, on the same harness as `bench/runtime_bench.py` "
+        "(`bench/harness.py`): every service is a subprocess on a free loopback port with "
+        "LOG_LEVEL=WARNING (the IM service, the runtime and, for the recovery, `bench/llm_server.py`); "
+        "the client is the benchmark's process. Backends: "
         "*embedded* (IM and runtime on their own SQLite files, in-process event signals) and *postgresql* "
         "(both in the database `agentim_control_bench`, the IM with Redis signals). Task-queue figures are "
         f"medians of {options.runs} runs (a new workspace and new agents each, on one runtime process); "
         "the recovery is measured once per backend.",
         "",
     ]
+
+
+def _cell(samples: Sequence[QueueSample], get: Callable[[QueueSample], float]) -> str:
+    return grouped(median_of(samples, get))
+
+
+def _p50_p99(samples: Sequence[QueueSample], get: Callable[[QueueSample], list[float]]) -> str:
+    """The median over runs of each run's p50, then of its p99."""
+    return " / ".join(grouped(median([percentile(get(x), q) for x in samples])) for q in (0.5, 0.99))
 
 
 def _queue_section(results: Sequence[ControlResult], options: Options) -> list[str]:
@@ -883,29 +825,37 @@ def _queue_section(results: Sequence[ControlResult], options: Options) -> list[s
         "average_wait_ms once every task has ended, averaged over the agents. SubmitTask: from the first "
         "call to the answer. CPU is over the whole run (100% = one core).",
         "",
-        "| Backend | Tasks/s, events (min-max) | Tasks/s, stored | Wait ms, events: mean / p50 "
-        "| Wait ms, stored: mean | Wait ms, GetQueueStats | Latency ms, events: p50 / p99 "
-        "| Latency ms, stored: p50 / p99 | SubmitTask ms: p50 / p99 | Runtime CPU | IM CPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Tasks/s, events (min-max)",
+            "Tasks/s, stored",
+            "Wait ms, events: mean / p50",
+            "Wait ms, stored: mean",
+            "Wait ms, GetQueueStats",
+            "Latency ms, events: p50 / p99",
+            "Latency ms, stored: p50 / p99",
+            "SubmitTask ms: p50 / p99",
+            "Runtime CPU",
+            "IM CPU",
+        ),
     ]
     for r in results:
-        s = r.queue
-        if not s:
+        if not r.queue:
             continue
-        rates = [x.rate for x in s]
+        rates = [x.rate for x in r.queue]
+
         lines.append(
-            f"| {r.backend} | **{_f(median(rates))}** ({_f(min(rates))}-{_f(max(rates))}) "
-            f"| {_f(_med(s, lambda x: x.stored_rate))} "
-            f"| {_f(_med(s, lambda x: _mean(x.wait_ms)))} / {_f(_med(s, lambda x: p(x.wait_ms, 0.5)))} "
-            f"| {_f(_med(s, lambda x: _mean(x.stored_wait_ms)))} "
-            f"| {_f(_med(s, lambda x: x.stats_wait_ms))} "
-            f"| {_f(_med(s, lambda x: p(x.latency_ms, 0.5)))} "
-            f"/ {_f(_med(s, lambda x: p(x.latency_ms, 0.99)))} "
-            f"| {_f(_med(s, lambda x: p(x.stored_latency_ms, 0.5)))} "
-            f"/ {_f(_med(s, lambda x: p(x.stored_latency_ms, 0.99)))} "
-            f"| {_f(_med(s, lambda x: p(x.submit_ms, 0.5)))} / {_f(_med(s, lambda x: p(x.submit_ms, 0.99)))} "
-            f"| {_pct(_med(s, lambda x: x.cores.get('runtime', math.nan)))} "
-            f"| {_pct(_med(s, lambda x: x.cores.get('IM', math.nan)))} |"
+            f"| {r.backend} | **{grouped(median(rates))}** ({grouped(min(rates))}-{grouped(max(rates))}) "
+            f"| {_cell(r.queue, lambda x: x.stored_rate)} "
+            f"| {_cell(r.queue, lambda x: mean(x.wait_ms))} "
+            f"/ {_cell(r.queue, lambda x: percentile(x.wait_ms, 0.5))} "
+            f"| {_cell(r.queue, lambda x: mean(x.stored_wait_ms))} "
+            f"| {_cell(r.queue, lambda x: x.stats_wait_ms)} "
+            f"| {_p50_p99(r.queue, lambda x: x.latency_ms)} "
+            f"| {_p50_p99(r.queue, lambda x: x.stored_latency_ms)} "
+            f"| {_p50_p99(r.queue, lambda x: x.submit_ms)} "
+            f"| {percent(median_of(r.queue, lambda x: x.cores.get('runtime', math.nan)))} "
+            f"| {percent(median_of(r.queue, lambda x: x.cores.get('IM', math.nan)))} |"
         )
     lines += [
         "",
@@ -915,10 +865,21 @@ def _queue_section(results: Sequence[ControlResult], options: Options) -> list[s
         "times (start_time against the predecessor's end_time and start_time) follow the slash. All "
         "should be 0; *no events* counts tasks whose RUNNING or end event never arrived.",
         "",
-        "| Backend | Run | Tasks succeeded | Other end | SubmitTask errors (calls) | Submitted after a retry "
-        "| Never submitted | Violations (events / stored) | Reordered (events / stored) | Watch cut "
-        "| No events | Left in queue |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Run",
+            "Tasks succeeded",
+            "Other end",
+            "SubmitTask errors (calls)",
+            "Submitted after a retry",
+            "Never submitted",
+            "Violations (events / stored)",
+            "Reordered (events / stored)",
+            "Watch cut",
+            "No events",
+            "Left in queue",
+            align="lrrllrrrrrrr",
+        ),
     ]
     for r in results:
         for run, x in enumerate(r.queue, 1):
@@ -926,16 +887,12 @@ def _queue_section(results: Sequence[ControlResult], options: Options) -> list[s
             lines.append(
                 f"| {r.backend} | {run} | {x.final['succeeded']:,} of {x.agents * x.tasks:,} "
                 f"| {other or '-'}{'' if x.complete else ' (gave up waiting)'} "
-                f"| {_errors(x.submit_errors).removeprefix('; errors: ') or '0'} | {x.resubmitted:,} "
+                f"| {errors_note(x.submit_errors).removeprefix('; errors: ') or '0'} | {x.resubmitted:,} "
                 f"| {x.unsubmitted:,} | {x.overlaps} / {x.stored_overlaps} "
                 f"| {x.reordered} / {x.stored_reordered} "
                 f"| {x.cuts} | {x.no_events:,} | {x.stats_left} |"
             )
     return [*lines, ""]
-
-
-def _pct(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{100 * value:.0f}%"
 
 
 def _recovery_section(results: Sequence[ControlResult], options: Options) -> list[str]:
@@ -954,14 +911,14 @@ def _recovery_section(results: Sequence[ControlResult], options: Options) -> lis
     rows = [
         row(
             f"CreateAgent x {first.agents:,} ({CREATE_CONCURRENCY} at a time)",
-            [f"{x.created:,} in {x.create_s:.1f} s{_errors(x.create_errors)}" for _, x in done],
+            [f"{x.created:,} in {x.create_s:.1f} s{errors_note(x.create_errors)}" for _, x in done],
         ),
         row(
             "mid-run at the kill: LLM stream open, first delta streamed (time from the first message)",
             [f"{x.midrun:,} of {x.created:,} ({x.midrun_s:.1f} s)" for _, x in done],
         ),
-        row("agents at the kill, by state", [_states(x.states_at_kill) for _, x in done]),
-        row("runs at the kill, by status", [_states(x.runs_at_kill) for _, x in done]),
+        row("agents at the kill, by state", [tally(x.states_at_kill) for _, x in done]),
+        row("runs at the kill, by status", [tally(x.runs_at_kill) for _, x in done]),
         row(
             "restart: process start → `listening` line",
             [f"**{took(x.listening_s)}** ({x.banner_agents:,} agents)" for _, x in done],
@@ -980,7 +937,7 @@ def _recovery_section(results: Sequence[ControlResult], options: Options) -> lis
         row(
             "per agent, process start → its new run COMPLETED (stored end time): p50 / p90 / max",
             [
-                " / ".join(took(p(x.agent_recovered_s, q)) for q in (0.5, 0.9, 1.0))
+                " / ".join(took(percentile(x.agent_recovered_s, q)) for q in (0.5, 0.9, 1.0))
                 if x.agent_recovered_s
                 else "n/a"
                 for _, x in done
@@ -990,7 +947,7 @@ def _recovery_section(results: Sequence[ControlResult], options: Options) -> lis
             "agents in ERROR (most seen at one poll / at the end)",
             [f"{x.error_seen} / {x.states_after['error']}" for _, x in done],
         ),
-        row("agents at the end, by state", [_states(x.states_after) for _, x in done]),
+        row("agents at the end, by state", [tally(x.states_after) for _, x in done]),
         row(
             "runs per agent at the end",
             [", ".join(f"{n:,} x ({k})" for k, n in x.patterns.most_common()) for _, x in done],
@@ -1019,18 +976,12 @@ def _recovery_section(results: Sequence[ControlResult], options: Options) -> lis
     ]
 
 
-def render_section(
-    results: Sequence[ControlResult],
-    options: Options,
-    command: str,
-    versions: tuple[str, str],
-    seconds: float,
-) -> str:
-    lines = _header(command, versions, seconds, options)
+def render_section(results: Sequence[ControlResult], options: Options, recorded: Recorded) -> str:
+    lines = preamble(SECTION, recorded.command, recorded.versions, recorded.seconds) + _method(options)
     if any(r.queue for r in results):
         lines += _queue_section(results, options)
     lines += _recovery_section(results, options)
-    lines += _problems_section([BackendResult(r.backend, problems=r.problems) for r in results])
+    lines += problems_section(found for r in results for found in r.problems.items())
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -1038,20 +989,11 @@ def render_section(
 
 
 async def run(options: Options) -> tuple[list[ControlResult], str]:
-    # Kept when something fails, for the servers' logs; removed after a clean run.
-    workdir = Path(tempfile.mkdtemp(prefix="agentim-control-bench-"))
-    source = workdir / "source"
-    version = snapshot_sources(source, worktree=options.worktree)
-    results: list[ControlResult] = []
-    try:
-        for backend in options.backends:
-            results.append(await bench_backend(backend, options, workdir, source))
-    except BenchError as error:
-        raise BenchError(f"{error}\n(server logs kept in {workdir})") from None
-    if options.keep_logs or any(found for r in results for found in r.problems.values()):
-        print(f"the services' logs are kept in {workdir}", file=sys.stderr)
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with scratch("agentim-control-bench-") as workdir:
+        source = workdir.path / "source"
+        version = snapshot_sources(source, worktree=options.worktree)
+        results = [await bench_backend(b, options, workdir.path, source) for b in options.backends]
+        workdir.keep = options.keep_logs or any(found for r in results for found in r.problems.values())
     return results, version
 
 
@@ -1059,35 +1001,17 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m bench.control_bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: embedded,postgresql")
+    add_backend_options(parser, backends=BACKENDS, postgres_url=DEFAULT_POSTGRES_URL)
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {','.join(PARTS)}")
     parser.add_argument("--runs", type=int, default=3, help="repetitions of the task-queue measurement")
     parser.add_argument("--queue-agents", type=int, default=100, help="agents of the task-queue part")
     parser.add_argument("--tasks", type=int, default=10, help="tasks per agent in the task-queue part")
     parser.add_argument("--recovery-agents", type=int, default=1000, help="agents killed mid-run")
     parser.add_argument("--recovery-workspaces", type=int, default=10, help="workspaces they are spread over")
-    parser.add_argument(
-        "--postgres-url",
-        default=DEFAULT_POSTGRES_URL,
-        help="benchmark database (created if missing; its im and runtime schemas are dropped first)",
-    )
-    parser.add_argument(
-        "--redis-url", default=DEFAULT_REDIS_URL, help="Redis of the IM on the postgresql backend"
-    )
-    parser.add_argument(
-        "--worktree",
-        action="store_true",
-        help="run the services of the working tree, uncommitted changes included (default: HEAD's)",
-    )
-    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs after a clean run")
-    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
-    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
-    if not parts or set(parts) - set(PARTS):
-        parser.error(f"--parts: expected some of {','.join(PARTS)}, got {args.parts!r}")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or set(backends) - set(BACKENDS):
-        parser.error(f"--backends: expected some of {','.join(BACKENDS)}, got {args.backends!r}")
+    parts = listed(parser, "--parts", args.parts, PARTS)
+    backends = listed(parser, "--backends", args.backends, BACKENDS)
     counts = (args.runs, args.queue_agents, args.tasks, args.recovery_agents, args.recovery_workspaces)
     if min(counts) < 1:
         parser.error(
@@ -1111,15 +1035,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
-    run_and_record(
-        "bench.control_bench",
-        argv,
-        lambda: run(options),
-        render=render_section,
-        options=options,
-        write_doc=options.write_doc,
-        title=SECTION,
-    )
+    run_and_record("bench.control_bench", argv, options, run=run, render=render_section, title=SECTION)
 
 
 if __name__ == "__main__":

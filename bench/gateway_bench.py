@@ -2,11 +2,12 @@
 and how many concurrent SSE clients one gateway process carries.
 
 Every server runs as its own subprocess on a free loopback port, on the
-embedded default (SQLite, in-process signals), started with the helpers of
-`bench.runtime_bench`: the IM service, the runtime, `bench.llm_server` (the
-fake OpenAI server) and the gateway (`python -m gateway serve`). The clients
-are this process. Times of different processes are compared on
-CLOCK_MONOTONIC (`time.monotonic_ns()`), system-wide on Linux.
+embedded default (SQLite, in-process signals), started by `bench.harness`
+as `bench.runtime_bench` starts them: the IM service, the runtime,
+`bench.llm_server` (the fake OpenAI server) and the gateway (`python -m
+gateway serve`). The clients are this process. Times of different processes
+are compared on CLOCK_MONOTONIC (`time.monotonic_ns()`), system-wide on
+Linux.
 
 1. Streamed deltas: an agent whose model is the fake server's
    `bench-timed-<n>-<gap_us>` streams n deltas, each carrying the time it was
@@ -36,43 +37,44 @@ import datetime as dt
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
-import grpc
 
-from agentim.im.v1 import im_pb2, im_pb2_grpc
+from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
-from agentim.runtime.v1 import runtime_pb2_grpc
-from bench.im_bench import BenchError, code_version
-from bench.runtime_bench import (
+from bench.calls import (
     CALL_TIMEOUT_S,
     SETTLE_S,
-    Backend,
-    Clients,
+    bounded,
     create_agent,
     delete_agents,
     direct_chat,
-    median,
-    ms,
     open_watch,
-    p,
-    rss_mib,
-    run_command,
-    running,
     send,
     until_run_ended,
 )
+from bench.harness import (
+    PYTHON,
+    BenchError,
+    Clients,
+    backend_on,
+    code_version,
+    rss_mib,
+    running,
+)
+from bench.report import Recorded, add_doc_option, run_and_record, table_head
+from bench.stats import median, ms, percentile
 from tests.identities import as_member, learn_member, member_token
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
+T = TypeVar("T")
+
 SECTION = "## Gateway (issue 4)"
 DELTA_COUNT = 1000
 DELTA_GAP_US = 1000
@@ -184,14 +186,12 @@ class FanOutSample:
     delivered: list[int] = field(default_factory=list)
 
 
-async def _bounded(calls: Sequence[Any], limit: int) -> list[Any]:
-    semaphore = asyncio.Semaphore(limit)
-
-    async def one(call: Any) -> Any:
-        async with semaphore:
-            return await call()
-
-    return list(await asyncio.gather(*(one(c) for c in calls)))
+async def _all(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> list[T]:
+    """Runs the calls, at most `limit` at a time; every one must succeed."""
+    results, errors = await bounded(calls, limit)
+    if errors:
+        raise BenchError(f"calls failed: {dict(errors)}")
+    return results
 
 
 async def fan_out(
@@ -213,7 +213,7 @@ async def fan_out(
         learn_member(response.member)
         return str(response.member.id)
 
-    readers = await _bounded([lambda i=i: member(i) for i in range(count)], CREATE_CONCURRENCY)
+    readers = await _all([partial(member, i) for i in range(count)], CREATE_CONCURRENCY)
     group = (
         await im.CreateGroup(
             im_pb2.CreateGroupRequest(name="all"), metadata=as_member(sender), timeout=CALL_TIMEOUT_S
@@ -254,7 +254,7 @@ async def fan_out(
                         all_in[index].set()
 
     started = time.perf_counter()
-    await _bounded([lambda r=r: connect(r) for r in readers], CONNECT_CONCURRENCY)
+    await _all([partial(connect, r) for r in readers], CONNECT_CONCURRENCY)
     connected_s = time.perf_counter() - started
     listeners = [asyncio.create_task(listen(r)) for r in responses]
     await asyncio.sleep(1.0)
@@ -301,50 +301,18 @@ class Result:
     rss_start_mib: float = float("nan")
 
 
-async def run(options: Options) -> Result:
+async def run(options: Options) -> tuple[Result, str]:
     result = Result()
     with tempfile.TemporaryDirectory(prefix="gateway-bench-") as tmp:
         workdir = Path(tmp)
-        python = sys.executable
-        backend = Backend(
-            "embedded",
-            f"sqlite:///{workdir / 'im.db'}",
-            f"sqlite:///{workdir / 'rt.db'}",
-            None,
-            workdir,
-            ROOT,
-        )
-        im_env = {**backend.im_env(), "IM_MAX_GROUP_MEMBERS": str(max(options.clients) + 10)}
-        await run_command([python, "-m", "services.im", "migrate"], env=im_env, cwd=ROOT)
-        await run_command([python, "-m", "services.runtime", "migrate"], env=backend.runtime_env(), cwd=ROOT)
         async with contextlib.AsyncExitStack() as stack:
-            im = await stack.enter_async_context(
-                running(
-                    "IM service",
-                    [python, "-m", "services.im", "serve"],
-                    env=im_env,
-                    cwd=ROOT,
-                    log_path=workdir / "im.log",
-                )
-            )
-            backend.im_address = im.address
-            llm = await stack.enter_async_context(
-                running(
-                    "fake OpenAI server",
-                    [python, "-m", "bench.llm_server"],
-                    env=backend.base_env(),
-                    cwd=ROOT,
-                    log_path=workdir / "llm.log",
-                )
-            )
-            runtime = await stack.enter_async_context(
-                running(
-                    "runtime",
-                    [python, "-m", "services.runtime", "serve"],
-                    env=backend.runtime_env(),
-                    cwd=ROOT,
-                    log_path=workdir / "runtime.log",
-                )
+            backend = await backend_on(stack, "embedded", workdir=workdir)
+            backend.im_settings["IM_MAX_GROUP_MEMBERS"] = str(max(options.clients) + 10)
+            await backend.migrate()
+            im = await backend.start_im(stack, name="IM service", log_path=workdir / "im.log")
+            llm = await stack.enter_async_context(backend.llm(log_path=workdir / "llm.log"))
+            runtime, clients = await stack.enter_async_context(
+                backend.runtime("runtime", log_path=workdir / "runtime.log")
             )
             gateway_env = {
                 **backend.base_env(),
@@ -355,19 +323,13 @@ async def run(options: Options) -> Result:
             gateway = await stack.enter_async_context(
                 running(
                     "gateway",
-                    [python, "-m", "gateway", "serve"],
+                    [PYTHON, "-m", "gateway", "serve"],
                     env=gateway_env,
-                    cwd=ROOT,
                     log_path=workdir / "gateway.log",
                 )
             )
             await asyncio.sleep(1.0)
             result.rss_start_mib = rss_mib(gateway.pid)
-            im_channel = await stack.enter_async_context(grpc.aio.insecure_channel(im.address))
-            rt_channel = await stack.enter_async_context(grpc.aio.insecure_channel(runtime.address))
-            clients = Clients(
-                im_pb2_grpc.IMServiceStub(im_channel), runtime_pb2_grpc.RuntimeServiceStub(rt_channel)
-            )
             connector = aiohttp.TCPConnector(limit=0)
             http = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
             creator = (
@@ -389,9 +351,10 @@ async def run(options: Options) -> Result:
                 )
                 result.deltas.append(sample)
                 print(
-                    f"deltas run {index + 1}: gRPC p50 {p(sample.grpc_ms, 0.5):.3f} ms, "
-                    f"SSE p50 {p(sample.sse_ms, 0.5):.3f} ms, added p50 {p(sample.added_ms, 0.5):.3f} ms "
-                    f"p99 {p(sample.added_ms, 0.99):.3f} ms",
+                    f"deltas run {index + 1}: gRPC p50 {percentile(sample.grpc_ms, 0.5):.3f} ms, "
+                    f"SSE p50 {percentile(sample.sse_ms, 0.5):.3f} ms, "
+                    f"added p50 {percentile(sample.added_ms, 0.5):.3f} ms "
+                    f"p99 {percentile(sample.added_ms, 0.99):.3f} ms",
                     flush=True,
                 )
             for count in options.clients:
@@ -406,24 +369,25 @@ async def run(options: Options) -> Result:
                 result.fan_out.append(fan)
                 print(
                     f"{count} clients: connected in {fan.connected_s:.1f} s; delivered {fan.delivered}; "
-                    f"p50 {median(p(lat, 0.5) for lat in fan.latencies):.1f} ms, "
-                    f"p99 {median(p(lat, 0.99) for lat in fan.latencies):.1f} ms; "
+                    f"p50 {median(percentile(lat, 0.5) for lat in fan.latencies):.1f} ms, "
+                    f"p99 {median(percentile(lat, 0.99) for lat in fan.latencies):.1f} ms; "
                     f"RSS {fan.rss_idle_mib:.0f} -> {fan.rss_open_mib:.0f} -> {fan.rss_after_mib:.0f} MiB",
                     flush=True,
                 )
                 await asyncio.sleep(2.0)
-    return result
+    return result, code_version()
 
 
-def render(result: Result, options: Options, command: str, seconds: float) -> str:
+def render(result: Result, options: Options, recorded: Recorded) -> str:
     deltas = result.deltas
     lines = [
         SECTION,
         "",
         f"Measured {dt.date.today().isoformat()} on {platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}, code {code_version()}; took {seconds:.0f} s. Command:",
+        f"Python {platform.python_version()}, code {recorded.versions[1]}; took {recorded.seconds:.0f} s. "
+        "Command:",
         "",
-        f"    {command}",
+        f"    {recorded.command}",
         "",
         "Embedded default (SQLite, in-process signals); every server its own process, the clients in the",
         "benchmark's process, all on loopback. Medians over runs.",
@@ -434,8 +398,7 @@ def render(result: Result, options: Options, command: str, seconds: float) -> st
         "runtime; two watchers of the same run in one process: gRPC `WatchAgent` and the gateway's "
         "`/v1/agents/{id}/events`. Latency from the fake server writing a delta to a watcher reading it.",
         "",
-        "| Measurement | p50 | p99 |",
-        "|---|---:|---:|",
+        *table_head("Measurement", "p50", "p99"),
     ]
     for name, attribute in (
         ("gRPC WatchAgent (runtime)", "grpc_ms"),
@@ -444,8 +407,8 @@ def render(result: Result, options: Options, command: str, seconds: float) -> st
     ):
         values: list[list[float]] = [getattr(sample, attribute) for sample in deltas]
         lines.append(
-            f"| {name} | {median(p(v, 0.5) for v in values):.3f} ms | "
-            f"{median(p(v, 0.99) for v in values):.3f} ms |"
+            f"| {name} | {median(percentile(v, 0.5) for v in values):.3f} ms | "
+            f"{median(percentile(v, 0.99) for v in values):.3f} ms |"
         )
     lines += [
         "",
@@ -459,17 +422,25 @@ def render(result: Result, options: Options, command: str, seconds: float) -> st
         "",
         f"Gateway RSS at start (no stream): {result.rss_start_mib:.0f} MiB.",
         "",
-        "| Clients | all connected in | delivered | p50 | p99 | last client "
-        "| gateway RSS with streams open | after the broadcasts |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Clients",
+            "all connected in",
+            "delivered",
+            "p50",
+            "p99",
+            "last client",
+            "gateway RSS with streams open",
+            "after the broadcasts",
+            align="rrrrrrrr",
+        ),
     ]
     for fan in result.fan_out:
         delivered = min(fan.delivered) if fan.delivered else 0
         per_stream_kib = (fan.rss_open_mib - fan.rss_idle_mib) / fan.clients * 1024
         lines.append(
             f"| {fan.clients:,} | {fan.connected_s:.1f} s | {delivered:,} of {fan.clients:,} (worst) | "
-            f"{median(p(lat, 0.5) for lat in fan.latencies):.1f} ms | "
-            f"{median(p(lat, 0.99) for lat in fan.latencies):.1f} ms | "
+            f"{median(percentile(lat, 0.5) for lat in fan.latencies):.1f} ms | "
+            f"{median(percentile(lat, 0.99) for lat in fan.latencies):.1f} ms | "
             f"{median(lat[-1] if lat else float('nan') for lat in fan.latencies):.1f} ms | "
             f"{fan.rss_open_mib:.0f} MiB (+{per_stream_kib:.0f} KiB per stream) | "
             f"{fan.rss_after_mib:.0f} MiB |"
@@ -477,19 +448,7 @@ def render(result: Result, options: Options, command: str, seconds: float) -> st
     return "\n".join(lines) + "\n"
 
 
-def update_doc(path: Path, section: str) -> None:
-    """Replaces (or appends at the end) the gateway section of the benchmarks document."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
-    if start == -1:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + ("" if end == -1 else "\n" + text[end + 1 :])
-    path.write_text(text)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gateway_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs of the deltas part (default 3)")
     parser.add_argument(
@@ -498,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="SSE client counts (default 100,1000,5000)",
     )
     parser.add_argument("--broadcasts", type=int, default=5, help="messages per client count (default 5)")
-    parser.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
     options = Options(
         runs=args.runs,
@@ -506,19 +465,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         broadcasts=args.broadcasts,
         write_doc=not args.no_doc,
     )
-    command = "python -m bench.gateway_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    started = time.perf_counter()
-    try:
-        result = asyncio.run(run(options))
-    except BenchError as error:
-        print(f"benchmark failed: {error}", file=sys.stderr)
-        return 1
-    section = render(result, options, command.strip(), time.perf_counter() - started)
-    print(section)
-    if options.write_doc:
-        update_doc(DOC, section)
-    return 0
+    run_and_record(
+        "bench.gateway_bench", argv, options, run=run, render=render, title=SECTION, python="python"
+    )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -37,40 +37,51 @@ import datetime as dt
 import math
 import os
 import platform
-import re
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
-import sqlalchemy as sa
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import create_async_engine
 
-from agentim.im.v1 import im_pb2, im_pb2_grpc
+from agentim.im.v1 import im_pb2
 from bench import echo_server
+from bench.calls import (
+    CONTENT_BYTES,
+    Metadata,
+    Sender,
+    learned,
+    message_content,
+    setup_senders,
+)
+from bench.harness import (
+    PYTHON,
+    BenchError,
+    LoadSample,
+    Service,
+    add_backend_options,
+    backend_on,
+    closed_loop,
+    code_version,
+    listed,
+    process_cpu_s,
+    running,
+    scratch,
+)
+from bench.report import Recorded, add_doc_option, fixed, percent, run_and_record, status, table_head
 from bench.speedscope import render, summarise
-from tests.auth_support import credentials_environment
-from tests.identities import as_member, learn_member
+from bench.stats import median, percentile
+from tests.identities import as_member
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## IM service (issue 2)"
 BACKENDS = ("sqlite", "postgresql")
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/agentim_bench"
 
 CONCURRENCY = 32
-SEND_MEMBERS = 32
-CONTENT_BYTES = 100
 ECHO_PAYLOAD = b"x" * CONTENT_BYTES
 UNREAD_GROUPS = 50
 UNREAD_MESSAGES = 10_000
@@ -81,358 +92,12 @@ SEED_WORKERS = 16
 
 CALL_TIMEOUT_S = 10.0
 UNREAD_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 20.0
-MIGRATE_TIMEOUT_S = 120.0
 SEED_TIMEOUT_S = 180.0
 TARGET_RATIO = 0.5
 TARGET_P99_MS = 20.0
 
-_BANNER = re.compile(r"listening on (\S+:\d+)")
-_PROBLEM = re.compile(r"\b(WARNING|ERROR|CRITICAL|Traceback)\b")
-
-Metadata = tuple[tuple[str, str], ...]
-
-
-class BenchError(Exception):
-    """The benchmark could not run (a server did not start, setup failed...)."""
-
-
-def learned(member: im_pb2.Member) -> str:
-    """The member's id, once its access tokens can be signed (`as_member`)."""
-    learn_member(member)
-    return member.id
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values (q in 0..1)."""
-    if not sorted_values:
-        return float("nan")
-    rank = max(1, min(len(sorted_values), round(q * len(sorted_values) + 0.5)))
-    return sorted_values[rank - 1]
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-# --- CPU accounting (Linux /proc; None elsewhere) -----------------------------
-
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _process_cpu_s(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    # utime and stime are fields 14 and 15 of stat; [2] above starts at field 3.
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def _machine_cpu() -> tuple[float, float] | None:
-    """(busy, total) jiffies of all CPUs."""
-    try:
-        values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return float(sum(values) - idle), float(sum(values))
-
-
-@dataclass
-class CpuWindow:
-    """CPU used by a process and by this (client) process, in cores, and the machine's busy share."""
-
-    pid: int | None
-    _wall: float = 0.0
-    _process: float | None = None
-    _client: float = 0.0
-    _machine: tuple[float, float] | None = None
-    process_cores: float | None = None
-    client_cores: float | None = None
-    machine_busy: float | None = None
-
-    def start(self) -> None:
-        self._wall = time.perf_counter()
-        self._process = _process_cpu_s(self.pid) if self.pid else None
-        self._client = time.process_time()
-        self._machine = _machine_cpu()
-
-    def stop(self) -> None:
-        wall = time.perf_counter() - self._wall
-        process = _process_cpu_s(self.pid) if self.pid else None
-        if process is not None and self._process is not None and wall > 0:
-            self.process_cores = (process - self._process) / wall
-        if wall > 0:
-            self.client_cores = (time.process_time() - self._client) / wall
-        machine = _machine_cpu()
-        if machine is not None and self._machine is not None and machine[1] > self._machine[1]:
-            self.machine_busy = (machine[0] - self._machine[0]) / (machine[1] - self._machine[1])
-
-
-# --- closed-loop load -----------------------------------------------------------
-
-
-@dataclass
-class LoadSample:
-    """One closed-loop measurement."""
-
-    concurrency: int
-    seconds: float
-    latencies_ms: list[float]
-    errors: Counter[str]
-    server_cores: float | None
-    client_cores: float | None
-    machine_busy: float | None
-
-    @property
-    def throughput(self) -> float:
-        return len(self.latencies_ms) / self.seconds if self.seconds > 0 else 0.0
-
-    def p(self, q: float) -> float:
-        return percentile(sorted(self.latencies_ms), q)
-
-    @property
-    def max_ms(self) -> float:
-        return max(self.latencies_ms, default=float("nan"))
-
-
-async def closed_loop(
-    call: Callable[[int], Awaitable[object]],
-    *,
-    concurrency: int,
-    seconds: float,
-    warmup: float,
-    server_pid: int | None,
-) -> LoadSample:
-    """Runs `concurrency` workers calling `call(worker)` back-to-back.
-
-    Calls that start during the warm-up are not counted; no call starts after
-    the window ends, so the whole thing lasts warmup + seconds + one call.
-    """
-    begin = time.perf_counter()
-    measure_from = begin + warmup
-    measure_until = measure_from + seconds
-    latencies: list[float] = []
-    errors: Counter[str] = Counter()
-    cpu = CpuWindow(server_pid)
-
-    async def worker(index: int) -> None:
-        while (started := time.perf_counter()) < measure_until:
-            failure: str | None = None
-            try:
-                await call(index)
-            except grpc.aio.AioRpcError as error:
-                failure = error.code().name
-            if started >= measure_from:
-                if failure is None:
-                    latencies.append((time.perf_counter() - started) * 1000.0)
-                else:
-                    errors[failure] += 1
-
-    async def meter() -> None:
-        await asyncio.sleep(max(0.0, measure_from - time.perf_counter()))
-        cpu.start()
-        await asyncio.sleep(max(0.0, measure_until - time.perf_counter()))
-        cpu.stop()
-
-    await asyncio.gather(meter(), *(worker(i) for i in range(concurrency)))
-    elapsed = time.perf_counter() - measure_from
-    return LoadSample(
-        concurrency, elapsed, latencies, errors, cpu.process_cores, cpu.client_cores, cpu.machine_busy
-    )
-
-
-# --- server subprocesses -------------------------------------------------------
-
-
-@dataclass
-class ServerProcess:
-    name: str
-    pid: int
-    address: str
-    log_path: Path
-
-    def problems(self) -> list[str]:
-        """Warning and error lines the server logged so far."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return []
-        return [line for line in text.splitlines() if _PROBLEM.search(line)]
-
-
-async def _stop_process(process: asyncio.subprocess.Process, name: str) -> int:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-        except TimeoutError:
-            print(f"warning: {name} ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s; killing it", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode
-
-
-@contextlib.asynccontextmanager
-async def running_server(
-    name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path
-) -> AsyncIterator[ServerProcess]:
-    """Starts a server subprocess, waits for its `listening on` line, and always SIGTERMs it."""
-    with log_path.open("ab") as log:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=ROOT,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-        )
-        assert process.stdout is not None
-        stdout = process.stdout
-
-        async def drain() -> None:
-            async for line in stdout:
-                log.write(line)
-
-        drainer: asyncio.Task[None] | None = None
-        try:
-            try:
-                line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT_S)
-            except TimeoutError:
-                raise BenchError(
-                    f"{name} printed nothing in {START_TIMEOUT_S:.0f} s; see {log_path}"
-                ) from None
-            found = _BANNER.search(line.decode(errors="replace"))
-            if found is None:
-                raise BenchError(f"{name} did not start (first line {line!r}); see {log_path}")
-            drainer = asyncio.create_task(drain())
-            yield ServerProcess(name, process.pid, found.group(1), log_path)
-        finally:
-            code = await _stop_process(process, name)
-            if drainer is not None:
-                drainer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await drainer
-            if code != 0:
-                print(f"warning: {name} exited with status {code}; see {log_path}", file=sys.stderr)
-
-
-async def run_command(argv: Sequence[str], *, env: Mapping[str, str], limit_s: float) -> None:
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=ROOT,
-        env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        output, _ = await asyncio.wait_for(process.communicate(), limit_s)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise BenchError(f"{' '.join(argv)} took longer than {limit_s:.0f} s") from None
-    if process.returncode != 0:
-        raise BenchError(
-            f"{' '.join(argv)} failed ({process.returncode}):\n{output.decode(errors='replace')}"
-        )
-
-
-# Held for a whole backend run: two benchmarks sharing the database would drop each other's schema.
-_BENCH_LOCK_KEY = 0x61676E62656E6368  # "agnbench"
-
-
-@contextlib.asynccontextmanager
-async def exclusive_postgres(url: str) -> AsyncIterator[None]:
-    """Creates the benchmark database if missing, locks it for this run, and drops its `im` schema."""
-    target = make_url(url).set(drivername="postgresql+asyncpg")
-    database = target.database or ""
-    if "bench" not in database:
-        # Dropping `im` in a database that tests (or people) use would destroy their data.
-        raise BenchError(f"refusing to reset the im schema of {database!r}: use a database named *bench*")
-    admin = create_async_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        async with admin.connect() as conn:
-            exists = await conn.scalar(
-                sa.text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": database}
-            )
-            if not exists:
-                await conn.execute(sa.text(f'CREATE DATABASE "{database}"'))
-    finally:
-        await admin.dispose()
-    engine = create_async_engine(target, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0)
-    try:
-        async with engine.connect() as conn:
-            locked = await conn.scalar(sa.text("SELECT pg_try_advisory_lock(:key)"), {"key": _BENCH_LOCK_KEY})
-            if not locked:
-                raise BenchError(f"another benchmark is using the database {database!r}; try again later")
-            try:
-                await conn.execute(sa.text("DROP SCHEMA IF EXISTS im CASCADE"))
-                yield
-            finally:
-                await conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": _BENCH_LOCK_KEY})
-    finally:
-        await engine.dispose()
-
 
 # --- workloads -----------------------------------------------------------------
-
-
-def _content(index: int) -> str:
-    text = f"benchmark message from sender {index:02d}: "
-    return (text + "lorem ipsum dolor sit amet " * 5)[:CONTENT_BYTES]
-
-
-@dataclass(frozen=True)
-class Sender:
-    metadata: Metadata
-    request: im_pb2.SendMessageRequest
-
-
-async def setup_senders(stub: Any) -> list[Sender]:
-    """One workspace, 32 members, and for each a group of 2-3 members to send to."""
-    created = await stub.CreateWorkspace(
-        im_pb2.CreateWorkspaceRequest(name="bench-send", creator_display_name="bench creator"),
-        timeout=CALL_TIMEOUT_S,
-    )
-    creator = as_member(learned(created.creator))
-    responses = await asyncio.gather(
-        *(
-            stub.CreateMember(
-                im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_HUMAN, display_name=f"sender {i:02d}"),
-                metadata=creator,
-                timeout=CALL_TIMEOUT_S,
-            )
-            for i in range(SEND_MEMBERS)
-        )
-    )
-    ids = [learned(r.member) for r in responses]
-    n = len(ids)
-    groups = await asyncio.gather(
-        *(
-            stub.CreateGroup(
-                im_pb2.CreateGroupRequest(
-                    name=f"send {i:02d}",
-                    member_ids=[ids[(i + 1) % n], *([ids[(i + 2) % n]] if i % 2 else [])],
-                ),
-                metadata=as_member(ids[i]),
-                timeout=CALL_TIMEOUT_S,
-            )
-            for i in range(n)
-        )
-    )
-    return [
-        Sender(
-            as_member(ids[i]),
-            im_pb2.SendMessageRequest(group_id=groups[i].group.id, content=_content(i)),
-        )
-        for i in range(n)
-    ]
 
 
 @dataclass(frozen=True)
@@ -487,7 +152,7 @@ async def setup_reader(stub: Any) -> Reader:
             for k in range(per_group):
                 author = authors[(g + k % 2) % UNREAD_AUTHORS]
                 sent = await stub.SendMessage(
-                    im_pb2.SendMessageRequest(group_id=group_id, content=_content(k % 100)),
+                    im_pb2.SendMessageRequest(group_id=group_id, content=message_content(k % 100)),
                     metadata=as_member(author),
                     timeout=CALL_TIMEOUT_S,
                 )
@@ -520,7 +185,7 @@ class UnreadSample:
     mismatches: int
 
     def p(self, q: float) -> float:
-        return percentile(sorted(self.latencies_ms), q)
+        return percentile(self.latencies_ms, q)
 
 
 async def measure_unread(stub: Any, reader: Reader, *, expect: tuple[int, int]) -> UnreadSample:
@@ -577,31 +242,13 @@ class Options:
     mode: str = "full"
 
 
-def _server_env(database_url: str, data_dir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("REDIS_URL", None)  # in-process event signals: one server, nothing else measured
-    env.update(
-        DATABASE_URL=database_url,
-        IM_GRPC_ADDRESS="127.0.0.1:0",
-        LOG_LEVEL="WARNING",
-        AGENTIM_DATA_DIR=str(data_dir),
-        PYTHONUNBUFFERED="1",
-        # The test keys and credentials: the benchmark signs its members' access tokens with them.
-        **credentials_environment(),
-        # The path is measured, not the per-member rate limits (32 senders would hit them).
-        LIMIT_SEND_PER_SECOND="0",
-        LIMIT_CREATE_PER_SECOND="0",
-    )
-    return env
-
-
 def _py_spy() -> str | None:
     beside = Path(sys.executable).parent / "py-spy"
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
 async def profile_send(
-    stub: Any, senders: list[Sender], server: ServerProcess, options: Options, backend: str
+    stub: Any, senders: list[Sender], server: Service, options: Options, backend: str
 ) -> str | None:
     """A dedicated SendMessage@32 run while py-spy samples the server."""
     assert options.profile_dir is not None
@@ -642,7 +289,7 @@ async def profile_send(
         return None
     print(
         f"[{backend}] profiled SendMessage@32: {sample.throughput:.0f} calls/s, "
-        f"server {_cores(sample.server_cores)}; profile in {out}",
+        f"server {percent(sample.server_cores)}; profile in {out}",
         flush=True,
     )
     return f"Profile file: `{out}` ({sample.throughput:.0f} calls/s while sampled).\n\n" + render(
@@ -650,35 +297,22 @@ async def profile_send(
     )
 
 
-async def bench_backend(backend: str, echo: ServerProcess, options: Options, workdir: Path) -> BackendResult:
-    data_dir = workdir / backend
-    data_dir.mkdir(parents=True, exist_ok=True)
-    async with contextlib.AsyncExitStack() as stack:
-        if backend == "sqlite":
-            database_url = f"sqlite:///{data_dir / 'im.db'}"
-        else:
-            await stack.enter_async_context(exclusive_postgres(options.postgres_url))
-            database_url = options.postgres_url
-        return await _bench_backend(backend, database_url, echo, options, workdir)
+async def im_service(
+    stack: contextlib.AsyncExitStack, backend: str, options: Options, workdir: Path, *, log_name: str
+) -> tuple[Service, Any]:
+    """The IM service on a new database of the backend (in-process event
+    signals: one server, nothing else measured) and a stub of it, for the rest of `stack`."""
+    on = await backend_on(stack, backend, workdir=workdir, postgres_url=options.postgres_url)
+    await on.migrate(runtime=False)
+    server = await on.start_im(stack, name=f"IM service ({backend})", log_path=workdir / log_name)
+    return server, on.im_stub
 
 
-async def _bench_backend(
-    backend: str, database_url: str, echo: ServerProcess, options: Options, workdir: Path
-) -> BackendResult:
-    data_dir = workdir / backend
-    env = _server_env(database_url, data_dir)
-    python = sys.executable
-    await run_command([python, "-m", "services.im", "migrate"], env=env, limit_s=MIGRATE_TIMEOUT_S)
+async def bench_backend(backend: str, echo: Service, options: Options, workdir: Path) -> BackendResult:
     result = BackendResult(backend)
-    log_path = workdir / f"im-{backend}.log"
-    async with (
-        running_server(
-            f"IM service ({backend})", [python, "-m", "services.im", "serve"], env=env, log_path=log_path
-        ) as server,
-        grpc.aio.insecure_channel(server.address) as im_channel,
-        grpc.aio.insecure_channel(echo.address) as echo_channel,
-    ):
-        stub = im_pb2_grpc.IMServiceStub(im_channel)
+    async with contextlib.AsyncExitStack() as stack:
+        server, stub = await im_service(stack, backend, options, workdir, log_name=f"im-{backend}.log")
+        echo_channel = await stack.enter_async_context(grpc.aio.insecure_channel(echo.address))
         echo_call = echo_channel.unary_unary(echo_server.METHOD)
         senders = await setup_senders(stub)
 
@@ -726,7 +360,7 @@ async def _bench_backend(
 
         if options.profile_dir is not None:
             result.profile = await profile_send(stub, senders, server, options, backend)
-        result.server_problems = server.problems()
+        result.server_problems = server.problem_lines()
     return result
 
 
@@ -742,28 +376,29 @@ class WakeSample:
 
     echo_ms: list[float] = field(default_factory=list)
     unread_ms: list[float] = field(default_factory=list)
-    unread_cpu_ms: float | None = None
+    unread_cpu_ms: float = float("nan")
     mark_ms: list[float] = field(default_factory=list)
-    mark_cpu_ms: float | None = None
+    mark_cpu_ms: float = float("nan")
     send_ms: list[float] = field(default_factory=list)
     delivery_ms: list[float] = field(default_factory=list)
-    send_cpu_ms: float | None = None
+    send_cpu_ms: float = float("nan")
     mismatches: int = 0
 
 
 async def _timed_calls(
     count: int, call: Callable[[int], Awaitable[object]], pid: int | None, into: list[float]
-) -> float | None:
-    """Runs `call` `count` times in a row (after 10 unmeasured); returns the server CPU ms per call."""
+) -> float:
+    """Runs `call` `count` times in a row (after 10 unmeasured); returns the
+    server CPU ms per call (nan without a server)."""
     for i in range(10):
         await call(-1 - i)
-    before = _process_cpu_s(pid) if pid else None
+    before = process_cpu_s(pid) if pid else math.nan
     for i in range(count):
         started = time.perf_counter()
         await call(i)
         into.append((time.perf_counter() - started) * 1000.0)
-    after = _process_cpu_s(pid) if pid else None
-    return None if before is None or after is None else (after - before) * 1000.0 / count
+    after = process_cpu_s(pid) if pid else math.nan
+    return (after - before) * 1000.0 / count
 
 
 async def measure_wake(stub: Any, echo_call: Any, server_pid: int) -> WakeSample:
@@ -796,7 +431,7 @@ async def measure_wake(stub: Any, echo_call: Any, server_pid: int) -> WakeSample
     ]
 
     async def send(group_id: str) -> Any:
-        request = im_pb2.SendMessageRequest(group_id=group_id, content=_content(1))
+        request = im_pb2.SendMessageRequest(group_id=group_id, content=message_content(1))
         return (await stub.SendMessage(request, metadata=author, timeout=CALL_TIMEOUT_S)).message
 
     for group_id in groups:
@@ -887,80 +522,54 @@ async def measure_delivery(
     sample.send_ms = send_ms
 
 
-async def wake_backend(
-    backend: str, echo: ServerProcess, options: Options, workdir: Path
-) -> list[WakeSample]:
-    data_dir = workdir / backend
-    data_dir.mkdir(parents=True, exist_ok=True)
+async def wake_backend(backend: str, echo: Service, options: Options, workdir: Path) -> list[WakeSample]:
+    samples: list[WakeSample] = []
     async with contextlib.AsyncExitStack() as stack:
-        if backend == "sqlite":
-            database_url = f"sqlite:///{data_dir / 'im.db'}"
-        else:
-            await stack.enter_async_context(exclusive_postgres(options.postgres_url))
-            database_url = options.postgres_url
-        env = _server_env(database_url, data_dir)
-        python = sys.executable
-        await run_command([python, "-m", "services.im", "migrate"], env=env, limit_s=MIGRATE_TIMEOUT_S)
-        samples: list[WakeSample] = []
-        async with (
-            running_server(
-                f"IM service ({backend})",
-                [python, "-m", "services.im", "serve"],
-                env=env,
-                log_path=workdir / f"im-wake-{backend}.log",
-            ) as server,
-            grpc.aio.insecure_channel(server.address) as im_channel,
-            grpc.aio.insecure_channel(echo.address) as echo_channel,
-        ):
-            stub = im_pb2_grpc.IMServiceStub(im_channel)
-            echo_call = echo_channel.unary_unary(echo_server.METHOD)
-            for run in range(1, options.runs + 1):
-                sample = await measure_wake(stub, echo_call, server.pid)
-                samples.append(sample)
-                print(f"[{backend}] wake run {run}: " + _wake_line(sample), flush=True)
-            problems = server.problems()
-            if problems:
-                print(
-                    f"[{backend}] the server logged {len(problems)} warning/error lines:",
-                    *problems[:5],
-                    sep="\n",
-                )
+        server, stub = await im_service(stack, backend, options, workdir, log_name=f"im-wake-{backend}.log")
+        echo_channel = await stack.enter_async_context(grpc.aio.insecure_channel(echo.address))
+        echo_call = echo_channel.unary_unary(echo_server.METHOD)
+        for run in range(1, options.runs + 1):
+            sample = await measure_wake(stub, echo_call, server.pid)
+            samples.append(sample)
+            print(f"[{backend}] wake run {run}: " + _wake_line(sample), flush=True)
+        problems = server.problem_lines()
+        if problems:
+            print(
+                f"[{backend}] the server logged {len(problems)} warning/error lines:",
+                *problems[:5],
+                sep="\n",
+            )
         return samples
-
-
-def _cpu(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _wake_line(s: WakeSample) -> str:
     def p50(values: list[float]) -> float:
-        return percentile(sorted(values), 0.5)
+        return percentile(values, 0.5)
 
     return (
         f"echo p50 {p50(s.echo_ms):.3f} ms; GetAllUnread p50 {p50(s.unread_ms):.3f} ms "
-        f"(server CPU {_cpu(s.unread_cpu_ms)} ms/call); MarkRead p50 {p50(s.mark_ms):.3f} ms "
-        f"(CPU {_cpu(s.mark_cpu_ms)}); SendMessage p50 {p50(s.send_ms):.3f} ms, then event delivery "
-        f"p50 {p50(s.delivery_ms):.3f} ms p90 {percentile(sorted(s.delivery_ms), 0.9):.3f} ms "
-        f"(send+deliver CPU {_cpu(s.send_cpu_ms)}); unexpected answers {s.mismatches}"
+        f"(server CPU {fixed(s.unread_cpu_ms)} ms/call); MarkRead p50 {p50(s.mark_ms):.3f} ms "
+        f"(CPU {fixed(s.mark_cpu_ms)}); SendMessage p50 {p50(s.send_ms):.3f} ms, then event delivery "
+        f"p50 {p50(s.delivery_ms):.3f} ms p90 {percentile(s.delivery_ms, 0.9):.3f} ms "
+        f"(send+deliver CPU {fixed(s.send_cpu_ms)}); unexpected answers {s.mismatches}"
     )
 
 
 def wake_report(backend: str, samples: list[WakeSample]) -> str:
-    def row(name: str, values: list[list[float]], cpu: list[float | None]) -> str:
-        p50s = [percentile(sorted(v), 0.5) for v in values]
-        p90s = [percentile(sorted(v), 0.9) for v in values]
+    def row(name: str, values: list[list[float]], cpu: list[float]) -> str:
+        p50s = [percentile(v, 0.5) for v in values]
+        p90s = [percentile(v, 0.9) for v in values]
         return (
             f"| {name} | {median(p50s):.3f} | {min(p50s):.3f}-{max(p50s):.3f} | {median(p90s):.3f} "
-            f"| {_cpu(_med_opt(cpu))} |"
+            f"| {fixed(median(cpu))} |"
         )
 
     return "\n".join(
         [
             f"### {backend}: one call at a time, median of {len(samples)} runs of {WAKE_CALLS} calls",
             "",
-            "| Call | p50 ms (median) | p50 ms (min-max) | p90 ms | server CPU ms/call |",
-            "|---|---:|---:|---:|---:|",
-            row("echo (floor)", [s.echo_ms for s in samples], [None]),
+            *table_head("Call", "p50 ms (median)", "p50 ms (min-max)", "p90 ms", "server CPU ms/call"),
+            row("echo (floor)", [s.echo_ms for s in samples], [math.nan]),
             row(
                 f"GetAllUnread ({WAKE_GROUPS} unread)",
                 [s.unread_ms for s in samples],
@@ -972,7 +581,7 @@ def wake_report(backend: str, samples: list[WakeSample]) -> str:
                 [s.mark_cpu_ms for s in samples],
             ),
             row("SendMessage", [s.send_ms for s in samples], [s.send_cpu_ms for s in samples]),
-            row("SendMessage returned -> event at watcher", [s.delivery_ms for s in samples], [None]),
+            row("SendMessage returned -> event at watcher", [s.delivery_ms for s in samples], [math.nan]),
             "",
             f"Unexpected answers: {sum(s.mismatches for s in samples)}. The CPU of the last two rows is "
             "per message sent and delivered.",
@@ -982,37 +591,25 @@ def wake_report(backend: str, samples: list[WakeSample]) -> str:
 
 
 async def run_wake(options: Options) -> list[str]:
-    workdir = Path(tempfile.mkdtemp(prefix="agentim-bench-wake-"))
-    reports: list[str] = []
-    try:
-        async with running_server(
-            "echo server",
-            [sys.executable, "-m", "bench.echo_server", "--address", "127.0.0.1:0"],
-            env=dict(os.environ),
-            log_path=workdir / "echo.log",
-        ) as echo:
-            for backend in options.backends:
-                reports.append(wake_report(backend, await wake_backend(backend, echo, options, workdir)))
-    except BenchError as error:
-        raise BenchError(f"{error}\n(server logs kept in {workdir})") from None
-    shutil.rmtree(workdir, ignore_errors=True)
-    return reports
+    with scratch("agentim-bench-wake-") as workdir:
+        async with _echo_server(workdir.path) as echo:
+            return [
+                wake_report(backend, await wake_backend(backend, echo, options, workdir.path))
+                for backend in options.backends
+            ]
+
+
+def _echo_server(workdir: Path) -> contextlib.AbstractAsyncContextManager[Service]:
+    """`bench.echo_server`, the ceiling: a bare grpc.aio echo with the IM's server options."""
+    return running(
+        "echo server",
+        [PYTHON, "-m", "bench.echo_server", "--address", "127.0.0.1:0"],
+        env=dict(os.environ),
+        log_path=workdir / "echo.log",
+    )
 
 
 # --- report ----------------------------------------------------------------------
-
-
-def _ms(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.2f}"
-
-
-def _cores(value: float | None) -> str:
-    return "n/a" if value is None else f"{100 * value:.0f}%"
-
-
-def _med_opt(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return median(present) if present else None
 
 
 def _load_row(name: str, samples: list[LoadSample], ratio: str) -> str:
@@ -1021,11 +618,11 @@ def _load_row(name: str, samples: list[LoadSample], ratio: str) -> str:
     error_text = ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "0"
     return (
         f"| {name} | {median(rates):,.0f} | {min(rates):,.0f}-{max(rates):,.0f} "
-        f"| {_ms(median([s.p(0.5) for s in samples]))} | {_ms(median([s.p(0.99) for s in samples]))} "
-        f"| {_ms(max(s.max_ms for s in samples))} | {error_text} "
-        f"| {_cores(_med_opt([s.server_cores for s in samples]))} "
-        f"| {_cores(_med_opt([s.client_cores for s in samples]))} "
-        f"| {_cores(_med_opt([s.machine_busy for s in samples]))} | {ratio} |"
+        f"| {fixed(median([s.p(0.5) for s in samples]))} | {fixed(median([s.p(0.99) for s in samples]))} "
+        f"| {fixed(max(s.max_ms for s in samples))} | {error_text} "
+        f"| {percent(median([s.server_cores for s in samples]))} "
+        f"| {percent(median([s.client_cores for s in samples]))} "
+        f"| {percent(median([s.machine_busy for s in samples]))} | {ratio} |"
     )
 
 
@@ -1036,8 +633,8 @@ def _unread_row(name: str, samples: list[UnreadSample]) -> str:
     return (
         f"| {name} | {'/'.join(str(k) for k in sorted(returned))} "
         f"| {'/'.join(str(k) for k in sorted(remaining))} | {samples[-1].response_bytes / 1024:,.0f} "
-        f"| {_ms(median([s.p(0.5) for s in samples]))} | {_ms(median([s.p(0.99) for s in samples]))} "
-        f"| {_ms(max(max(s.latencies_ms) for s in samples))} | {mismatches} |"
+        f"| {fixed(median([s.p(0.5) for s in samples]))} | {fixed(median([s.p(0.99) for s in samples]))} "
+        f"| {fixed(max(max(s.latencies_ms) for s in samples))} | {mismatches} |"
     )
 
 
@@ -1047,9 +644,19 @@ def backend_section(result: BackendResult, options: Options) -> list[str]:
     lines = [
         f"### {title}",
         "",
-        "| Measurement | Calls/s (median) | Calls/s (min-max) | p50 ms | p99 ms | max ms | Errors "
-        "| Server CPU | Client CPU | Machine busy | Ratio to echo@32 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Measurement",
+            "Calls/s (median)",
+            "Calls/s (min-max)",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "Errors",
+            "Server CPU",
+            "Client CPU",
+            "Machine busy",
+            "Ratio to echo@32",
+        ),
         _load_row("echo@32 (ceiling)", result.echo, "1.00"),
         _load_row("SendMessage@1", result.send1, "-"),
         _load_row(
@@ -1062,9 +669,16 @@ def backend_section(result: BackendResult, options: Options) -> list[str]:
         f"{UNREAD_MESSAGES:,} messages ({UNREAD_CALLS} sequential calls per run; seeding through "
         f"SendMessage took {result.seed_seconds:.1f} s):",
         "",
-        "| Case | Messages returned | remaining_count | Response KiB | p50 ms | p99 ms | max ms "
-        "| Unexpected answers |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Case",
+            "Messages returned",
+            "remaining_count",
+            "Response KiB",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "Unexpected answers",
+        ),
         _unread_row(f"all {UNREAD_MESSAGES:,} unread (first page)", result.unread_all),
         _unread_row(f"typical: last message of each group unread ({UNREAD_GROUPS})", result.unread_typical),
         "",
@@ -1118,45 +732,17 @@ def targets(results: list[BackendResult]) -> list[str]:
     p99_met = p99 < TARGET_P99_MS
     return [
         *lines,
-        "| Target | Measured | Status |",
-        "|---|---:|---|",
+        *table_head("Target", "Measured", "Status", align="lrl"),
         f"| SendMessage on PostgreSQL at 32 clients reaches at least half of the echo ceiling "
-        f"measured in the same run | {ratio:.2f} x echo@32 | {'met' if ratio_met else '**not met**'} |",
+        f"measured in the same run | {ratio:.2f} x echo@32 | {status(ratio_met)} |",
         f"| SendMessage on PostgreSQL at 32 clients: p99 under {TARGET_P99_MS:.0f} ms | {p99:.2f} ms "
-        f"| {'met' if p99_met else '**not met**'} |",
+        f"| {status(p99_met)} |",
         "",
     ]
 
 
-def code_version() -> str:
-    """The commit the servers ran from, flagged if the service code had uncommitted changes."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "services", "protos", "gen"],
-            check=False,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (git unavailable)"
-    if not commit:
-        return "unknown (not a git checkout)"
-    return f"{commit} with uncommitted changes to the service" if dirty else commit
-
-
-def render_section(
-    results: list[BackendResult], options: Options, command: str, versions: tuple[str, str]
-) -> str:
+def render_section(results: list[BackendResult], options: Options, recorded: Recorded) -> str:
+    command, versions = recorded.command, recorded.versions
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     lines = [
@@ -1196,46 +782,18 @@ def render_section(
     return "\n".join(lines).rstrip() + "\n"
 
 
-def update_doc(path: Path, section: str) -> None:
-    """Replaces (or appends) this benchmark's section, keeping the file's other sections."""
-    if path.exists():
-        text = path.read_text()
-        start = text.find(SECTION)
-        if start < 0:
-            text = text.rstrip() + "\n\n" + section
-        else:
-            following = re.compile(r"^## ", re.MULTILINE).search(text, start + len(SECTION))
-            rest = text[following.start() :] if following else ""
-            text = text[:start] + section + ("\n" + rest if rest else "")
-    else:
-        text = (
-            "# Benchmarks\n\nMeasured performance of the Agent IM services. Each section is written by its "
-            "benchmark script and regenerated when the script runs again.\n\n" + section
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 # --- entry point -----------------------------------------------------------------
 
 
-async def run(options: Options) -> list[BackendResult]:
-    # Kept when something fails, for the servers' logs; removed after a clean run.
-    workdir = Path(tempfile.mkdtemp(prefix="agentim-bench-"))
-    results: list[BackendResult] = []
-    try:
-        async with running_server(
-            "echo server",
-            [sys.executable, "-m", "bench.echo_server", "--address", "127.0.0.1:0"],
-            env=dict(os.environ),
-            log_path=workdir / "echo.log",
-        ) as echo:
-            for backend in options.backends:
-                results.append(await bench_backend(backend, echo, options, workdir))
-    except BenchError as error:
-        raise BenchError(f"{error}\n(server logs kept in {workdir})") from None
-    shutil.rmtree(workdir, ignore_errors=True)
-    return results
+async def run(options: Options) -> tuple[list[BackendResult], str]:
+    # Other people may commit while this runs: record what the servers ran from.
+    version = code_version()
+    with scratch("agentim-bench-") as workdir:
+        async with _echo_server(workdir.path) as echo:
+            results = [
+                await bench_backend(backend, echo, options, workdir.path) for backend in options.backends
+            ]
+    return results, version
 
 
 def parse_options(argv: Sequence[str] | None) -> Options:
@@ -1248,15 +806,10 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         "wake: one-at-a-time latency and server CPU of GetAllUnread, MarkRead and event delivery "
         "(prints only)",
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: sqlite,postgresql")
+    add_backend_options(parser, backends=BACKENDS, postgres_url=DEFAULT_POSTGRES_URL, snapshot=False)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (medians)")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per closed-loop run")
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds before each run")
-    parser.add_argument(
-        "--postgres-url",
-        default=DEFAULT_POSTGRES_URL,
-        help="benchmark database (created if missing; its im schema is dropped first)",
-    )
     parser.add_argument(
         "--profile-dir",
         type=Path,
@@ -1268,12 +821,9 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         action="store_true",
         help="py-spy --native (C extensions and system calls; pauses the server for each sample)",
     )
-    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown or not backends:
-        parser.error(f"--backends: expected some of {','.join(BACKENDS)}, got {args.backends!r}")
+    backends = listed(parser, "--backends", args.backends, BACKENDS)
     if args.runs < 1 or args.seconds <= 0 or args.warmup < 0 or args.profile_seconds <= 0:
         parser.error("--runs must be >= 1, --seconds and --profile-seconds > 0, --warmup >= 0")
     return Options(
@@ -1292,10 +842,8 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join([".venv/bin/python -m bench.im_bench", *arguments])
-    started = time.perf_counter()
     if options.mode == "wake":
+        started = time.perf_counter()
         try:
             reports = asyncio.run(run_wake(options))
         except BenchError as error:
@@ -1304,19 +852,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n".join(reports))
         print(f"total time {time.perf_counter() - started:.0f} s")
         return
-    # Other people may commit while this runs: record what the servers ran from.
-    version_before = code_version()
-    try:
-        results = asyncio.run(run(options))
-    except BenchError as error:
-        raise SystemExit(f"benchmark failed: {error}") from None
-    section = render_section(results, options, command, (version_before, code_version()))
-    print()
-    print(section)
-    if options.write_doc:
-        update_doc(DOC, section)
-        print(f"updated {DOC.relative_to(ROOT)}")
-    print(f"total time {time.perf_counter() - started:.0f} s")
+    run_and_record("bench.im_bench", argv, options, run=run, render=render_section, title=SECTION)
 
 
 if __name__ == "__main__":

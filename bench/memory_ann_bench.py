@@ -12,13 +12,12 @@ gives medians. Run with `.venv/bin/python -m bench.memory_ann_bench`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import numpy as np
 import numpy.typing as npt
 
-from bench.memory_store_bench import percentile
+from bench.stats import floor_percentile, median
 from services.memory.adapters.clusters import cluster
 from services.memory.adapters.search import ScopeMatrix, VectorIndex
 
@@ -70,19 +69,19 @@ def main(options: argparse.Namespace) -> None:
                 started = time.perf_counter()
                 index.rank(exact_scope, mask, query, 10)
                 times.append((time.perf_counter() - started) * 1000)
-            exact_p99.append(percentile(times, 0.99))
+            exact_p99.append(floor_percentile(times, 0.99))
             times, found = [], 0.0
             for query, expected in zip(queries, truth, strict=True):
                 started = time.perf_counter()
                 hits = index.rank(approximate_scope, ordered_mask, query, 10)
                 times.append((time.perf_counter() - started) * 1000)
                 found += len({hit.key for hit in hits} & expected) / 10
-            approximate_p50.append(percentile(times, 0.5))
-            approximate_p99.append(percentile(times, 0.99))
+            approximate_p50.append(floor_percentile(times, 0.5))
+            approximate_p99.append(floor_percentile(times, 0.99))
             recalls.append(found / len(queries))
         rows.append(
-            f"| {name} | {statistics.median(exact_p99):.1f} | {statistics.median(approximate_p50):.1f}"
-            f" | {statistics.median(approximate_p99):.1f} | {statistics.median(recalls):.3f} |"
+            f"| {name} | {median(exact_p99):.1f} | {median(approximate_p50):.1f}"
+            f" | {median(approximate_p99):.1f} | {median(recalls):.3f} |"
         )
     print(
         f"{options.rows:,} vectors ({options.topics:,} topics, noise {options.noise}),"

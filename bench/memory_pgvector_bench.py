@@ -21,24 +21,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from bench.memory_store_bench import (
+from bench.memory_corpus import (
     DIMENSIONS,
     VECTOR_KINDS,
     PrecomputedEmbedder,
     Vocabulary,
+    archiving_memory,
     bench_queries,
     make_embedder,
     measure,
-    percentile,
     seed,
 )
+from bench.stats import floor_percentile, median
 from services.memory.adapters import migrate
 from services.memory.adapters.dictionary import BackgroundDictionary
 from services.memory.adapters.sql import Database, SqlMemoryStore
@@ -46,9 +46,7 @@ from services.memory.adapters.tables import SCHEMA
 from services.memory.domain.model import SegmentType
 from services.memory.domain.scope import Filters, Scope
 from services.memory.domain.terms import language_of
-from services.memory.service_layer.embedding import EmbeddingWorker
 from services.memory.service_layer.handlers import AgentScopeRequest, Caller, Memory
-from tests.memory_support import FakeDirectory
 from tests.pgvector_server import pgvector_url
 
 NUMPY, PGVECTOR = "numpy (exact)", "pgvector (HNSW)"
@@ -82,15 +80,7 @@ async def prepare(options: argparse.Namespace) -> Seeded:
     await dictionary.loaded()
 
     async def seeded_through(store: SqlMemoryStore, segments: int) -> tuple[Memory, str, str, float]:
-        worker = EmbeddingWorker(store, embedder, batch_size=256)
-        memory = Memory(
-            store=store,
-            embedder=embedder,
-            directory=FakeDirectory(),
-            dictionary=dictionary,
-            on_archived=worker.wake,
-        )
-        worker.start()
+        memory, worker = archiving_memory(store, embedder, dictionary)
         try:
             agent, member, rate = await seed(
                 memory, worker, embedder, vocabulary, segments=segments, archivers=options.archivers
@@ -181,13 +171,13 @@ async def main(options: argparse.Namespace) -> None:
             # Alternating which goes first, so that the machine's moods fall on both alike.
             for name in list(ways) if round_ % 2 == 0 else list(reversed(ways)):
                 times = await measure(ways[name], texts, seeded.agent, seeded.member)
-                retrieve[name][0].append(percentile(times, 0.5))
-                retrieve[name][1].append(percentile(times, 0.99))
+                retrieve[name][0].append(floor_percentile(times, 0.5))
+                retrieve[name][1].append(floor_percentile(times, 0.99))
             found, exact_times, index_times = await vector_recall(seeded, embedder, Filters(), texts)
             recall.append(found)
             for name, times in ((NUMPY, exact_times), (PGVECTOR, index_times)):
-                vector[name][0].append(percentile(times, 0.5))
-                vector[name][1].append(percentile(times, 0.99))
+                vector[name][0].append(floor_percentile(times, 0.5))
+                vector[name][1].append(floor_percentile(times, 0.99))
         replies = Filters(types=frozenset({SegmentType.RESPONSE}))
         recall_replies, _, _ = await vector_recall(
             seeded, embedder, replies, bench_queries(vocabulary, options.queries, 41)
@@ -200,7 +190,7 @@ async def main(options: argparse.Namespace) -> None:
         for ef_search in options.sweep:
             seeded.indexed.pgvector.ef_search = ef_search
             found, _, times = await vector_recall(seeded, embedder, Filters(), texts)
-            sweep.append((ef_search, found, percentile(times, 0.5), percentile(times, 0.99)))
+            sweep.append((ef_search, found, floor_percentile(times, 0.5), floor_percentile(times, 0.99)))
         searches, exact = seeded.indexed.pgvector.searches, seeded.indexed.pgvector.exact_searches
     finally:
         await seeded.exact.aclose()
@@ -222,12 +212,12 @@ async def main(options: argparse.Namespace) -> None:
     print("| Path | Retrieve p50 ms | Retrieve p99 ms | Vector search p50 ms | Vector search p99 ms |")
     print("|---|---:|---:|---:|---:|")
     for name in ways:
-        medians = [statistics.median(values) for values in (*retrieve[name], *vector[name])]
+        medians = [median(values) for values in (*retrieve[name], *vector[name])]
         print(f"| {name} | " + " | ".join(f"{value:.1f}" for value in medians) + " |")
     rounds = ", ".join(f"{value:.3f}" for value in recall)
     print(
         f"\nRecall@10 of vector search through the index against exact search:"
-        f" {statistics.median(recall):.3f} (rounds {rounds});"
+        f" {median(recall):.3f} (rounds {rounds});"
         f" replies only (half visible): {recall_replies:.3f}."
         f"\nRetrieve's top 10 the same on both paths for {same:.0%} of 100 queries."
         f"\npgvector searches: {searches}, of which {exact} searched the visible rows exactly"

@@ -48,67 +48,83 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime as dt
-import io
 import itertools
 import math
-import os
-import platform
 import re
-import shutil
-import signal
-import statistics
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
-from collections import Counter, defaultdict, deque
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Container,
-    Coroutine,
-    Iterable,
-    Mapping,
-    Sequence,
-)
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
-import sqlalchemy as sa
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from agentim.im.v1 import im_pb2, im_pb2_grpc
+from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
-from agentim.runtime.v1 import runtime_pb2_grpc
-from bench.im_bench import BenchError, code_version, exclusive_postgres, percentile
-from tests.auth_support import credentials_environment
-from tests.identities import as_member, as_service, learn_agent, learn_member
+from bench.calls import (
+    CALL_TIMEOUT_S,
+    CREATE_CONCURRENCY,
+    RUN_TIMEOUT_S,
+    SEND_CONCURRENCY,
+    SETTLE_S,
+    StreamEnded,
+    bounded,
+    create_agent,
+    delete_agents,
+    direct_chat,
+    new_workspace,
+    open_watch,
+    send,
+    until_run_ended,
+    watching,
+)
+from bench.harness import (
+    PYTHON,
+    QUIET_CORES,
+    QUIET_WINDOW_S,
+    TICKS,
+    Backend,
+    Clients,
+    CpuMeter,
+    Ended,
+    RuntimeTables,
+    Service,
+    add_backend_options,
+    backend_on,
+    listed,
+    process_cpu_s,
+    rss_mib,
+    scratch,
+    snapshot_sources,
+    wait_quiet,
+)
+from bench.report import (
+    Recorded,
+    add_doc_option,
+    errors_note,
+    fixed,
+    grouped,
+    percent,
+    preamble,
+    problems_section,
+    run_and_record,
+    status,
+    table_head,
+    tally,
+)
+from bench.stats import median, median_of, ms, percentile
+from tests.identities import as_member, as_service
 
-T = TypeVar("T")
-
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
 SECTION = "## Agent runtime (issue 3)"
 BACKENDS = ("embedded", "postgresql")
 PARTS = ("wake", "deltas", "chatter", "resident")
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/agentim_bench"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 WAKE_WARMUP = 10
 WAKE_GAP_S = 0.01
-# After CreateAgent, the runtime re-opens its IM watch of the workspace; a
-# chat created while the IM sets that watch up is never delivered to it (the
-# IM reads the memberships and the starting sequence in two transactions), so
-# chats are created once the watch is in place: this long after one agent,
-# after many once the runtime and the IM are idle.
-SETTLE_S = 0.5
 # A message whose run has not ended after this long is lost; a run of the
 # wake benchmark stops after this many lost messages.
 WAKE_TIMEOUT_S = 10.0
@@ -120,24 +136,8 @@ FLOOD_RATES = (2000, 4000, 8000, 0)
 FLOOD_SECONDS = 2.0
 FLOOD_COUNT = 20_000  # deltas of the as-fast-as-possible reply
 CHATTER_WARMUP_S = 2.0
-CREATE_CONCURRENCY = 32
-SEND_CONCURRENCY = 64
 # The agents' first messages are sent this many at a time (see `_history`).
 HISTORY_BATCH = 500
-QUIET_WINDOW_S = 1.0
-QUIET_CORES = 0.02
-
-CALL_TIMEOUT_S = 30.0
-RUN_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 180.0
-STOP_TIMEOUT_S = 60.0
-MIGRATE_TIMEOUT_S = 120.0
-QUIET_TIMEOUT_S = 300.0
-ALL_RUNS_TIMEOUT_S = 900.0
-# A phase waiting for runs gives up when nothing has changed for this long,
-# or for SETTLED_S once every message is accounted for (see `until_ended`).
-STALL_S = 30.0
-SETTLED_S = 3.0
 
 TARGET_WAKE_P50_MS = 2.0
 TARGET_WAKE_P99_MS = 10.0
@@ -148,420 +148,8 @@ TARGET_RSS_MIB = TARGET_RSS_MB * 1e6 / 2**20
 TARGET_STARTUP_S = 10.0
 AUTOGEN_ROUND_TRIPS = 1200
 
-_BANNER = re.compile(r"listening on (\S+:\d+)")
-_AGENTS = re.compile(r"\((\d+) agents")
-_LEVEL = re.compile(r"\b(WARNING|ERROR|CRITICAL)\b .*")
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|0x[0-9a-f]{6,}")
 _ARRIVED = re.compile(r"arrived (\d+)")
 _FLOOD_STAMP = re.compile(r"\[(\d+),(\d+)\]")
-
-Metadata = tuple[tuple[str, str], ...]
-
-
-class StreamEnded(BenchError):
-    """A WatchAgent stream ended (with status OK) before the run it showed did."""
-
-
-def median(values: Iterable[float]) -> float:
-    present = [v for v in values if not math.isnan(v)]
-    return statistics.median(present) if present else float("nan")
-
-
-def p(values: Sequence[float], q: float) -> float:
-    return percentile(sorted(values), q)
-
-
-def ms(ns: int) -> float:
-    return ns / 1e6
-
-
-# --- processes: CPU, memory ------------------------------------------------------
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (0 if it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    # utime and stime are fields 14 and 15 of stat; the split starts at field 3.
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def rss_mib(pid: int) -> float:
-    """VmRSS of a process in MiB (nan if it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
-def machine_jiffies() -> tuple[float, float]:
-    """(busy, total) jiffies of all CPUs."""
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]
-    return float(sum(values) - idle), float(sum(values))
-
-
-@dataclass
-class CpuMeter:
-    """CPU used by some processes over a window, in cores, and the machine's busy share."""
-
-    pids: Mapping[str, int]
-    cores: dict[str, float] = field(default_factory=dict)
-    machine_busy: float = float("nan")
-    _start: tuple[float, dict[str, float], tuple[float, float]] | None = None
-
-    def start(self) -> None:
-        self._start = (
-            time.perf_counter(),
-            {n: process_cpu_s(pid) for n, pid in self.pids.items()},
-            machine_jiffies(),
-        )
-
-    def stop(self) -> None:
-        assert self._start is not None
-        wall0, cpu0, (busy0, total0) = self._start
-        wall = time.perf_counter() - wall0
-        for name, pid in self.pids.items():
-            self.cores[name] = (process_cpu_s(pid) - cpu0[name]) / wall if wall > 0 else float("nan")
-        busy, total = machine_jiffies()
-        if total > total0:
-            self.machine_busy = (busy - busy0) / (total - total0)
-
-
-async def wait_quiet(pids: Sequence[int], *, since: float) -> float:
-    """Seconds from `since` (perf_counter) until the processes use almost no CPU.
-
-    Quiet means each used less than QUIET_CORES of a core over the last
-    QUIET_WINDOW_S; the time returned is the start of that window.
-    """
-    history: deque[tuple[float, list[float]]] = deque()
-    deadline = time.perf_counter() + QUIET_TIMEOUT_S
-    while time.perf_counter() < deadline:
-        now = time.perf_counter()
-        history.append((now, [process_cpu_s(pid) for pid in pids]))
-        # Keep as the oldest sample the latest one that is a whole window old.
-        while len(history) > 1 and now - history[1][0] >= QUIET_WINDOW_S:
-            history.popleft()
-        then, before = history[0]
-        if now - then >= QUIET_WINDOW_S and all(
-            (after - old) / (now - then) < QUIET_CORES
-            for after, old in zip(history[-1][1], before, strict=True)
-        ):
-            return then - since
-        await asyncio.sleep(0.1)
-    raise BenchError(f"the processes {list(pids)} did not become idle within {QUIET_TIMEOUT_S:.0f} s")
-
-
-# --- server subprocesses -------------------------------------------------------
-
-
-@dataclass
-class Service:
-    """A server subprocess: where it listens, its banner, how long it took to start and stop."""
-
-    name: str
-    pid: int
-    address: str
-    banner: str
-    log_path: Path
-    spawned_at: float
-    listening_after_s: float
-    stopped_in_s: float = float("nan")
-
-    def problems(self) -> Counter[str]:
-        """Warnings and errors the server logged so far, counted by message.
-
-        Ids are replaced by `<id>`; an error followed by a traceback counts
-        with the exception the traceback ends in.
-        """
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return Counter()
-        found: Counter[str] = Counter()
-        for index, line in enumerate(lines):
-            level = _LEVEL.search(line)
-            if level is None:
-                continue
-            message = level[0]
-            if index + 1 < len(lines) and lines[index + 1].startswith("Traceback"):
-                raised = next(
-                    (
-                        n
-                        for n in lines[index + 2 :]
-                        if n and not n.startswith((" ", "Traceback", "During", "The "))
-                    ),
-                    "",
-                )
-                message += " -> " + raised
-            found[_UUID.sub("<id>", message)[:400]] += 1
-        return found
-
-
-async def _stop(process: asyncio.subprocess.Process, name: str) -> int:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-        except TimeoutError:
-            print(f"warning: {name} ignored SIGTERM for {STOP_TIMEOUT_S:.0f} s; killing it", file=sys.stderr)
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode
-
-
-@contextlib.asynccontextmanager
-async def running(
-    name: str,
-    argv: Sequence[str],
-    *,
-    env: Mapping[str, str],
-    log_path: Path,
-    cwd: Path,
-    exit_codes: Container[int] = (0,),
-) -> AsyncIterator[Service]:
-    """Starts a server, waits for its `listening on` line, and always SIGTERMs it (timing the stop).
-
-    An exit status outside `exit_codes` is reported (a benchmark that kills
-    the server itself expects -9).
-    """
-    with log_path.open("ab") as log:
-        spawned_at = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            cwd=cwd,
-            env=dict(env),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-        )
-        assert process.stdout is not None
-        stdout = process.stdout
-
-        async def drain() -> None:
-            async for line in stdout:
-                log.write(line)
-
-        drainer: asyncio.Task[None] | None = None
-        service: Service | None = None
-        try:
-            try:
-                line = await asyncio.wait_for(stdout.readline(), START_TIMEOUT_S)
-            except TimeoutError:
-                raise BenchError(
-                    f"{name} printed nothing in {START_TIMEOUT_S:.0f} s; see {log_path}"
-                ) from None
-            listening_after = time.perf_counter() - spawned_at
-            banner = line.decode(errors="replace").strip()
-            log.write(line)
-            found = _BANNER.search(banner)
-            if found is None:
-                raise BenchError(f"{name} did not start (first line {banner!r}); see {log_path}")
-            drainer = asyncio.create_task(drain())
-            service = Service(name, process.pid, found[1], banner, log_path, spawned_at, listening_after)
-            yield service
-        finally:
-            stopping = time.perf_counter()
-            code = await _stop(process, name)
-            if service is not None:
-                service.stopped_in_s = time.perf_counter() - stopping
-            if drainer is not None:
-                drainer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await drainer
-            if code not in exit_codes:
-                print(f"warning: {name} exited with status {code}; see {log_path}", file=sys.stderr)
-
-
-async def run_command(argv: Sequence[str], *, env: Mapping[str, str], cwd: Path) -> None:
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=cwd,
-        env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        output, _ = await asyncio.wait_for(process.communicate(), MIGRATE_TIMEOUT_S)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise BenchError(f"{' '.join(argv)} took longer than {MIGRATE_TIMEOUT_S:.0f} s") from None
-    if process.returncode != 0:
-        raise BenchError(
-            f"{' '.join(argv)} failed ({process.returncode}):\n{output.decode(errors='replace')}"
-        )
-
-
-def snapshot_sources(dest: Path, *, worktree: bool) -> str:
-    """Copies the code the servers run to `dest`; returns which code that is.
-
-    Other people edit the working tree while a benchmark runs: servers started
-    from the copy all run the same code. By default the services and stubs are
-    those of the commit at HEAD (`git archive`), so that the figures belong to
-    a commit; with `worktree` they are the working tree's, uncommitted changes
-    included. The benchmark's own helpers always come from the working tree.
-    """
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    if worktree:
-        version = code_version()
-        for name in ("services", "gen"):
-            shutil.copytree(ROOT / name, dest / name, ignore=skip)
-    else:
-        try:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-            archive = subprocess.run(
-                ["git", "archive", commit, "services", "gen"], cwd=ROOT, capture_output=True, check=True
-            ).stdout
-        except (OSError, subprocess.CalledProcessError) as error:
-            raise BenchError(f"cannot take the services from git (use --worktree): {error}") from None
-        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-            tar.extractall(dest, filter="data")
-        version = f"{commit} (services and stubs as committed, run from `git archive`)"
-    shutil.copytree(ROOT / "bench", dest / "bench", ignore=skip)
-    (dest / "tests").mkdir(parents=True)
-    for name in ("__init__.py", "fake_openai.py"):
-        shutil.copy2(ROOT / "tests" / name, dest / "tests" / name)
-    return version
-
-
-# --- calls -----------------------------------------------------------------------
-
-
-async def bounded(calls: Sequence[Callable[[], Awaitable[T]]], limit: int) -> tuple[list[T], Counter[str]]:
-    """Runs the calls, at most `limit` at a time; returns the results and the gRPC errors by code."""
-    semaphore = asyncio.Semaphore(limit)
-    errors: Counter[str] = Counter()
-    results: list[T] = []
-
-    async def one(call: Callable[[], Awaitable[T]]) -> None:
-        async with semaphore:
-            try:
-                results.append(await call())
-            except grpc.aio.AioRpcError as error:
-                errors[error.code().name] += 1
-
-    await asyncio.gather(*(one(c) for c in calls))
-    return results, errors
-
-
-@dataclass
-class Clients:
-    """Stubs of the IM and of the runtime under test."""
-
-    im: Any
-    runtime: Any
-
-
-async def new_workspace(clients: Clients, name: str) -> str:
-    """A workspace; returns its first member (a person), who acts for the benchmark."""
-    created = await clients.im.CreateWorkspace(
-        im_pb2.CreateWorkspaceRequest(name=name, creator_display_name="bench person"), timeout=CALL_TIMEOUT_S
-    )
-    learn_member(created.creator)  # its access tokens are signed with the test key (as_member)
-    return str(created.creator.id)
-
-
-async def create_agent(
-    clients: Clients, person: str, name: str, *, model: rpb.ModelSettings | None = None
-) -> rpb.Agent:
-    response = await clients.runtime.CreateAgent(
-        rpb.CreateAgentRequest(name=name, model=model), metadata=as_member(person), timeout=CALL_TIMEOUT_S
-    )
-    learn_agent(response.agent)
-    return response.agent
-
-
-async def delete_agents(clients: Clients, person: str, agents: Iterable[rpb.Agent]) -> None:
-    await bounded(
-        [
-            partial(
-                clients.runtime.DeleteAgent,
-                rpb.DeleteAgentRequest(agent_id=a.id),
-                metadata=as_member(person),
-                timeout=CALL_TIMEOUT_S,
-            )
-            for a in agents
-        ],
-        CREATE_CONCURRENCY,
-    )
-
-
-async def direct_chat(clients: Clients, member: str, peer: str) -> str:
-    response = await clients.im.GetOrCreateDirectGroup(
-        im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=peer),
-        metadata=as_member(member),
-        timeout=CALL_TIMEOUT_S,
-    )
-    return str(response.group.id)
-
-
-async def send(
-    clients: Clients, member: str, group: str, content: str, *, mentions: Sequence[str] = ()
-) -> None:
-    await clients.im.SendMessage(
-        im_pb2.SendMessageRequest(group_id=group, content=content, mentions=list(mentions)),
-        metadata=as_member(member),
-        timeout=CALL_TIMEOUT_S,
-    )
-
-
-async def open_watch(clients: Clients, person: str, agent_id: str) -> Any:
-    """A live WatchAgent stream, subscribed (the runtime sends its headers once it is)."""
-    call = clients.runtime.WatchAgent(
-        rpb.WatchAgentRequest(agent_id=agent_id, live_only=True), metadata=as_member(person)
-    )
-    try:
-        await asyncio.wait_for(call.initial_metadata(), CALL_TIMEOUT_S)
-    except BaseException:
-        call.cancel()
-        raise
-    return call
-
-
-@contextlib.asynccontextmanager
-async def watching(clients: Clients, person: str, agent_id: str) -> AsyncIterator[Any]:
-    """A live WatchAgent stream for the block."""
-    call = await open_watch(clients, person, agent_id)
-    try:
-        yield call
-    finally:
-        call.cancel()
-
-
-async def until_run_ended(
-    call: Any, on_event: Callable[[Any, int], None] | None = None, *, limit_s: float = RUN_TIMEOUT_S
-) -> int:
-    """Reads agent events until a run ends; returns its status."""
-    async with asyncio.timeout(limit_s):
-        while True:
-            try:
-                response = await call.read()
-            except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
-                raise StreamEnded(f"the runtime ended the watch: {error.details()}") from None
-            if response is grpc.aio.EOF:
-                raise StreamEnded("the WatchAgent stream ended before the run did")
-            received = time.monotonic_ns()
-            event = response.event
-            if on_event is not None:
-                on_event(event, received)
-            if event.WhichOneof("event") == "run_ended":
-                return int(event.run_ended.status)
 
 
 # --- 1. wake latency ---------------------------------------------------------------
@@ -934,74 +522,6 @@ async def chatter_run(
 # --- 4. resident agents ------------------------------------------------------------
 
 
-class RuntimeTables:
-    """Reads the runtime's runs and agents straight from its database."""
-
-    def __init__(self, runtime_url: str) -> None:
-        url = make_url(runtime_url)
-        sqlite = url.get_backend_name() == "sqlite"
-        url = url.set(drivername="sqlite+aiosqlite" if sqlite else "postgresql+asyncpg")
-        self._schema = "" if sqlite else "runtime."
-        self._engine: AsyncEngine = create_async_engine(url, poolclass=sa.pool.NullPool)
-
-    async def _counts(self, query: str) -> Counter[str]:
-        async with self._engine.connect() as conn:
-            rows = (await conn.execute(sa.text(query.format(schema=self._schema)))).all()
-        return Counter({str(key): int(n) for key, n in rows})
-
-    async def runs(self) -> Counter[str]:
-        """Runs by status."""
-        return await self._counts("SELECT status, count(*) FROM {schema}runs GROUP BY status")
-
-    async def agents(self) -> Counter[str]:
-        """Live agents by state."""
-        return await self._counts(
-            "SELECT state, count(*) FROM {schema}agents WHERE NOT deleted GROUP BY state"
-        )
-
-    async def until_ended(self, target: int, *, before: Counter[str], since: float) -> Ended:
-        """Waits until `target` more runs than `before` have ended.
-
-        Gives up early when every message is accounted for without that (runs
-        started, or agents newly in ERROR, whose runs never come) and nothing
-        has changed for SETTLED_S; and in any case when nothing has changed
-        for STALL_S.
-        """
-        errors_before = (await self.agents())["error"]
-        last: tuple[int, int, int] | None = None
-        last_change = time.perf_counter()
-        deadline = last_change + ALL_RUNS_TIMEOUT_S
-        while True:
-            counts = await self.runs()
-            new = +Counter({k: counts[k] - before.get(k, 0) for k in counts})
-            ended = sum(v for k, v in new.items() if k != "running")
-            errors = (await self.agents())["error"]
-            now = time.perf_counter()
-            state = (ended, sum(new.values()), errors)
-            if state != last:
-                last, last_change = state, now
-            if ended >= target:
-                return Ended(new, now - since, complete=True, target=target)
-            accounted = sum(new.values()) + max(0, errors - errors_before) >= target
-            quiet = now - last_change
-            if (accounted and quiet > SETTLED_S) or quiet > STALL_S or now > deadline:
-                return Ended(new, last_change - since, complete=False, target=target)
-            await asyncio.sleep(0.2)
-
-    async def aclose(self) -> None:
-        await self._engine.dispose()
-
-
-@dataclass
-class Ended:
-    """Runs that ended in a phase, by status, and when the last of them did."""
-
-    runs: Counter[str] = field(default_factory=Counter)
-    seconds: float = float("nan")
-    complete: bool = False
-    target: int = 0
-
-
 @dataclass
 class ResidentResult:
     agents: int
@@ -1040,22 +560,13 @@ async def resident(backend: Backend, options: Options, workdir: Path, im: Servic
     """Creates the agents and their history in one runtime, then measures a restarted one."""
     workspaces = math.ceil(options.agents / options.agents_per_workspace)
     result = ResidentResult(agents=options.agents, workspaces=workspaces)
-    env = backend.runtime_env()
     tables = RuntimeTables(backend.runtime_url)
-    argv = [sys.executable, "-m", "services.runtime", "serve"]
     name = backend.name
     try:
-        async with (
-            running(
-                f"runtime, resident agents ({name})",
-                argv,
-                env=env,
-                cwd=backend.source,
-                log_path=workdir / f"runtime-resident-{name}.log",
-            ) as rt,
-            grpc.aio.insecure_channel(rt.address) as channel,
-        ):
-            if _banner_agents(rt.banner) != 0:
+        async with backend.runtime(
+            f"runtime, resident agents ({name})", log_path=workdir / f"runtime-resident-{name}.log"
+        ) as (rt, clients):
+            if rt.banner_agents() != 0:
                 print(f"warning: the runtime should start with no agent: {rt.banner}", file=sys.stderr)
             await wait_quiet([rt.pid], since=rt.spawned_at)
             result.empty_rss_mib = rss_mib(rt.pid)
@@ -1063,7 +574,6 @@ async def resident(backend: Backend, options: Options, workdir: Path, im: Servic
             await asyncio.sleep(options.idle_seconds)
             result.empty_idle_cpu_ms = (process_cpu_s(rt.pid) - cpu) * 1000
             print(f"[{name}] empty runtime: RSS {result.empty_rss_mib:.0f} MiB", flush=True)
-            clients = Clients(backend.im_stub, runtime_pb2_grpc.RuntimeServiceStub(channel))
             chats = await _resident_agents(clients, result, options, name, [rt.pid, im.pid])
             result.history = await _history(clients, chats, tables, result)
             result.states_after_history = await tables.agents()
@@ -1076,13 +586,10 @@ async def resident(backend: Backend, options: Options, workdir: Path, im: Servic
             )
         result.stop_s = rt.stopped_in_s
         result.problems += rt.problems()
-        async with running(
+        async with backend.runtime(
             f"runtime, resident agents, restarted ({name})",
-            argv,
-            env=env,
-            cwd=backend.source,
             log_path=workdir / f"runtime-restarted-{name}.log",
-        ) as rt:
+        ) as (rt, clients):
             await _restarted(
                 rt, im, clients=clients, chats=chats, tables=tables, result=result, options=options
             )
@@ -1170,7 +677,7 @@ async def _restarted(
 ) -> None:
     """Start-up, memory and idle CPU of the restarted runtime, then the time to wake every agent."""
     result.listening_s = rt.listening_after_s
-    result.banner_agents = _banner_agents(rt.banner)
+    result.banner_agents = rt.banner_agents()
     result.quiet_s = await wait_quiet([rt.pid, im.pid], since=rt.spawned_at)
     result.states_after_start = await tables.agents()
     result.rss_started_mib = rss_mib(rt.pid)
@@ -1202,11 +709,6 @@ async def _restarted(
     )
 
 
-def _banner_agents(banner: str) -> int:
-    found = _AGENTS.search(banner)
-    return int(found[1]) if found else -1
-
-
 async def _resident_agent(clients: Clients, person: str, index: int) -> tuple[str, rpb.Agent]:
     return person, await create_agent(clients, person, f"resident-{index}")
 
@@ -1214,69 +716,6 @@ async def _resident_agent(clients: Clients, person: str, index: int) -> tuple[st
 async def _chat_of(clients: Clients, made: tuple[str, rpb.Agent]) -> tuple[str, str]:
     person, agent = made
     return person, await direct_chat(clients, person, agent.member_id)
-
-
-# --- one backend -----------------------------------------------------------------
-
-
-@dataclass
-class Backend:
-    """Where one backend's services keep their data, and how to start them."""
-
-    name: str
-    im_url: str
-    runtime_url: str
-    redis_url: str | None
-    data_dir: Path
-    source: Path
-    im_address: str = ""
-    im_stub: Any = None
-
-    def base_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        for name in (
-            "DATABASE_URL",
-            "RUNTIME_DATABASE_URL",
-            "REDIS_URL",
-            "OPENAI_BASE_URL",
-            "OPENAI_API_KEY",
-            "OPENAI_MODEL",
-            "RUNTIME_AGENT_CHATTER_LIMIT",
-            "RUNTIME_TOKEN_BUDGET",
-        ):
-            env.pop(name, None)
-        env.update(
-            LOG_LEVEL=os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
-            AGENTIM_DATA_DIR=str(self.data_dir),
-            PYTHONUNBUFFERED="1",
-            # Throughput is measured here, not the per-member rate limits.
-            LIMIT_SEND_PER_SECOND="0",
-            LIMIT_CREATE_PER_SECOND="0",
-            # The servers run from `source` (their working directory); the stubs come with it.
-            PYTHONPATH=str(self.source / "gen"),
-            # The test keys and credentials: the benchmark signs its callers' tokens with them.
-            **credentials_environment(),
-        )
-        return env
-
-    def im_env(self) -> dict[str, str]:
-        env = self.base_env()
-        env.update(DATABASE_URL=self.im_url, IM_GRPC_ADDRESS="127.0.0.1:0")
-        if self.redis_url:
-            env["REDIS_URL"] = self.redis_url
-        return env
-
-    def runtime_env(self, **extra: str) -> dict[str, str]:
-        env = self.base_env()
-        env.update(
-            RUNTIME_DATABASE_URL=self.runtime_url,
-            RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
-            IM_ADDRESS=self.im_address or "127.0.0.1:1",
-            # The fake model servers the agents are pointed at listen on loopback.
-            RUNTIME_LLM_ALLOWED_HOSTS="127.0.0.1",
-            **extra,
-        )
-        return env
 
 
 @dataclass
@@ -1309,77 +748,37 @@ class Options:
     write_doc: bool
 
 
-async def drop_runtime_schema(url: str) -> None:
-    target = make_url(url).set(drivername="postgresql+asyncpg")
-    if "bench" not in (target.database or ""):
-        raise BenchError(
-            f"refusing to reset the runtime schema of {target.database!r}: use a database named *bench*"
-        )
-    engine = create_async_engine(target, isolation_level="AUTOCOMMIT", pool_size=1, max_overflow=0)
-    try:
-        async with engine.connect() as conn:
-            await conn.execute(sa.text("DROP SCHEMA IF EXISTS runtime CASCADE"))
-    finally:
-        await engine.dispose()
-
-
 async def bench_backend(name: str, options: Options, workdir: Path, source: Path) -> BackendResult:
-    data_dir = workdir / name
-    data_dir.mkdir(parents=True, exist_ok=True)
     async with contextlib.AsyncExitStack() as stack:
-        if name == "postgresql":
-            # Holds the benchmarks' advisory lock for the whole backend run and drops the im schema.
-            await stack.enter_async_context(exclusive_postgres(options.postgres_url))
-            await drop_runtime_schema(options.postgres_url)
-            url = options.postgres_url
-            backend = Backend(name, url, url, options.redis_url, data_dir, source)
-        else:
-            im_db, runtime_db = f"sqlite:///{data_dir / 'im.db'}", f"sqlite:///{data_dir / 'runtime.db'}"
-            backend = Backend(name, im_db, runtime_db, None, data_dir, source)
-        return await _bench_backend(backend, options, workdir, stack)
-
-
-async def _bench_backend(
-    backend: Backend, options: Options, workdir: Path, stack: contextlib.AsyncExitStack
-) -> BackendResult:
-    name, python = backend.name, sys.executable
-    result = BackendResult(name)
-    await run_command([python, "-m", "services.im", "migrate"], env=backend.im_env(), cwd=backend.source)
-    await run_command(
-        [python, "-m", "services.runtime", "migrate"], env=backend.runtime_env(), cwd=backend.source
-    )
-    im = await stack.enter_async_context(
-        running(
-            f"IM service ({name})",
-            [python, "-m", "services.im", "serve"],
-            env=backend.im_env(),
-            cwd=backend.source,
-            log_path=workdir / f"im-{name}.log",
+        backend = await backend_on(
+            stack,
+            name,
+            workdir=workdir,
+            source=source,
+            postgres_url=options.postgres_url,
+            redis_url=options.redis_url,
         )
-    )
-    backend.im_address = im.address
-    im_channel = await stack.enter_async_context(grpc.aio.insecure_channel(im.address))
-    backend.im_stub = im_pb2_grpc.IMServiceStub(im_channel)
-    llm = await stack.enter_async_context(
-        running(
-            "fake OpenAI server",
-            [python, "-m", "bench.llm_server"],
-            env=backend.base_env(),
-            cwd=backend.source,
-            log_path=workdir / f"llm-{name}.log",
-        )
-    )
+        result = BackendResult(name)
+        await backend.migrate()
+        im = await backend.start_im(stack, name=f"IM service ({name})", log_path=workdir / f"im-{name}.log")
+        llm = await stack.enter_async_context(backend.llm(log_path=workdir / f"llm-{name}.log"))
+        await _parts(backend, options, workdir, result, im=im, fake_url=f"http://{llm.address}/v1")
+        result.problems[im.name] = im.problems()
+        result.problems[llm.name] = llm.problems()
+        return result
 
+
+async def _parts(
+    backend: Backend, options: Options, workdir: Path, result: BackendResult, *, im: Service, fake_url: str
+) -> None:
+    name = backend.name
     if {"wake", "deltas"} & set(options.parts):
-        await _traced_parts(backend, options, workdir, result, f"http://{llm.address}/v1")
+        await _traced_parts(backend, options, workdir, result, fake_url)
     if "chatter" in options.parts:
         await _chatter_part(backend, options, workdir, result, im)
     if "resident" in options.parts and name == options.resident_backend and options.agents > 0:
         result.resident = await resident(backend, options, workdir, im)
         result.problems[f"runtime, resident agents ({name})"] = result.resident.problems
-    result.problems[im.name] = im.problems()
-    result.problems[llm.name] = llm.problems()
-    return result
 
 
 async def _traced_parts(
@@ -1390,17 +789,12 @@ async def _traced_parts(
     trace_path = workdir / f"trace-{name}.txt"
     trace_path.touch()
     trace = Trace(trace_path)
-    async with (
-        running(
-            f"runtime, traced ({name})",
-            [sys.executable, "-m", "bench.runtime_host"],
-            env=backend.runtime_env(BENCH_TRACE_FILE=str(trace_path)),
-            cwd=backend.source,
-            log_path=workdir / f"runtime-traced-{name}.log",
-        ) as rt,
-        grpc.aio.insecure_channel(rt.address) as channel,
-    ):
-        clients = Clients(backend.im_stub, runtime_pb2_grpc.RuntimeServiceStub(channel))
+    async with backend.runtime(
+        f"runtime, traced ({name})",
+        argv=[PYTHON, "-m", "bench.runtime_host"],
+        log_path=workdir / f"runtime-traced-{name}.log",
+        BENCH_TRACE_FILE=str(trace_path),
+    ) as (rt, clients):
         person = await new_workspace(clients, "bench-wake")
         tag = 0
         for run in range(1, options.runs + 1 if "wake" in options.parts else 1):
@@ -1417,9 +811,10 @@ async def _traced_parts(
             result.wake_fake.append(fake)
             failed = offline.failed + fake.failed
             print(
-                f"[{name}] run {run}: wake offline p50 {p(offline.latencies_ms, 0.5):.2f} ms "
-                f"p99 {p(offline.latencies_ms, 0.99):.2f} ms; fake server p50 "
-                f"{p(fake.latencies_ms, 0.5):.2f} ms p99 {p(fake.latencies_ms, 0.99):.2f} ms"
+                f"[{name}] run {run}: wake offline p50 {percentile(offline.latencies_ms, 0.5):.2f} ms "
+                f"p99 {percentile(offline.latencies_ms, 0.99):.2f} ms; fake server p50 "
+                f"{percentile(fake.latencies_ms, 0.5):.2f} ms "
+                f"p99 {percentile(fake.latencies_ms, 0.99):.2f} ms"
                 + (f"; failed {failed}" if failed else ""),
                 flush=True,
             )
@@ -1432,8 +827,8 @@ async def _traced_parts(
                 for lv in sample.levels
             )
             print(
-                f"[{name}] run {run}: delta latency p50 {p(sample.latencies_ms, 0.5):.3f} ms "
-                f"p99 {p(sample.latencies_ms, 0.99):.3f} ms; replies {levels}",
+                f"[{name}] run {run}: delta latency p50 {percentile(sample.latencies_ms, 0.5):.3f} ms "
+                f"p99 {percentile(sample.latencies_ms, 0.99):.3f} ms; replies {levels}",
                 flush=True,
             )
     result.problems[rt.name] = rt.problems()
@@ -1444,21 +839,14 @@ async def _chatter_part(
 ) -> None:
     """3: agents answering each other without limit, on the plain runtime."""
     name = backend.name
-    async with (
-        running(
-            f"runtime, agent to agent ({name})",
-            [sys.executable, "-m", "services.runtime", "serve"],
-            # Lifted so that the pairs never stop: the chatter limit, and the token
-            # budget (each completion counts its whole growing context).
-            env=backend.runtime_env(
-                RUNTIME_AGENT_CHATTER_LIMIT="1000000000", RUNTIME_TOKEN_BUDGET="1000000000000"
-            ),
-            cwd=backend.source,
-            log_path=workdir / f"runtime-chatter-{name}.log",
-        ) as rt,
-        grpc.aio.insecure_channel(rt.address) as channel,
-    ):
-        clients = Clients(backend.im_stub, runtime_pb2_grpc.RuntimeServiceStub(channel))
+    async with backend.runtime(
+        f"runtime, agent to agent ({name})",
+        log_path=workdir / f"runtime-chatter-{name}.log",
+        # Lifted so that the pairs never stop: the chatter limit, and the token
+        # budget (each completion counts its whole growing context).
+        RUNTIME_AGENT_CHATTER_LIMIT="1000000000",
+        RUNTIME_TOKEN_BUDGET="1000000000000",
+    ) as (rt, clients):
         for pairs in options.pairs:
             samples = result.chatter.setdefault(pairs, [])
             for run in range(1, options.runs + 1):
@@ -1468,34 +856,14 @@ async def _chatter_part(
                 print(
                     f"[{name}] run {run}: {chatter.pairs} pairs: {chatter.hops_per_s:,.0f} hops/s "
                     f"({chatter.hops_per_s / 2:,.0f} round trips/s), "
-                    f"hop p50 {p(chatter.hop_ms, 0.5):.1f} ms, "
-                    f"runtime CPU {_pct(chatter.cores['runtime'])}, IM CPU {_pct(chatter.cores['IM'])}",
+                    f"hop p50 {percentile(chatter.hop_ms, 0.5):.1f} ms, "
+                    f"runtime CPU {percent(chatter.cores['runtime'])}, IM CPU {percent(chatter.cores['IM'])}",
                     flush=True,
                 )
     result.problems[rt.name] = rt.problems()
 
 
 # --- report ----------------------------------------------------------------------
-
-
-def _ms(value: float, digits: int = 2) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
-
-
-def _count(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:,.0f}"
-
-
-def _pct(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{100 * value:.0f}%"
-
-
-def _med(samples: Sequence[Any], get: Callable[[Any], float]) -> float:
-    return median([get(s) for s in samples])
-
-
-def _status(met: bool) -> str:
-    return "met" if met else "**not met**"
 
 
 def _wake_rows(result: BackendResult) -> list[str]:
@@ -1506,11 +874,11 @@ def _wake_rows(result: BackendResult) -> list[str]:
         failed = sum(s.failed for s in samples)
         rows.append(
             f"| {result.backend} | {label} | {len(samples[0].latencies_ms)} "
-            f"| {_ms(_med(samples, lambda s: p(s.latencies_ms, 0.5)))} "
-            f"| {_ms(_med(samples, lambda s: p(s.latencies_ms, 0.99)))} "
-            f"| {_ms(max(max(s.latencies_ms, default=math.nan) for s in samples))} "
-            f"| {_ms(_med(samples, lambda s: p(s.latencies_ms[:50], 0.5)))} / "
-            f"{_ms(_med(samples, lambda s: p(s.latencies_ms[-50:], 0.5)))} | {failed} |"
+            f"| {fixed(median_of(samples, lambda s: percentile(s.latencies_ms, 0.5)))} "
+            f"| {fixed(median_of(samples, lambda s: percentile(s.latencies_ms, 0.99)))} "
+            f"| {fixed(max(max(s.latencies_ms, default=math.nan) for s in samples))} "
+            f"| {fixed(median_of(samples, lambda s: percentile(s.latencies_ms[:50], 0.5)))} / "
+            f"{fixed(median_of(samples, lambda s: percentile(s.latencies_ms[-50:], 0.5)))} | {failed} |"
         )
     return rows
 
@@ -1535,7 +903,7 @@ def _stage_table(results: Sequence[BackendResult]) -> list[str]:
         cells = []
         for _, samples in columns:
             values = [median(s.stages_ms[label]) for s in samples if s.stages_ms.get(label)]
-            cells.append(_ms(median(values)) if values else "-")
+            cells.append(fixed(median(values)) if values else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -1543,9 +911,10 @@ def _stage_table(results: Sequence[BackendResult]) -> list[str]:
 def _delta_rows(result: BackendResult) -> tuple[str, list[str]]:
     samples = result.deltas
     latency = (
-        f"| {result.backend} | {DELTA_COUNT:,} | {_ms(_med(samples, lambda s: p(s.latencies_ms, 0.5)), 3)} "
-        f"| {_ms(_med(samples, lambda s: p(s.latencies_ms, 0.99)), 3)} "
-        f"| {_ms(max(max(s.latencies_ms, default=math.nan) for s in samples), 3)} "
+        f"| {result.backend} | {DELTA_COUNT:,} "
+        f"| {fixed(median_of(samples, lambda s: percentile(s.latencies_ms, 0.5)), 3)} "
+        f"| {fixed(median_of(samples, lambda s: percentile(s.latencies_ms, 0.99)), 3)} "
+        f"| {fixed(max(max(s.latencies_ms, default=math.nan) for s in samples), 3)} "
         f"| {sum(s.timed_lost for s in samples)} |"
     )
     floods = []
@@ -1555,10 +924,10 @@ def _delta_rows(result: BackendResult) -> tuple[str, list[str]]:
         floods.append(
             f"| {result.backend} | {f'{rate:,}' if rate else 'as fast as possible'} | {levels[0].count:,} "
             f"| {median([lv.received for lv in levels]):,.0f} "
-            f"| {_count(median(rates))} ({_count(min(rates))}-{_count(max(rates))}) "
+            f"| {grouped(median(rates))} ({grouped(min(rates))}-{grouped(max(rates))}) "
             f"| {sum(lv.cut for lv in levels)} of {len(levels)} "
-            f"| {_pct(median([lv.runtime_cores for lv in levels]))} "
-            f"| {_count(median([lv.server_rate for lv in levels]))} |"
+            f"| {percent(median([lv.runtime_cores for lv in levels]))} "
+            f"| {grouped(median([lv.server_rate for lv in levels]))} |"
         )
     return latency, floods
 
@@ -1581,21 +950,13 @@ def _chatter_rows(result: BackendResult) -> list[str]:
         rows.append(
             f"| {result.backend} | {pairs} | {median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f}) "
             f"| **{median(rates) / 2:,.0f}** "
-            f"| {_ms(_med(samples, lambda s: p(s.hop_ms, 0.5)), 1)} "
-            f"| {_ms(_med(samples, lambda s: p(s.hop_ms, 0.99)), 1)} "
-            f"| {_pct(_med(samples, lambda s: s.cores.get('runtime', math.nan)))} "
-            f"| {_pct(_med(samples, lambda s: s.cores.get('IM', math.nan)))} "
-            f"| {_pct(_med(samples, lambda s: s.machine_busy))} |"
+            f"| {fixed(median_of(samples, lambda s: percentile(s.hop_ms, 0.5)), 1)} "
+            f"| {fixed(median_of(samples, lambda s: percentile(s.hop_ms, 0.99)), 1)} "
+            f"| {percent(median_of(samples, lambda s: s.cores.get('runtime', math.nan)))} "
+            f"| {percent(median_of(samples, lambda s: s.cores.get('IM', math.nan)))} "
+            f"| {percent(median_of(samples, lambda s: s.machine_busy))} |"
         )
     return rows
-
-
-def _runs(counts: Counter[str]) -> str:
-    return ", ".join(f"{v:,} {k}" for k, v in sorted(counts.items())) or "none"
-
-
-def _states(states: Counter[str]) -> str:
-    return ", ".join(f"{n:,} {state}" for state, n in sorted(states.items())) or "none"
 
 
 def _phase(ended: Ended, sent_s: float, errors: Counter[str] | None = None) -> str:
@@ -1605,7 +966,7 @@ def _phase(ended: Ended, sent_s: float, errors: Counter[str] | None = None) -> s
     else:
         done = sum(v for k, v in ended.runs.items() if k != "running")
         head = f"**incomplete**: {done:,} of {target:,} runs ended, the last after {ended.seconds:.1f} s"
-    return f"{head}; sending took {sent_s:.1f} s{_errors(errors or Counter())}; runs: {_runs(ended.runs)}"
+    return f"{head}; sending took {sent_s:.1f} s{errors_note(errors or Counter())}; runs: {tally(ended.runs)}"
 
 
 def _resident_lines(backend: str, r: ResidentResult, options: Options) -> list[str]:
@@ -1621,67 +982,63 @@ def _resident_lines(backend: str, r: ResidentResult, options: Options) -> list[s
         f"{QUIET_WINDOW_S:g} s (each runner's first cycle reads its steps and calls GetAllUnread). Runs "
         "and agent states are read from the runtime's tables. Measured once.",
         "",
-        "| Measurement | Value |",
-        "|---|---:|",
+        *table_head("Measurement", "Value"),
         f"| empty runtime (no agent): RSS / CPU while idle for {options.idle_seconds:g} s | "
         f"{r.empty_rss_mib:.0f} MiB / {r.empty_idle_cpu_ms:.0f} ms |",
         f"| CreateAgent x {r.agents:,} ({CREATE_CONCURRENCY} at a time) | {r.create_s:.1f} s "
-        f"({r.created / r.create_s:,.0f}/s){_errors(r.create_errors)} |",
+        f"({r.created / r.create_s:,.0f}/s){errors_note(r.create_errors)} |",
         f"| then until the runtime and the IM are idle (before creating chats) | {r.settle_s:.1f} s |",
         f"| direct chats (GetOrCreateDirectGroup x {r.created:,}) "
-        f"| {r.chats_s:.1f} s{_errors(r.chat_errors)} |",
+        f"| {r.chats_s:.1f} s{errors_note(r.chat_errors)} |",
         f"| history: a first message to every agent, in batches of {HISTORY_BATCH:,} ({SEND_CONCURRENCY} "
         "sends at a time, a batch once the previous one's runs have ended), until every run ended "
         f"| {_phase(r.history, r.history_send_s, r.history_send_errors)} |",
-        f"| agents then, by state | {_states(r.states_after_history)} |",
+        f"| agents then, by state | {tally(r.states_after_history)} |",
         f"| RSS then | {r.rss_after_history_mib:.0f} MiB |",
         f"| shutdown (SIGTERM to exit) | {r.stop_s:.1f} s |",
         f"| restart: process start to the `listening` line ({r.banner_agents:,} agents) "
         f"| {r.listening_s:.1f} s |",
         f"| restart: process start until the runtime and the IM are idle | {r.quiet_s:.1f} s |",
-        f"| agents then, by state | {_states(r.states_after_start)} |",
+        f"| agents then, by state | {tally(r.states_after_start)} |",
         f"| RSS once idle (above the empty runtime) | {r.rss_started_mib:.0f} MiB (**{above:+.0f} MiB**, "
         f"{1024 * above / max(1, r.created):.1f} KiB per agent) |",
         f"| CPU while idle for {r.idle_seconds:g} s: runtime / IM "
         f"| {r.idle_cpu_ms:.0f} ms / {r.im_idle_cpu_ms:.0f} ms |",
         f"| wake all: a message to every agent until every run ended "
         f"| {_phase(r.wake, r.wake_send_s, r.wake_send_errors)} |",
-        f"| agents then, by state | {_states(r.states_after_wake)} |",
+        f"| agents then, by state | {tally(r.states_after_wake)} |",
         f"| RSS after waking all | {r.rss_after_wake_mib:.0f} MiB |",
         "",
     ]
 
 
-def _errors(errors: Counter[str]) -> str:
-    return f"; errors: {', '.join(f'{k} {v}' for k, v in sorted(errors.items()))}" if errors else ""
-
-
 def targets(results: Sequence[BackendResult]) -> list[str]:
-    lines = ["### Targets (issue 3)", "", "| Target | Measured | Status |", "|---|---:|---|"]
+    lines = ["### Targets (issue 3)", "", *table_head("Target", "Measured", "Status", align="lrl")]
     for r in results:
         for label, samples in (("offline model", r.wake_offline), ("fake OpenAI server", r.wake_fake)):
             if not samples:
                 continue
-            p50 = _med(samples, lambda s: p(s.latencies_ms, 0.5))
-            p99 = _med(samples, lambda s: p(s.latencies_ms, 0.99))
+            p50 = median_of(samples, lambda s: percentile(s.latencies_ms, 0.5))
+            p99 = median_of(samples, lambda s: percentile(s.latencies_ms, 0.99))
             lines.append(
-                f"| wake, {r.backend}, {label}: p50 under {TARGET_WAKE_P50_MS:g} ms | {_ms(p50)} ms "
-                f"| {_status(p50 < TARGET_WAKE_P50_MS)} |"
+                f"| wake, {r.backend}, {label}: p50 under {TARGET_WAKE_P50_MS:g} ms | {fixed(p50)} ms "
+                f"| {status(p50 < TARGET_WAKE_P50_MS)} |"
             )
             lines.append(
-                f"| wake, {r.backend}, {label}: p99 under {TARGET_WAKE_P99_MS:g} ms | {_ms(p99)} ms "
-                f"| {_status(p99 < TARGET_WAKE_P99_MS)} |"
+                f"| wake, {r.backend}, {label}: p99 under {TARGET_WAKE_P99_MS:g} ms | {fixed(p99)} ms "
+                f"| {status(p99 < TARGET_WAKE_P99_MS)} |"
             )
         if r.deltas:
-            added = _med(r.deltas, lambda s: p(s.latencies_ms, 0.5))
+            added = median_of(r.deltas, lambda s: percentile(s.latencies_ms, 0.5))
             rate = sustained_rate(r)
             lines.append(
-                f"| deltas, {r.backend}: under {TARGET_DELTA_P50_MS:g} ms added at p50 | {_ms(added, 3)} ms "
-                f"| {_status(added < TARGET_DELTA_P50_MS)} |"
+                f"| deltas, {r.backend}: under {TARGET_DELTA_P50_MS:g} ms added at p50 "
+                f"| {fixed(added, 3)} ms "
+                f"| {status(added < TARGET_DELTA_P50_MS)} |"
             )
             lines.append(
                 f"| deltas, {r.backend}: at least {TARGET_DELTAS_PER_S:,.0f}/s per process (best rate "
-                f"delivered whole in every run) | {rate:,.0f}/s | {_status(rate >= TARGET_DELTAS_PER_S)} |"
+                f"delivered whole in every run) | {rate:,.0f}/s | {status(rate >= TARGET_DELTAS_PER_S)} |"
             )
         if r.resident is not None:
             res = r.resident
@@ -1691,16 +1048,16 @@ def targets(results: Sequence[BackendResult]) -> list[str]:
             lines += [
                 f"| {res.agents:,} resident agents ({r.backend}): under {TARGET_RSS_MB:g} MB above an "
                 "empty runtime "
-                f"| {above:.0f} MiB | {_status(above < TARGET_RSS_MIB)} |",
-                f"| no measurable idle CPU ({res.idle_seconds:g} s; one tick is {1000 / _TICKS:.0f} ms) "
-                f"| {idle:.0f} ms | {_status(idle <= 1000 / _TICKS)} |",
+                f"| {above:.0f} MiB | {status(above < TARGET_RSS_MIB)} |",
+                f"| no measurable idle CPU ({res.idle_seconds:g} s; one tick is {1000 / TICKS:.0f} ms) "
+                f"| {idle:.0f} ms | {status(idle <= 1000 / TICKS)} |",
                 f"| start-up under {TARGET_STARTUP_S:g} s (until idle), every agent running "
                 f"| {res.quiet_s:.1f} s, {new_errors:,} agents newly in ERROR "
-                f"| {_status(res.quiet_s < TARGET_STARTUP_S and not new_errors)} |",
+                f"| {status(res.quiet_s < TARGET_STARTUP_S and not new_errors)} |",
             ]
     for r in results:
         if r.chatter:
-            best = max(_med(s, lambda c: c.hops_per_s) for s in r.chatter.values()) / 2
+            best = max(median_of(s, lambda c: c.hops_per_s) for s in r.chatter.values()) / 2
             lines.append(
                 f"| agent-to-agent round trips/s, {r.backend}, durable (reference: AutoGen's "
                 f"distributed gRPC runtime, about {AUTOGEN_ROUND_TRIPS:,}/s here, persisting nothing) "
@@ -1710,23 +1067,8 @@ def targets(results: Sequence[BackendResult]) -> list[str]:
     return [*lines, ""]
 
 
-def _header(options: Options, command: str, versions: tuple[str, str], seconds: float) -> list[str]:
-    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    load = os.getloadavg()
-    moved = versions[0].split()[0] != versions[1].split()[0]
+def _method(options: Options) -> list[str]:
     return [
-        SECTION,
-        "",
-        f"Command: `{command}` (took {seconds / 60:.1f} min)",
-        "",
-        f"Code: {versions[0]}" + (f"; HEAD was {versions[1]} at the end" if moved else "") + ". The servers "
-        "run from a copy of that code taken at the start, so edits made meanwhile do not affect them.",
-        "",
-        f"Date: {now}. Machine: {os.cpu_count()} cores, {platform.platform()}, Python "
-        f"{platform.python_version()}, grpcio {grpc.__version__}; load average at the end {load[0]:.2f}. "
-        "The machine is shared and noisy, and its 2 cores run the benchmark client, the IM, the runtime, "
-        "the fake LLM server, PostgreSQL and Redis together: read the figures as orders of magnitude.",
-        "",
         "Method: every service is a subprocess on a free loopback port with LOG_LEVEL=WARNING: the IM "
         "service, the runtime and `bench/llm_server.py`, the fake OpenAI-compatible server of "
         "`tests/fake_openai.py` answering by model name. Backends: *embedded* (IM and runtime on their "
@@ -1756,8 +1098,17 @@ def _wake_section(results: Sequence[BackendResult], options: Options) -> list[st
         "its steps with every request, so the context grows with each message: hence the first/last 50 "
         "column.",
         "",
-        "| Backend | Model | Messages | p50 ms | p99 ms | max ms | p50 first 50 / last 50 | Failed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Model",
+            "Messages",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "p50 first 50 / last 50",
+            "Failed",
+            align="llrrrrrr",
+        ),
     ]
     for r in results:
         lines += _wake_rows(r)
@@ -1773,8 +1124,7 @@ def _delta_section(results: Sequence[BackendResult]) -> list[str]:
         "(this process) subtracts it from the time it receives the step_delta: the latency the runtime "
         "adds, both loopback hops included.",
         "",
-        "| Backend | Deltas | Added p50 ms | p99 ms | max ms | Lost |",
-        "|---|---:|---:|---:|---:|---:|",
+        *table_head("Backend", "Deltas", "Added p50 ms", "p99 ms", "max ms", "Lost"),
         *(_delta_rows(r)[0] for r in results if r.deltas),
         "",
         "Throughput: one long reply of one-character deltas streamed to one watcher, at offered rates "
@@ -1785,9 +1135,16 @@ def _delta_section(results: Sequence[BackendResult]) -> list[str]:
         "its last completed step). Runtime CPU "
         "is over the whole reply; the last column is the pace at which the fake server got to write.",
         "",
-        "| Backend | Offered/s | Deltas | Received | Received/s (min-max) | Streams cut | Runtime CPU "
-        "| Server wrote/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Offered/s",
+            "Deltas",
+            "Received",
+            "Received/s (min-max)",
+            "Streams cut",
+            "Runtime CPU",
+            "Server wrote/s",
+        ),
         *(row for r in results if r.deltas for row in _delta_rows(r)[1]),
         "",
     ]
@@ -1808,9 +1165,17 @@ def _chatter_section(results: Sequence[BackendResult], options: Options) -> list
         "and step is committed to the database before the next hop starts; the chats end when the "
         "agents are deleted.",
         "",
-        "| Backend | Pairs | Hops/s (min-max) | Round trips/s | Hop p50 ms | Hop p99 ms | Runtime CPU "
-        "| IM CPU | Machine busy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *table_head(
+            "Backend",
+            "Pairs",
+            "Hops/s (min-max)",
+            "Round trips/s",
+            "Hop p50 ms",
+            "Hop p99 ms",
+            "Runtime CPU",
+            "IM CPU",
+            "Machine busy",
+        ),
     ]
     for r in results:
         lines += _chatter_rows(r)
@@ -1838,26 +1203,8 @@ def _lost_section(results: Sequence[BackendResult]) -> list[str]:
     return [*lines, ""]
 
 
-def _problems_section(results: Sequence[BackendResult]) -> list[str]:
-    problems = [(name, found) for r in results for name, found in r.problems.items() if found]
-    if not problems:
-        return ["No service logged a warning or an error.", ""]
-    lines = ["### Logged warnings and errors", "", "Counted by message (ids replaced by `<id>`):", ""]
-    for name, found in problems:
-        lines += [f"{name}: {sum(found.values()):,} lines", ""]
-        lines += [f"    {n:>6,} x {message}" for message, n in found.most_common(8)]
-        lines.append("")
-    return lines
-
-
-def render_section(
-    results: Sequence[BackendResult],
-    options: Options,
-    command: str,
-    versions: tuple[str, str],
-    seconds: float,
-) -> str:
-    lines = _header(options, command, versions, seconds)
+def render_section(results: Sequence[BackendResult], options: Options, recorded: Recorded) -> str:
+    lines = preamble(SECTION, recorded.command, recorded.versions, recorded.seconds) + _method(options)
     if any(r.wake_offline or r.wake_fake for r in results):
         lines += _wake_section(results, options)
     if any(r.deltas for r in results):
@@ -1869,48 +1216,19 @@ def render_section(
             lines += _resident_lines(r.backend, r.resident, options)
     lines += targets(results)
     lines += _lost_section(results)
-    lines += _problems_section(results)
+    lines += problems_section(found for r in results for found in r.problems.items())
     return "\n".join(lines).rstrip() + "\n"
-
-
-def update_doc(path: Path, section: str, title: str = SECTION) -> None:
-    """Replaces (or appends) the section headed `title`, keeping the file's other sections."""
-    text = (
-        path.read_text()
-        if path.exists()
-        else (
-            "# Benchmarks\n\nMeasured performance of the Agent IM services. Each section is written by its "
-            "benchmark script and regenerated when the script runs again.\n"
-        )
-    )
-    start = text.find(title)
-    if start < 0:
-        text = text.rstrip() + "\n\n" + section
-    else:
-        following = re.compile(r"^## ", re.MULTILINE).search(text, start + len(title))
-        rest = text[following.start() :] if following else ""
-        text = text[:start] + section + ("\n" + rest if rest else "")
-    path.write_text(text)
 
 
 # --- entry point -----------------------------------------------------------------
 
 
 async def run(options: Options) -> tuple[list[BackendResult], str]:
-    # Kept when something fails, for the servers' logs; removed after a clean run.
-    workdir = Path(tempfile.mkdtemp(prefix="agentim-runtime-bench-"))
-    source = workdir / "source"
-    version = snapshot_sources(source, worktree=options.worktree)
-    results: list[BackendResult] = []
-    try:
-        for backend in options.backends:
-            results.append(await bench_backend(backend, options, workdir, source))
-    except BenchError as error:
-        raise BenchError(f"{error}\n(server logs kept in {workdir})") from None
-    if options.keep_logs or any(found for r in results for found in r.problems.values()):
-        print(f"the services' logs are kept in {workdir}", file=sys.stderr)
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with scratch("agentim-runtime-bench-") as workdir:
+        source = workdir.path / "source"
+        version = snapshot_sources(source, worktree=options.worktree)
+        results = [await bench_backend(b, options, workdir.path, source) for b in options.backends]
+        workdir.keep = options.keep_logs or any(found for r in results for found in r.problems.values())
     return results, version
 
 
@@ -1922,7 +1240,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m bench.runtime_bench", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated: embedded,postgresql")
+    add_backend_options(parser, backends=BACKENDS, postgres_url=DEFAULT_POSTGRES_URL)
     parser.add_argument("--runs", type=int, default=3, help="repetitions of each measurement (medians)")
     parser.add_argument("--messages", type=int, default=200, help="sequential messages per wake-latency run")
     parser.add_argument("--pairs", default="1,32", help="agent pairs chatting, comma-separated levels")
@@ -1935,30 +1253,11 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         default="",
         help="backend of the resident-agents part (default: postgresql if run)",
     )
-    parser.add_argument(
-        "--postgres-url",
-        default=DEFAULT_POSTGRES_URL,
-        help="benchmark database (created if missing; its im and runtime schemas are dropped first)",
-    )
-    parser.add_argument(
-        "--redis-url", default=DEFAULT_REDIS_URL, help="Redis of the IM on the postgresql backend"
-    )
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated: {','.join(PARTS)}")
-    parser.add_argument(
-        "--worktree",
-        action="store_true",
-        help="run the services of the working tree, uncommitted changes included (default: HEAD's)",
-    )
-    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs after a clean run")
-    parser.add_argument("--no-doc", action="store_true", help=f"do not update {DOC.relative_to(ROOT)}")
+    add_doc_option(parser)
     args = parser.parse_args(argv)
-    parts = [part.strip() for part in args.parts.split(",") if part.strip()]
-    if not parts or set(parts) - set(PARTS):
-        parser.error(f"--parts: expected some of {','.join(PARTS)}, got {args.parts!r}")
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    unknown = sorted(set(backends) - set(BACKENDS))
-    if unknown or not backends:
-        parser.error(f"--backends: expected some of {','.join(BACKENDS)}, got {args.backends!r}")
+    parts = listed(parser, "--parts", args.parts, PARTS)
+    backends = listed(parser, "--backends", args.backends, BACKENDS)
     try:
         pairs = _numbers(args.pairs)
     except ValueError:
@@ -1991,44 +1290,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
 
 def main(argv: Sequence[str] | None = None) -> None:
     options = parse_options(argv)
-    run_and_record(
-        "bench.runtime_bench",
-        argv,
-        lambda: run(options),
-        render=render_section,
-        options=options,
-        write_doc=options.write_doc,
-        title=SECTION,
-    )
-
-
-def run_and_record(
-    module: str,
-    argv: Sequence[str] | None,
-    bench: Callable[[], Coroutine[Any, Any, tuple[Any, str]]],
-    *,
-    render: Callable[..., str],
-    options: Any,
-    write_doc: bool,
-    title: str,
-) -> None:
-    """Runs a benchmark, prints its section and writes it to docs/benchmarks.md under `title`."""
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    command = " ".join([f".venv/bin/python -m {module}", *arguments])
-    started = time.perf_counter()
-    try:
-        results, version = asyncio.run(bench())
-    except BenchError as error:
-        raise SystemExit(f"benchmark failed: {error}") from None
-    elapsed = time.perf_counter() - started
-    # Other people may commit while this runs: say so if HEAD moved.
-    section = render(results, options, command, (version, code_version()), elapsed)
-    print()
-    print(section)
-    if write_doc:
-        update_doc(DOC, section, title)
-        print(f"updated {DOC.relative_to(ROOT)}")
-    print(f"total time {elapsed:.0f} s")
+    run_and_record("bench.runtime_bench", argv, options, run=run, render=render_section, title=SECTION)
 
 
 if __name__ == "__main__":
