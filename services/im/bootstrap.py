@@ -33,11 +33,11 @@ from services.im.domain.oidc import IdTokenRules
 from services.im.entrypoints.auth_servicer import AuthServicer
 from services.im.entrypoints.grpc_servicer import IMServicer
 from services.im.entrypoints.policy import IM_POLICY
-from services.im.service_layer.auth import AuthService
 from services.im.service_layer.events import EventFeed, EventHub
 from services.im.service_layer.handlers import IMService
-from services.im.service_layer.machine_access import MachineAccess
-from services.im.service_layer.oidc import IdTokenVerifier, OidcAccess
+from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.machine_access import MachineAccess
+from services.im.service_layer.handlers.oidc import IdTokenVerifier, OidcAccess
 from services.im.service_layer.ports import EventSignal
 
 logger = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
-from services.im.service_layer.auth import AuthService
-from services.im.service_layer.auth_common import IssuedTokens
 from services.im.service_layer.handlers import IMService
-from services.im.service_layer.machine_access import MachineAccess
+from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.auth_common import IssuedTokens
+from services.im.service_layer.handlers.machine_access import MachineAccess
 from services.im.service_layer.ports import TransactionalMessageLog
 from tests.identities import caller_of, service_caller
 from tests.unit.auth_fakes import FakePasswords

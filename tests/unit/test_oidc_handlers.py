@@ -26,9 +26,9 @@ from services.im.domain.errors import (
 from services.im.domain.model import Role, Workspace
 from services.im.domain.oidc import IdTokenRules
 from services.im.domain.rules import Quotas
-from services.im.service_layer.auth import WORKSPACE_REQUIRED, AuthService
-from services.im.service_layer.auth_common import IssuedTokens
-from services.im.service_layer.oidc import NO_MEMBER, IdTokenVerifier, OidcAccess
+from services.im.service_layer.handlers.auth import WORKSPACE_REQUIRED, AuthService
+from services.im.service_layer.handlers.auth_common import IssuedTokens
+from services.im.service_layer.handlers.oidc import NO_MEMBER, IdTokenVerifier, OidcAccess
 from tests.oidc_support import TestIssuer
 from tests.unit.test_auth_handlers import PASSWORD, AuthWorld
 from tests.unit.test_oidc_tokens import FakeKeys

@@ -9,9 +9,9 @@ from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common.authn import current_caller
 from services.common.identity import WATCH_START_CURSOR_KEY, Caller
 from services.im.entrypoints import auth_mappers, mappers
-from services.im.service_layer.auth import AuthService
 from services.im.service_layer.events import EventFeed
 from services.im.service_layer.handlers import IMService
+from services.im.service_layer.handlers.auth import AuthService
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any

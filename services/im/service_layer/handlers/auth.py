@@ -1,7 +1,7 @@
 """The IM's identity use cases: signing in and out, sessions, invites, roles.
 
 Tokens for programs (personal access tokens, services, agents) are in
-`services.im.service_layer.machine_access`; both build on
+`services.im.service_layer.handlers.machine_access`; both build on
 `auth_common.AuthBase`.
 
 Secrets made here (refresh tokens, invites) are returned once and stored
@@ -38,9 +38,9 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
-from services.im.service_layer.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
 from services.im.service_layer.auth_ports import LoginTaken, Passwords
 from services.im.service_layer.handlers import CreationHook, utc_now
+from services.im.service_layer.handlers.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
