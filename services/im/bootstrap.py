@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2, im_pb2_grpc
@@ -34,8 +35,9 @@ from services.im.entrypoints.auth_servicer import AuthServicer
 from services.im.entrypoints.grpc_servicer import IMServicer
 from services.im.entrypoints.policy import IM_POLICY
 from services.im.service_layer.events import EventFeed, EventHub
-from services.im.service_layer.handlers import IMService
+from services.im.service_layer.handlers import members, workspaces
 from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.deps import Deps
 from services.im.service_layer.handlers.machine_access import MachineAccess
 from services.im.service_layer.handlers.oidc import IdTokenVerifier, OidcAccess
 from services.im.service_layer.ports import EventSignal
@@ -134,7 +136,7 @@ class IMApp:
     database: Database
     signal: EventSignal
     hub: EventHub
-    service: IMService
+    deps: Deps
     server: GrpcServer
     identity: Identity
     audit_pruner: AuditPruner
@@ -181,7 +183,7 @@ def build(settings: Settings) -> IMApp:
     read_path = open_read_path(database)
     hub = EventHub(log=read_path, signal=signal)
     message_log = open_message_log(database)
-    service = IMService(
+    deps = Deps(
         uow=database.transaction,
         messages=message_log,
         inbox=read_path,
@@ -195,14 +197,14 @@ def build(settings: Settings) -> IMApp:
     feed = EventFeed(uow=database.transaction, hub=hub)
     passwords = Argon2Passwords(memory_kib=settings.argon2_memory_kib, time_cost=settings.argon2_time_cost)
     accounts = AuthService(
-        open_workspace=service.open_workspace,
+        open_workspace=partial(workspaces.open_workspace, deps),
         uow=database.transaction,
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
         audit_log=audit_log,
         audit_settings=settings.audit,
-        member_quota=service.check_member_quota,
+        member_quota=partial(members.check_member_quota, deps),
         oidc_configured=settings.oidc is not None,
     )
     machines = MachineAccess(
@@ -231,12 +233,12 @@ def build(settings: Settings) -> IMApp:
         limits=settings.auth_limits,
         audit_log=audit_log,
         audit_settings=settings.audit,
-        member_quota=service.check_member_quota,
+        member_quota=partial(members.check_member_quota, deps),
     )
     # The IM checks its own tokens as every service will: through the JWKS
     # (read from its own key ring, so a reload counts at once).
     verifier = Verifier(keyring_source(identity.keys), refetch_seconds=0, max_age_seconds=5)
-    servicer = IMServicer(service, feed, accounts=accounts)
+    servicer = IMServicer(deps, feed, accounts=accounts)
     auth_servicer = AuthServicer(accounts, machines, oidc)
 
     async def ready() -> bool:
@@ -281,7 +283,7 @@ def build(settings: Settings) -> IMApp:
         database=database,
         signal=signal,
         hub=hub,
-        service=service,
+        deps=deps,
         server=server,
         identity=identity,
         audit_pruner=audit_pruner,

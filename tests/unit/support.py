@@ -11,7 +11,8 @@ from services.common.identity import Caller
 from services.common.tokens import PrincipalKind
 from services.im.domain.model import ContentType, Group, Member, MemberKind, Message, Workspace
 from services.im.domain.rules import Limits
-from services.im.service_layer.handlers import IMService
+from services.im.service_layer.handlers import groups, members, messages, workspaces
+from services.im.service_layer.handlers.deps import Deps
 from services.im.service_layer.ports import TransactionalMessageLog
 from tests.identities import caller_of, service_caller
 from tests.unit.fakes import FakeClock, InMemoryStore, RecordingSignal
@@ -32,12 +33,12 @@ def unique(prefix: str) -> str:
 
 @dataclass
 class World:
-    """An `IMService` over a fresh in-memory store, with its fakes at hand."""
+    """The IM's handlers over a fresh in-memory store, with its fakes at hand."""
 
     store: InMemoryStore
     signal: RecordingSignal
     clock: FakeClock
-    service: IMService
+    deps: Deps
 
     @classmethod
     def make(
@@ -50,29 +51,34 @@ class World:
         store = InMemoryStore(yield_on_call=yield_on_call)
         signal = RecordingSignal()
         clock = FakeClock(tick=tick)
-        service = IMService(
+        deps = Deps(
             uow=store.transaction,
             messages=TransactionalMessageLog(store.transaction),
             signal=signal,
             limits=limits,
             clock=clock,
         )
-        return cls(store=store, signal=signal, clock=clock, service=service)
+        return cls(store=store, signal=signal, clock=clock, deps=deps)
 
     async def workspace(self, name: str = "acme", *, creator: str = "alice") -> tuple[Workspace, Member]:
-        return await self.service.create_workspace(
-            name=name, creator_display_name=creator, creator_kind=None, creator_avatar="", request_id=""
+        return await workspaces.create_workspace(
+            self.deps,
+            name=name,
+            creator_display_name=creator,
+            creator_kind=None,
+            creator_avatar="",
+            request_id="",
         )
 
     async def member(self, colleague: Member, name: str, *, kind: MemberKind = MemberKind.HUMAN) -> Member:
         """A new member in the colleague's workspace."""
-        return await self.service.create_member(
-            me(colleague), workspace_id="", kind=kind, display_name=name, avatar="", request_id=""
+        return await members.create_member(
+            self.deps, me(colleague), workspace_id="", kind=kind, display_name=name, avatar="", request_id=""
         )
 
     async def group(self, creator: Member, *others: Member, name: str = "team") -> Group:
-        return await self.service.create_group(
-            me(creator), name=name, member_ids=[str(o.id) for o in others], request_id=""
+        return await groups.create_group(
+            self.deps, me(creator), name=name, member_ids=[str(o.id) for o in others], request_id=""
         )
 
     async def send(
@@ -87,7 +93,8 @@ class World:
         request_id: str = "",
         content_type: ContentType | None = None,
     ) -> Message:
-        return await self.service.send_message(
+        return await messages.send_message(
+            self.deps,
             me(sender),
             group_id=str(group.id),
             content_type=content_type,

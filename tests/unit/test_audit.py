@@ -21,6 +21,7 @@ from services.common.tokens import AccessClaims, PrincipalKind, Scope
 from services.im.domain.errors import QuotaExceeded
 from services.im.domain.model import MemberKind, Role
 from services.im.domain.rules import Quotas, check_quota
+from services.im.service_layer.handlers import groups, members
 from tests.unit.test_auth_handlers import AuthWorld
 
 NOW = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
@@ -248,23 +249,29 @@ async def test_a_refused_change_leaves_no_success_record(world: AuthWorld) -> No
 
 
 async def test_a_member_over_its_quota_is_refused_before_anything_is_stored(world: AuthWorld) -> None:
-    world.im.quotas = Quotas(members=2, agents=1, groups=1)
+    world.deps.quotas = Quotas(members=2, agents=1, groups=1)
     workspace, _, tokens = await world.owner()
     owner = await world.as_caller(tokens)
     await world.invite_and_join(owner, "bea")
     _, secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="")
     with pytest.raises(QuotaExceeded):
-        await world.im.create_member(
-            owner, workspace_id="", kind=MemberKind.HUMAN, display_name="Cy", avatar="", request_id=""
+        await members.create_member(
+            world.deps,
+            owner,
+            workspace_id="",
+            kind=MemberKind.HUMAN,
+            display_name="Cy",
+            avatar="",
+            request_id="",
         )
     people = [m for m in world.store.state.members.values() if m.workspace_id == workspace.id]
     assert len(people) == 2
     await world.agent(workspace, by_service=True)
     with pytest.raises(QuotaExceeded):
         await world.agent(workspace, by_service=True)
-    await world.im.create_group(owner, name="one", member_ids=[], request_id="")
+    await groups.create_group(world.deps, owner, name="one", member_ids=[], request_id="")
     with pytest.raises(QuotaExceeded):
-        await world.im.create_group(owner, name="two", member_ids=[], request_id="")
+        await groups.create_group(world.deps, owner, name="two", member_ids=[], request_id="")
     assert secret
 
 
@@ -272,7 +279,8 @@ async def test_only_the_hosting_service_names_an_agents_owner(world: AuthWorld) 
     workspace, ada, tokens = await world.owner()
     owner = await world.as_caller(tokens)
     with pytest.raises(PermissionDenied, match="hosts an agent"):
-        await world.im.create_member(
+        await members.create_member(
+            world.deps,
             owner,
             workspace_id="",
             kind=MemberKind.AGENT,
@@ -282,7 +290,8 @@ async def test_only_the_hosting_service_names_an_agents_owner(world: AuthWorld) 
             owner_id=str(ada.id),
         )
     runtime = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="runtime"))
-    agent = await world.im.create_member(
+    agent = await members.create_member(
+        world.deps,
         runtime,
         workspace_id=str(workspace.id),
         kind=MemberKind.AGENT,
@@ -293,12 +302,12 @@ async def test_only_the_hosting_service_names_an_agents_owner(world: AuthWorld) 
     )
     assert agent.owner_id == ada.id
     with pytest.raises(InvalidArgument, match="not a person"):
-        await world.im.set_agent_owners(runtime, [(str(agent.id), str(agent.id))])
+        await members.set_agent_owners(world.deps, runtime, [(str(agent.id), str(agent.id))])
     memory = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="memory"))
     with pytest.raises(PermissionDenied):
-        await world.im.set_agent_owners(memory, [(str(agent.id), str(ada.id))])
-    assert await world.im.set_agent_owners(runtime, [(str(agent.id), str(ada.id))]) == 0
+        await members.set_agent_owners(world.deps, memory, [(str(agent.id), str(ada.id))])
+    assert await members.set_agent_owners(world.deps, runtime, [(str(agent.id), str(ada.id))]) == 0
     bea = (await world.invite_and_join(owner, "bea")).member
-    assert await world.im.set_agent_owners(runtime, [(str(agent.id), str(bea.id))]) == 1
+    assert await members.set_agent_owners(world.deps, runtime, [(str(agent.id), str(bea.id))]) == 1
     assert world.store.state.members[agent.id].owner_id == bea.id
     assert actions(world)[-1] == "SetAgentOwners"

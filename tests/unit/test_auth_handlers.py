@@ -6,6 +6,7 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,10 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
-from services.im.service_layer.handlers import IMService
+from services.im.service_layer.handlers import members, workspaces
 from services.im.service_layer.handlers.auth import AuthService
 from services.im.service_layer.handlers.auth_common import IssuedTokens
+from services.im.service_layer.handlers.deps import Deps
 from services.im.service_layer.handlers.machine_access import MachineAccess
 from services.im.service_layer.ports import TransactionalMessageLog
 from tests.identities import caller_of, service_caller
@@ -42,7 +44,7 @@ RUNTIME_SECRET = "aim_svc_runtime-secret"
 class AuthWorld:
     store: InMemoryStore
     clock: FakeClock
-    im: IMService
+    deps: Deps
     accounts: AuthService
     machines: MachineAccess
     passwords: FakePasswords
@@ -53,7 +55,7 @@ class AuthWorld:
     def make(cls, tmp_path: Path) -> AuthWorld:
         store = InMemoryStore()
         clock = FakeClock()
-        im = IMService(
+        deps = Deps(
             uow=store.transaction,
             messages=TransactionalMessageLog(store.transaction),
             signal=RecordingSignal(),
@@ -67,8 +69,8 @@ class AuthWorld:
         return cls(
             store=store,
             clock=clock,
-            im=im,
-            accounts=AuthService(open_workspace=im.open_workspace, **common),  # type: ignore[arg-type]
+            deps=deps,
+            accounts=AuthService(open_workspace=partial(workspaces.open_workspace, deps), **common),  # type: ignore[arg-type]
             machines=MachineAccess(services=lambda: services, **common),  # type: ignore[arg-type]
             passwords=passwords,
             keys=keys,
@@ -108,7 +110,8 @@ class AuthWorld:
             if by_service
             else caller_of(creator.id, workspace.id, roles=(creator.role.value,))
         )
-        return await self.im.create_member(
+        return await members.create_member(
+            self.deps,
             principal,
             workspace_id=str(workspace.id),
             kind=MemberKind.AGENT,

@@ -31,7 +31,8 @@ from services.im.domain.model import (
     as_recorded,
 )
 from services.im.service_layer.events import EventFeed, EventHub, MemberFilter, Subscription, Watch
-from services.im.service_layer.handlers import IMService
+from services.im.service_layer.handlers import groups, messages, read_state
+from services.im.service_layer.handlers.deps import Deps
 from services.im.service_layer.ports import TransactionalEventLog, TransactionalMessageLog
 from tests.unit.fakes import FakeTransaction
 from tests.unit.support import SERVICE, World, me, unique
@@ -370,14 +371,14 @@ class CountingLog(TransactionalEventLog):
 
 def offering(world: World, hub: EventHub) -> World:
     """The world with a service that offers what it commits to the hub, as `bootstrap` wires it."""
-    service = IMService(
+    deps = Deps(
         uow=world.store.transaction,
         messages=TransactionalMessageLog(world.store.transaction),
         signal=world.signal,
         on_committed=hub.offer,
         clock=world.clock,
     )
-    return replace(world, service=service)
+    return replace(world, deps=deps)
 
 
 async def test_events_committed_here_are_handed_out_without_a_read(world: World) -> None:
@@ -393,12 +394,14 @@ async def test_events_committed_here_are_handed_out_without_a_read(world: World)
             settled = log.reads
             # Every kind of event, with what the log does not keep (request ids, a direct key).
             sent = await here.send(alice, group, "with a request id", request_id="r-1", metadata={"k": [1]})
-            await here.service.mark_read(me(bob), group_id=str(group.id), up_to_message_id=str(sent.id))
-            await here.service.edit_message(me(alice), message_id=str(sent.id), content="edited")
-            await here.service.rename_group(
-                me(alice), group_id=str(group.id), name="renamed", fields=["name"]
+            await read_state.mark_read(
+                here.deps, me(bob), group_id=str(group.id), up_to_message_id=str(sent.id)
             )
-            await here.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id))
+            await messages.edit_message(here.deps, me(alice), message_id=str(sent.id), content="edited")
+            await groups.rename_group(
+                here.deps, me(alice), group_id=str(group.id), name="renamed", fields=["name"]
+            )
+            await groups.get_or_create_direct_group(here.deps, me(alice), peer_member_id=str(bob.id))
             got = await take(events, 5)
             assert log.reads == settled
             # Exactly what a read would have given.
@@ -628,9 +631,11 @@ async def test_a_member_watches_its_own_events(world: World, feed: EventFeed) ->
     async with contextlib.aclosing(await watch(feed, me(alice))) as stream:
         await world.send(bob, bob_and_carol, "not for alice")
         mine = await world.send(bob, group, "for alice")
-        await world.service.mark_read(me(carol), group_id=str(group.id), up_to_message_id=str(mine.id))
-        state = await world.service.mark_read(
-            me(alice), group_id=str(group.id), up_to_message_id=str(mine.id)
+        await read_state.mark_read(
+            world.deps, me(carol), group_id=str(group.id), up_to_message_id=str(mine.id)
+        )
+        state = await read_state.mark_read(
+            world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(mine.id)
         )
         first, second = await take(stream, 2)
         assert first.member_ids == (alice.id,)
@@ -646,8 +651,8 @@ async def test_a_member_watches_its_own_events(world: World, feed: EventFeed) ->
 async def test_a_member_follows_its_group_changes(world: World, feed: EventFeed) -> None:
     (alice, bob, carol), group = await team(world, 3)
     async with contextlib.aclosing(await watch(feed, me(carol))) as stream:
-        await world.service.remove_group_members(
-            me(alice), group_id=str(group.id), member_ids=[str(carol.id)]
+        await groups.remove_group_members(
+            world.deps, me(alice), group_id=str(group.id), member_ids=[str(carol.id)]
         )
         await world.send(alice, group, "after carol left")
         later = await world.group(bob, carol, name="new")
@@ -777,7 +782,7 @@ async def test_resuming_before_leaving_a_group_replays_that_groups_messages(
     (alice, bob), group = await team(world)
     cursor = world.store.last_sequence(alice.workspace_id)
     missed = await world.send(alice, group, "sent while bob was a member")
-    await world.service.remove_group_members(me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    await groups.remove_group_members(world.deps, me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
     async with contextlib.aclosing(await watch(feed, me(bob), cursor=str(cursor))) as stream:
         (first,) = await take(stream, 1)
         assert isinstance(first.recorded.event, MessageCreated)

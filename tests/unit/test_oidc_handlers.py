@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from services.im.domain.errors import (
 from services.im.domain.model import Role, Workspace
 from services.im.domain.oidc import IdTokenRules
 from services.im.domain.rules import Quotas
+from services.im.service_layer.handlers import members, workspaces
 from services.im.service_layer.handlers.auth import WORKSPACE_REQUIRED, AuthService
 from services.im.service_layer.handlers.auth_common import IssuedTokens
 from services.im.service_layer.handlers.oidc import NO_MEMBER, IdTokenVerifier, OidcAccess
@@ -44,13 +46,13 @@ class OidcWorld:
         self.issuer = issuer
         # Invites may be bound to an email where the provider proves emails.
         world.accounts = AuthService(
-            open_workspace=world.im.open_workspace,
+            open_workspace=partial(workspaces.open_workspace, world.deps),
             uow=world.store.transaction,
             keys=world.keys,
             passwords=world.passwords,
             clock=world.clock,
             oidc_configured=configured,
-            member_quota=world.im.check_member_quota,
+            member_quota=partial(members.check_member_quota, world.deps),
         )
         verifier = IdTokenVerifier(
             FakeKeys(issuer), IdTokenRules(issuer=ISSUER, client_id=issuer.client_id), clock=world.clock
@@ -61,7 +63,7 @@ class OidcWorld:
             keys=world.keys,
             passwords=world.passwords,
             clock=world.clock,
-            member_quota=world.im.check_member_quota,
+            member_quota=partial(members.check_member_quota, world.deps),
         )
 
     def token(self, email: str, **claims: Any) -> tuple[str, str]:
@@ -271,14 +273,14 @@ async def test_an_unknown_email_is_refused_and_an_invite_makes_the_member(
 async def test_joining_through_the_provider_counts_against_the_workspace_s_quota(
     world: AuthWorld, oidc: OidcWorld
 ) -> None:
-    world.im.quotas = Quotas(members=1, agents=1, groups=1)
+    world.deps.quotas = Quotas(members=1, agents=1, groups=1)
     workspace, owner = await owner_caller(world)
     _, secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="")
     with pytest.raises(QuotaExceeded):
         await oidc.sign_in("dee@x.test", invite=secret)
     assert len([m for m in world.store.state.members.values() if m.workspace_id == workspace.id]) == 1
     # The invite is not spent: with room made, it takes Dee.
-    world.im.quotas = Quotas(members=2, agents=1, groups=1)
+    world.deps.quotas = Quotas(members=2, agents=1, groups=1)
     _, joined = await oidc.sign_in("dee@x.test", invite=secret)
     assert joined
 

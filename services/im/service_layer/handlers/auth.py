@@ -39,8 +39,8 @@ from services.im.domain.errors import (
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
 from services.im.service_layer.auth_ports import LoginTaken, Passwords
-from services.im.service_layer.handlers import CreationHook, utc_now
 from services.im.service_layer.handlers.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
+from services.im.service_layer.handlers.deps import CreationHook, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ WORKSPACE_REQUIRED = "this login needs its workspace: give the workspace id (wor
 
 
 class WorkspaceOpener(Protocol):
-    """Creates a workspace with its owner: `IMService.open_workspace`."""
+    """Creates a workspace with its owner: `workspaces.open_workspace`."""
 
     async def __call__(
         self,
@@ -67,7 +67,7 @@ class WorkspaceOpener(Protocol):
 
 
 class MemberQuota(Protocol):
-    """Refuses one more member over its workspace's quota: `IMService.check_member_quota`."""
+    """Refuses one more member over its workspace's quota: `members.check_member_quota`."""
 
     async def __call__(self, tx: Transaction, workspace_id: uuid.UUID, kind: MemberKind) -> None: ...
 
@@ -76,9 +76,9 @@ class AuthService(AuthBase):
     """Sign-in, sessions, passwords, workspace accounts, invites and roles.
 
     Args:
-        open_workspace: `IMService.open_workspace`, which creates a workspace
+        open_workspace: `workspaces.open_workspace`, which creates a workspace
             with its owner (and runs a hook in that transaction).
-        member_quota: `IMService.check_member_quota` (accepting an invite adds a person).
+        member_quota: `members.check_member_quota` (accepting an invite adds a person).
         oidc_configured: people may sign in with an OpenID Connect provider,
             so invites may be bound to an email (which only it proves).
         (the rest as `AuthBase`)

@@ -19,7 +19,7 @@ from services.im.domain.accounts import RefreshToken
 from services.im.domain.errors import Conflict, NotAllowed, RequestIdReused, Unauthenticated
 from services.im.domain.model import Member, MemberKind
 from services.im.service_layer.auth_ports import Passwords
-from services.im.service_layer.handlers import member_actor, utc_now
+from services.im.service_layer.handlers.deps import member_actor, utc_now
 from services.im.service_layer.ports import DuplicateRequest, Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from services.im.domain.accounts import PersonalToken, PersonalTokenScope
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, Unauthenticated
 from services.im.domain.model import MemberKind
 from services.im.service_layer.auth_ports import Passwords
-from services.im.service_layer.handlers import Page, utc_now
 from services.im.service_layer.handlers.auth_common import AuthBase, Clock, IssuedAccess
+from services.im.service_layer.handlers.deps import Page, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)

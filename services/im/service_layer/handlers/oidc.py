@@ -41,9 +41,9 @@ from services.im.domain.oidc import (
     member_name,
 )
 from services.im.service_layer.auth_ports import EmailTaken, Passwords, ProviderKeys
-from services.im.service_layer.handlers import utc_now
 from services.im.service_layer.handlers.auth import MemberQuota
 from services.im.service_layer.handlers.auth_common import AuthBase, Clock, IssuedTokens
+from services.im.service_layer.handlers.deps import utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
