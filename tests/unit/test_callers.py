@@ -8,9 +8,10 @@ import pytest
 
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, PrincipalKind
+from services.im.domain.commands import CreateMember, UpdateMember
 from services.im.domain.errors import NotAllowed, Unauthenticated
 from services.im.domain.model import Member, MemberKind
-from services.im.service_layer.handlers import groups, members
+from services.im.service_layer.handlers import groups
 from tests.unit.support import World
 
 
@@ -26,14 +27,15 @@ def service(name: str) -> Caller:
 
 
 async def new_member(world: World, caller: Caller, workspace_id: uuid.UUID, kind: MemberKind) -> Member:
-    return await members.create_member(
-        world.deps,
-        caller,
-        workspace_id=str(workspace_id),
-        kind=kind,
-        display_name="new",
-        avatar="",
-        request_id="",
+    return await world.bus.handle(
+        CreateMember(
+            caller=caller,
+            workspace_id=str(workspace_id),
+            kind=kind,
+            display_name="new",
+            avatar="",
+            request_id="",
+        )
     )
 
 
@@ -65,13 +67,14 @@ async def test_a_service_creates_agents_it_hosts_and_renames_only_those() -> Non
         await new_member(world, runtime, workspace.id, MemberKind.HUMAN)
 
     async def rename(caller: Caller, member: Member) -> Member:
-        return await members.update_member(
-            world.deps,
-            caller,
-            member_id=str(member.id),
-            display_name="renamed",
-            avatar="",
-            fields=["display_name"],
+        return await world.bus.handle(
+            UpdateMember(
+                caller=caller,
+                member_id=str(member.id),
+                display_name="renamed",
+                avatar="",
+                fields=["display_name"],
+            )
         )
 
     assert (await rename(runtime, agent)).display_name == "renamed"

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 
 import pytest
 
 from services.im.domain import rules
+from services.im.domain.commands import (
+    AddGroupMembers,
+    CreateGroup,
+    CreateMember,
+    CreateWorkspace,
+    EditMessage,
+    GetOrCreateDirectGroup,
+    MarkRead,
+    RemoveGroupMembers,
+    RenameGroup,
+    SendMessage,
+    UpdateMember,
+)
 from services.im.domain.errors import (
     Conflict,
     InvalidRequest,
@@ -41,8 +55,9 @@ from tests.unit.support import SERVICE, World, me, unique
 
 
 @pytest.fixture
-def world() -> World:
-    return World.make()
+async def world() -> AsyncIterator[World]:
+    async with World.make() as made:
+        yield made
 
 
 async def people(world: World, count: int) -> list[Member]:
@@ -58,13 +73,14 @@ async def people(world: World, count: int) -> list[Member]:
 
 
 async def test_create_workspace_makes_the_workspace_and_its_creator(world: World) -> None:
-    workspace, creator = await workspaces.create_workspace(
-        world.deps,
-        name="  acme  ",
-        creator_display_name=" alice ",
-        creator_kind=None,
-        creator_avatar="https://a/b.png",
-        request_id="",
+    workspace, creator, _ = await world.bus.handle(
+        CreateWorkspace(
+            name="  acme  ",
+            creator_display_name=" alice ",
+            creator_kind=None,
+            creator_avatar="https://a/b.png",
+            request_id="",
+        )
     )
     assert workspace.name == "acme"
     assert creator.display_name == "alice"
@@ -79,26 +95,22 @@ async def test_create_workspace_makes_the_workspace_and_its_creator(world: World
 
 async def test_create_workspace_validates(world: World) -> None:
     with pytest.raises(InvalidRequest):
-        await workspaces.create_workspace(
-            world.deps,
-            name=" ",
-            creator_display_name="a",
-            creator_kind=None,
-            creator_avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateWorkspace(
+                name=" ", creator_display_name="a", creator_kind=None, creator_avatar="", request_id=""
+            )
         )
     with pytest.raises(InvalidRequest):
-        await workspaces.create_workspace(
-            world.deps, name="w", creator_display_name="", creator_kind=None, creator_avatar="", request_id=""
+        await world.bus.handle(
+            CreateWorkspace(
+                name="w", creator_display_name="", creator_kind=None, creator_avatar="", request_id=""
+            )
         )
     with pytest.raises(InvalidRequest):
-        await workspaces.create_workspace(
-            world.deps,
-            name="w",
-            creator_display_name="a",
-            creator_kind=None,
-            creator_avatar="",
-            request_id="r" * 129,
+        await world.bus.handle(
+            CreateWorkspace(
+                name="w", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r" * 129
+            )
         )
     assert world.store.state.workspaces == {}
 
@@ -106,14 +118,15 @@ async def test_create_workspace_validates(world: World) -> None:
 async def test_create_workspace_retry_with_request_id_returns_the_first_result(world: World) -> None:
     rid = unique("rid")
 
-    async def create(name: str = "acme") -> tuple[object, Member]:
-        return await workspaces.create_workspace(
-            world.deps,
-            name=name,
-            creator_display_name="alice",
-            creator_kind=MemberKind.AGENT,
-            creator_avatar="",
-            request_id=rid,
+    async def create(name: str = "acme") -> tuple[object, Member, object]:
+        return await world.bus.handle(
+            CreateWorkspace(
+                name=name,
+                creator_display_name="alice",
+                creator_kind=MemberKind.AGENT,
+                creator_avatar="",
+                request_id=rid,
+            )
         )
 
     first = await create()
@@ -130,14 +143,15 @@ async def test_concurrent_create_workspace_with_one_request_id_makes_one_workspa
     world = World.make(yield_on_call=True)
     rid = unique("rid")
 
-    async def create() -> tuple[object, Member]:
-        return await workspaces.create_workspace(
-            world.deps,
-            name="acme",
-            creator_display_name="alice",
-            creator_kind=None,
-            creator_avatar="",
-            request_id=rid,
+    async def create() -> tuple[object, Member, object]:
+        return await world.bus.handle(
+            CreateWorkspace(
+                name="acme",
+                creator_display_name="alice",
+                creator_kind=None,
+                creator_avatar="",
+                request_id=rid,
+            )
         )
 
     results = await asyncio.gather(*(create() for _ in range(4)))
@@ -183,59 +197,64 @@ async def test_list_workspaces_member_sees_its_own_and_service_pages_through_all
 
 async def test_create_and_get_member(world: World) -> None:
     workspace, alice = await world.workspace()
-    bot = await members.create_member(
-        world.deps,
-        me(alice),
-        workspace_id="",
-        kind=MemberKind.AGENT,
-        display_name=" bot ",
-        avatar="a",
-        request_id="",
+    bot = await world.bus.handle(
+        CreateMember(
+            caller=me(alice),
+            workspace_id="",
+            kind=MemberKind.AGENT,
+            display_name=" bot ",
+            avatar="a",
+            request_id="",
+        )
     )
     assert bot.workspace_id == workspace.id
     assert bot.kind is MemberKind.AGENT
     assert bot.display_name == "bot"
     assert await members.get_member(world.deps, me(alice), str(bot.id)) == bot
     # Naming its own workspace explicitly works too; a service must name one.
-    named = await members.create_member(
-        world.deps,
-        me(alice),
-        workspace_id=str(workspace.id),
-        kind=MemberKind.HUMAN,
-        display_name="carol",
-        avatar="",
-        request_id="",
+    named = await world.bus.handle(
+        CreateMember(
+            caller=me(alice),
+            workspace_id=str(workspace.id),
+            kind=MemberKind.HUMAN,
+            display_name="carol",
+            avatar="",
+            request_id="",
+        )
     )
     assert named.workspace_id == workspace.id
-    by_service = await members.create_member(
-        world.deps,
-        SERVICE,
-        workspace_id=str(workspace.id),
-        kind=MemberKind.AGENT,
-        display_name="d",
-        avatar="",
-        request_id="",
-    )
-    assert (by_service.workspace_id, by_service.host) == (workspace.id, "runtime")
-    with pytest.raises(InvalidRequest):
-        await members.create_member(
-            world.deps,
-            SERVICE,
-            workspace_id="",
+    by_service = await world.bus.handle(
+        CreateMember(
+            caller=SERVICE,
+            workspace_id=str(workspace.id),
             kind=MemberKind.AGENT,
             display_name="d",
             avatar="",
             request_id="",
         )
+    )
+    assert (by_service.workspace_id, by_service.host) == (workspace.id, "runtime")
+    with pytest.raises(InvalidRequest):
+        await world.bus.handle(
+            CreateMember(
+                caller=SERVICE,
+                workspace_id="",
+                kind=MemberKind.AGENT,
+                display_name="d",
+                avatar="",
+                request_id="",
+            )
+        )
     with pytest.raises(NotAllowed, match="a service creates only agent members"):
-        await members.create_member(
-            world.deps,
-            SERVICE,
-            workspace_id=str(workspace.id),
-            kind=MemberKind.HUMAN,
-            display_name="d",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=SERVICE,
+                workspace_id=str(workspace.id),
+                kind=MemberKind.HUMAN,
+                display_name="d",
+                avatar="",
+                request_id="",
+            )
         )
 
 
@@ -243,38 +262,43 @@ async def test_create_member_refuses_other_workspaces_and_missing_identity(world
     _, alice = await world.workspace()
     other, _ = await world.workspace("other")
     with pytest.raises(NotFound):
-        await members.create_member(
-            world.deps,
-            me(alice),
-            workspace_id=str(other.id),
-            kind=MemberKind.HUMAN,
-            display_name="x",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=me(alice),
+                workspace_id=str(other.id),
+                kind=MemberKind.HUMAN,
+                display_name="x",
+                avatar="",
+                request_id="",
+            )
         )
     with pytest.raises(Unauthenticated):
-        await members.create_member(
-            world.deps,
-            None,
-            workspace_id=str(other.id),
-            kind=MemberKind.HUMAN,
-            display_name="x",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=None,
+                workspace_id=str(other.id),
+                kind=MemberKind.HUMAN,
+                display_name="x",
+                avatar="",
+                request_id="",
+            )
         )
     with pytest.raises(Unauthenticated):
-        await members.create_member(
-            world.deps,
-            caller_of(uuid.uuid4(), alice.workspace_id),  # a token for no member
-            workspace_id="",
-            kind=MemberKind.HUMAN,
-            display_name="x",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=caller_of(uuid.uuid4(), alice.workspace_id),
+                workspace_id="",
+                kind=MemberKind.HUMAN,
+                display_name="x",
+                avatar="",
+                request_id="",
+            )
         )
     with pytest.raises(InvalidRequest):
-        await members.create_member(
-            world.deps, me(alice), workspace_id="", kind=None, display_name="x", avatar="", request_id=""
+        await world.bus.handle(
+            CreateMember(
+                caller=me(alice), workspace_id="", kind=None, display_name="x", avatar="", request_id=""
+            )
         )
     assert {m.workspace_id for m in world.store.state.members.values()} == {alice.workspace_id, other.id}
     assert len(world.store.state.members) == 2
@@ -285,14 +309,15 @@ async def test_create_member_is_idempotent_per_request_id(world: World) -> None:
     rid = unique("rid")
 
     async def create(name: str) -> Member:
-        return await members.create_member(
-            world.deps,
-            me(alice),
-            workspace_id="",
-            kind=MemberKind.AGENT,
-            display_name=name,
-            avatar="",
-            request_id=rid,
+        return await world.bus.handle(
+            CreateMember(
+                caller=me(alice),
+                workspace_id="",
+                kind=MemberKind.AGENT,
+                display_name=name,
+                avatar="",
+                request_id=rid,
+            )
         )
 
     first = await create("bot")
@@ -340,85 +365,99 @@ async def test_list_members_pages_cover_every_member_once_in_id_order(world: Wor
 async def test_update_member_only_self(world: World) -> None:
     alice, bob = await people(world, 2)
     _, zed = await world.workspace("other")
-    updated = await members.update_member(
-        world.deps,
-        me(alice),
-        member_id=str(alice.id),
-        display_name=" Alice ",
-        avatar="ignored",
-        fields=["display_name"],
+    updated = await world.bus.handle(
+        UpdateMember(
+            caller=me(alice),
+            member_id=str(alice.id),
+            display_name=" Alice ",
+            avatar="ignored",
+            fields=["display_name"],
+        )
     )
     assert updated.display_name == "Alice"
     assert updated.avatar == alice.avatar
     assert await members.get_member(world.deps, me(bob), str(alice.id)) == updated
 
-    updated = await members.update_member(
-        world.deps, me(alice), member_id=str(alice.id), display_name="", avatar="pic", fields=["avatar"]
+    updated = await world.bus.handle(
+        UpdateMember(
+            caller=me(alice), member_id=str(alice.id), display_name="", avatar="pic", fields=["avatar"]
+        )
     )
     assert (updated.display_name, updated.avatar) == ("Alice", "pic")
 
     with pytest.raises(NotAllowed):
-        await members.update_member(
-            world.deps,
-            me(bob),
-            member_id=str(alice.id),
-            display_name="mallory",
-            avatar="",
-            fields=["display_name"],
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(bob),
+                member_id=str(alice.id),
+                display_name="mallory",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     with pytest.raises(NotFound):
-        await members.update_member(
-            world.deps,
-            me(zed),
-            member_id=str(alice.id),
-            display_name="mallory",
-            avatar="",
-            fields=["display_name"],
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(zed),
+                member_id=str(alice.id),
+                display_name="mallory",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     with pytest.raises(Unauthenticated):
-        await members.update_member(
-            world.deps,
-            None,
-            member_id=str(alice.id),
-            display_name="mallory",
-            avatar="",
-            fields=["display_name"],
+        await world.bus.handle(
+            UpdateMember(
+                caller=None,
+                member_id=str(alice.id),
+                display_name="mallory",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     with pytest.raises(InvalidRequest):
-        await members.update_member(
-            world.deps, me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=["kind"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=["kind"]
+            )
         )
     with pytest.raises(InvalidRequest):
-        await members.update_member(
-            world.deps, me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=[]
+        await world.bus.handle(
+            UpdateMember(caller=me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=[])
         )
     with pytest.raises(InvalidRequest):
-        await members.update_member(
-            world.deps,
-            me(alice),
-            member_id=str(alice.id),
-            display_name=" ",
-            avatar="",
-            fields=["display_name"],
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(alice),
+                member_id=str(alice.id),
+                display_name=" ",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     assert world.store.state.members[alice.id] == updated
     # A service may update the agents it hosts, and no one else.
-    hosted = await members.create_member(
-        world.deps,
-        SERVICE,
-        workspace_id=str(alice.workspace_id),
-        kind=MemberKind.AGENT,
-        display_name="bot",
-        avatar="",
-        request_id="",
+    hosted = await world.bus.handle(
+        CreateMember(
+            caller=SERVICE,
+            workspace_id=str(alice.workspace_id),
+            kind=MemberKind.AGENT,
+            display_name="bot",
+            avatar="",
+            request_id="",
+        )
     )
-    renamed = await members.update_member(
-        world.deps, SERVICE, member_id=str(hosted.id), display_name="Bot", avatar="", fields=["display_name"]
+    renamed = await world.bus.handle(
+        UpdateMember(
+            caller=SERVICE, member_id=str(hosted.id), display_name="Bot", avatar="", fields=["display_name"]
+        )
     )
     assert world.store.state.members[hosted.id] == renamed
     with pytest.raises(NotAllowed):
-        await members.update_member(
-            world.deps, SERVICE, member_id=str(bob.id), display_name="Bob", avatar="", fields=["display_name"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=SERVICE, member_id=str(bob.id), display_name="Bob", avatar="", fields=["display_name"]
+            )
         )
 
 
@@ -427,12 +466,13 @@ async def test_update_member_only_self(world: World) -> None:
 
 async def test_create_group_includes_the_caller_and_records_the_event(world: World) -> None:
     alice, bob, carol = await people(world, 3)
-    group = await groups.create_group(
-        world.deps,
-        me(alice),
-        name=" team ",
-        member_ids=[str(bob.id), str(carol.id), str(bob.id)],
-        request_id="",
+    group = await world.bus.handle(
+        CreateGroup(
+            caller=me(alice),
+            name=" team ",
+            member_ids=[str(bob.id), str(carol.id), str(bob.id)],
+            request_id="",
+        )
     )
     assert group.name == "team"
     assert group.kind is GroupKind.GROUP
@@ -453,7 +493,7 @@ async def test_create_group_includes_the_caller_and_records_the_event(world: Wor
 
 async def test_create_group_with_only_the_caller(world: World) -> None:
     (alice,) = await people(world, 1)
-    group = await groups.create_group(world.deps, me(alice), name="notes", member_ids=[], request_id="")
+    group = await world.bus.handle(CreateGroup(caller=me(alice), name="notes", member_ids=[], request_id=""))
     assert group.member_ids == (alice.id,)
 
 
@@ -462,15 +502,17 @@ async def test_create_group_refuses_unknown_and_foreign_members(world: World) ->
     _, zed = await world.workspace("other")
     for stranger in (uuid.uuid4(), zed.id):
         with pytest.raises(NotFound):
-            await groups.create_group(
-                world.deps, me(alice), name="t", member_ids=[str(bob.id), str(stranger)], request_id=""
+            await world.bus.handle(
+                CreateGroup(
+                    caller=me(alice), name="t", member_ids=[str(bob.id), str(stranger)], request_id=""
+                )
             )
     with pytest.raises(InvalidRequest):
-        await groups.create_group(world.deps, me(alice), name="t", member_ids=["nope"], request_id="")
+        await world.bus.handle(CreateGroup(caller=me(alice), name="t", member_ids=["nope"], request_id=""))
     with pytest.raises(InvalidRequest):
-        await groups.create_group(world.deps, me(alice), name="", member_ids=[], request_id="")
+        await world.bus.handle(CreateGroup(caller=me(alice), name="", member_ids=[], request_id=""))
     with pytest.raises(Unauthenticated):
-        await groups.create_group(world.deps, None, name="t", member_ids=[], request_id="")
+        await world.bus.handle(CreateGroup(caller=None, name="t", member_ids=[], request_id=""))
     assert world.store.state.groups == {}
     assert world.store.state.memberships == {}
     assert world.store.events_of(alice.workspace_id) == []
@@ -484,8 +526,8 @@ async def test_group_size_limit_on_create_and_add() -> None:
         await world.group(alice, bob, carol, dave)
     group = await world.group(alice, bob, carol)
     with pytest.raises(LimitExceeded):
-        await groups.add_group_members(
-            world.deps, me(alice), group_id=str(group.id), member_ids=[str(dave.id)]
+        await world.bus.handle(
+            AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(dave.id)])
         )
     assert len((await groups.get_group(world.deps, me(alice), str(group.id))).member_ids) == 3
 
@@ -493,19 +535,21 @@ async def test_group_size_limit_on_create_and_add() -> None:
 async def test_create_group_is_idempotent_per_request_id(world: World) -> None:
     alice, bob, carol = await people(world, 3)
     rid = unique("rid")
-    first = await groups.create_group(
-        world.deps, me(alice), name="t", member_ids=[str(bob.id)], request_id=rid
+    first = await world.bus.handle(
+        CreateGroup(caller=me(alice), name="t", member_ids=[str(bob.id)], request_id=rid)
     )
-    again = await groups.create_group(
-        world.deps, me(alice), name="t", member_ids=[str(bob.id)], request_id=rid
+    again = await world.bus.handle(
+        CreateGroup(caller=me(alice), name="t", member_ids=[str(bob.id)], request_id=rid)
     )
     assert again.id == first.id
     assert len(world.store.state.groups) == 1
     with pytest.raises(RequestIdReused):
-        await groups.create_group(world.deps, me(alice), name="t", member_ids=[str(carol.id)], request_id=rid)
+        await world.bus.handle(
+            CreateGroup(caller=me(alice), name="t", member_ids=[str(carol.id)], request_id=rid)
+        )
     # request_ids are per caller: bob may use the same one.
-    bobs = await groups.create_group(
-        world.deps, me(bob), name="t", member_ids=[str(alice.id)], request_id=rid
+    bobs = await world.bus.handle(
+        CreateGroup(caller=me(bob), name="t", member_ids=[str(alice.id)], request_id=rid)
     )
     assert bobs.id != first.id
     assert len(world.store.events_of(alice.workspace_id)) == 2
@@ -515,8 +559,8 @@ async def test_rename_group(world: World) -> None:
     alice, bob, outsider = await people(world, 3)
     _, zed = await world.workspace("other")
     group = await world.group(alice, bob)
-    renamed = await groups.rename_group(
-        world.deps, me(bob), group_id=str(group.id), name=" new ", fields=["name"]
+    renamed = await world.bus.handle(
+        RenameGroup(caller=me(bob), group_id=str(group.id), name=" new ", fields=["name"])
     )
     assert renamed.name == "new"
     assert (await groups.get_group(world.deps, me(alice), str(group.id))).name == "new"
@@ -526,17 +570,23 @@ async def test_rename_group(world: World) -> None:
     assert (last.added_member_ids, last.removed_member_ids) == ((), ())
 
     with pytest.raises(NotAMember):
-        await groups.rename_group(world.deps, me(outsider), group_id=str(group.id), name="x", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(outsider), group_id=str(group.id), name="x", fields=["name"])
+        )
     with pytest.raises(NotFound):
-        await groups.rename_group(world.deps, me(zed), group_id=str(group.id), name="x", fields=["name"])
+        await world.bus.handle(RenameGroup(caller=me(zed), group_id=str(group.id), name="x", fields=["name"]))
     with pytest.raises(NotFound):
-        await groups.rename_group(
-            world.deps, me(alice), group_id=str(uuid.uuid4()), name="x", fields=["name"]
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(uuid.uuid4()), name="x", fields=["name"])
         )
     with pytest.raises(InvalidRequest):
-        await groups.rename_group(world.deps, me(alice), group_id=str(group.id), name="x", fields=["kind"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="x", fields=["kind"])
+        )
     with pytest.raises(InvalidRequest):
-        await groups.rename_group(world.deps, me(alice), group_id=str(group.id), name="", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="", fields=["name"])
+        )
     assert world.store.state.groups[group.id].name == "new"
 
 
@@ -544,16 +594,20 @@ async def test_add_and_remove_group_members(world: World) -> None:
     alice, bob, carol, dave = await people(world, 4)
     group = await world.group(alice, bob)
 
-    grown = await groups.add_group_members(
-        world.deps, me(bob), group_id=str(group.id), member_ids=[str(carol.id), str(dave.id), str(alice.id)]
+    grown = await world.bus.handle(
+        AddGroupMembers(
+            caller=me(bob), group_id=str(group.id), member_ids=[str(carol.id), str(dave.id), str(alice.id)]
+        )
     )
     assert set(grown.member_ids) == {alice.id, bob.id, carol.id, dave.id}
     added = world.store.events_of(alice.workspace_id)[-1].event
     assert isinstance(added, GroupChanged)
     assert set(added.added_member_ids) == {carol.id, dave.id}
 
-    shrunk = await groups.remove_group_members(
-        world.deps, me(alice), group_id=str(group.id), member_ids=[str(dave.id), str(uuid.uuid4())]
+    shrunk = await world.bus.handle(
+        RemoveGroupMembers(
+            caller=me(alice), group_id=str(group.id), member_ids=[str(dave.id), str(uuid.uuid4())]
+        )
     )
     assert set(shrunk.member_ids) == {alice.id, bob.id, carol.id}
     removed = world.store.events_of(alice.workspace_id)[-1].event
@@ -563,9 +617,11 @@ async def test_add_and_remove_group_members(world: World) -> None:
 
     # Nothing to change: no event.
     events = len(world.store.events_of(alice.workspace_id))
-    await groups.add_group_members(world.deps, me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
-    await groups.remove_group_members(
-        world.deps, me(alice), group_id=str(group.id), member_ids=[str(dave.id)]
+    await world.bus.handle(
+        AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    )
+    await world.bus.handle(
+        RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(dave.id)])
     )
     assert len(world.store.events_of(alice.workspace_id)) == events
 
@@ -575,8 +631,8 @@ async def test_add_and_remove_group_members(world: World) -> None:
     with pytest.raises(NotAMember):
         await world.send(dave, group)
     with pytest.raises(NotAMember):
-        await groups.add_group_members(
-            world.deps, me(dave), group_id=str(group.id), member_ids=[str(dave.id)]
+        await world.bus.handle(
+            AddGroupMembers(caller=me(dave), group_id=str(group.id), member_ids=[str(dave.id)])
         )
     assert group.id not in {
         g.id
@@ -592,13 +648,13 @@ async def test_add_group_members_refuses_unknown_and_empty(world: World) -> None
     group = await world.group(alice, bob)
     for stranger in (uuid.uuid4(), zed.id):
         with pytest.raises(NotFound):
-            await groups.add_group_members(
-                world.deps, me(alice), group_id=str(group.id), member_ids=[str(stranger)]
+            await world.bus.handle(
+                AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(stranger)])
             )
     with pytest.raises(InvalidRequest):
-        await groups.add_group_members(world.deps, me(alice), group_id=str(group.id), member_ids=[])
+        await world.bus.handle(AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[]))
     with pytest.raises(InvalidRequest):
-        await groups.remove_group_members(world.deps, me(alice), group_id=str(group.id), member_ids=[])
+        await world.bus.handle(RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[]))
     assert set(world.store.state.memberships[group.id]) == {alice.id, bob.id}
 
 
@@ -647,22 +703,22 @@ async def test_list_groups(world: World) -> None:
 
 async def test_direct_group_is_one_per_pair_from_either_side(world: World) -> None:
     alice, bob, carol = await people(world, 3)
-    direct, created = await groups.get_or_create_direct_group(
-        world.deps, me(alice), peer_member_id=str(bob.id)
+    direct, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))
     )
     assert created
     assert direct.kind is GroupKind.DIRECT
     assert set(direct.member_ids) == {alice.id, bob.id}
-    again, created = await groups.get_or_create_direct_group(
-        world.deps, me(alice), peer_member_id=str(bob.id)
+    again, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))
     )
     assert (again.id, created) == (direct.id, False)
-    theirs, created = await groups.get_or_create_direct_group(
-        world.deps, me(bob), peer_member_id=str(alice.id)
+    theirs, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(bob), peer_member_id=str(alice.id))
     )
     assert (theirs.id, created) == (direct.id, False)
-    other, created = await groups.get_or_create_direct_group(
-        world.deps, me(carol), peer_member_id=str(alice.id)
+    other, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(carol), peer_member_id=str(alice.id))
     )
     assert created
     assert other.id != direct.id
@@ -673,11 +729,11 @@ async def test_direct_group_refuses_self_and_strangers(world: World) -> None:
     (alice,) = await people(world, 1)
     _, zed = await world.workspace("other")
     with pytest.raises(InvalidRequest):
-        await groups.get_or_create_direct_group(world.deps, me(alice), peer_member_id=str(alice.id))
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(alice.id)))
     with pytest.raises(NotFound):
-        await groups.get_or_create_direct_group(world.deps, me(alice), peer_member_id=str(zed.id))
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(zed.id)))
     with pytest.raises(NotFound):
-        await groups.get_or_create_direct_group(world.deps, me(alice), peer_member_id=str(uuid.uuid4()))
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(uuid.uuid4())))
     assert world.store.state.groups == {}
 
 
@@ -685,9 +741,9 @@ async def test_concurrent_direct_group_from_both_sides_makes_one_group() -> None
     world = World.make(yield_on_call=True)
     alice, bob = await people(world, 2)
     results = await asyncio.gather(
-        groups.get_or_create_direct_group(world.deps, me(alice), peer_member_id=str(bob.id)),
-        groups.get_or_create_direct_group(world.deps, me(bob), peer_member_id=str(alice.id)),
-        groups.get_or_create_direct_group(world.deps, me(alice), peer_member_id=str(bob.id)),
+        world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))),
+        world.bus.handle(GetOrCreateDirectGroup(caller=me(bob), peer_member_id=str(alice.id))),
+        world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))),
     )
     assert len({group.id for group, _ in results}) == 1
     assert sorted(created for _, created in results) == [False, False, True]
@@ -697,19 +753,23 @@ async def test_concurrent_direct_group_from_both_sides_makes_one_group() -> None
 
 async def test_direct_group_cannot_be_renamed_or_changed(world: World) -> None:
     alice, bob, carol = await people(world, 3)
-    direct, _ = await groups.get_or_create_direct_group(world.deps, me(alice), peer_member_id=str(bob.id))
+    direct, _ = await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id)))
     with pytest.raises(WrongState):
-        await groups.rename_group(world.deps, me(alice), group_id=str(direct.id), name="x", fields=["name"])
-    with pytest.raises(WrongState):
-        await groups.add_group_members(
-            world.deps, me(alice), group_id=str(direct.id), member_ids=[str(carol.id)]
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(direct.id), name="x", fields=["name"])
         )
     with pytest.raises(WrongState):
-        await groups.remove_group_members(
-            world.deps, me(alice), group_id=str(direct.id), member_ids=[str(bob.id)]
+        await world.bus.handle(
+            AddGroupMembers(caller=me(alice), group_id=str(direct.id), member_ids=[str(carol.id)])
+        )
+    with pytest.raises(WrongState):
+        await world.bus.handle(
+            RemoveGroupMembers(caller=me(alice), group_id=str(direct.id), member_ids=[str(bob.id)])
         )
     with pytest.raises(NotAMember):
-        await groups.rename_group(world.deps, me(carol), group_id=str(direct.id), name="x", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(carol), group_id=str(direct.id), name="x", fields=["name"])
+        )
     assert set((await groups.get_group(world.deps, me(bob), str(direct.id))).member_ids) == {alice.id, bob.id}
     assert len(world.store.events_of(alice.workspace_id)) == 1
 
@@ -773,16 +833,17 @@ async def test_send_message_refuses_non_members(world: World) -> None:
     with pytest.raises(NotFound):
         await world.send(zed, group)
     with pytest.raises(Unauthenticated):
-        await messages.send_message(
-            world.deps,
-            None,
-            group_id=str(group.id),
-            content_type=None,
-            content="x",
-            mentions=[],
-            reply_to_message_id="",
-            metadata={},
-            request_id="",
+        await world.bus.handle(
+            SendMessage(
+                caller=None,
+                group_id=str(group.id),
+                content_type=None,
+                content="x",
+                mentions=[],
+                reply_to_message_id="",
+                metadata={},
+                request_id="",
+            )
         )
     assert world.store.state.messages == {}
     assert len(world.signal.published) == 1  # the group's creation only
@@ -809,16 +870,17 @@ async def test_reply_to_must_be_a_message_of_the_group(world: World) -> None:
     with pytest.raises(InvalidRequest):
         await world.send(alice, group, "answer", reply_to=foreign)
     with pytest.raises(InvalidRequest):
-        await messages.send_message(
-            world.deps,
-            me(alice),
-            group_id=str(group.id),
-            content_type=None,
-            content="x",
-            mentions=[],
-            reply_to_message_id=str(uuid.uuid4()),
-            metadata={},
-            request_id="",
+        await world.bus.handle(
+            SendMessage(
+                caller=me(alice),
+                group_id=str(group.id),
+                content_type=None,
+                content="x",
+                mentions=[],
+                reply_to_message_id=str(uuid.uuid4()),
+                metadata={},
+                request_id="",
+            )
         )
     assert len(world.store.state.messages) == 3
 
@@ -944,7 +1006,9 @@ async def test_a_failure_mid_transaction_leaves_no_partial_state(world: World) -
     with pytest.raises(RuntimeError):
         await world.group(alice, bob, name="lost too")
     with pytest.raises(RuntimeError):
-        await groups.rename_group(world.deps, me(alice), group_id=str(group.id), name="lost", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="lost", fields=["name"])
+        )
     assert world.store.state is before
     assert world.store.state.messages == {}
     assert len(world.store.state.groups) == 1
@@ -960,24 +1024,18 @@ async def test_a_failure_mid_transaction_leaves_no_partial_state(world: World) -
 async def test_a_failure_after_the_insert_leaves_no_request_id_behind(world: World) -> None:
     world.store.hooks["remember_request"] = failing(RuntimeError("boom"))
     with pytest.raises(RuntimeError):
-        await workspaces.create_workspace(
-            world.deps,
-            name="acme",
-            creator_display_name="a",
-            creator_kind=None,
-            creator_avatar="",
-            request_id="r1",
+        await world.bus.handle(
+            CreateWorkspace(
+                name="acme", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r1"
+            )
         )
     assert world.store.state.workspaces == {}
     assert world.store.state.members == {}
     del world.store.hooks["remember_request"]
-    workspace, _ = await workspaces.create_workspace(
-        world.deps,
-        name="acme",
-        creator_display_name="a",
-        creator_kind=None,
-        creator_avatar="",
-        request_id="r1",
+    workspace, _, _ = await world.bus.handle(
+        CreateWorkspace(
+            name="acme", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r1"
+        )
     )
     assert list(world.store.state.workspaces) == [workspace.id]
 
@@ -990,7 +1048,9 @@ async def test_edit_message_by_the_sender(world: World) -> None:
     group = await world.group(alice, bob)
     message = await world.send(alice, group, "draft")
     world.clock.set(world.clock.now + timedelta(hours=1))
-    edited = await messages.edit_message(world.deps, me(alice), message_id=str(message.id), content="final")
+    edited = await world.bus.handle(
+        EditMessage(caller=me(alice), message_id=str(message.id), content="final")
+    )
     assert edited.content == "final"
     assert edited.edited_at is not None
     assert edited.edited_at > message.sent_at
@@ -1006,13 +1066,13 @@ async def test_edit_message_refusals(world: World) -> None:
     group = await world.group(alice, bob)
     message = await world.send(alice, group, "draft")
     with pytest.raises(NotAllowed):
-        await messages.edit_message(world.deps, me(bob), message_id=str(message.id), content="hijack")
+        await world.bus.handle(EditMessage(caller=me(bob), message_id=str(message.id), content="hijack"))
     with pytest.raises(NotAMember):
-        await messages.edit_message(world.deps, me(outsider), message_id=str(message.id), content="hijack")
+        await world.bus.handle(EditMessage(caller=me(outsider), message_id=str(message.id), content="hijack"))
     with pytest.raises(NotFound):
-        await messages.edit_message(world.deps, me(alice), message_id=str(uuid.uuid4()), content="x")
+        await world.bus.handle(EditMessage(caller=me(alice), message_id=str(uuid.uuid4()), content="x"))
     with pytest.raises(InvalidRequest):
-        await messages.edit_message(world.deps, me(alice), message_id=str(message.id), content=" ")
+        await world.bus.handle(EditMessage(caller=me(alice), message_id=str(message.id), content=" "))
     assert world.store.state.messages[message.id] == message
 
 
@@ -1142,8 +1202,8 @@ async def test_mark_read_moves_forward_only_and_ignores_own_messages(world: Worl
     assert (await unread_of(world, alice))[group.id] == 3
     assert (await unread_of(world, bob))[group.id] == 1
 
-    state = await read_state.mark_read(
-        world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(second.id)
+    state = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(second.id))
     )
     assert (state.last_read_message_id, state.unread_count) == (second.id, 1)
     assert world.store.state.memberships[group.id][alice.id].last_read_message_id == second.id
@@ -1152,19 +1212,19 @@ async def test_mark_read_moves_forward_only_and_ignores_own_messages(world: Worl
     assert read_event.read_state == state
 
     events = len(world.store.events_of(alice.workspace_id))
-    backwards = await read_state.mark_read(
-        world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(first.id)
+    backwards = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(first.id))
     )
     assert (backwards.last_read_message_id, backwards.unread_count) == (second.id, 1)
     assert len(world.store.events_of(alice.workspace_id)) == events
-    same = await read_state.mark_read(
-        world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(second.id)
+    same = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(second.id))
     )
     assert same == state
     assert len(world.store.events_of(alice.workspace_id)) == events
 
-    done = await read_state.mark_read(
-        world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(third.id)
+    done = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(third.id))
     )
     assert done.unread_count == 0
     assert (await unread_of(world, alice))[group.id] == 0
@@ -1179,16 +1239,16 @@ async def test_mark_read_refusals(world: World) -> None:
     message = await world.send(bob, group)
     elsewhere = await world.send(alice, other)
     with pytest.raises(InvalidRequest):
-        await read_state.mark_read(
-            world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(elsewhere.id)
+        await world.bus.handle(
+            MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(elsewhere.id))
         )
     with pytest.raises(InvalidRequest):
-        await read_state.mark_read(
-            world.deps, me(alice), group_id=str(group.id), up_to_message_id=str(uuid.uuid4())
+        await world.bus.handle(
+            MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(uuid.uuid4()))
         )
     with pytest.raises(NotAMember):
-        await read_state.mark_read(
-            world.deps, me(outsider), group_id=str(group.id), up_to_message_id=str(message.id)
+        await world.bus.handle(
+            MarkRead(caller=me(outsider), group_id=str(group.id), up_to_message_id=str(message.id))
         )
     assert world.store.state.memberships[group.id][alice.id].last_read_message_id == NIL_ID
 
@@ -1216,8 +1276,8 @@ async def test_get_all_unread_oldest_first_across_groups() -> None:
     assert len(messages) == 4
     assert remaining == 2
 
-    await read_state.mark_read(
-        world.deps, me(alice), group_id=str(one.id), up_to_message_id=str(expected[4].id)
+    await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(one.id), up_to_message_id=str(expected[4].id))
     )
     messages, remaining = await read_state.get_all_unread(world.deps, me(alice), page_size=0)
     assert [m.id for m in messages] == [expected[1].id, expected[3].id, expected[5].id]
@@ -1233,7 +1293,9 @@ async def test_get_all_unread_excludes_groups_left(world: World) -> None:
     group = await world.group(alice, bob)
     await world.send(alice, group, "for bob")
     assert len((await read_state.get_all_unread(world.deps, me(bob), page_size=0))[0]) == 1
-    await groups.remove_group_members(world.deps, me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    await world.bus.handle(
+        RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    )
     assert await read_state.get_all_unread(world.deps, me(bob), page_size=0) == ([], 0)
 
 
@@ -1244,7 +1306,7 @@ async def test_list_chats_orders_by_latest_activity_with_unread_counts(world: Wo
     alice, bob = await people(world, 2)
     first = await world.group(alice, bob, name="first")
     second = await world.group(alice, bob, name="second")
-    direct, _ = await groups.get_or_create_direct_group(world.deps, me(bob), peer_member_id=str(alice.id))
+    direct, _ = await world.bus.handle(GetOrCreateDirectGroup(caller=me(bob), peer_member_id=str(alice.id)))
     quiet = await world.group(bob, name="bob only")
     world.clock.advance(timedelta(minutes=1))
     await world.send(bob, first, "wake up")
@@ -1314,18 +1376,22 @@ async def test_a_valid_message_the_log_refuses_is_reported_as_a_conflict() -> No
         uow=world.store.transaction, messages=RefusingLog(world.store.transaction), signal=world.signal
     )
     _, alice = await world.workspace()
-    group = await groups.create_group(deps, me(alice), name="g", member_ids=[], request_id="")
+    group = await groups.create_group(
+        deps, CreateGroup(caller=me(alice), name="g", member_ids=[], request_id="")
+    )
     published = list(world.signal.published)
     with pytest.raises(Conflict):
         await messages.send_message(
             deps,
-            me(alice),
-            group_id=str(group.id),
-            content_type=None,
-            content="hello",
-            mentions=[],
-            reply_to_message_id="",
-            metadata={},
-            request_id="",
+            SendMessage(
+                caller=me(alice),
+                group_id=str(group.id),
+                content_type=None,
+                content="hello",
+                mentions=[],
+                reply_to_message_id="",
+                metadata={},
+                request_id="",
+            ),
         )
     assert world.signal.published == published

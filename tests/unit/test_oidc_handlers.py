@@ -6,7 +6,6 @@ from __future__ import annotations
 import secrets
 from dataclasses import replace
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,8 @@ import pytest
 
 from services.common.identity import Caller
 from services.im.domain import access
-from services.im.domain.accounts import PersonalTokenScope
+from services.im.domain.accounts import IssuedTokens, PersonalTokenScope
+from services.im.domain.commands import CreateWorkspace
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -25,12 +25,9 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Role, Workspace
-from services.im.domain.oidc import IdTokenRules
 from services.im.domain.rules import Quotas
-from services.im.service_layer.handlers import members, workspaces
-from services.im.service_layer.handlers.auth import WORKSPACE_REQUIRED, AuthService
-from services.im.service_layer.handlers.auth_common import IssuedTokens
-from services.im.service_layer.handlers.oidc import NO_MEMBER, IdTokenVerifier, OidcAccess
+from services.im.service_layer.handlers.auth import WORKSPACE_REQUIRED
+from services.im.service_layer.handlers.oidc import NO_MEMBER
 from tests.oidc_support import TestIssuer
 from tests.unit.test_auth_handlers import PASSWORD, AuthWorld
 from tests.unit.test_oidc_tokens import FakeKeys
@@ -45,26 +42,9 @@ class OidcWorld:
         self.world = world
         self.issuer = issuer
         # Invites may be bound to an email where the provider proves emails.
-        world.accounts = AuthService(
-            open_workspace=partial(workspaces.open_workspace, world.deps),
-            uow=world.store.transaction,
-            keys=world.keys,
-            passwords=world.passwords,
-            clock=world.clock,
-            oidc_configured=configured,
-            member_quota=partial(members.check_member_quota, world.deps),
-        )
-        verifier = IdTokenVerifier(
-            FakeKeys(issuer), IdTokenRules(issuer=ISSUER, client_id=issuer.client_id), clock=world.clock
-        )
-        self.oidc = OidcAccess(
-            verifier=verifier if configured else None,
-            uow=world.store.transaction,
-            keys=world.keys,
-            passwords=world.passwords,
-            clock=world.clock,
-            member_quota=partial(members.check_member_quota, world.deps),
-        )
+        if configured:
+            world.rebuild(provider_keys=FakeKeys(issuer), OIDC_ISSUER=ISSUER, OIDC_CLIENT_ID=issuer.client_id)
+        self.oidc = world.app.oidc
 
     def token(self, email: str, **claims: Any) -> tuple[str, str]:
         """An ID token for `email`, issued now by the world's clock, and its nonce."""
@@ -101,14 +81,16 @@ def oidc(world: AuthWorld, issuer: TestIssuer) -> OidcWorld:
 
 
 async def workspace_with(world: AuthWorld, login: str, password: str) -> tuple[Workspace, IssuedTokens]:
-    workspace, _, tokens = await world.accounts.create_workspace(
-        name="ws",
-        creator_display_name="Ada",
-        creator_kind=None,
-        creator_avatar="",
-        login=login,
-        password=password,
-        request_id="",
+    workspace, _, tokens = await world.bus.handle(
+        CreateWorkspace(
+            name="ws",
+            creator_display_name="Ada",
+            creator_kind=None,
+            creator_avatar="",
+            creator_login=login,
+            creator_password=password,
+            request_id="",
+        )
     )
     assert tokens is not None
     return workspace, tokens

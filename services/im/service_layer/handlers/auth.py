@@ -27,7 +27,8 @@ from services.common.identity import Caller
 from services.common.status import status_name
 from services.common.tokens import KeyRing
 from services.im.domain import access, rules
-from services.im.domain.accounts import Account, Invite, RefreshToken
+from services.im.domain.accounts import Account, Invite, IssuedTokens, RefreshToken
+from services.im.domain.commands import CreateWorkspace
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -39,7 +40,7 @@ from services.im.domain.errors import (
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
 from services.im.service_layer.auth_ports import LoginTaken, Passwords
-from services.im.service_layer.handlers.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
+from services.im.service_layer.handlers.auth_common import WRONG_LOGIN, AuthBase, Clock
 from services.im.service_layer.handlers.deps import CreationHook, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
@@ -327,24 +328,17 @@ class AuthService(AuthBase):
     # -- workspaces with an owner's account --------------------------------------------
 
     async def create_workspace(
-        self,
-        *,
-        name: str,
-        creator_display_name: str,
-        creator_kind: MemberKind | None,
-        creator_avatar: str,
-        request_id: str,
-        login: str,
-        password: str,
+        self, command: CreateWorkspace
     ) -> tuple[Workspace, Member, IssuedTokens | None]:
         """A workspace and its owner, with the owner's account and tokens if a login is given."""
+        login, password, creator_kind = command.creator_login, command.creator_password, command.creator_kind
         if not login and not password:
             workspace, creator, _ = await self._open_workspace(
-                name=name,
-                creator_display_name=creator_display_name,
+                name=command.name,
+                creator_display_name=command.creator_display_name,
                 creator_kind=creator_kind,
-                creator_avatar=creator_avatar,
-                request_id=request_id,
+                creator_avatar=command.creator_avatar,
+                request_id=command.request_id,
             )
             return workspace, creator, None
         if not login or not password:
@@ -372,11 +366,11 @@ class AuthService(AuthBase):
 
         hook: CreationHook = add_account
         workspace, creator, created = await self._open_workspace(
-            name=name,
-            creator_display_name=creator_display_name,
+            name=command.name,
+            creator_display_name=command.creator_display_name,
             creator_kind=creator_kind,
-            creator_avatar=creator_avatar,
-            request_id=request_id,
+            creator_avatar=command.creator_avatar,
+            request_id=command.request_id,
             fingerprint_extra={"login": key},
             within=hook,
         )

@@ -8,18 +8,24 @@ from uuid_utils.compat import uuid7
 
 from services.common.identity import Caller
 from services.im.domain import rules
+from services.im.domain.commands import (
+    AddGroupMembers,
+    CreateGroup,
+    GetOrCreateDirectGroup,
+    RemoveGroupMembers,
+    RenameGroup,
+)
 from services.im.domain.errors import InvalidRequest, NotAllowed, WrongState
 from services.im.domain.model import Group, GroupChanged, GroupKind
 from services.im.service_layer.handlers.deps import Deps, Page, page_of, page_start
 from services.im.service_layer.ports import DuplicateRequest
 
 
-async def create_group(
-    deps: Deps, caller: Caller | None, *, name: str, member_ids: list[str], request_id: str
-) -> Group:
-    name = rules.check_name(name, "name", required=True)
-    others = rules.parse_ids(member_ids, "member_ids")
-    rid = rules.check_request_id(request_id)
+async def create_group(deps: Deps, command: CreateGroup) -> Group:
+    caller = command.caller
+    name = rules.check_name(command.name, "name", required=True)
+    others = rules.parse_ids(command.member_ids, "member_ids")
+    rid = rules.check_request_id(command.request_id)
     for attempt in range(2):
         async with deps.uow() as tx:
             actor = await deps.acting_member(tx, caller)
@@ -59,10 +65,9 @@ async def create_group(
     raise AssertionError("unreachable")
 
 
-async def get_or_create_direct_group(
-    deps: Deps, caller: Caller | None, *, peer_member_id: str
-) -> tuple[Group, bool]:
-    peer_id = rules.parse_id(peer_member_id, "peer_member_id")
+async def get_or_create_direct_group(deps: Deps, command: GetOrCreateDirectGroup) -> tuple[Group, bool]:
+    caller = command.caller
+    peer_id = rules.parse_id(command.peer_member_id, "peer_member_id")
     for attempt in range(2):
         async with deps.uow() as tx:
             actor = await deps.acting_member(tx, caller)
@@ -124,13 +129,12 @@ async def list_groups(
     return page_of(items, limit, lambda g: g.id)
 
 
-async def rename_group(
-    deps: Deps, caller: Caller | None, *, group_id: str, name: str, fields: list[str]
-) -> Group:
-    wanted = rules.parse_id(group_id, "group.id")
-    if fields != ["name"]:
+async def rename_group(deps: Deps, command: RenameGroup) -> Group:
+    caller = command.caller
+    wanted = rules.parse_id(command.group_id, "group.id")
+    if list(command.fields) != ["name"]:
         raise InvalidRequest("update_mask must be exactly [name]")
-    name = rules.check_name(name, "name", required=True)
+    name = rules.check_name(command.name, "name", required=True)
     async with deps.uow() as tx:
         actor = await deps.acting_member(tx, caller)
         group = await deps.visible_group(tx, actor, wanted)
@@ -142,11 +146,10 @@ async def rename_group(
         return group
 
 
-async def add_group_members(
-    deps: Deps, caller: Caller | None, *, group_id: str, member_ids: list[str]
-) -> Group:
-    wanted = rules.parse_id(group_id, "group_id")
-    adding = rules.parse_ids(member_ids, "member_ids")
+async def add_group_members(deps: Deps, command: AddGroupMembers) -> Group:
+    caller = command.caller
+    wanted = rules.parse_id(command.group_id, "group_id")
+    adding = rules.parse_ids(command.member_ids, "member_ids")
     if not adding:
         raise InvalidRequest("member_ids is empty")
     async with deps.uow() as tx:
@@ -165,11 +168,10 @@ async def add_group_members(
         return group
 
 
-async def remove_group_members(
-    deps: Deps, caller: Caller | None, *, group_id: str, member_ids: list[str]
-) -> Group:
-    wanted = rules.parse_id(group_id, "group_id")
-    removing = rules.parse_ids(member_ids, "member_ids")
+async def remove_group_members(deps: Deps, command: RemoveGroupMembers) -> Group:
+    caller = command.caller
+    wanted = rules.parse_id(command.group_id, "group_id")
+    removing = rules.parse_ids(command.member_ids, "member_ids")
     if not removing:
         raise InvalidRequest("member_ids is empty")
     async with deps.uow() as tx:

@@ -4,7 +4,6 @@ and the owners of agents (named by the service that hosts them)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
 from dataclasses import replace
 
 from uuid_utils.compat import uuid7
@@ -12,6 +11,7 @@ from uuid_utils.compat import uuid7
 from services.common import audit
 from services.common.identity import Caller
 from services.im.domain import rules
+from services.im.domain.commands import CreateMember, SetAgentOwners, UpdateMember
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound
 from services.im.domain.model import Member, MemberKind
 from services.im.service_layer.handlers.deps import Deps, Page, page_of, page_start
@@ -21,28 +21,19 @@ from services.im.service_layer.ports import DuplicateRequest, Transaction
 MAX_AGENT_OWNERS = 100
 
 
-async def create_member(
-    deps: Deps,
-    caller: Caller | None,
-    *,
-    workspace_id: str,
-    kind: MemberKind | None,
-    display_name: str,
-    avatar: str,
-    request_id: str,
-    owner_id: str = "",
-) -> Member:
+async def create_member(deps: Deps, command: CreateMember) -> Member:
+    caller, kind = command.caller, command.kind
     if kind is None:
         raise InvalidRequest("kind is required (HUMAN or AGENT)")
-    owner = rules.parse_optional_id(owner_id, "owner_id")
+    owner = rules.parse_optional_id(command.owner_id, "owner_id")
     if owner is not None and (kind is not MemberKind.AGENT or caller is None or not caller.is_service):
         raise NotAllowed("only the service that hosts an agent names its owner")
-    display_name = rules.check_name(display_name, "display_name", required=True)
-    avatar = rules.check_avatar(avatar)
-    rid = rules.check_request_id(request_id)
+    display_name = rules.check_name(command.display_name, "display_name", required=True)
+    avatar = rules.check_avatar(command.avatar)
+    rid = rules.check_request_id(command.request_id)
     for attempt in range(2):
         async with deps.uow() as tx:
-            resolved = await deps.caller_workspace(tx, caller, workspace_id)
+            resolved = await deps.caller_workspace(tx, caller, command.workspace_id)
             scope = _request_scope(caller, resolved)
             fingerprint = rules.request_fingerprint(
                 op="create_member", ws=str(resolved), kind=kind.value, name=display_name, avatar=avatar
@@ -109,8 +100,9 @@ async def _check_owner(tx: Transaction, workspace_id: uuid.UUID, owner_id: uuid.
         raise InvalidRequest(f"owner_id {owner_id} is not a person of the workspace")
 
 
-async def set_agent_owners(deps: Deps, caller: Caller | None, owners: Sequence[tuple[str, str]]) -> int:
+async def set_agent_owners(deps: Deps, command: SetAgentOwners) -> int:
     """Sets the owners of agents the calling service hosts; returns how many changed."""
+    caller, owners = command.caller, command.owners
     if caller is None or caller.service is None:
         raise NotAllowed("only the service that hosts agents names their owners")
     host = caller.service
@@ -176,16 +168,9 @@ async def list_members(
     return page_of(items, limit, lambda m: m.id)
 
 
-async def update_member(
-    deps: Deps,
-    caller: Caller | None,
-    *,
-    member_id: str,
-    display_name: str,
-    avatar: str,
-    fields: list[str],
-) -> Member:
-    wanted = rules.parse_id(member_id, "member.id")
+async def update_member(deps: Deps, command: UpdateMember) -> Member:
+    caller, fields = command.caller, command.fields
+    wanted = rules.parse_id(command.member_id, "member.id")
     unknown = set(fields) - {"display_name", "avatar"}
     if unknown:
         raise InvalidRequest(f"update_mask names fields that cannot be updated: {sorted(unknown)}")
@@ -201,10 +186,10 @@ async def update_member(
             raise NotAllowed("a member may only update itself; a service, only the agents it hosts")
         if "display_name" in fields:
             member = replace(
-                member, display_name=rules.check_name(display_name, "display_name", required=True)
+                member, display_name=rules.check_name(command.display_name, "display_name", required=True)
             )
         if "avatar" in fields:
-            member = replace(member, avatar=rules.check_avatar(avatar))
+            member = replace(member, avatar=rules.check_avatar(command.avatar))
         await tx.update_member(member)
         await tx.add_audit(
             audit.succeeded(

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
-from typing import Any
 
 from uuid_utils.compat import uuid7
 
 from services.common.identity import Caller
 from services.im.domain import rules
+from services.im.domain.commands import EditMessage, SendMessage
 from services.im.domain.errors import (
     Conflict,
     InvalidRequest,
@@ -23,23 +23,13 @@ from services.im.service_layer.handlers.deps import Deps, Page, recorded
 from services.im.service_layer.ports import Transaction
 
 
-async def send_message(
-    deps: Deps,
-    caller: Caller | None,
-    *,
-    group_id: str,
-    content_type: ContentType | None,
-    content: str,
-    mentions: list[str],
-    reply_to_message_id: str,
-    metadata: dict[str, Any],
-    request_id: str,
-) -> Message:
-    target = rules.parse_id(group_id, "group_id")
-    kind = content_type or ContentType.TEXT
-    mentioned = rules.parse_ids(mentions, "mentions")
-    reply_to = rules.parse_optional_id(reply_to_message_id, "reply_to_message_id")
-    rid = rules.check_request_id(request_id)
+async def send_message(deps: Deps, command: SendMessage) -> Message:
+    content, metadata = command.content, dict(command.metadata)
+    target = rules.parse_id(command.group_id, "group_id")
+    kind = command.content_type or ContentType.TEXT
+    mentioned = rules.parse_ids(command.mentions, "mentions")
+    reply_to = rules.parse_optional_id(command.reply_to_message_id, "reply_to_message_id")
+    rid = rules.check_request_id(command.request_id)
     rules.check_message(content=content, mentions=mentioned, metadata=metadata, limits=deps.limits)
     # Only a request_id needs the payload's fingerprint (to tell a retry from a reuse).
     fingerprint = (
@@ -57,7 +47,7 @@ async def send_message(
     # The hot path is one atomic append that stores the message only if
     # the request is valid; only when it stores nothing do we look closer
     # to say why.
-    actor = await deps.caller_member(caller)
+    actor = await deps.caller_member(command.caller)
     message = Message(
         id=uuid7(),
         workspace_id=actor.workspace_id,
@@ -103,8 +93,9 @@ def _retried(earlier: Message, fingerprint: str, request_id: str) -> Message:
     return earlier
 
 
-async def edit_message(deps: Deps, caller: Caller | None, *, message_id: str, content: str) -> Message:
-    wanted = rules.parse_id(message_id, "message_id")
+async def edit_message(deps: Deps, command: EditMessage) -> Message:
+    caller, content = command.caller, command.content
+    wanted = rules.parse_id(command.message_id, "message_id")
     if not content.strip():
         raise InvalidRequest("content is empty")
     rules.check_content(content, deps.limits)

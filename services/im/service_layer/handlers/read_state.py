@@ -6,16 +6,17 @@ from datetime import datetime
 
 from services.common.identity import Caller
 from services.im.domain import rules
+from services.im.domain.commands import MarkRead
 from services.im.domain.errors import InvalidRequest, NotAMember, NotFound
 from services.im.domain.model import Chat, Group, Message, ReadState, ReadUpdated
 from services.im.service_layer.handlers.deps import Deps, Page, recorded
 from services.im.service_layer.ports import ReadOutcome
 
 
-async def mark_read(deps: Deps, caller: Caller | None, *, group_id: str, up_to_message_id: str) -> ReadState:
-    target = rules.parse_id(group_id, "group_id")
-    up_to = rules.parse_id(up_to_message_id, "up_to_message_id")
-    actor = await deps.caller_member(caller)
+async def mark_read(deps: Deps, command: MarkRead) -> ReadState:
+    target = rules.parse_id(command.group_id, "group_id")
+    up_to = rules.parse_id(command.up_to_message_id, "up_to_message_id")
+    actor = await deps.caller_member(command.caller)
     at = deps.clock()
     marked = await deps.inbox.mark_read(actor, target, up_to, at)
     match marked.outcome:

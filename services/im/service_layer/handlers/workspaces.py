@@ -1,4 +1,6 @@
-"""Workspaces: creating one with its owner, reading them."""
+"""Workspaces: opening one with its owner, reading them. (The CreateWorkspace
+command is handled by `auth.AuthService.create_workspace`, which adds the
+owner's account.)"""
 
 from __future__ import annotations
 
@@ -21,26 +23,6 @@ from services.im.service_layer.handlers.deps import (
     page_start,
 )
 from services.im.service_layer.ports import DuplicateRequest, Transaction
-
-
-async def create_workspace(
-    deps: Deps,
-    *,
-    name: str,
-    creator_display_name: str,
-    creator_kind: MemberKind | None,
-    creator_avatar: str,
-    request_id: str,
-) -> tuple[Workspace, Member]:
-    workspace, creator, _ = await open_workspace(
-        deps,
-        name=name,
-        creator_display_name=creator_display_name,
-        creator_kind=creator_kind,
-        creator_avatar=creator_avatar,
-        request_id=request_id,
-    )
-    return workspace, creator
 
 
 async def open_workspace(
