@@ -22,7 +22,7 @@ async def test_every_command_has_a_handler_in_the_built_app() -> None:
         if inspect.isclass(value) and issubclass(value, commands.Command) and value is not commands.Command
     }
     app = build_on_fakes(unit_settings())
-    assert declared == set(app.bus._handlers)
+    assert declared == app.bus.commands
 
 
 async def test_a_command_is_handled_by_its_handler_and_an_unknown_one_is_refused() -> None:
@@ -38,6 +38,7 @@ async def test_a_command_is_handled_by_its_handler_and_an_unknown_one_is_refused
         return command.text.upper()
 
     bus = MessageBus({Shout: shout})
+    assert bus.commands == {Shout}
     assert await bus.handle(Shout(text="hi")) == "HI"
     with pytest.raises(LookupError, match="Whisper"):
         await bus.handle(Whisper(text="hi"))
