@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2, im_pb2_grpc
+from services.common.audit import AuditLog
 from services.common.audit_boundary import AuditInterceptor, AuditPruner
 from services.common.audit_sql import SqlAuditLog
 from services.common.authn import AuthenticationInterceptor
@@ -29,16 +32,29 @@ from services.im.adapters.service_credentials import (
 from services.im.adapters.sql import Database
 from services.im.adapters.tables import audit_events
 from services.im.config import Settings
+from services.im.domain import commands
 from services.im.domain.oidc import IdTokenRules
 from services.im.entrypoints.auth_servicer import AuthServicer
 from services.im.entrypoints.grpc_servicer import IMServicer
 from services.im.entrypoints.policy import IM_POLICY
-from services.im.service_layer.auth import AuthService
+from services.im.service_layer.auth_ports import Passwords, ProviderKeys
 from services.im.service_layer.events import EventFeed, EventHub
-from services.im.service_layer.handlers import IMService
-from services.im.service_layer.machine_access import MachineAccess
-from services.im.service_layer.oidc import IdTokenVerifier, OidcAccess
-from services.im.service_layer.ports import EventSignal
+from services.im.service_layer.handlers import groups, members, messages, read_state, workspaces
+from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.deps import Clock, Deps, utc_now
+from services.im.service_layer.handlers.machine_access import MachineAccess
+from services.im.service_layer.handlers.oidc import IdTokenVerifier, OidcAccess
+from services.im.service_layer.messagebus import MessageBus
+from services.im.service_layer.ports import (
+    EventLog,
+    EventSignal,
+    Inbox,
+    MessageLog,
+    Store,
+    TransactionalEventLog,
+    TransactionalInbox,
+    TransactionalMessageLog,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,16 +144,33 @@ def prepare_identity(settings: Settings) -> Identity:
 
 @dataclass
 class IMApp:
-    """Everything the running IM service is made of, wired together."""
+    """Everything the running IM service is made of, wired together.
+
+    An async context manager: leaving it stops serving (if it started) and
+    closes what `build` opened, as `stop` does.
+    """
 
     settings: Settings
-    database: Database
+    store: Store
     signal: EventSignal
     hub: EventHub
-    service: IMService
+    feed: EventFeed
+    deps: Deps
+    bus: MessageBus
+    accounts: AuthService
+    machines: MachineAccess
+    oidc: OidcAccess
     server: GrpcServer
     identity: Identity
+    audit_log: AuditLog
     audit_pruner: AuditPruner
+
+    @property
+    def database(self) -> Database:
+        """The SQL database the state lives in (not there when a fake store was passed)."""
+        if not isinstance(self.store, Database):
+            raise TypeError("this IM was built on a store that is not the SQL database")
+        return self.store
 
     async def start(self) -> int:
         """Connects signalling and starts serving; returns the bound port."""
@@ -147,7 +180,14 @@ class IMApp:
         return port
 
     async def stop(self) -> None:
+        """Stops serving gracefully and closes everything. Idempotent."""
         await self.server.stop()
+
+    async def __aenter__(self) -> IMApp:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     def reload_identity(self) -> None:
         """Reads the signing keys and service credentials again (on SIGHUP)."""
@@ -161,86 +201,147 @@ def open_database(settings: Settings) -> Database:
     return Database(settings.database_url, pool_size=settings.db_pool_size)
 
 
-def build(settings: Settings) -> IMApp:
+def build(
+    settings: Settings,
+    *,
+    store: Store | None = None,
+    audit_log: AuditLog | None = None,
+    signal: EventSignal | None = None,
+    passwords: Passwords | None = None,
+    provider_keys: ProviderKeys | None = None,
+    clock: Clock | None = None,
+) -> IMApp:
     """Wires the service; connects nothing until `IMApp.start`.
+
+    Every keyword replaces a real adapter (None: the real one), so that tests
+    wire the service exactly as it runs, on fakes.
+
+    Args:
+        settings: the configuration.
+        store: replaces the database; the message log, inbox and event log
+            are then plain transactions of it.
+        audit_log: replaces the SQL audit log (required beside a `store`).
+        signal: replaces the event signals (Redis, or in-process without it).
+        passwords: replaces argon2.
+        provider_keys: replaces the OpenID provider's published keys (used
+            when `settings.oidc` is set).
+        clock: replaces the wall clock.
 
     Raises:
         ConfigError: the signing keys or service credentials cannot be used.
     """
     identity = prepare_identity(settings)
-    database = open_database(settings)
-    signal: EventSignal = (
-        RedisSignal(
-            settings.redis_url,
-            reconnect_max_seconds=settings.redis_reconnect_max_seconds,
-            fallback_interval_seconds=settings.redis_fallback_poll_seconds,
+    now = clock or utc_now
+    closers: list[Callable[[], Awaitable[None]]] = []
+    message_log: MessageLog
+    inbox: Inbox
+    event_log: EventLog
+    if store is None:
+        database = open_database(settings)
+        store = database
+        read_path = open_read_path(database)
+        message_log, inbox, event_log = open_message_log(database), read_path, read_path
+        audit_log = audit_log or SqlAuditLog(database, audit_events)
+        closers += [message_log.aclose, read_path.aclose]
+    else:
+        if audit_log is None:
+            raise TypeError("build: a store passed in needs its audit log beside it (audit_log=)")
+        message_log = TransactionalMessageLog(store.transaction)
+        inbox = TransactionalInbox(store.transaction)
+        event_log = TransactionalEventLog(store.transaction)
+    if signal is None:
+        signal = (
+            RedisSignal(
+                settings.redis_url,
+                reconnect_max_seconds=settings.redis_reconnect_max_seconds,
+                fallback_interval_seconds=settings.redis_fallback_poll_seconds,
+            )
+            if settings.redis_url
+            else InProcessSignal()
         )
-        if settings.redis_url
-        else InProcessSignal()
-    )
-    read_path = open_read_path(database)
-    hub = EventHub(log=read_path, signal=signal)
-    message_log = open_message_log(database)
-    service = IMService(
-        uow=database.transaction,
+    hub = EventHub(log=event_log, signal=signal)
+    deps = Deps(
+        uow=store.transaction,
         messages=message_log,
-        inbox=read_path,
+        inbox=inbox,
         on_committed=hub.offer,
         signal=signal,
         limits=settings.limits,
         quotas=settings.quotas,
+        clock=now,
     )
-    audit_log = SqlAuditLog(database, audit_events)
-    audit_pruner = AuditPruner(audit_log, settings.audit)
-    feed = EventFeed(uow=database.transaction, hub=hub)
-    passwords = Argon2Passwords(memory_kib=settings.argon2_memory_kib, time_cost=settings.argon2_time_cost)
+    audit_pruner = AuditPruner(audit_log, settings.audit, clock=now)
+    feed = EventFeed(uow=store.transaction, hub=hub)
+    argon2: Argon2Passwords | None = None
+    if passwords is None:
+        argon2 = Argon2Passwords(memory_kib=settings.argon2_memory_kib, time_cost=settings.argon2_time_cost)
+        passwords = argon2
     accounts = AuthService(
-        open_workspace=service.open_workspace,
-        uow=database.transaction,
+        open_workspace=partial(workspaces.open_workspace, deps),
+        member_quota=partial(members.check_member_quota, deps),
+        oidc_configured=settings.oidc is not None,
+        uow=store.transaction,
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
         audit_log=audit_log,
         audit_settings=settings.audit,
-        member_quota=service.check_member_quota,
-        oidc_configured=settings.oidc is not None,
+        clock=now,
     )
     machines = MachineAccess(
         services=lambda: identity.services,
-        uow=database.transaction,
+        page_limits=settings.limits,
+        uow=store.transaction,
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
-        page_limits=settings.limits,
         audit_log=audit_log,
         audit_settings=settings.audit,
+        clock=now,
     )
     provider: ProviderClient | None = None
     id_tokens: IdTokenVerifier | None = None
     if settings.oidc is not None:
-        provider = ProviderClient(settings.oidc)
+        if provider_keys is None:
+            provider = ProviderClient(settings.oidc)
+            provider_keys = HttpProviderKeys(provider)
         id_tokens = IdTokenVerifier(
-            HttpProviderKeys(provider),
+            provider_keys,
             IdTokenRules(issuer=settings.oidc.issuer, client_id=settings.oidc.client_id),
+            clock=now,
         )
     oidc = OidcAccess(
         verifier=id_tokens,
-        uow=database.transaction,
+        member_quota=partial(members.check_member_quota, deps),
+        uow=store.transaction,
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
         audit_log=audit_log,
         audit_settings=settings.audit,
-        member_quota=service.check_member_quota,
+        clock=now,
     )
     # The IM checks its own tokens as every service will: through the JWKS
     # (read from its own key ring, so a reload counts at once).
     verifier = Verifier(keyring_source(identity.keys), refetch_seconds=0, max_age_seconds=5)
-    servicer = IMServicer(service, feed, accounts=accounts)
+    bus = MessageBus(
+        {
+            commands.CreateWorkspace: accounts.create_workspace,
+            commands.CreateMember: partial(members.create_member, deps),
+            commands.UpdateMember: partial(members.update_member, deps),
+            commands.SetAgentOwners: partial(members.set_agent_owners, deps),
+            commands.CreateGroup: partial(groups.create_group, deps),
+            commands.GetOrCreateDirectGroup: partial(groups.get_or_create_direct_group, deps),
+            commands.RenameGroup: partial(groups.rename_group, deps),
+            commands.AddGroupMembers: partial(groups.add_group_members, deps),
+            commands.RemoveGroupMembers: partial(groups.remove_group_members, deps),
+            commands.SendMessage: partial(messages.send_message, deps),
+            commands.EditMessage: partial(messages.edit_message, deps),
+            commands.MarkRead: partial(read_state.mark_read, deps),
+        }
+    )
+    servicer = IMServicer(bus, deps, feed)
     auth_servicer = AuthServicer(accounts, machines, oidc)
-
-    async def ready() -> bool:
-        return await database.ping()
 
     server = GrpcServer(
         address=settings.grpc_address,
@@ -260,7 +361,7 @@ def build(settings: Settings) -> IMApp:
             ),
             RateLimitInterceptor(RATE_LIMITED, settings.rate_limits),
         ],
-        readiness=ready,
+        readiness=store.ping,
         components={SIGNALS_HEALTH_NAME: lambda: not signal.degraded},
         reflection=settings.reflection,
         max_message_bytes=settings.max_message_bytes,
@@ -268,21 +369,26 @@ def build(settings: Settings) -> IMApp:
         closers=[hub.aclose],
         cleanups=[
             audit_pruner.aclose,
-            message_log.aclose,
-            read_path.aclose,
+            *closers,
             signal.aclose,
-            database.aclose,
-            passwords.aclose,
+            store.aclose,
+            *([argon2.aclose] if argon2 is not None else []),
             *([provider.aclose] if provider is not None else []),
         ],
     )
     return IMApp(
         settings=settings,
-        database=database,
+        store=store,
         signal=signal,
         hub=hub,
-        service=service,
+        feed=feed,
+        deps=deps,
+        bus=bus,
+        accounts=accounts,
+        machines=machines,
+        oidc=oidc,
         server=server,
         identity=identity,
+        audit_log=audit_log,
         audit_pruner=audit_pruner,
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from services.common import audit
 from services.im.domain.accounts import Account, Invite, PersonalToken, RefreshToken, SignInFailures
 from services.im.domain.model import Role
 from services.im.service_layer.auth_ports import AuthRecords, EmailTaken, LoginTaken, Passwords
@@ -325,3 +326,26 @@ class FakePasswords(Passwords):
 
     async def waste_time(self, password: str) -> None:
         self.wasted += 1
+
+
+class InMemoryAuditLog(audit.AuditLog):
+    """Keeps the records it is given in a list; lists none; counts prunes."""
+
+    def __init__(self) -> None:
+        self.records: list[audit.AuditRecord] = []
+        self.pruned_before: list[datetime] = []
+
+    async def record_refusal(self, record: audit.AuditRecord, *, window: timedelta) -> None:
+        self.records.append(record)
+
+    async def record(self, record: audit.AuditRecord) -> None:
+        self.records.append(record)
+
+    async def list(
+        self, workspace_id: uuid.UUID, query: audit.AuditQuery, *, after: audit.Cursor | None, limit: int
+    ) -> list[audit.AuditRecord]:
+        return []
+
+    async def prune(self, *, before: datetime) -> int:
+        self.pruned_before.append(before)
+        return 1

@@ -228,6 +228,7 @@ class InMemoryStore:
         self.commits = 0
         self.rollbacks = 0
         self.calls: list[str] = []
+        self.closed = False
         # Unique keys (and event counters) held by open transactions.
         self._claims: dict[Hashable, FakeTransaction] = {}
 
@@ -236,6 +237,12 @@ class InMemoryStore:
         return FakeTransaction(self, write=write)
 
     __call__ = transaction
+
+    async def ping(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        self.closed = True
 
     def last_sequence(self, workspace_id: uuid.UUID) -> int:
         """The committed event sequence of a workspace."""

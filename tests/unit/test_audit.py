@@ -18,9 +18,11 @@ from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.common.settings import ConfigError, EnvReader
 from services.common.tokens import AccessClaims, PrincipalKind, Scope
+from services.im.domain.commands import CreateGroup, CreateMember, SetAgentOwners
 from services.im.domain.errors import QuotaExceeded
 from services.im.domain.model import MemberKind, Role
 from services.im.domain.rules import Quotas, check_quota
+from tests.unit.auth_fakes import InMemoryAuditLog
 from tests.unit.test_auth_handlers import AuthWorld
 
 NOW = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
@@ -166,29 +168,8 @@ def test_a_quota_refuses_at_its_limit_and_zero_is_none() -> None:
     assert "quota of 3 groups" in raised.value.message
 
 
-class MemoryLog(audit.AuditLog):
-    def __init__(self) -> None:
-        self.records: list[audit.AuditRecord] = []
-        self.pruned_before: list[datetime] = []
-
-    async def record_refusal(self, record: audit.AuditRecord, *, window: timedelta) -> None:
-        self.records.append(record)
-
-    async def record(self, record: audit.AuditRecord) -> None:
-        self.records.append(record)
-
-    async def list(
-        self, workspace_id: uuid.UUID, query: audit.AuditQuery, *, after: audit.Cursor | None, limit: int
-    ) -> list[audit.AuditRecord]:
-        return []
-
-    async def prune(self, *, before: datetime) -> int:
-        self.pruned_before.append(before)
-        return 1
-
-
 async def test_the_pruner_prunes_past_the_retention_at_start_and_stops() -> None:
-    log = MemoryLog()
+    log = InMemoryAuditLog()
     pruner = AuditPruner(log, audit.AuditSettings(retention=timedelta(days=30)), clock=lambda: NOW)
     pruner.start()
     for _ in range(50):
@@ -248,23 +229,30 @@ async def test_a_refused_change_leaves_no_success_record(world: AuthWorld) -> No
 
 
 async def test_a_member_over_its_quota_is_refused_before_anything_is_stored(world: AuthWorld) -> None:
-    world.im.quotas = Quotas(members=2, agents=1, groups=1)
+    world.deps.quotas = Quotas(members=2, agents=1, groups=1)
     workspace, _, tokens = await world.owner()
     owner = await world.as_caller(tokens)
     await world.invite_and_join(owner, "bea")
     _, secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="")
     with pytest.raises(QuotaExceeded):
-        await world.im.create_member(
-            owner, workspace_id="", kind=MemberKind.HUMAN, display_name="Cy", avatar="", request_id=""
+        await world.bus.handle(
+            CreateMember(
+                caller=owner,
+                workspace_id="",
+                kind=MemberKind.HUMAN,
+                display_name="Cy",
+                avatar="",
+                request_id="",
+            )
         )
     people = [m for m in world.store.state.members.values() if m.workspace_id == workspace.id]
     assert len(people) == 2
     await world.agent(workspace, by_service=True)
     with pytest.raises(QuotaExceeded):
         await world.agent(workspace, by_service=True)
-    await world.im.create_group(owner, name="one", member_ids=[], request_id="")
+    await world.bus.handle(CreateGroup(caller=owner, name="one", member_ids=[], request_id=""))
     with pytest.raises(QuotaExceeded):
-        await world.im.create_group(owner, name="two", member_ids=[], request_id="")
+        await world.bus.handle(CreateGroup(caller=owner, name="two", member_ids=[], request_id=""))
     assert secret
 
 
@@ -272,33 +260,37 @@ async def test_only_the_hosting_service_names_an_agents_owner(world: AuthWorld) 
     workspace, ada, tokens = await world.owner()
     owner = await world.as_caller(tokens)
     with pytest.raises(PermissionDenied, match="hosts an agent"):
-        await world.im.create_member(
-            owner,
-            workspace_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=owner,
+                workspace_id="",
+                kind=MemberKind.AGENT,
+                display_name="bot",
+                avatar="",
+                request_id="",
+                owner_id=str(ada.id),
+            )
+        )
+    runtime = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="runtime"))
+    agent = await world.bus.handle(
+        CreateMember(
+            caller=runtime,
+            workspace_id=str(workspace.id),
             kind=MemberKind.AGENT,
             display_name="bot",
             avatar="",
             request_id="",
             owner_id=str(ada.id),
         )
-    runtime = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="runtime"))
-    agent = await world.im.create_member(
-        runtime,
-        workspace_id=str(workspace.id),
-        kind=MemberKind.AGENT,
-        display_name="bot",
-        avatar="",
-        request_id="",
-        owner_id=str(ada.id),
     )
     assert agent.owner_id == ada.id
     with pytest.raises(InvalidArgument, match="not a person"):
-        await world.im.set_agent_owners(runtime, [(str(agent.id), str(agent.id))])
+        await world.bus.handle(SetAgentOwners(caller=runtime, owners=[(str(agent.id), str(agent.id))]))
     memory = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="memory"))
     with pytest.raises(PermissionDenied):
-        await world.im.set_agent_owners(memory, [(str(agent.id), str(ada.id))])
-    assert await world.im.set_agent_owners(runtime, [(str(agent.id), str(ada.id))]) == 0
+        await world.bus.handle(SetAgentOwners(caller=memory, owners=[(str(agent.id), str(ada.id))]))
+    assert await world.bus.handle(SetAgentOwners(caller=runtime, owners=[(str(agent.id), str(ada.id))])) == 0
     bea = (await world.invite_and_join(owner, "bea")).member
-    assert await world.im.set_agent_owners(runtime, [(str(agent.id), str(bea.id))]) == 1
+    assert await world.bus.handle(SetAgentOwners(caller=runtime, owners=[(str(agent.id), str(bea.id))])) == 1
     assert world.store.state.members[agent.id].owner_id == bea.id
     assert actions(world)[-1] == "SetAgentOwners"

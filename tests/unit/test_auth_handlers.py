@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,7 +12,11 @@ import pytest
 from services.common.errors import ServiceError
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, Verifier, keyring_source
-from services.im.domain.accounts import PersonalTokenScope
+from services.im import bootstrap
+from services.im.adapters.service_credentials import ensure_embedded_credentials
+from services.im.config import Settings
+from services.im.domain.accounts import IssuedTokens, PersonalTokenScope
+from services.im.domain.commands import CreateMember, CreateWorkspace
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -24,68 +27,108 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
-from services.im.service_layer.auth import AuthService
-from services.im.service_layer.auth_common import IssuedTokens
-from services.im.service_layer.handlers import IMService
-from services.im.service_layer.machine_access import MachineAccess
-from services.im.service_layer.ports import TransactionalMessageLog
+from services.im.service_layer.auth_ports import ProviderKeys
+from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.deps import Deps
+from services.im.service_layer.handlers.machine_access import MachineAccess
+from services.im.service_layer.messagebus import MessageBus
 from tests.identities import caller_of, service_caller
 from tests.unit.auth_fakes import FakePasswords
-from tests.unit.fakes import FakeClock, InMemoryStore, RecordingSignal
-from tests.unit.support import unique
+from tests.unit.fakes import FakeClock, InMemoryStore
+from tests.unit.support import build_on_fakes, unique, unit_settings
 
 PASSWORD = "correct horse battery"
-RUNTIME_SECRET = "aim_svc_runtime-secret"
+
+
+def settings_in(directory: Path, **environ: str) -> Settings:
+    """Unit-test settings with the signing key and service credentials in `directory`."""
+    return unit_settings(
+        environ={
+            "AUTH_SIGNING_KEYS_DIR": str(directory / "keys"),
+            "AUTH_SERVICE_CREDENTIALS_FILE": str(directory / "secrets" / "service-credentials"),
+            **environ,
+        }
+    )
 
 
 @dataclass
 class AuthWorld:
+    """The IM built on fakes, with its own signing key and service credentials."""
+
     store: InMemoryStore
     clock: FakeClock
-    im: IMService
-    accounts: AuthService
-    machines: MachineAccess
     passwords: FakePasswords
-    keys: KeyRing
+    app: bootstrap.IMApp
     verifier: Verifier
+    directory: Path
 
     @classmethod
     def make(cls, tmp_path: Path) -> AuthWorld:
+        KeyRing.generate(tmp_path / "keys")
+        ensure_embedded_credentials(tmp_path / "secrets" / "service-credentials")
         store = InMemoryStore()
         clock = FakeClock()
-        im = IMService(
-            uow=store.transaction,
-            messages=TransactionalMessageLog(store.transaction),
-            signal=RecordingSignal(),
-            clock=clock,
-        )
-        KeyRing.generate(tmp_path / "keys")
-        keys = KeyRing.load(tmp_path / "keys")
         passwords = FakePasswords()
-        common = {"uow": store.transaction, "keys": keys, "passwords": passwords, "clock": clock}
-        services = {"runtime": hashlib.sha256(RUNTIME_SECRET.encode()).hexdigest()}
         return cls(
             store=store,
             clock=clock,
-            im=im,
-            accounts=AuthService(open_workspace=im.open_workspace, **common),  # type: ignore[arg-type]
-            machines=MachineAccess(services=lambda: services, **common),  # type: ignore[arg-type]
             passwords=passwords,
-            keys=keys,
-            verifier=Verifier(keyring_source(keys), clock=lambda: clock.now.timestamp()),  # noqa: PLW0108
+            app=build_on_fakes(settings_in(tmp_path), store=store, clock=clock, passwords=passwords),
+            verifier=Verifier(
+                keyring_source(KeyRing.load(tmp_path / "keys")),
+                clock=lambda: clock.now.timestamp(),  # noqa: PLW0108
+            ),
+            directory=tmp_path,
         )
+
+    def rebuild(self, *, provider_keys: ProviderKeys | None = None, **environ: str) -> None:
+        """Builds the IM again on the same fakes, with more settings (say, a provider's)."""
+        self.app = build_on_fakes(
+            settings_in(self.directory, **environ),
+            store=self.store,
+            clock=self.clock,
+            passwords=self.passwords,
+            provider_keys=provider_keys,
+        )
+
+    @property
+    def deps(self) -> Deps:
+        return self.app.deps
+
+    @property
+    def bus(self) -> MessageBus:
+        return self.app.bus
+
+    @property
+    def accounts(self) -> AuthService:
+        return self.app.accounts
+
+    @property
+    def machines(self) -> MachineAccess:
+        return self.app.machines
+
+    @property
+    def keys(self) -> KeyRing:
+        return self.app.identity.keys
+
+    @property
+    def runtime_secret(self) -> str:
+        """The runtime's service secret, as its credentials file holds it."""
+        return (self.directory / "secrets" / "runtime.secret").read_text().strip()
 
     async def owner(
         self, login: str = "ada", *, name: str = "", request_id: str = ""
     ) -> tuple[Workspace, Member, IssuedTokens]:
-        workspace, creator, tokens = await self.accounts.create_workspace(
-            name=name or unique("ws"),
-            creator_display_name="Ada",
-            creator_kind=None,
-            creator_avatar="",
-            login=login,
-            password=PASSWORD,
-            request_id=request_id,
+        workspace, creator, tokens = await self.bus.handle(
+            CreateWorkspace(
+                name=name or unique("ws"),
+                creator_display_name="Ada",
+                creator_kind=None,
+                creator_avatar="",
+                creator_login=login,
+                creator_password=PASSWORD,
+                request_id=request_id,
+            )
         )
         assert tokens is not None
         return workspace, creator, tokens
@@ -108,13 +151,15 @@ class AuthWorld:
             if by_service
             else caller_of(creator.id, workspace.id, roles=(creator.role.value,))
         )
-        return await self.im.create_member(
-            principal,
-            workspace_id=str(workspace.id),
-            kind=MemberKind.AGENT,
-            display_name="helper",
-            avatar="",
-            request_id="",
+        return await self.bus.handle(
+            CreateMember(
+                caller=principal,
+                workspace_id=str(workspace.id),
+                kind=MemberKind.AGENT,
+                display_name="helper",
+                avatar="",
+                request_id="",
+            )
         )
 
 
@@ -155,14 +200,16 @@ async def test_a_creator_with_a_login_owns_the_workspace_and_is_signed_in(world:
 
 
 async def test_a_creator_without_a_login_still_owns_the_workspace(world: AuthWorld) -> None:
-    _, creator, tokens = await world.accounts.create_workspace(
-        name="w",
-        creator_display_name="Ada",
-        creator_kind=None,
-        creator_avatar="",
-        request_id="",
-        login="",
-        password="",
+    _, creator, tokens = await world.bus.handle(
+        CreateWorkspace(
+            name="w",
+            creator_display_name="Ada",
+            creator_kind=None,
+            creator_avatar="",
+            request_id="",
+            creator_login="",
+            creator_password="",
+        )
     )
     assert tokens is None and creator.role is Role.OWNER
     assert creator.id not in world.store.state.auth.accounts
@@ -172,22 +219,24 @@ async def test_creating_a_workspace_with_an_account_is_checked_before_anything_i
     world: AuthWorld,
 ) -> None:
     cases = [
-        ({"login": "ada", "password": ""}, "go together"),
-        ({"login": "", "password": PASSWORD}, "go together"),
-        ({"login": "a", "password": PASSWORD}, "login must be"),
-        ({"login": "ada", "password": "too-short"}, "at least 10"),
-        ({"login": "ada", "password": PASSWORD, "creator_kind": MemberKind.AGENT}, "HUMAN"),
+        ({"creator_login": "ada", "creator_password": ""}, "go together"),
+        ({"creator_login": "", "creator_password": PASSWORD}, "go together"),
+        ({"creator_login": "a", "creator_password": PASSWORD}, "login must be"),
+        ({"creator_login": "ada", "creator_password": "too-short"}, "at least 10"),
+        ({"creator_login": "ada", "creator_password": PASSWORD, "creator_kind": MemberKind.AGENT}, "HUMAN"),
     ]
     for fields, message in cases:
         values: dict[str, object] = {"creator_kind": None}
         values.update(fields)
         with pytest.raises(InvalidRequest, match=message) as caught:
-            await world.accounts.create_workspace(
-                name="w",
-                creator_display_name="Ada",
-                creator_avatar="",
-                request_id="",
-                **values,  # type: ignore[arg-type]
+            await world.bus.handle(
+                CreateWorkspace(
+                    name="w",
+                    creator_display_name="Ada",
+                    creator_avatar="",
+                    request_id="",
+                    **values,  # type: ignore[arg-type]
+                )
             )
         assert "too-short" not in caught.value.message
     assert not world.store.state.workspaces
@@ -199,14 +248,16 @@ async def test_a_retried_creation_signs_in_again_with_the_same_password(world: A
     assert (retried_ws.id, retried_creator.id) == (workspace.id, creator.id)
     assert retried.refresh_token != first.refresh_token
     with pytest.raises(Unauthenticated):
-        await world.accounts.create_workspace(
-            name=workspace.name,
-            creator_display_name="Ada",
-            creator_kind=None,
-            creator_avatar="",
-            request_id="create-1",
-            login="ada",
-            password="another password!",
+        await world.bus.handle(
+            CreateWorkspace(
+                name=workspace.name,
+                creator_display_name="Ada",
+                creator_kind=None,
+                creator_avatar="",
+                request_id="create-1",
+                creator_login="ada",
+                creator_password="another password!",
+            )
         )
     assert len(world.store.state.workspaces) == 1
 
@@ -537,13 +588,13 @@ async def test_a_retried_personal_token_creation_gets_a_new_secret(world: AuthWo
 
 
 async def test_a_service_gets_a_token_for_its_secret_only(world: AuthWorld) -> None:
-    issued = await world.machines.issue_service_token(service="runtime", secret=RUNTIME_SECRET)
+    issued = await world.machines.issue_service_token(service="runtime", secret=world.runtime_secret)
     claims = await world.verifier.verify(issued.token)
     assert (claims.kind, claims.service, claims.member_id) == (PrincipalKind.SERVICE, "runtime", None)
     messages = set()
     for service, secret in [
         ("runtime", "wrong"),
-        ("memory", RUNTIME_SECRET),
+        ("memory", world.runtime_secret),
         ("", ""),
         ("runtime", "x" * 5000),
     ]:
@@ -560,7 +611,7 @@ async def test_a_service_gets_tokens_only_for_the_agents_it_hosts(world: AuthWor
     assert (hosted.host, unhosted.host) == ("runtime", None)
     runtime = Caller(
         claims=await world.verifier.verify(
-            (await world.machines.issue_service_token(service="runtime", secret=RUNTIME_SECRET)).token
+            (await world.machines.issue_service_token(service="runtime", secret=world.runtime_secret)).token
         )
     )
     issued = await world.machines.issue_agent_tokens(runtime, agent_member_ids=[str(hosted.id)])

@@ -8,8 +8,10 @@ import pytest
 
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, PrincipalKind
+from services.im.domain.commands import CreateMember, UpdateMember
 from services.im.domain.errors import NotAllowed, Unauthenticated
 from services.im.domain.model import Member, MemberKind
+from services.im.service_layer.handlers import groups
 from tests.unit.support import World
 
 
@@ -25,19 +27,26 @@ def service(name: str) -> Caller:
 
 
 async def new_member(world: World, caller: Caller, workspace_id: uuid.UUID, kind: MemberKind) -> Member:
-    return await world.service.create_member(
-        caller, workspace_id=str(workspace_id), kind=kind, display_name="new", avatar="", request_id=""
+    return await world.bus.handle(
+        CreateMember(
+            caller=caller,
+            workspace_id=str(workspace_id),
+            kind=kind,
+            display_name="new",
+            avatar="",
+            request_id="",
+        )
     )
 
 
 async def test_a_token_acts_as_its_member_in_its_workspace_only() -> None:
     world = World.make()
     _, alice = await world.workspace()
-    page = await world.service.list_groups(token_of(alice), member_id="", page_size=0, page_token="")
+    page = await groups.list_groups(world.deps, token_of(alice), member_id="", page_size=0, page_token="")
     assert page.items == []
     forged = token_of(alice, workspace_id=uuid.uuid4())
     with pytest.raises(Unauthenticated, match="another workspace"):
-        await world.service.list_groups(forged, member_id="", page_size=0, page_token="")
+        await groups.list_groups(world.deps, forged, member_id="", page_size=0, page_token="")
 
 
 async def test_a_service_token_acts_as_no_member() -> None:
@@ -45,7 +54,7 @@ async def test_a_service_token_acts_as_no_member() -> None:
     _, alice = await world.workspace()
     group = await world.group(alice)
     with pytest.raises(NotAllowed, match="service's token names none"):
-        await world.service.get_group(service("runtime"), str(group.id))
+        await groups.get_group(world.deps, service("runtime"), str(group.id))
 
 
 async def test_a_service_creates_agents_it_hosts_and_renames_only_those() -> None:
@@ -58,8 +67,14 @@ async def test_a_service_creates_agents_it_hosts_and_renames_only_those() -> Non
         await new_member(world, runtime, workspace.id, MemberKind.HUMAN)
 
     async def rename(caller: Caller, member: Member) -> Member:
-        return await world.service.update_member(
-            caller, member_id=str(member.id), display_name="renamed", avatar="", fields=["display_name"]
+        return await world.bus.handle(
+            UpdateMember(
+                caller=caller,
+                member_id=str(member.id),
+                display_name="renamed",
+                avatar="",
+                fields=["display_name"],
+            )
         )
 
     assert (await rename(runtime, agent)).display_name == "renamed"

@@ -14,6 +14,13 @@ import pytest
 
 from services.common.identity import Caller
 from services.im.adapters import codec
+from services.im.domain.commands import (
+    EditMessage,
+    GetOrCreateDirectGroup,
+    MarkRead,
+    RemoveGroupMembers,
+    RenameGroup,
+)
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, ShuttingDown, Unauthenticated
 from services.im.domain.model import (
     ContentType,
@@ -31,8 +38,6 @@ from services.im.domain.model import (
     as_recorded,
 )
 from services.im.service_layer.events import EventFeed, EventHub, MemberFilter, Subscription, Watch
-from services.im.service_layer.handlers import IMService
-from services.im.service_layer.ports import TransactionalEventLog, TransactionalMessageLog
 from tests.unit.fakes import FakeTransaction
 from tests.unit.support import SERVICE, World, me, unique
 
@@ -43,8 +48,9 @@ HubFactory = Callable[..., Awaitable[EventHub]]
 
 
 @pytest.fixture
-def world() -> World:
-    return World.make()
+async def world() -> AsyncIterator[World]:
+    async with World.make() as made:
+        yield made
 
 
 @pytest.fixture
@@ -356,121 +362,90 @@ async def test_workspaces_are_separate(world: World, make_hub: HubFactory) -> No
 # -- events offered by this process's handlers ------------------------------------------
 
 
-class CountingLog(TransactionalEventLog):
-    """The reference event log, counting its reads."""
-
-    reads = 0
-
-    async def read(
-        self, workspace_id: uuid.UUID, *, after: int, up_to: int | None, limit: int
-    ) -> list[RecordedEvent]:
-        self.reads += 1
-        return await super().read(workspace_id, after=after, up_to=up_to, limit=limit)
-
-
-def offering(world: World, hub: EventHub) -> World:
-    """The world with a service that offers what it commits to the hub, as `bootstrap` wires it."""
-    service = IMService(
-        uow=world.store.transaction,
-        messages=TransactionalMessageLog(world.store.transaction),
-        signal=world.signal,
-        on_committed=hub.offer,
-        clock=world.clock,
-    )
-    return replace(world, service=service)
+def event_reads(world: World) -> int:
+    """How many times the event log was read."""
+    return world.store.calls.count("read_events")
 
 
 async def test_events_committed_here_are_handed_out_without_a_read(world: World) -> None:
-    log = CountingLog(world.store.transaction)
-    hub = EventHub(log=log, signal=world.signal)
-    try:
-        here = offering(world, hub)
-        (alice, bob), group = await team(here)
-        subscription = await hub.subscribe(alice.workspace_id, after=None)
-        async with contextlib.aclosing(subscription.events()) as events:
-            await here.send(bob, group, "settle")
-            await take(events, 1)
-            settled = log.reads
-            # Every kind of event, with what the log does not keep (request ids, a direct key).
-            sent = await here.send(alice, group, "with a request id", request_id="r-1", metadata={"k": [1]})
-            await here.service.mark_read(me(bob), group_id=str(group.id), up_to_message_id=str(sent.id))
-            await here.service.edit_message(me(alice), message_id=str(sent.id), content="edited")
-            await here.service.rename_group(
-                me(alice), group_id=str(group.id), name="renamed", fields=["name"]
-            )
-            await here.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id))
-            got = await take(events, 5)
-            assert log.reads == settled
-            # Exactly what a read would have given.
-            stored = world.store.events_of(alice.workspace_id)
-            assert got == stored[-5:]
-            assert [type(e.event) for e in got] == [
-                MessageCreated,
-                ReadUpdated,
-                MessageEdited,
-                GroupChanged,
-                GroupChanged,
-            ]
-    finally:
-        await hub.aclose()
+    hub = world.app.hub
+    (alice, bob), group = await team(world)
+    subscription = await hub.subscribe(alice.workspace_id, after=None)
+    async with contextlib.aclosing(subscription.events()) as events:
+        await world.send(bob, group, "settle")
+        await take(events, 1)
+        settled = event_reads(world)
+        # Every kind of event, with what the log does not keep (request ids, a direct key).
+        sent = await world.send(alice, group, "with a request id", request_id="r-1", metadata={"k": [1]})
+        await world.bus.handle(
+            MarkRead(caller=me(bob), group_id=str(group.id), up_to_message_id=str(sent.id))
+        )
+        await world.bus.handle(EditMessage(caller=me(alice), message_id=str(sent.id), content="edited"))
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="renamed", fields=["name"])
+        )
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id)))
+        got = await take(events, 5)
+        assert event_reads(world) == settled
+        # Exactly what a read would have given.
+        stored = world.store.events_of(alice.workspace_id)
+        assert got == stored[-5:]
+        assert [type(e.event) for e in got] == [
+            MessageCreated,
+            ReadUpdated,
+            MessageEdited,
+            GroupChanged,
+            GroupChanged,
+        ]
 
 
 async def test_offered_events_after_a_gap_are_read_instead(world: World) -> None:
-    log = CountingLog(world.store.transaction)
-    hub = EventHub(log=log, signal=world.signal)
-    try:
-        here = offering(world, hub)
-        (alice, bob), group = await team(here)
-        subscription = await hub.subscribe(alice.workspace_id, after=None)
-        async with contextlib.aclosing(subscription.events()) as events:
-            await here.send(bob, group, "settle")
-            start = (await take(events, 1))[0].sequence
-            # Committed elsewhere (not offered) and its signal lost.
-            world.signal.forward = False
-            await world.send(bob, group, "unheard")
-            world.signal.forward = True
-            reads = log.reads
-            await here.send(alice, group, "after the gap")
-            got = await take(events, 2)
-            assert sequences(got) == [start + 1, start + 2]
-            assert [e.event.message.content for e in got if isinstance(e.event, MessageCreated)] == [
-                "unheard",
-                "after the gap",
-            ]
-            assert log.reads > reads
-            await here.send(alice, group, "next")
-            assert sequences(await take(events, 1)) == [start + 3]
-    finally:
-        await hub.aclose()
+    hub = world.app.hub
+    # Another replica on the same store: its commits reach this hub only by its
+    # signal, which is connected to nothing here (as if lost).
+    elsewhere = World.make_beside(world)
+    (alice, bob), group = await team(world)
+    subscription = await hub.subscribe(alice.workspace_id, after=None)
+    async with contextlib.aclosing(subscription.events()) as events:
+        await world.send(bob, group, "settle")
+        start = (await take(events, 1))[0].sequence
+        await elsewhere.send(bob, group, "unheard")
+        reads = event_reads(world)
+        await world.send(alice, group, "after the gap")
+        got = await take(events, 2)
+        assert sequences(got) == [start + 1, start + 2]
+        assert [e.event.message.content for e in got if isinstance(e.event, MessageCreated)] == [
+            "unheard",
+            "after the gap",
+        ]
+        assert event_reads(world) > reads
+        await world.send(alice, group, "next")
+        assert sequences(await take(events, 1)) == [start + 3]
 
 
 async def test_an_offer_during_a_read_is_left_to_the_read(world: World) -> None:
-    hub = EventHub(uow=world.store.transaction, signal=world.signal)
-    try:
-        here = offering(world, hub)
-        (alice, bob), group = await team(here)
-        subscription = await hub.subscribe(alice.workspace_id, after=None)
-        async with contextlib.aclosing(subscription.events()) as events:
-            await here.send(bob, group, "settle")
-            start = (await take(events, 1))[0].sequence
-            entered, release = asyncio.Event(), asyncio.Event()
+    hub = world.app.hub
+    (alice, bob), group = await team(world)
+    subscription = await hub.subscribe(alice.workspace_id, after=None)
+    async with contextlib.aclosing(subscription.events()) as events:
+        await world.send(bob, group, "settle")
+        start = (await take(events, 1))[0].sequence
+        entered, release = asyncio.Event(), asyncio.Event()
 
-            async def block_once(tx: FakeTransaction) -> None:
-                world.store.hooks.pop("read_events")
-                entered.set()
-                await release.wait()
+        async def block_once(tx: FakeTransaction) -> None:
+            world.store.hooks.pop("read_events")
+            entered.set()
+            await release.wait()
 
-            world.store.hooks["read_events"] = block_once
-            world.signal.deliver(None, 0)  # the tail starts a read, which blocks
-            await within(entered.wait())
-            await here.send(alice, group, "offered while reading")
-            release.set()
-            got = await take(events, 1)
-            assert sequences(got) == [start + 1]
-            await here.send(alice, group, "next")
-            assert sequences(await take(events, 1)) == [start + 2]
-    finally:
-        await hub.aclose()
+        world.store.hooks["read_events"] = block_once
+        world.signal.deliver(None, 0)  # the tail starts a read, which blocks
+        await within(entered.wait())
+        await world.send(alice, group, "offered while reading")
+        release.set()
+        got = await take(events, 1)
+        assert sequences(got) == [start + 1]
+        await world.send(alice, group, "next")
+        assert sequences(await take(events, 1)) == [start + 2]
 
 
 def test_as_recorded_is_what_the_event_log_gives_back() -> None:
@@ -628,9 +603,11 @@ async def test_a_member_watches_its_own_events(world: World, feed: EventFeed) ->
     async with contextlib.aclosing(await watch(feed, me(alice))) as stream:
         await world.send(bob, bob_and_carol, "not for alice")
         mine = await world.send(bob, group, "for alice")
-        await world.service.mark_read(me(carol), group_id=str(group.id), up_to_message_id=str(mine.id))
-        state = await world.service.mark_read(
-            me(alice), group_id=str(group.id), up_to_message_id=str(mine.id)
+        await world.bus.handle(
+            MarkRead(caller=me(carol), group_id=str(group.id), up_to_message_id=str(mine.id))
+        )
+        state = await world.bus.handle(
+            MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(mine.id))
         )
         first, second = await take(stream, 2)
         assert first.member_ids == (alice.id,)
@@ -646,8 +623,8 @@ async def test_a_member_watches_its_own_events(world: World, feed: EventFeed) ->
 async def test_a_member_follows_its_group_changes(world: World, feed: EventFeed) -> None:
     (alice, bob, carol), group = await team(world, 3)
     async with contextlib.aclosing(await watch(feed, me(carol))) as stream:
-        await world.service.remove_group_members(
-            me(alice), group_id=str(group.id), member_ids=[str(carol.id)]
+        await world.bus.handle(
+            RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(carol.id)])
         )
         await world.send(alice, group, "after carol left")
         later = await world.group(bob, carol, name="new")
@@ -777,7 +754,9 @@ async def test_resuming_before_leaving_a_group_replays_that_groups_messages(
     (alice, bob), group = await team(world)
     cursor = world.store.last_sequence(alice.workspace_id)
     missed = await world.send(alice, group, "sent while bob was a member")
-    await world.service.remove_group_members(me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    await world.bus.handle(
+        RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    )
     async with contextlib.aclosing(await watch(feed, me(bob), cursor=str(cursor))) as stream:
         (first,) = await take(stream, 1)
         assert isinstance(first.recorded.event, MessageCreated)

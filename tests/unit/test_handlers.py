@@ -1,14 +1,28 @@
-"""The IM's use cases (`IMService`) against the in-memory fakes."""
+"""The IM's use cases (the handlers of `services.im.service_layer.handlers`) against the in-memory fakes."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 
 import pytest
 
 from services.im.domain import rules
+from services.im.domain.commands import (
+    AddGroupMembers,
+    CreateGroup,
+    CreateMember,
+    CreateWorkspace,
+    EditMessage,
+    GetOrCreateDirectGroup,
+    MarkRead,
+    RemoveGroupMembers,
+    RenameGroup,
+    SendMessage,
+    UpdateMember,
+)
 from services.im.domain.errors import (
     Conflict,
     InvalidRequest,
@@ -32,7 +46,8 @@ from services.im.domain.model import (
     MessageEdited,
     ReadUpdated,
 )
-from services.im.service_layer.handlers import IMService
+from services.im.service_layer.handlers import groups, members, messages, read_state, workspaces
+from services.im.service_layer.handlers.deps import Deps
 from services.im.service_layer.ports import TransactionalMessageLog
 from tests.identities import caller_of
 from tests.unit.fakes import failing
@@ -40,8 +55,9 @@ from tests.unit.support import SERVICE, World, me, unique
 
 
 @pytest.fixture
-def world() -> World:
-    return World.make()
+async def world() -> AsyncIterator[World]:
+    async with World.make() as made:
+        yield made
 
 
 async def people(world: World, count: int) -> list[Member]:
@@ -57,12 +73,14 @@ async def people(world: World, count: int) -> list[Member]:
 
 
 async def test_create_workspace_makes_the_workspace_and_its_creator(world: World) -> None:
-    workspace, creator = await world.service.create_workspace(
-        name="  acme  ",
-        creator_display_name=" alice ",
-        creator_kind=None,
-        creator_avatar="https://a/b.png",
-        request_id="",
+    workspace, creator, _ = await world.bus.handle(
+        CreateWorkspace(
+            name="  acme  ",
+            creator_display_name=" alice ",
+            creator_kind=None,
+            creator_avatar="https://a/b.png",
+            request_id="",
+        )
     )
     assert workspace.name == "acme"
     assert creator.display_name == "alice"
@@ -70,23 +88,29 @@ async def test_create_workspace_makes_the_workspace_and_its_creator(world: World
     assert creator.avatar == "https://a/b.png"
     assert creator.workspace_id == workspace.id
     assert workspace.created_at.tzinfo is not None
-    stored = await world.service.get_workspace(me(creator), str(workspace.id))
+    stored = await workspaces.get_workspace(world.deps, me(creator), str(workspace.id))
     assert stored == workspace
-    assert await world.service.get_member(me(creator), str(creator.id)) == creator
+    assert await members.get_member(world.deps, me(creator), str(creator.id)) == creator
 
 
 async def test_create_workspace_validates(world: World) -> None:
     with pytest.raises(InvalidRequest):
-        await world.service.create_workspace(
-            name=" ", creator_display_name="a", creator_kind=None, creator_avatar="", request_id=""
+        await world.bus.handle(
+            CreateWorkspace(
+                name=" ", creator_display_name="a", creator_kind=None, creator_avatar="", request_id=""
+            )
         )
     with pytest.raises(InvalidRequest):
-        await world.service.create_workspace(
-            name="w", creator_display_name="", creator_kind=None, creator_avatar="", request_id=""
+        await world.bus.handle(
+            CreateWorkspace(
+                name="w", creator_display_name="", creator_kind=None, creator_avatar="", request_id=""
+            )
         )
     with pytest.raises(InvalidRequest):
-        await world.service.create_workspace(
-            name="w", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r" * 129
+        await world.bus.handle(
+            CreateWorkspace(
+                name="w", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r" * 129
+            )
         )
     assert world.store.state.workspaces == {}
 
@@ -94,13 +118,15 @@ async def test_create_workspace_validates(world: World) -> None:
 async def test_create_workspace_retry_with_request_id_returns_the_first_result(world: World) -> None:
     rid = unique("rid")
 
-    async def create(name: str = "acme") -> tuple[object, Member]:
-        return await world.service.create_workspace(
-            name=name,
-            creator_display_name="alice",
-            creator_kind=MemberKind.AGENT,
-            creator_avatar="",
-            request_id=rid,
+    async def create(name: str = "acme") -> tuple[object, Member, object]:
+        return await world.bus.handle(
+            CreateWorkspace(
+                name=name,
+                creator_display_name="alice",
+                creator_kind=MemberKind.AGENT,
+                creator_avatar="",
+                request_id=rid,
+            )
         )
 
     first = await create()
@@ -117,9 +143,15 @@ async def test_concurrent_create_workspace_with_one_request_id_makes_one_workspa
     world = World.make(yield_on_call=True)
     rid = unique("rid")
 
-    async def create() -> tuple[object, Member]:
-        return await world.service.create_workspace(
-            name="acme", creator_display_name="alice", creator_kind=None, creator_avatar="", request_id=rid
+    async def create() -> tuple[object, Member, object]:
+        return await world.bus.handle(
+            CreateWorkspace(
+                name="acme",
+                creator_display_name="alice",
+                creator_kind=None,
+                creator_avatar="",
+                request_id=rid,
+            )
         )
 
     results = await asyncio.gather(*(create() for _ in range(4)))
@@ -132,26 +164,26 @@ async def test_concurrent_create_workspace_with_one_request_id_makes_one_workspa
 async def test_get_workspace_only_the_callers_own(world: World) -> None:
     workspace, alice = await world.workspace()
     other, _ = await world.workspace("other")
-    assert await world.service.get_workspace(me(alice), str(workspace.id)) == workspace
+    assert await workspaces.get_workspace(world.deps, me(alice), str(workspace.id)) == workspace
     with pytest.raises(NotFound):
-        await world.service.get_workspace(me(alice), str(other.id))
-    assert await world.service.get_workspace(SERVICE, str(other.id)) == other
+        await workspaces.get_workspace(world.deps, me(alice), str(other.id))
+    assert await workspaces.get_workspace(world.deps, SERVICE, str(other.id)) == other
     with pytest.raises(NotFound):
-        await world.service.get_workspace(SERVICE, str(uuid.uuid4()))
+        await workspaces.get_workspace(world.deps, SERVICE, str(uuid.uuid4()))
     with pytest.raises(Unauthenticated):
-        await world.service.get_workspace(None, str(workspace.id))
+        await workspaces.get_workspace(world.deps, None, str(workspace.id))
 
 
 async def test_list_workspaces_member_sees_its_own_and_service_pages_through_all(world: World) -> None:
     made = [await world.workspace(f"ws-{i}") for i in range(5)]
-    page = await world.service.list_workspaces(me(made[2][1]), page_size=0, page_token="")
+    page = await workspaces.list_workspaces(world.deps, me(made[2][1]), page_size=0, page_token="")
     assert [w.id for w in page.items] == [made[2][0].id]
     assert page.next_token == ""
 
     seen: list[uuid.UUID] = []
     token = ""
     while True:
-        page = await world.service.list_workspaces(SERVICE, page_size=2, page_token=token)
+        page = await workspaces.list_workspaces(world.deps, SERVICE, page_size=2, page_token=token)
         assert len(page.items) <= 2
         seen += [w.id for w in page.items]
         token = page.next_token
@@ -165,44 +197,64 @@ async def test_list_workspaces_member_sees_its_own_and_service_pages_through_all
 
 async def test_create_and_get_member(world: World) -> None:
     workspace, alice = await world.workspace()
-    bot = await world.service.create_member(
-        me(alice), workspace_id="", kind=MemberKind.AGENT, display_name=" bot ", avatar="a", request_id=""
+    bot = await world.bus.handle(
+        CreateMember(
+            caller=me(alice),
+            workspace_id="",
+            kind=MemberKind.AGENT,
+            display_name=" bot ",
+            avatar="a",
+            request_id="",
+        )
     )
     assert bot.workspace_id == workspace.id
     assert bot.kind is MemberKind.AGENT
     assert bot.display_name == "bot"
-    assert await world.service.get_member(me(alice), str(bot.id)) == bot
+    assert await members.get_member(world.deps, me(alice), str(bot.id)) == bot
     # Naming its own workspace explicitly works too; a service must name one.
-    named = await world.service.create_member(
-        me(alice),
-        workspace_id=str(workspace.id),
-        kind=MemberKind.HUMAN,
-        display_name="carol",
-        avatar="",
-        request_id="",
-    )
-    assert named.workspace_id == workspace.id
-    by_service = await world.service.create_member(
-        SERVICE,
-        workspace_id=str(workspace.id),
-        kind=MemberKind.AGENT,
-        display_name="d",
-        avatar="",
-        request_id="",
-    )
-    assert (by_service.workspace_id, by_service.host) == (workspace.id, "runtime")
-    with pytest.raises(InvalidRequest):
-        await world.service.create_member(
-            SERVICE, workspace_id="", kind=MemberKind.AGENT, display_name="d", avatar="", request_id=""
-        )
-    with pytest.raises(NotAllowed, match="a service creates only agent members"):
-        await world.service.create_member(
-            SERVICE,
+    named = await world.bus.handle(
+        CreateMember(
+            caller=me(alice),
             workspace_id=str(workspace.id),
             kind=MemberKind.HUMAN,
+            display_name="carol",
+            avatar="",
+            request_id="",
+        )
+    )
+    assert named.workspace_id == workspace.id
+    by_service = await world.bus.handle(
+        CreateMember(
+            caller=SERVICE,
+            workspace_id=str(workspace.id),
+            kind=MemberKind.AGENT,
             display_name="d",
             avatar="",
             request_id="",
+        )
+    )
+    assert (by_service.workspace_id, by_service.host) == (workspace.id, "runtime")
+    with pytest.raises(InvalidRequest):
+        await world.bus.handle(
+            CreateMember(
+                caller=SERVICE,
+                workspace_id="",
+                kind=MemberKind.AGENT,
+                display_name="d",
+                avatar="",
+                request_id="",
+            )
+        )
+    with pytest.raises(NotAllowed, match="a service creates only agent members"):
+        await world.bus.handle(
+            CreateMember(
+                caller=SERVICE,
+                workspace_id=str(workspace.id),
+                kind=MemberKind.HUMAN,
+                display_name="d",
+                avatar="",
+                request_id="",
+            )
         )
 
 
@@ -210,35 +262,43 @@ async def test_create_member_refuses_other_workspaces_and_missing_identity(world
     _, alice = await world.workspace()
     other, _ = await world.workspace("other")
     with pytest.raises(NotFound):
-        await world.service.create_member(
-            me(alice),
-            workspace_id=str(other.id),
-            kind=MemberKind.HUMAN,
-            display_name="x",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=me(alice),
+                workspace_id=str(other.id),
+                kind=MemberKind.HUMAN,
+                display_name="x",
+                avatar="",
+                request_id="",
+            )
         )
     with pytest.raises(Unauthenticated):
-        await world.service.create_member(
-            None,
-            workspace_id=str(other.id),
-            kind=MemberKind.HUMAN,
-            display_name="x",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=None,
+                workspace_id=str(other.id),
+                kind=MemberKind.HUMAN,
+                display_name="x",
+                avatar="",
+                request_id="",
+            )
         )
     with pytest.raises(Unauthenticated):
-        await world.service.create_member(
-            caller_of(uuid.uuid4(), alice.workspace_id),  # a token for no member
-            workspace_id="",
-            kind=MemberKind.HUMAN,
-            display_name="x",
-            avatar="",
-            request_id="",
+        await world.bus.handle(
+            CreateMember(
+                caller=caller_of(uuid.uuid4(), alice.workspace_id),
+                workspace_id="",
+                kind=MemberKind.HUMAN,
+                display_name="x",
+                avatar="",
+                request_id="",
+            )
         )
     with pytest.raises(InvalidRequest):
-        await world.service.create_member(
-            me(alice), workspace_id="", kind=None, display_name="x", avatar="", request_id=""
+        await world.bus.handle(
+            CreateMember(
+                caller=me(alice), workspace_id="", kind=None, display_name="x", avatar="", request_id=""
+            )
         )
     assert {m.workspace_id for m in world.store.state.members.values()} == {alice.workspace_id, other.id}
     assert len(world.store.state.members) == 2
@@ -249,8 +309,15 @@ async def test_create_member_is_idempotent_per_request_id(world: World) -> None:
     rid = unique("rid")
 
     async def create(name: str) -> Member:
-        return await world.service.create_member(
-            me(alice), workspace_id="", kind=MemberKind.AGENT, display_name=name, avatar="", request_id=rid
+        return await world.bus.handle(
+            CreateMember(
+                caller=me(alice),
+                workspace_id="",
+                kind=MemberKind.AGENT,
+                display_name=name,
+                avatar="",
+                request_id=rid,
+            )
         )
 
     first = await create("bot")
@@ -264,12 +331,12 @@ async def test_get_member_of_another_workspace_is_not_found(world: World) -> Non
     _, alice = await world.workspace()
     _, zed = await world.workspace("other")
     with pytest.raises(NotFound):
-        await world.service.get_member(me(alice), str(zed.id))
+        await members.get_member(world.deps, me(alice), str(zed.id))
     with pytest.raises(NotFound):
-        await world.service.get_member(me(alice), str(uuid.uuid4()))
+        await members.get_member(world.deps, me(alice), str(uuid.uuid4()))
     with pytest.raises(Unauthenticated):
-        await world.service.get_member(None, str(alice.id))
-    assert await world.service.get_member(SERVICE, str(zed.id)) == zed
+        await members.get_member(world.deps, None, str(alice.id))
+    assert await members.get_member(world.deps, SERVICE, str(zed.id)) == zed
 
 
 async def test_list_members_pages_cover_every_member_once_in_id_order(world: World) -> None:
@@ -279,8 +346,8 @@ async def test_list_members_pages_cover_every_member_once_in_id_order(world: Wor
     token = ""
     pages = 0
     while True:
-        page = await world.service.list_members(
-            me(everyone[0]), workspace_id="", page_size=3, page_token=token
+        page = await members.list_members(
+            world.deps, me(everyone[0]), workspace_id="", page_size=3, page_token=token
         )
         pages += 1
         seen += [m.id for m in page.items]
@@ -290,65 +357,107 @@ async def test_list_members_pages_cover_every_member_once_in_id_order(world: Wor
     assert seen == sorted(m.id for m in everyone)
     assert pages == 3
     with pytest.raises(InvalidRequest):
-        await world.service.list_members(me(everyone[0]), workspace_id="", page_size=3, page_token="garbage")
+        await members.list_members(
+            world.deps, me(everyone[0]), workspace_id="", page_size=3, page_token="garbage"
+        )
 
 
 async def test_update_member_only_self(world: World) -> None:
     alice, bob = await people(world, 2)
     _, zed = await world.workspace("other")
-    updated = await world.service.update_member(
-        me(alice), member_id=str(alice.id), display_name=" Alice ", avatar="ignored", fields=["display_name"]
+    updated = await world.bus.handle(
+        UpdateMember(
+            caller=me(alice),
+            member_id=str(alice.id),
+            display_name=" Alice ",
+            avatar="ignored",
+            fields=["display_name"],
+        )
     )
     assert updated.display_name == "Alice"
     assert updated.avatar == alice.avatar
-    assert await world.service.get_member(me(bob), str(alice.id)) == updated
+    assert await members.get_member(world.deps, me(bob), str(alice.id)) == updated
 
-    updated = await world.service.update_member(
-        me(alice), member_id=str(alice.id), display_name="", avatar="pic", fields=["avatar"]
+    updated = await world.bus.handle(
+        UpdateMember(
+            caller=me(alice), member_id=str(alice.id), display_name="", avatar="pic", fields=["avatar"]
+        )
     )
     assert (updated.display_name, updated.avatar) == ("Alice", "pic")
 
     with pytest.raises(NotAllowed):
-        await world.service.update_member(
-            me(bob), member_id=str(alice.id), display_name="mallory", avatar="", fields=["display_name"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(bob),
+                member_id=str(alice.id),
+                display_name="mallory",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     with pytest.raises(NotFound):
-        await world.service.update_member(
-            me(zed), member_id=str(alice.id), display_name="mallory", avatar="", fields=["display_name"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(zed),
+                member_id=str(alice.id),
+                display_name="mallory",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     with pytest.raises(Unauthenticated):
-        await world.service.update_member(
-            None, member_id=str(alice.id), display_name="mallory", avatar="", fields=["display_name"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=None,
+                member_id=str(alice.id),
+                display_name="mallory",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     with pytest.raises(InvalidRequest):
-        await world.service.update_member(
-            me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=["kind"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=["kind"]
+            )
         )
     with pytest.raises(InvalidRequest):
-        await world.service.update_member(
-            me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=[]
+        await world.bus.handle(
+            UpdateMember(caller=me(alice), member_id=str(alice.id), display_name="x", avatar="", fields=[])
         )
     with pytest.raises(InvalidRequest):
-        await world.service.update_member(
-            me(alice), member_id=str(alice.id), display_name=" ", avatar="", fields=["display_name"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=me(alice),
+                member_id=str(alice.id),
+                display_name=" ",
+                avatar="",
+                fields=["display_name"],
+            )
         )
     assert world.store.state.members[alice.id] == updated
     # A service may update the agents it hosts, and no one else.
-    hosted = await world.service.create_member(
-        SERVICE,
-        workspace_id=str(alice.workspace_id),
-        kind=MemberKind.AGENT,
-        display_name="bot",
-        avatar="",
-        request_id="",
+    hosted = await world.bus.handle(
+        CreateMember(
+            caller=SERVICE,
+            workspace_id=str(alice.workspace_id),
+            kind=MemberKind.AGENT,
+            display_name="bot",
+            avatar="",
+            request_id="",
+        )
     )
-    renamed = await world.service.update_member(
-        SERVICE, member_id=str(hosted.id), display_name="Bot", avatar="", fields=["display_name"]
+    renamed = await world.bus.handle(
+        UpdateMember(
+            caller=SERVICE, member_id=str(hosted.id), display_name="Bot", avatar="", fields=["display_name"]
+        )
     )
     assert world.store.state.members[hosted.id] == renamed
     with pytest.raises(NotAllowed):
-        await world.service.update_member(
-            SERVICE, member_id=str(bob.id), display_name="Bob", avatar="", fields=["display_name"]
+        await world.bus.handle(
+            UpdateMember(
+                caller=SERVICE, member_id=str(bob.id), display_name="Bob", avatar="", fields=["display_name"]
+            )
         )
 
 
@@ -357,15 +466,20 @@ async def test_update_member_only_self(world: World) -> None:
 
 async def test_create_group_includes_the_caller_and_records_the_event(world: World) -> None:
     alice, bob, carol = await people(world, 3)
-    group = await world.service.create_group(
-        me(alice), name=" team ", member_ids=[str(bob.id), str(carol.id), str(bob.id)], request_id=""
+    group = await world.bus.handle(
+        CreateGroup(
+            caller=me(alice),
+            name=" team ",
+            member_ids=[str(bob.id), str(carol.id), str(bob.id)],
+            request_id="",
+        )
     )
     assert group.name == "team"
     assert group.kind is GroupKind.GROUP
     assert group.creator_id == alice.id
     assert set(group.member_ids) == {alice.id, bob.id, carol.id}
     assert len(group.member_ids) == 3
-    stored = await world.service.get_group(me(carol), str(group.id))
+    stored = await groups.get_group(world.deps, me(carol), str(group.id))
     assert set(stored.member_ids) == set(group.member_ids)
 
     events = world.store.events_of(alice.workspace_id)
@@ -379,7 +493,7 @@ async def test_create_group_includes_the_caller_and_records_the_event(world: Wor
 
 async def test_create_group_with_only_the_caller(world: World) -> None:
     (alice,) = await people(world, 1)
-    group = await world.service.create_group(me(alice), name="notes", member_ids=[], request_id="")
+    group = await world.bus.handle(CreateGroup(caller=me(alice), name="notes", member_ids=[], request_id=""))
     assert group.member_ids == (alice.id,)
 
 
@@ -388,15 +502,17 @@ async def test_create_group_refuses_unknown_and_foreign_members(world: World) ->
     _, zed = await world.workspace("other")
     for stranger in (uuid.uuid4(), zed.id):
         with pytest.raises(NotFound):
-            await world.service.create_group(
-                me(alice), name="t", member_ids=[str(bob.id), str(stranger)], request_id=""
+            await world.bus.handle(
+                CreateGroup(
+                    caller=me(alice), name="t", member_ids=[str(bob.id), str(stranger)], request_id=""
+                )
             )
     with pytest.raises(InvalidRequest):
-        await world.service.create_group(me(alice), name="t", member_ids=["nope"], request_id="")
+        await world.bus.handle(CreateGroup(caller=me(alice), name="t", member_ids=["nope"], request_id=""))
     with pytest.raises(InvalidRequest):
-        await world.service.create_group(me(alice), name="", member_ids=[], request_id="")
+        await world.bus.handle(CreateGroup(caller=me(alice), name="", member_ids=[], request_id=""))
     with pytest.raises(Unauthenticated):
-        await world.service.create_group(None, name="t", member_ids=[], request_id="")
+        await world.bus.handle(CreateGroup(caller=None, name="t", member_ids=[], request_id=""))
     assert world.store.state.groups == {}
     assert world.store.state.memberships == {}
     assert world.store.events_of(alice.workspace_id) == []
@@ -410,21 +526,31 @@ async def test_group_size_limit_on_create_and_add() -> None:
         await world.group(alice, bob, carol, dave)
     group = await world.group(alice, bob, carol)
     with pytest.raises(LimitExceeded):
-        await world.service.add_group_members(me(alice), group_id=str(group.id), member_ids=[str(dave.id)])
-    assert len((await world.service.get_group(me(alice), str(group.id))).member_ids) == 3
+        await world.bus.handle(
+            AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(dave.id)])
+        )
+    assert len((await groups.get_group(world.deps, me(alice), str(group.id))).member_ids) == 3
 
 
 async def test_create_group_is_idempotent_per_request_id(world: World) -> None:
     alice, bob, carol = await people(world, 3)
     rid = unique("rid")
-    first = await world.service.create_group(me(alice), name="t", member_ids=[str(bob.id)], request_id=rid)
-    again = await world.service.create_group(me(alice), name="t", member_ids=[str(bob.id)], request_id=rid)
+    first = await world.bus.handle(
+        CreateGroup(caller=me(alice), name="t", member_ids=[str(bob.id)], request_id=rid)
+    )
+    again = await world.bus.handle(
+        CreateGroup(caller=me(alice), name="t", member_ids=[str(bob.id)], request_id=rid)
+    )
     assert again.id == first.id
     assert len(world.store.state.groups) == 1
     with pytest.raises(RequestIdReused):
-        await world.service.create_group(me(alice), name="t", member_ids=[str(carol.id)], request_id=rid)
+        await world.bus.handle(
+            CreateGroup(caller=me(alice), name="t", member_ids=[str(carol.id)], request_id=rid)
+        )
     # request_ids are per caller: bob may use the same one.
-    bobs = await world.service.create_group(me(bob), name="t", member_ids=[str(alice.id)], request_id=rid)
+    bobs = await world.bus.handle(
+        CreateGroup(caller=me(bob), name="t", member_ids=[str(alice.id)], request_id=rid)
+    )
     assert bobs.id != first.id
     assert len(world.store.events_of(alice.workspace_id)) == 2
 
@@ -433,24 +559,34 @@ async def test_rename_group(world: World) -> None:
     alice, bob, outsider = await people(world, 3)
     _, zed = await world.workspace("other")
     group = await world.group(alice, bob)
-    renamed = await world.service.rename_group(me(bob), group_id=str(group.id), name=" new ", fields=["name"])
+    renamed = await world.bus.handle(
+        RenameGroup(caller=me(bob), group_id=str(group.id), name=" new ", fields=["name"])
+    )
     assert renamed.name == "new"
-    assert (await world.service.get_group(me(alice), str(group.id))).name == "new"
+    assert (await groups.get_group(world.deps, me(alice), str(group.id))).name == "new"
     last = world.store.events_of(alice.workspace_id)[-1].event
     assert isinstance(last, GroupChanged)
     assert last.group.name == "new"
     assert (last.added_member_ids, last.removed_member_ids) == ((), ())
 
     with pytest.raises(NotAMember):
-        await world.service.rename_group(me(outsider), group_id=str(group.id), name="x", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(outsider), group_id=str(group.id), name="x", fields=["name"])
+        )
     with pytest.raises(NotFound):
-        await world.service.rename_group(me(zed), group_id=str(group.id), name="x", fields=["name"])
+        await world.bus.handle(RenameGroup(caller=me(zed), group_id=str(group.id), name="x", fields=["name"]))
     with pytest.raises(NotFound):
-        await world.service.rename_group(me(alice), group_id=str(uuid.uuid4()), name="x", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(uuid.uuid4()), name="x", fields=["name"])
+        )
     with pytest.raises(InvalidRequest):
-        await world.service.rename_group(me(alice), group_id=str(group.id), name="x", fields=["kind"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="x", fields=["kind"])
+        )
     with pytest.raises(InvalidRequest):
-        await world.service.rename_group(me(alice), group_id=str(group.id), name="", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="", fields=["name"])
+        )
     assert world.store.state.groups[group.id].name == "new"
 
 
@@ -458,16 +594,20 @@ async def test_add_and_remove_group_members(world: World) -> None:
     alice, bob, carol, dave = await people(world, 4)
     group = await world.group(alice, bob)
 
-    grown = await world.service.add_group_members(
-        me(bob), group_id=str(group.id), member_ids=[str(carol.id), str(dave.id), str(alice.id)]
+    grown = await world.bus.handle(
+        AddGroupMembers(
+            caller=me(bob), group_id=str(group.id), member_ids=[str(carol.id), str(dave.id), str(alice.id)]
+        )
     )
     assert set(grown.member_ids) == {alice.id, bob.id, carol.id, dave.id}
     added = world.store.events_of(alice.workspace_id)[-1].event
     assert isinstance(added, GroupChanged)
     assert set(added.added_member_ids) == {carol.id, dave.id}
 
-    shrunk = await world.service.remove_group_members(
-        me(alice), group_id=str(group.id), member_ids=[str(dave.id), str(uuid.uuid4())]
+    shrunk = await world.bus.handle(
+        RemoveGroupMembers(
+            caller=me(alice), group_id=str(group.id), member_ids=[str(dave.id), str(uuid.uuid4())]
+        )
     )
     assert set(shrunk.member_ids) == {alice.id, bob.id, carol.id}
     removed = world.store.events_of(alice.workspace_id)[-1].event
@@ -477,20 +617,28 @@ async def test_add_and_remove_group_members(world: World) -> None:
 
     # Nothing to change: no event.
     events = len(world.store.events_of(alice.workspace_id))
-    await world.service.add_group_members(me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
-    await world.service.remove_group_members(me(alice), group_id=str(group.id), member_ids=[str(dave.id)])
+    await world.bus.handle(
+        AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    )
+    await world.bus.handle(
+        RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(dave.id)])
+    )
     assert len(world.store.events_of(alice.workspace_id)) == events
 
     # The removed member no longer sees the group.
     with pytest.raises(NotAMember):
-        await world.service.get_group(me(dave), str(group.id))
+        await groups.get_group(world.deps, me(dave), str(group.id))
     with pytest.raises(NotAMember):
         await world.send(dave, group)
     with pytest.raises(NotAMember):
-        await world.service.add_group_members(me(dave), group_id=str(group.id), member_ids=[str(dave.id)])
+        await world.bus.handle(
+            AddGroupMembers(caller=me(dave), group_id=str(group.id), member_ids=[str(dave.id)])
+        )
     assert group.id not in {
         g.id
-        for g in (await world.service.list_groups(me(dave), member_id="", page_size=0, page_token="")).items
+        for g in (
+            await groups.list_groups(world.deps, me(dave), member_id="", page_size=0, page_token="")
+        ).items
     }
 
 
@@ -500,13 +648,13 @@ async def test_add_group_members_refuses_unknown_and_empty(world: World) -> None
     group = await world.group(alice, bob)
     for stranger in (uuid.uuid4(), zed.id):
         with pytest.raises(NotFound):
-            await world.service.add_group_members(
-                me(alice), group_id=str(group.id), member_ids=[str(stranger)]
+            await world.bus.handle(
+                AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(stranger)])
             )
     with pytest.raises(InvalidRequest):
-        await world.service.add_group_members(me(alice), group_id=str(group.id), member_ids=[])
+        await world.bus.handle(AddGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[]))
     with pytest.raises(InvalidRequest):
-        await world.service.remove_group_members(me(alice), group_id=str(group.id), member_ids=[])
+        await world.bus.handle(RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[]))
     assert set(world.store.state.memberships[group.id]) == {alice.id, bob.id}
 
 
@@ -514,9 +662,10 @@ async def test_non_member_cannot_see_a_group(world: World) -> None:
     alice, bob, outsider = await people(world, 3)
     group = await world.group(alice, bob)
     with pytest.raises(NotAMember):
-        await world.service.get_group(me(outsider), str(group.id))
+        await groups.get_group(world.deps, me(outsider), str(group.id))
     with pytest.raises(NotAMember):
-        await world.service.list_messages(
+        await messages.list_messages(
+            world.deps,
             me(outsider),
             group_id=str(group.id),
             page_size=0,
@@ -528,23 +677,25 @@ async def test_non_member_cannot_see_a_group(world: World) -> None:
 
 async def test_list_groups(world: World) -> None:
     alice, bob = await people(world, 2)
-    groups = [await world.group(alice, bob, name=f"g{i}") for i in range(5)]
+    teams = [await world.group(alice, bob, name=f"g{i}") for i in range(5)]
     mine = await world.group(alice, name="mine")
     seen: list[uuid.UUID] = []
     token = ""
     while True:
-        page = await world.service.list_groups(me(bob), member_id="", page_size=2, page_token=token)
+        page = await groups.list_groups(world.deps, me(bob), member_id="", page_size=2, page_token=token)
         seen += [g.id for g in page.items]
         token = page.next_token
         if not token:
             break
-    assert seen == sorted(g.id for g in groups)
+    assert seen == sorted(g.id for g in teams)
     with pytest.raises(NotAllowed):
-        await world.service.list_groups(me(bob), member_id=str(alice.id), page_size=0, page_token="")
-    as_service = await world.service.list_groups(SERVICE, member_id=str(alice.id), page_size=0, page_token="")
-    assert [g.id for g in as_service.items] == sorted([*(g.id for g in groups), mine.id])
+        await groups.list_groups(world.deps, me(bob), member_id=str(alice.id), page_size=0, page_token="")
+    as_service = await groups.list_groups(
+        world.deps, SERVICE, member_id=str(alice.id), page_size=0, page_token=""
+    )
+    assert [g.id for g in as_service.items] == sorted([*(g.id for g in teams), mine.id])
     with pytest.raises(InvalidRequest):
-        await world.service.list_groups(SERVICE, member_id="", page_size=0, page_token="")
+        await groups.list_groups(world.deps, SERVICE, member_id="", page_size=0, page_token="")
 
 
 # -- direct groups --------------------------------------------------------------
@@ -552,15 +703,23 @@ async def test_list_groups(world: World) -> None:
 
 async def test_direct_group_is_one_per_pair_from_either_side(world: World) -> None:
     alice, bob, carol = await people(world, 3)
-    direct, created = await world.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id))
+    direct, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))
+    )
     assert created
     assert direct.kind is GroupKind.DIRECT
     assert set(direct.member_ids) == {alice.id, bob.id}
-    again, created = await world.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id))
+    again, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))
+    )
     assert (again.id, created) == (direct.id, False)
-    theirs, created = await world.service.get_or_create_direct_group(me(bob), peer_member_id=str(alice.id))
+    theirs, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(bob), peer_member_id=str(alice.id))
+    )
     assert (theirs.id, created) == (direct.id, False)
-    other, created = await world.service.get_or_create_direct_group(me(carol), peer_member_id=str(alice.id))
+    other, created = await world.bus.handle(
+        GetOrCreateDirectGroup(caller=me(carol), peer_member_id=str(alice.id))
+    )
     assert created
     assert other.id != direct.id
     assert len(world.store.events_of(alice.workspace_id)) == 2
@@ -570,11 +729,11 @@ async def test_direct_group_refuses_self_and_strangers(world: World) -> None:
     (alice,) = await people(world, 1)
     _, zed = await world.workspace("other")
     with pytest.raises(InvalidRequest):
-        await world.service.get_or_create_direct_group(me(alice), peer_member_id=str(alice.id))
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(alice.id)))
     with pytest.raises(NotFound):
-        await world.service.get_or_create_direct_group(me(alice), peer_member_id=str(zed.id))
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(zed.id)))
     with pytest.raises(NotFound):
-        await world.service.get_or_create_direct_group(me(alice), peer_member_id=str(uuid.uuid4()))
+        await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(uuid.uuid4())))
     assert world.store.state.groups == {}
 
 
@@ -582,9 +741,9 @@ async def test_concurrent_direct_group_from_both_sides_makes_one_group() -> None
     world = World.make(yield_on_call=True)
     alice, bob = await people(world, 2)
     results = await asyncio.gather(
-        world.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id)),
-        world.service.get_or_create_direct_group(me(bob), peer_member_id=str(alice.id)),
-        world.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id)),
+        world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))),
+        world.bus.handle(GetOrCreateDirectGroup(caller=me(bob), peer_member_id=str(alice.id))),
+        world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id))),
     )
     assert len({group.id for group, _ in results}) == 1
     assert sorted(created for _, created in results) == [False, False, True]
@@ -594,16 +753,24 @@ async def test_concurrent_direct_group_from_both_sides_makes_one_group() -> None
 
 async def test_direct_group_cannot_be_renamed_or_changed(world: World) -> None:
     alice, bob, carol = await people(world, 3)
-    direct, _ = await world.service.get_or_create_direct_group(me(alice), peer_member_id=str(bob.id))
+    direct, _ = await world.bus.handle(GetOrCreateDirectGroup(caller=me(alice), peer_member_id=str(bob.id)))
     with pytest.raises(WrongState):
-        await world.service.rename_group(me(alice), group_id=str(direct.id), name="x", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(direct.id), name="x", fields=["name"])
+        )
     with pytest.raises(WrongState):
-        await world.service.add_group_members(me(alice), group_id=str(direct.id), member_ids=[str(carol.id)])
+        await world.bus.handle(
+            AddGroupMembers(caller=me(alice), group_id=str(direct.id), member_ids=[str(carol.id)])
+        )
     with pytest.raises(WrongState):
-        await world.service.remove_group_members(me(alice), group_id=str(direct.id), member_ids=[str(bob.id)])
+        await world.bus.handle(
+            RemoveGroupMembers(caller=me(alice), group_id=str(direct.id), member_ids=[str(bob.id)])
+        )
     with pytest.raises(NotAMember):
-        await world.service.rename_group(me(carol), group_id=str(direct.id), name="x", fields=["name"])
-    assert set((await world.service.get_group(me(bob), str(direct.id))).member_ids) == {alice.id, bob.id}
+        await world.bus.handle(
+            RenameGroup(caller=me(carol), group_id=str(direct.id), name="x", fields=["name"])
+        )
+    assert set((await groups.get_group(world.deps, me(bob), str(direct.id))).member_ids) == {alice.id, bob.id}
     assert len(world.store.events_of(alice.workspace_id)) == 1
 
 
@@ -637,7 +804,7 @@ async def test_send_message_stores_it_and_signals_only_after_commit(world: World
     assert message.content_type is ContentType.CODE
     assert message.metadata == {"k": [1, 2]}
     assert world.store.state.messages[message.id] == message
-    assert await world.service.get_message(me(bob), str(message.id)) == message
+    assert await messages.get_message(world.deps, me(bob), str(message.id)) == message
 
     events = world.store.events_of(alice.workspace_id)
     assert events[-1].sequence == 2
@@ -666,15 +833,17 @@ async def test_send_message_refuses_non_members(world: World) -> None:
     with pytest.raises(NotFound):
         await world.send(zed, group)
     with pytest.raises(Unauthenticated):
-        await world.service.send_message(
-            None,
-            group_id=str(group.id),
-            content_type=None,
-            content="x",
-            mentions=[],
-            reply_to_message_id="",
-            metadata={},
-            request_id="",
+        await world.bus.handle(
+            SendMessage(
+                caller=None,
+                group_id=str(group.id),
+                content_type=None,
+                content="x",
+                mentions=[],
+                reply_to_message_id="",
+                metadata={},
+                request_id="",
+            )
         )
     assert world.store.state.messages == {}
     assert len(world.signal.published) == 1  # the group's creation only
@@ -701,15 +870,17 @@ async def test_reply_to_must_be_a_message_of_the_group(world: World) -> None:
     with pytest.raises(InvalidRequest):
         await world.send(alice, group, "answer", reply_to=foreign)
     with pytest.raises(InvalidRequest):
-        await world.service.send_message(
-            me(alice),
-            group_id=str(group.id),
-            content_type=None,
-            content="x",
-            mentions=[],
-            reply_to_message_id=str(uuid.uuid4()),
-            metadata={},
-            request_id="",
+        await world.bus.handle(
+            SendMessage(
+                caller=me(alice),
+                group_id=str(group.id),
+                content_type=None,
+                content="x",
+                mentions=[],
+                reply_to_message_id=str(uuid.uuid4()),
+                metadata={},
+                request_id="",
+            )
         )
     assert len(world.store.state.messages) == 3
 
@@ -835,7 +1006,9 @@ async def test_a_failure_mid_transaction_leaves_no_partial_state(world: World) -
     with pytest.raises(RuntimeError):
         await world.group(alice, bob, name="lost too")
     with pytest.raises(RuntimeError):
-        await world.service.rename_group(me(alice), group_id=str(group.id), name="lost", fields=["name"])
+        await world.bus.handle(
+            RenameGroup(caller=me(alice), group_id=str(group.id), name="lost", fields=["name"])
+        )
     assert world.store.state is before
     assert world.store.state.messages == {}
     assert len(world.store.state.groups) == 1
@@ -851,14 +1024,18 @@ async def test_a_failure_mid_transaction_leaves_no_partial_state(world: World) -
 async def test_a_failure_after_the_insert_leaves_no_request_id_behind(world: World) -> None:
     world.store.hooks["remember_request"] = failing(RuntimeError("boom"))
     with pytest.raises(RuntimeError):
-        await world.service.create_workspace(
-            name="acme", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r1"
+        await world.bus.handle(
+            CreateWorkspace(
+                name="acme", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r1"
+            )
         )
     assert world.store.state.workspaces == {}
     assert world.store.state.members == {}
     del world.store.hooks["remember_request"]
-    workspace, _ = await world.service.create_workspace(
-        name="acme", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r1"
+    workspace, _, _ = await world.bus.handle(
+        CreateWorkspace(
+            name="acme", creator_display_name="a", creator_kind=None, creator_avatar="", request_id="r1"
+        )
     )
     assert list(world.store.state.workspaces) == [workspace.id]
 
@@ -871,12 +1048,14 @@ async def test_edit_message_by_the_sender(world: World) -> None:
     group = await world.group(alice, bob)
     message = await world.send(alice, group, "draft")
     world.clock.set(world.clock.now + timedelta(hours=1))
-    edited = await world.service.edit_message(me(alice), message_id=str(message.id), content="final")
+    edited = await world.bus.handle(
+        EditMessage(caller=me(alice), message_id=str(message.id), content="final")
+    )
     assert edited.content == "final"
     assert edited.edited_at is not None
     assert edited.edited_at > message.sent_at
     assert edited.sent_at == message.sent_at
-    assert await world.service.get_message(me(bob), str(message.id)) == edited
+    assert await messages.get_message(world.deps, me(bob), str(message.id)) == edited
     last = world.store.events_of(alice.workspace_id)[-1].event
     assert isinstance(last, MessageEdited)
     assert last.message.content == "final"
@@ -887,13 +1066,13 @@ async def test_edit_message_refusals(world: World) -> None:
     group = await world.group(alice, bob)
     message = await world.send(alice, group, "draft")
     with pytest.raises(NotAllowed):
-        await world.service.edit_message(me(bob), message_id=str(message.id), content="hijack")
+        await world.bus.handle(EditMessage(caller=me(bob), message_id=str(message.id), content="hijack"))
     with pytest.raises(NotAMember):
-        await world.service.edit_message(me(outsider), message_id=str(message.id), content="hijack")
+        await world.bus.handle(EditMessage(caller=me(outsider), message_id=str(message.id), content="hijack"))
     with pytest.raises(NotFound):
-        await world.service.edit_message(me(alice), message_id=str(uuid.uuid4()), content="x")
+        await world.bus.handle(EditMessage(caller=me(alice), message_id=str(uuid.uuid4()), content="x"))
     with pytest.raises(InvalidRequest):
-        await world.service.edit_message(me(alice), message_id=str(message.id), content=" ")
+        await world.bus.handle(EditMessage(caller=me(alice), message_id=str(message.id), content=" "))
     assert world.store.state.messages[message.id] == message
 
 
@@ -905,7 +1084,8 @@ async def history(world: World, reader: Member, group_id: uuid.UUID, **start: st
     pages: list[list[Message]] = []
     token = ""
     while True:
-        page = await world.service.list_messages(
+        page = await messages.list_messages(
+            world.deps,
             me(reader),
             group_id=str(group_id),
             page_size=4,
@@ -963,7 +1143,8 @@ async def test_list_messages_refuses_bad_cursors(world: World) -> None:
     other = await world.group(alice, bob, name="other")
     for _ in range(3):
         await world.send(alice, group)
-    page = await world.service.list_messages(
+    page = await messages.list_messages(
+        world.deps,
         me(alice),
         group_id=str(group.id),
         page_size=1,
@@ -976,7 +1157,8 @@ async def test_list_messages_refuses_bad_cursors(world: World) -> None:
     async def listing(
         group_id: uuid.UUID, *, token: str = "", before: str = "", after: str = "", page_size: int = 1
     ) -> None:
-        await world.service.list_messages(
+        await messages.list_messages(
+            world.deps,
             me(alice),
             group_id=str(group_id),
             page_size=page_size,
@@ -1006,7 +1188,7 @@ async def test_list_messages_refuses_bad_cursors(world: World) -> None:
 
 
 async def unread_of(world: World, member: Member) -> dict[uuid.UUID, int]:
-    page = await world.service.list_chats(me(member), page_size=0, page_token="")
+    page = await read_state.list_chats(world.deps, me(member), page_size=0, page_token="")
     return {chat.group.id: chat.unread_count for chat in page.items}
 
 
@@ -1020,7 +1202,9 @@ async def test_mark_read_moves_forward_only_and_ignores_own_messages(world: Worl
     assert (await unread_of(world, alice))[group.id] == 3
     assert (await unread_of(world, bob))[group.id] == 1
 
-    state = await world.service.mark_read(me(alice), group_id=str(group.id), up_to_message_id=str(second.id))
+    state = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(second.id))
+    )
     assert (state.last_read_message_id, state.unread_count) == (second.id, 1)
     assert world.store.state.memberships[group.id][alice.id].last_read_message_id == second.id
     read_event = world.store.events_of(alice.workspace_id)[-1].event
@@ -1028,16 +1212,20 @@ async def test_mark_read_moves_forward_only_and_ignores_own_messages(world: Worl
     assert read_event.read_state == state
 
     events = len(world.store.events_of(alice.workspace_id))
-    backwards = await world.service.mark_read(
-        me(alice), group_id=str(group.id), up_to_message_id=str(first.id)
+    backwards = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(first.id))
     )
     assert (backwards.last_read_message_id, backwards.unread_count) == (second.id, 1)
     assert len(world.store.events_of(alice.workspace_id)) == events
-    same = await world.service.mark_read(me(alice), group_id=str(group.id), up_to_message_id=str(second.id))
+    same = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(second.id))
+    )
     assert same == state
     assert len(world.store.events_of(alice.workspace_id)) == events
 
-    done = await world.service.mark_read(me(alice), group_id=str(group.id), up_to_message_id=str(third.id))
+    done = await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(third.id))
+    )
     assert done.unread_count == 0
     assert (await unread_of(world, alice))[group.id] == 0
     # Bob's position is his own.
@@ -1051,11 +1239,17 @@ async def test_mark_read_refusals(world: World) -> None:
     message = await world.send(bob, group)
     elsewhere = await world.send(alice, other)
     with pytest.raises(InvalidRequest):
-        await world.service.mark_read(me(alice), group_id=str(group.id), up_to_message_id=str(elsewhere.id))
+        await world.bus.handle(
+            MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(elsewhere.id))
+        )
     with pytest.raises(InvalidRequest):
-        await world.service.mark_read(me(alice), group_id=str(group.id), up_to_message_id=str(uuid.uuid4()))
+        await world.bus.handle(
+            MarkRead(caller=me(alice), group_id=str(group.id), up_to_message_id=str(uuid.uuid4()))
+        )
     with pytest.raises(NotAMember):
-        await world.service.mark_read(me(outsider), group_id=str(group.id), up_to_message_id=str(message.id))
+        await world.bus.handle(
+            MarkRead(caller=me(outsider), group_id=str(group.id), up_to_message_id=str(message.id))
+        )
     assert world.store.state.memberships[group.id][alice.id].last_read_message_id == NIL_ID
 
 
@@ -1072,33 +1266,37 @@ async def test_get_all_unread_oldest_first_across_groups() -> None:
         expected.append(await world.send(carol, two, f"two-{i}"))
         await world.send(bob, unrelated, "not for alice")
 
-    messages, remaining = await world.service.get_all_unread(me(alice), page_size=2)
+    messages, remaining = await read_state.get_all_unread(world.deps, me(alice), page_size=2)
     assert [m.id for m in messages] == [m.id for m in expected[:2]]
     assert remaining == 4
-    messages, remaining = await world.service.get_all_unread(me(alice), page_size=0)
+    messages, remaining = await read_state.get_all_unread(world.deps, me(alice), page_size=0)
     assert [m.id for m in messages] == [m.id for m in expected[:4]]  # capped
     assert remaining == 2
-    messages, remaining = await world.service.get_all_unread(me(alice), page_size=1000)
+    messages, remaining = await read_state.get_all_unread(world.deps, me(alice), page_size=1000)
     assert len(messages) == 4
     assert remaining == 2
 
-    await world.service.mark_read(me(alice), group_id=str(one.id), up_to_message_id=str(expected[4].id))
-    messages, remaining = await world.service.get_all_unread(me(alice), page_size=0)
+    await world.bus.handle(
+        MarkRead(caller=me(alice), group_id=str(one.id), up_to_message_id=str(expected[4].id))
+    )
+    messages, remaining = await read_state.get_all_unread(world.deps, me(alice), page_size=0)
     assert [m.id for m in messages] == [expected[1].id, expected[3].id, expected[5].id]
     assert remaining == 0
     with pytest.raises(InvalidRequest):
-        await world.service.get_all_unread(me(alice), page_size=-1)
+        await read_state.get_all_unread(world.deps, me(alice), page_size=-1)
     with pytest.raises(Unauthenticated):
-        await world.service.get_all_unread(None, page_size=0)
+        await read_state.get_all_unread(world.deps, None, page_size=0)
 
 
 async def test_get_all_unread_excludes_groups_left(world: World) -> None:
     alice, bob = await people(world, 2)
     group = await world.group(alice, bob)
     await world.send(alice, group, "for bob")
-    assert len((await world.service.get_all_unread(me(bob), page_size=0))[0]) == 1
-    await world.service.remove_group_members(me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
-    assert await world.service.get_all_unread(me(bob), page_size=0) == ([], 0)
+    assert len((await read_state.get_all_unread(world.deps, me(bob), page_size=0))[0]) == 1
+    await world.bus.handle(
+        RemoveGroupMembers(caller=me(alice), group_id=str(group.id), member_ids=[str(bob.id)])
+    )
+    assert await read_state.get_all_unread(world.deps, me(bob), page_size=0) == ([], 0)
 
 
 # -- chats ---------------------------------------------------------------------------------
@@ -1108,7 +1306,7 @@ async def test_list_chats_orders_by_latest_activity_with_unread_counts(world: Wo
     alice, bob = await people(world, 2)
     first = await world.group(alice, bob, name="first")
     second = await world.group(alice, bob, name="second")
-    direct, _ = await world.service.get_or_create_direct_group(me(bob), peer_member_id=str(alice.id))
+    direct, _ = await world.bus.handle(GetOrCreateDirectGroup(caller=me(bob), peer_member_id=str(alice.id)))
     quiet = await world.group(bob, name="bob only")
     world.clock.advance(timedelta(minutes=1))
     await world.send(bob, first, "wake up")
@@ -1116,7 +1314,7 @@ async def test_list_chats_orders_by_latest_activity_with_unread_counts(world: Wo
     world.clock.advance(timedelta(minutes=1))
     latest = await world.send(alice, second, "mine")
 
-    page = await world.service.list_chats(me(alice), page_size=0, page_token="")
+    page = await read_state.list_chats(world.deps, me(alice), page_size=0, page_token="")
     assert [c.group.id for c in page.items] == [second.id, first.id, direct.id]
     assert [c.unread_count for c in page.items] == [0, 2, 0]
     assert page.items[0].last_message == latest
@@ -1125,7 +1323,7 @@ async def test_list_chats_orders_by_latest_activity_with_unread_counts(world: Wo
     assert page.items[2].last_activity_at == direct.created_at
     assert page.next_token == ""
 
-    bobs = await world.service.list_chats(me(bob), page_size=0, page_token="")
+    bobs = await read_state.list_chats(world.deps, me(bob), page_size=0, page_token="")
     assert [c.group.id for c in bobs.items] == [second.id, first.id, quiet.id, direct.id]
     assert [c.unread_count for c in bobs.items] == [1, 0, 0, 0]
 
@@ -1140,7 +1338,7 @@ async def test_list_chats_pages_cover_every_chat_once_in_order() -> None:
     seen: list[uuid.UUID] = []
     token = ""
     while True:
-        page = await world.service.list_chats(me(alice), page_size=2, page_token=token)
+        page = await read_state.list_chats(world.deps, me(alice), page_size=2, page_token=token)
         assert len(page.items) <= 2
         seen += [c.group.id for c in page.items]
         token = page.next_token
@@ -1149,23 +1347,23 @@ async def test_list_chats_pages_cover_every_chat_once_in_order() -> None:
     rest = sorted((g.id for g in groups if g.id != groups[3].id), key=str, reverse=True)
     assert seen == [groups[3].id, *rest]
     with pytest.raises(InvalidRequest):
-        await world.service.list_chats(me(alice), page_size=2, page_token="garbage")
+        await read_state.list_chats(world.deps, me(alice), page_size=2, page_token="garbage")
 
 
 async def test_list_chats_with_no_groups(world: World) -> None:
     (alice,) = await people(world, 1)
-    page = await world.service.list_chats(me(alice), page_size=0, page_token="")
+    page = await read_state.list_chats(world.deps, me(alice), page_size=0, page_token="")
     assert (page.items, page.next_token) == ([], "")
 
 
 async def test_service_default_limits() -> None:
     world = World.make()
-    service = IMService(
+    deps = Deps(
         uow=world.store.transaction,
         messages=TransactionalMessageLog(world.store.transaction),
         signal=world.signal,
     )
-    assert service.limits == rules.Limits()
+    assert deps.limits == rules.Limits()
 
 
 async def test_a_valid_message_the_log_refuses_is_reported_as_a_conflict() -> None:
@@ -1174,21 +1372,26 @@ async def test_a_valid_message_the_log_refuses_is_reported_as_a_conflict() -> No
             return None  # as if the group changed between the append and the diagnosis
 
     world = World.make()
-    service = IMService(
+    deps = Deps(
         uow=world.store.transaction, messages=RefusingLog(world.store.transaction), signal=world.signal
     )
     _, alice = await world.workspace()
-    group = await service.create_group(me(alice), name="g", member_ids=[], request_id="")
+    group = await groups.create_group(
+        deps, CreateGroup(caller=me(alice), name="g", member_ids=[], request_id="")
+    )
     published = list(world.signal.published)
     with pytest.raises(Conflict):
-        await service.send_message(
-            me(alice),
-            group_id=str(group.id),
-            content_type=None,
-            content="hello",
-            mentions=[],
-            reply_to_message_id="",
-            metadata={},
-            request_id="",
+        await messages.send_message(
+            deps,
+            SendMessage(
+                caller=me(alice),
+                group_id=str(group.id),
+                content_type=None,
+                content="hello",
+                mentions=[],
+                reply_to_message_id="",
+                metadata={},
+                request_id="",
+            ),
         )
     assert world.signal.published == published

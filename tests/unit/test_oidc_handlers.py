@@ -13,7 +13,8 @@ import pytest
 
 from services.common.identity import Caller
 from services.im.domain import access
-from services.im.domain.accounts import PersonalTokenScope
+from services.im.domain.accounts import IssuedTokens, PersonalTokenScope
+from services.im.domain.commands import CreateWorkspace
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -24,11 +25,9 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Role, Workspace
-from services.im.domain.oidc import IdTokenRules
 from services.im.domain.rules import Quotas
-from services.im.service_layer.auth import WORKSPACE_REQUIRED, AuthService
-from services.im.service_layer.auth_common import IssuedTokens
-from services.im.service_layer.oidc import NO_MEMBER, IdTokenVerifier, OidcAccess
+from services.im.service_layer.handlers.auth import WORKSPACE_REQUIRED
+from services.im.service_layer.handlers.oidc import NO_MEMBER
 from tests.oidc_support import TestIssuer
 from tests.unit.test_auth_handlers import PASSWORD, AuthWorld
 from tests.unit.test_oidc_tokens import FakeKeys
@@ -43,26 +42,9 @@ class OidcWorld:
         self.world = world
         self.issuer = issuer
         # Invites may be bound to an email where the provider proves emails.
-        world.accounts = AuthService(
-            open_workspace=world.im.open_workspace,
-            uow=world.store.transaction,
-            keys=world.keys,
-            passwords=world.passwords,
-            clock=world.clock,
-            oidc_configured=configured,
-            member_quota=world.im.check_member_quota,
-        )
-        verifier = IdTokenVerifier(
-            FakeKeys(issuer), IdTokenRules(issuer=ISSUER, client_id=issuer.client_id), clock=world.clock
-        )
-        self.oidc = OidcAccess(
-            verifier=verifier if configured else None,
-            uow=world.store.transaction,
-            keys=world.keys,
-            passwords=world.passwords,
-            clock=world.clock,
-            member_quota=world.im.check_member_quota,
-        )
+        if configured:
+            world.rebuild(provider_keys=FakeKeys(issuer), OIDC_ISSUER=ISSUER, OIDC_CLIENT_ID=issuer.client_id)
+        self.oidc = world.app.oidc
 
     def token(self, email: str, **claims: Any) -> tuple[str, str]:
         """An ID token for `email`, issued now by the world's clock, and its nonce."""
@@ -99,14 +81,16 @@ def oidc(world: AuthWorld, issuer: TestIssuer) -> OidcWorld:
 
 
 async def workspace_with(world: AuthWorld, login: str, password: str) -> tuple[Workspace, IssuedTokens]:
-    workspace, _, tokens = await world.accounts.create_workspace(
-        name="ws",
-        creator_display_name="Ada",
-        creator_kind=None,
-        creator_avatar="",
-        login=login,
-        password=password,
-        request_id="",
+    workspace, _, tokens = await world.bus.handle(
+        CreateWorkspace(
+            name="ws",
+            creator_display_name="Ada",
+            creator_kind=None,
+            creator_avatar="",
+            creator_login=login,
+            creator_password=password,
+            request_id="",
+        )
     )
     assert tokens is not None
     return workspace, tokens
@@ -271,14 +255,14 @@ async def test_an_unknown_email_is_refused_and_an_invite_makes_the_member(
 async def test_joining_through_the_provider_counts_against_the_workspace_s_quota(
     world: AuthWorld, oidc: OidcWorld
 ) -> None:
-    world.im.quotas = Quotas(members=1, agents=1, groups=1)
+    world.deps.quotas = Quotas(members=1, agents=1, groups=1)
     workspace, owner = await owner_caller(world)
     _, secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="")
     with pytest.raises(QuotaExceeded):
         await oidc.sign_in("dee@x.test", invite=secret)
     assert len([m for m in world.store.state.members.values() if m.workspace_id == workspace.id]) == 1
     # The invite is not spent: with room made, it takes Dee.
-    world.im.quotas = Quotas(members=2, agents=1, groups=1)
+    world.deps.quotas = Quotas(members=2, agents=1, groups=1)
     _, joined = await oidc.sign_in("dee@x.test", invite=secret)
     assert joined
 

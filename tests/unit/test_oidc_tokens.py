@@ -17,7 +17,7 @@ from services.common.errors import ServiceError
 from services.im.domain.errors import NotAllowed, ProviderUnavailable, Unauthenticated
 from services.im.domain.oidc import IdTokenRules
 from services.im.service_layer.auth_ports import ProviderKeys
-from services.im.service_layer.oidc import IdTokenVerifier
+from services.im.service_layer.handlers.oidc import IdTokenVerifier
 from tests.oidc_support import TestIssuer
 
 ISSUER = "https://id.example.test"

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from services.im.domain.model import Role
+from services.im.domain.model import Member, Role
 
 
 class PersonalTokenScope(enum.StrEnum):
@@ -101,3 +101,22 @@ class SignInFailures:
     login: str
     count: int
     window_start: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedAccess:
+    """A signed access token, when it expires, and the member it is for (None for a service)."""
+
+    token: str
+    expires_at: datetime
+    member: Member | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedTokens:
+    """What a sign-in gives: an access token and the refresh token of its session."""
+
+    access: IssuedAccess
+    refresh_token: str
+    refresh_expires_at: datetime
+    member: Member

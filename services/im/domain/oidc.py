@@ -1,6 +1,6 @@
 """What an OpenID Connect ID token must say before the IM believes it (pure).
 
-The signature is checked elsewhere (`service_layer.oidc`); these are the
+The signature is checked elsewhere (`service_layer.handlers.oidc`); these are the
 claim rules of OpenID Connect Core 1.0, section 3.1.3.7, plus ours: the
 token is fresh (issued within `max_age`), carries the nonce of this
 sign-in, and names an email the provider has verified. Every refusal says

@@ -7,10 +7,9 @@ from datetime import UTC, datetime, timedelta
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from agentim.im.v1 import auth_pb2, im_pb2
-from services.im.domain.accounts import Invite, PersonalToken, PersonalTokenScope
+from services.im.domain.accounts import Invite, IssuedAccess, IssuedTokens, PersonalToken, PersonalTokenScope
 from services.im.domain.errors import InvalidRequest
 from services.im.entrypoints.mappers import ROLES_OUT, member, timestamp
-from services.im.service_layer.auth_common import IssuedAccess, IssuedTokens
 
 SCOPES = {
     auth_pb2.PERSONAL_TOKEN_SCOPE_READ: PersonalTokenScope.READ,

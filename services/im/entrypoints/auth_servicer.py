@@ -10,9 +10,9 @@ from services.common.authn import current_caller
 from services.common.identity import Caller
 from services.im.entrypoints import auth_mappers as out
 from services.im.entrypoints import mappers
-from services.im.service_layer.auth import AuthService
-from services.im.service_layer.machine_access import MachineAccess
-from services.im.service_layer.oidc import OidcAccess
+from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.machine_access import MachineAccess
+from services.im.service_layer.handlers.oidc import OidcAccess
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any

@@ -252,6 +252,22 @@ class UnitOfWorkFactory(Protocol):
     def __call__(self, *, write: bool = True) -> Transaction: ...
 
 
+class Store(Protocol):
+    """Where the IM's state lives (the SQL database; an in-memory fake in unit tests)."""
+
+    def transaction(self, *, write: bool = True) -> Transaction:
+        """A new unit of work; it rolls back unless committed."""
+        ...
+
+    async def ping(self) -> bool:
+        """Whether the store answers (readiness)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Releases its connections. Idempotent."""
+        ...
+
+
 class MessageLog(abc.ABC):
     """Appends messages: the hot path, one atomic step of its own.
 

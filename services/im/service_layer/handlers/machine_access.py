@@ -23,12 +23,12 @@ from services.common.identity import Caller
 from services.common.status import status_name
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from services.im.domain import access, rules
-from services.im.domain.accounts import PersonalToken, PersonalTokenScope
+from services.im.domain.accounts import IssuedAccess, PersonalToken, PersonalTokenScope
 from services.im.domain.errors import InvalidRequest, NotAllowed, NotFound, Unauthenticated
 from services.im.domain.model import MemberKind
-from services.im.service_layer.auth_common import AuthBase, Clock, IssuedAccess
 from services.im.service_layer.auth_ports import Passwords
-from services.im.service_layer.handlers import Page, utc_now
+from services.im.service_layer.handlers.auth_common import AuthBase, Clock
+from services.im.service_layer.handlers.deps import Page, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)

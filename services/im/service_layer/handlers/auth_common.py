@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
 
 from uuid_utils.compat import uuid7
@@ -15,36 +15,17 @@ from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from services.im.domain import access
-from services.im.domain.accounts import RefreshToken
+from services.im.domain.accounts import IssuedAccess, IssuedTokens, RefreshToken
 from services.im.domain.errors import Conflict, NotAllowed, RequestIdReused, Unauthenticated
 from services.im.domain.model import Member, MemberKind
 from services.im.service_layer.auth_ports import Passwords
-from services.im.service_layer.handlers import member_actor, utc_now
+from services.im.service_layer.handlers.deps import member_actor, utc_now
 from services.im.service_layer.ports import DuplicateRequest, Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
 WRONG_LOGIN = "the login or password is wrong"
-
-
-@dataclass(frozen=True, slots=True)
-class IssuedAccess:
-    """A signed access token, when it expires, and the member it is for (None for a service)."""
-
-    token: str
-    expires_at: datetime
-    member: Member | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class IssuedTokens:
-    """What a sign-in gives: an access token and the refresh token of its session."""
-
-    access: IssuedAccess
-    refresh_token: str
-    refresh_expires_at: datetime
-    member: Member
 
 
 class AuthBase:

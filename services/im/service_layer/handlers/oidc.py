@@ -23,7 +23,7 @@ from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import KeyRing
 from services.im.domain import access, rules
-from services.im.domain.accounts import Account, Invite
+from services.im.domain.accounts import Account, Invite, IssuedTokens
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -40,10 +40,10 @@ from services.im.domain.oidc import (
     check_nonce_format,
     member_name,
 )
-from services.im.service_layer.auth import MemberQuota
-from services.im.service_layer.auth_common import AuthBase, Clock, IssuedTokens
 from services.im.service_layer.auth_ports import EmailTaken, Passwords, ProviderKeys
-from services.im.service_layer.handlers import utc_now
+from services.im.service_layer.handlers.auth import MemberQuota
+from services.im.service_layer.handlers.auth_common import AuthBase, Clock
+from services.im.service_layer.handlers.deps import utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The IM's identity use cases: signing in and out, sessions, invites, roles.
 
 Tokens for programs (personal access tokens, services, agents) are in
-`services.im.service_layer.machine_access`; both build on
+`services.im.service_layer.handlers.machine_access`; both build on
 `auth_common.AuthBase`.
 
 Secrets made here (refresh tokens, invites) are returned once and stored
@@ -27,7 +27,8 @@ from services.common.identity import Caller
 from services.common.status import status_name
 from services.common.tokens import KeyRing
 from services.im.domain import access, rules
-from services.im.domain.accounts import Account, Invite, RefreshToken
+from services.im.domain.accounts import Account, Invite, IssuedTokens, RefreshToken
+from services.im.domain.commands import CreateWorkspace
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -38,9 +39,9 @@ from services.im.domain.errors import (
     WrongState,
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
-from services.im.service_layer.auth_common import WRONG_LOGIN, AuthBase, Clock, IssuedTokens
 from services.im.service_layer.auth_ports import LoginTaken, Passwords
-from services.im.service_layer.handlers import CreationHook, utc_now
+from services.im.service_layer.handlers.auth_common import WRONG_LOGIN, AuthBase, Clock
+from services.im.service_layer.handlers.deps import CreationHook, utc_now
 from services.im.service_layer.ports import Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ WORKSPACE_REQUIRED = "this login needs its workspace: give the workspace id (wor
 
 
 class WorkspaceOpener(Protocol):
-    """Creates a workspace with its owner: `IMService.open_workspace`."""
+    """Creates a workspace with its owner: `workspaces.open_workspace`."""
 
     async def __call__(
         self,
@@ -67,7 +68,7 @@ class WorkspaceOpener(Protocol):
 
 
 class MemberQuota(Protocol):
-    """Refuses one more member over its workspace's quota: `IMService.check_member_quota`."""
+    """Refuses one more member over its workspace's quota: `members.check_member_quota`."""
 
     async def __call__(self, tx: Transaction, workspace_id: uuid.UUID, kind: MemberKind) -> None: ...
 
@@ -76,9 +77,9 @@ class AuthService(AuthBase):
     """Sign-in, sessions, passwords, workspace accounts, invites and roles.
 
     Args:
-        open_workspace: `IMService.open_workspace`, which creates a workspace
+        open_workspace: `workspaces.open_workspace`, which creates a workspace
             with its owner (and runs a hook in that transaction).
-        member_quota: `IMService.check_member_quota` (accepting an invite adds a person).
+        member_quota: `members.check_member_quota` (accepting an invite adds a person).
         oidc_configured: people may sign in with an OpenID Connect provider,
             so invites may be bound to an email (which only it proves).
         (the rest as `AuthBase`)
@@ -327,24 +328,17 @@ class AuthService(AuthBase):
     # -- workspaces with an owner's account --------------------------------------------
 
     async def create_workspace(
-        self,
-        *,
-        name: str,
-        creator_display_name: str,
-        creator_kind: MemberKind | None,
-        creator_avatar: str,
-        request_id: str,
-        login: str,
-        password: str,
+        self, command: CreateWorkspace
     ) -> tuple[Workspace, Member, IssuedTokens | None]:
         """A workspace and its owner, with the owner's account and tokens if a login is given."""
+        login, password, creator_kind = command.creator_login, command.creator_password, command.creator_kind
         if not login and not password:
             workspace, creator, _ = await self._open_workspace(
-                name=name,
-                creator_display_name=creator_display_name,
+                name=command.name,
+                creator_display_name=command.creator_display_name,
                 creator_kind=creator_kind,
-                creator_avatar=creator_avatar,
-                request_id=request_id,
+                creator_avatar=command.creator_avatar,
+                request_id=command.request_id,
             )
             return workspace, creator, None
         if not login or not password:
@@ -372,11 +366,11 @@ class AuthService(AuthBase):
 
         hook: CreationHook = add_account
         workspace, creator, created = await self._open_workspace(
-            name=name,
-            creator_display_name=creator_display_name,
+            name=command.name,
+            creator_display_name=command.creator_display_name,
             creator_kind=creator_kind,
-            creator_avatar=creator_avatar,
-            request_id=request_id,
+            creator_avatar=command.creator_avatar,
+            request_id=command.request_id,
             fingerprint_extra={"login": key},
             within=hook,
         )
