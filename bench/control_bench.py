@@ -752,6 +752,7 @@ class Options:
     recovery_agents: int
     recovery_workspaces: int
     worktree: bool
+    ref: str | None
     keep_logs: bool
     postgres_url: str
     redis_url: str
@@ -991,7 +992,7 @@ def render_section(results: Sequence[ControlResult], options: Options, recorded:
 async def run(options: Options) -> tuple[list[ControlResult], str]:
     with scratch("agentim-control-bench-") as workdir:
         source = workdir.path / "source"
-        version = snapshot_sources(source, worktree=options.worktree)
+        version = snapshot_sources(source, worktree=options.worktree, ref=options.ref)
         results = [await bench_backend(b, options, workdir.path, source) for b in options.backends]
         workdir.keep = options.keep_logs or any(found for r in results for found in r.problems.values())
     return results, version
@@ -1026,6 +1027,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         recovery_agents=args.recovery_agents,
         recovery_workspaces=args.recovery_workspaces,
         worktree=args.worktree,
+        ref=args.ref,
         keep_logs=args.keep_logs,
         postgres_url=args.postgres_url,
         redis_url=args.redis_url,

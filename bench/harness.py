@@ -455,16 +455,25 @@ def code_version() -> str:
     return f"{commit} with uncommitted changes to the service" if dirty else commit
 
 
-def snapshot_sources(dest: Path, *, worktree: bool) -> str:
+# Files of bench/ that belong with the services they wrap: with --ref they come
+# from that commit too (the traced runtime patches the services' own objects).
+_SERVICE_SIDE_BENCH_FILES = ("bench/runtime_host.py",)
+
+
+def snapshot_sources(dest: Path, *, worktree: bool, ref: str | None = None) -> str:
     """Copies the code the servers run to `dest`; returns which code that is.
 
     Other people edit the working tree while a benchmark runs: servers started
     from the copy all run the same code. By default the services and stubs are
     those of the commit at HEAD (`git archive`), so that the figures belong to
-    a commit; with `worktree` they are the working tree's, uncommitted changes
-    included. The benchmark's own helpers always come from the working tree.
+    a commit; with `ref` those of that commit (a "before" to compare with);
+    with `worktree` they are the working tree's, uncommitted changes
+    included. The benchmark's own helpers always come from the working tree,
+    but for the few that wrap the services (`_SERVICE_SIDE_BENCH_FILES`).
     """
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    if worktree and ref is not None:
+        raise BenchError("--worktree and --ref each name the services to run: give one")
     if worktree:
         version = code_version()
         for name in ("services", "gen"):
@@ -472,17 +481,29 @@ def snapshot_sources(dest: Path, *, worktree: bool) -> str:
     else:
         try:
             commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+                ["git", "rev-parse", "--short", ref or "HEAD"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
             ).stdout.strip()
+            paths = ["services", "gen", *(_SERVICE_SIDE_BENCH_FILES if ref else ())]
             archive = subprocess.run(
-                ["git", "archive", commit, "services", "gen"], cwd=ROOT, capture_output=True, check=True
+                ["git", "archive", commit, *paths], cwd=ROOT, capture_output=True, check=True
             ).stdout
         except (OSError, subprocess.CalledProcessError) as error:
             raise BenchError(f"cannot take the services from git (use --worktree): {error}") from None
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(dest, filter="data")
         version = f"{commit} (services and stubs as committed, run from `git archive`)"
-    shutil.copytree(ROOT / "bench", dest / "bench", ignore=skip)
+    kept = {dest / name for name in _SERVICE_SIDE_BENCH_FILES if (dest / name).exists()}
+    shutil.copytree(
+        ROOT / "bench",
+        dest / "bench",
+        ignore=skip,
+        dirs_exist_ok=True,
+        copy_function=lambda source, target: None if Path(target) in kept else shutil.copy2(source, target),
+    )
     (dest / "tests").mkdir(parents=True)
     for name in ("__init__.py", "fake_openai.py"):
         shutil.copy2(ROOT / "tests" / name, dest / "tests" / name)
@@ -788,6 +809,11 @@ def add_backend_options(
         "--worktree",
         action="store_true",
         help="run the services of the working tree, uncommitted changes included (default: HEAD's)",
+    )
+    parser.add_argument(
+        "--ref",
+        default=None,
+        help="run the services of this commit instead of HEAD's (a 'before' to compare with)",
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs after a clean run")
 

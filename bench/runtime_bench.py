@@ -742,6 +742,7 @@ class Options:
     resident_backend: str
     parts: list[str]
     worktree: bool
+    ref: str | None
     keep_logs: bool
     postgres_url: str
     redis_url: str
@@ -1226,7 +1227,7 @@ def render_section(results: Sequence[BackendResult], options: Options, recorded:
 async def run(options: Options) -> tuple[list[BackendResult], str]:
     with scratch("agentim-runtime-bench-") as workdir:
         source = workdir.path / "source"
-        version = snapshot_sources(source, worktree=options.worktree)
+        version = snapshot_sources(source, worktree=options.worktree, ref=options.ref)
         results = [await bench_backend(b, options, workdir.path, source) for b in options.backends]
         workdir.keep = options.keep_logs or any(found for r in results for found in r.problems.values())
     return results, version
@@ -1281,6 +1282,7 @@ def parse_options(argv: Sequence[str] | None) -> Options:
         resident_backend=resident_backend,
         parts=parts,
         worktree=args.worktree,
+        ref=args.ref,
         keep_logs=args.keep_logs,
         postgres_url=args.postgres_url,
         redis_url=args.redis_url,
