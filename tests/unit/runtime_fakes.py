@@ -13,6 +13,13 @@ from typing import Any
 
 from services.common.audit import AuditRecord
 from services.common.outages import DATABASE, DependencyUnavailable
+from services.runtime.domain.errors import (
+    DuplicateAgentRequest,
+    DuplicateStep,
+    IMError,
+    MemoryRefused,
+    MemoryUnavailable,
+)
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -37,23 +44,10 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
+from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
-from services.runtime.service_layer.memory_port import (
-    Expanded,
-    Memory,
-    MemoryPort,
-    MemoryRefused,
-    MemoryUnavailable,
-    RecallQuery,
-    RunRecord,
-)
-from services.runtime.service_layer.store import (
-    AgentStore,
-    DuplicateAgentRequest,
-    DuplicateStep,
-    TaskInFlight,
-)
+from services.runtime.service_layer.memory_port import Expanded, Memory, MemoryPort, RecallQuery, RunRecord
+from services.runtime.service_layer.store import AgentStore, TaskInFlight
 
 
 class FakeClock:

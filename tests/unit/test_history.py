@@ -14,7 +14,8 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, PrincipalKind
-from services.runtime.domain.llm import LLMUnavailable, Role
+from services.runtime.domain.errors import LLMUnavailable, NotAllowed
+from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
     Agent,
     AgentState,
@@ -22,7 +23,7 @@ from services.runtime.domain.model import (
     MainSessionChanged,
     StepsRewritten,
 )
-from services.runtime.service_layer.agents import AgentDraft, NotAllowed
+from services.runtime.service_layer.agents import AgentDraft
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import Watcher
 from services.runtime.service_layer.lifecycle import LifecycleService

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-IO_LIBRARIES = frozenset({"grpc", "grpc_status", "sqlalchemy", "asyncpg", "aiosqlite", "redis", "openai", "aiohttp"})
+IO_LIBRARIES = frozenset(
+    {"grpc", "grpc_status", "sqlalchemy", "asyncpg", "aiosqlite", "redis", "openai", "aiohttp"}
+)
 
 
 def module_path(module: str) -> Path | None:
@@ -38,7 +40,9 @@ def imports_of(module: str) -> set[str]:
             else:
                 name = node.module or ""
             found.add(name)
-            found.update(f"{name}.{alias.name}" for alias in node.names if module_path(f"{name}.{alias.name}"))
+            found.update(
+                f"{name}.{alias.name}" for alias in node.names if module_path(f"{name}.{alias.name}")
+            )
     return found
 
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from services.common.status import status_name
+from services.runtime.domain.errors import AgentGone, InvalidTransition
 from services.runtime.domain.lifecycle import (
     CANCELLED_RESULT,
     Control,
-    InvalidTransition,
     Next,
     check_control,
     interrupted_message,
@@ -275,6 +276,16 @@ async def test_pausing_an_idle_agent_is_immediate_and_a_resume_with_nothing_pend
         await h.settle(ada)
         assert len(h.llm.requests) == 1, "the last step was an answer: nothing to go on with"
         assert h.store.agents[ada.id].state is AgentState.IDLE
+
+
+async def test_a_control_of_an_agent_deleted_on_the_way_is_not_found() -> None:
+    async for h, control in lifecycle_harness():
+        ada = await h.agent()
+        await h.supervisor.remove(ada.id)  # its runner is gone, as in a delete racing the control
+        with pytest.raises(AgentGone) as refused:
+            await control.pause(h.me, str(ada.id))
+        assert status_name(refused.value) == "NOT_FOUND"
+        assert str(ada.id) in refused.value.message
 
 
 async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() -> None:

@@ -23,12 +23,13 @@ from services.runtime.domain.conversations import (
     run_conversations,
     step_chats,
 )
+from services.runtime.domain.errors import InvalidAgentRequest
 from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import Agent, Origin, Run, RunStatus, Step, StepKind, StepMetrics
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.grpc_servicer import _draft
-from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
+from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.memory_port import Memory, RunRecord

@@ -14,16 +14,15 @@ from typing import Any
 import pytest
 
 from services.common.identity import Caller
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
-from services.runtime.domain.llm import (
-    ContentDelta,
+from services.runtime.domain.errors import (
     ContextTooLong,
+    IMUnavailable,
+    InvalidAgentRequest,
     LLMRejected,
     LLMUnavailable,
-    ModelSettings,
-    ReasoningDelta,
-    Role,
 )
+from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
+from services.runtime.domain.llm import ContentDelta, ModelSettings, ReasoningDelta, Role
 from services.runtime.domain.model import (
     Agent,
     AgentState,
@@ -36,9 +35,9 @@ from services.runtime.domain.model import (
     StepKind,
     StepStarted,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
+from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.im_port import IMEvent, IMUnavailable
+from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import default_registry

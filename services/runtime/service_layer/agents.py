@@ -13,10 +13,20 @@ from urllib.parse import urlsplit
 
 from uuid_utils.compat import uuid7
 
-from services.common import audit, errors
+from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import PrincipalKind
 from services.runtime.domain.access import Action, Verdict, Viewer, decide, may_set_endpoint
+from services.runtime.domain.errors import (
+    AgentNotFound,
+    DuplicateAgentRequest,
+    HubClosed,
+    InvalidAgentRequest,
+    NotAllowed,
+    NotAuthenticated,
+    RequestReused,
+    SessionNotFound,
+)
 from services.runtime.domain.llm import ModelSettings, ToolSpec
 from services.runtime.domain.model import (
     Agent,
@@ -33,9 +43,9 @@ from services.runtime.domain.model import (
     merge_deltas,
 )
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
-from services.runtime.service_layer.hub import AgentHub, HubClosed, InFlight, Watcher
+from services.runtime.service_layer.hub import AgentHub, InFlight, Watcher
 from services.runtime.service_layer.im_port import IMPort
-from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
+from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import ToolRegistry
 
@@ -49,30 +59,6 @@ MAX_AUTO_RECALL = 20
 # A window smaller than this cannot hold a system prompt, a message and an answer.
 MIN_CONTEXT_TOKENS = 1024
 MAX_CONTEXT_TOKENS = 10_000_000
-
-
-class InvalidAgentRequest(errors.InvalidArgument):
-    pass
-
-
-class AgentNotFound(errors.NotFound):
-    pass
-
-
-class NotAuthenticated(errors.Unauthenticated):
-    pass
-
-
-class NotAllowed(errors.PermissionDenied):
-    pass
-
-
-class RequestReused(errors.AlreadyExists):
-    pass
-
-
-class SessionNotFound(errors.NotFound):
-    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,9 +40,19 @@ from datetime import datetime
 
 from uuid_utils.compat import uuid7
 
-from services.common import audit, errors
+from services.common import audit
 from services.common.audit import AuditRecord
 from services.common.identity import Caller
+from services.runtime.domain.errors import (
+    BrokenToolCall,
+    CheckpointNotFound,
+    DuplicateStep,
+    InvalidHistoryRequest,
+    SessionNotFound,
+    StepNotFound,
+    StepTaken,
+    WrongAgentState,
+)
 from services.runtime.domain.lifecycle import Next, resume_point
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
@@ -57,16 +67,10 @@ from services.runtime.domain.model import (
     StepMetrics,
     StepsRewritten,
 )
-from services.runtime.service_layer.agents import (
-    MAX_NAME_CHARS,
-    UPDATABLE,
-    AgentDraft,
-    AgentService,
-    SessionNotFound,
-)
+from services.runtime.service_layer.agents import MAX_NAME_CHARS, UPDATABLE, AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
-from services.runtime.service_layer.store import AgentStore, DuplicateStep
+from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -76,30 +80,6 @@ NOTE_ROLES = (Role.SYSTEM, Role.USER)
 # The states in which retry and fork-into-a-session may continue the agent.
 CONTINUABLE = frozenset({AgentState.IDLE, AgentState.PAUSED, AgentState.ERROR})
 RESTORABLE = frozenset({AgentState.IDLE, AgentState.PAUSED})
-
-
-class InvalidHistoryRequest(errors.InvalidArgument):
-    pass
-
-
-class WrongAgentState(errors.FailedPrecondition):
-    """The agent's state does not allow the change now."""
-
-
-class BrokenToolCall(errors.FailedPrecondition):
-    """The change would leave a tool call without its result, or a result without its call."""
-
-
-class StepNotFound(errors.NotFound):
-    pass
-
-
-class CheckpointNotFound(errors.NotFound):
-    pass
-
-
-class StepTaken(errors.Conflict):
-    """The agent wrote a step at the same moment."""
 
 
 class HistoryService:

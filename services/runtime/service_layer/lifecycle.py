@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from services.common.identity import Caller
+from services.runtime.domain.errors import AgentGone
 from services.runtime.domain.lifecycle import Control, check_control
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.agents import AgentService
@@ -40,8 +41,8 @@ class LifecycleService:
     async def _runner(self, principal: Caller | None, agent_id: str) -> AgentRunner:
         agent = await self._agents.controlled(principal, agent_id)
         runner = self._supervisor.runner(agent.id)
-        if runner is None:  # deleted meanwhile
-            raise ValueError(f"agent {agent.id} has no runner")
+        if runner is None:
+            raise AgentGone(f"agent {agent.id} was deleted")
         return runner
 
     async def start(self, principal: Caller | None, agent_id: str) -> Agent:

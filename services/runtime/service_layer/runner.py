@@ -50,6 +50,7 @@ from services.runtime.domain.conversations import (
     origin_of_run,
     run_conversations,
 )
+from services.runtime.domain.errors import ContextTooLong, IMError, LLMError, LLMRejected
 from services.runtime.domain.etiquette import (
     NO_REPLY,
     ChatterGuard,
@@ -78,9 +79,6 @@ from services.runtime.domain.llm import (
     CompletionAssembler,
     CompletionRequest,
     ContentDelta,
-    ContextTooLong,
-    LLMError,
-    LLMRejected,
     Role,
     ToolCall,
     ToolSpec,
@@ -112,7 +110,7 @@ from services.runtime.domain.model import (
     storable_origin,
 )
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.im_port import IMError, IMMessage, IMPort
+from services.runtime.service_layer.im_port import IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.memory_port import MemoryPort, RecallQuery
 from services.runtime.service_layer.read_positions import ReadPositions

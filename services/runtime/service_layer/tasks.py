@@ -32,6 +32,14 @@ from uuid_utils.compat import uuid7
 
 from services.common import audit, errors
 from services.common.identity import Caller
+from services.runtime.domain.errors import (
+    AgentNotFound,
+    InvalidTaskRequest,
+    SessionNotFound,
+    TaskAlreadyEnded,
+    TaskNotFound,
+    TaskRequestReused,
+)
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
     Agent,
@@ -44,7 +52,7 @@ from services.runtime.domain.model import (
     TaskStatus,
     shown_to_model,
 )
-from services.runtime.service_layer.agents import AgentNotFound, AgentService
+from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
 from services.runtime.service_layer.supervisor import Supervisor
@@ -55,26 +63,6 @@ logger = logging.getLogger(__name__)
 # In the queue: waiting for the first attempt, or for a retry.
 WAITING = (TaskStatus.QUEUED, TaskStatus.FAILED)
 MAX_REQUEST_ID_CHARS = 128  # the width of tasks.request_id
-
-
-class InvalidTaskRequest(errors.InvalidArgument):
-    pass
-
-
-class TaskNotFound(errors.NotFound):
-    pass
-
-
-class SessionNotFound(errors.NotFound):
-    pass
-
-
-class TaskRequestReused(errors.AlreadyExists):
-    pass
-
-
-class TaskAlreadyEnded(errors.FailedPrecondition):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
