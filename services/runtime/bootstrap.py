@@ -206,7 +206,7 @@ def build(settings: Settings) -> RuntimeApp:
     service = AgentService(
         store=store,
         im=im,
-        supervisor=supervisor,
+        runners=supervisor,
         hub=hub,
         tools=tools,
         clock=utc_now,
@@ -214,12 +214,10 @@ def build(settings: Settings) -> RuntimeApp:
         audit_log=audit_log,
     )
     services.append(service)
-    history = HistoryService(
-        store=store, supervisor=supervisor, hub=hub, im=im, agents=service, clock=utc_now
-    )
+    history = HistoryService(store=store, runners=supervisor, hub=hub, im=im, agents=service, clock=utc_now)
     tasks = TaskService(
         store=store,
-        supervisor=supervisor,
+        runners=supervisor,
         hub=hub,
         agents=service,
         clock=utc_now,
@@ -231,7 +229,7 @@ def build(settings: Settings) -> RuntimeApp:
         max_input_bytes=settings.max_task_input_bytes,
     )
     supervisor.use_tasks(tasks)
-    lifecycle = LifecycleService(agents=service, supervisor=supervisor, clear_queue=tasks.clear_queue)
+    lifecycle = LifecycleService(agents=service, runners=supervisor, clear_queue=tasks.clear_queue)
     servicer = RuntimeServicer(
         service,
         history=history,

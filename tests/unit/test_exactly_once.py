@@ -175,11 +175,11 @@ def build(
         clock=clock,
     )
     supervisor = Supervisor(env, cursor_save_delay=0)
-    agents = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
+    agents = AgentService(store=store, im=im, runners=supervisor, hub=hub, tools=tools, clock=clock)
     holder.append(agents)
-    tasks = TaskService(store=store, supervisor=supervisor, hub=hub, agents=agents, clock=clock)
+    tasks = TaskService(store=store, runners=supervisor, hub=hub, agents=agents, clock=clock)
     supervisor.use_tasks(tasks)
-    control = LifecycleService(agents=agents, supervisor=supervisor, clear_queue=tasks.clear_queue)
+    control = LifecycleService(agents=agents, runners=supervisor, clear_queue=tasks.clear_queue)
     built = System(im, llm, store, hub, clock, supervisor, agents, tasks, control, human, lineage)
     lineage.append(built)
     return built

@@ -73,9 +73,9 @@ class World:
 async def world(*scripts: Script) -> AsyncIterator[World]:
     async for h in harness(*scripts):
         history = HistoryService(
-            store=h.store, supervisor=h.supervisor, hub=h.hub, im=h.im, agents=h.service, clock=FakeClock()
+            store=h.store, runners=h.supervisor, hub=h.hub, im=h.im, agents=h.service, clock=FakeClock()
         )
-        yield World(h, history, LifecycleService(agents=h.service, supervisor=h.supervisor))
+        yield World(h, history, LifecycleService(agents=h.service, runners=h.supervisor))
 
 
 @pytest.fixture

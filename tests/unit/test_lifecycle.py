@@ -102,7 +102,7 @@ def test_an_interrupted_step_keeps_its_text_and_only_whole_tool_calls() -> None:
 
 async def lifecycle_harness(*scripts: Script) -> AsyncIterator[tuple[Harness, LifecycleService]]:
     async for h in harness(*scripts):
-        yield h, LifecycleService(agents=h.service, supervisor=h.supervisor)
+        yield h, LifecycleService(agents=h.service, runners=h.supervisor)
 
 
 def states(events: list[Emitted]) -> list[AgentState]:
@@ -281,7 +281,7 @@ async def test_pausing_an_idle_agent_is_immediate_and_a_resume_with_nothing_pend
 async def test_a_control_of_an_agent_deleted_on_the_way_is_not_found() -> None:
     async for h, control in lifecycle_harness():
         ada = await h.agent()
-        await h.supervisor.remove(ada.id)  # its runner is gone, as in a delete racing the control
+        await h.supervisor.stop_agent(ada.id)  # its runner is gone, as in a delete racing the control
         with pytest.raises(AgentGone) as refused:
             await control.pause(h.me, str(ada.id))
         assert status_name(refused.value) == "NOT_FOUND"

@@ -111,7 +111,7 @@ async def world() -> AsyncIterator[World]:
         run_ended=archiver.notify,
     )
     supervisor = Supervisor(env, cursor_save_delay=0)
-    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
+    service = AgentService(store=store, im=im, runners=supervisor, hub=hub, tools=tools, clock=clock)
     services.append(service)
     archiver.start()
     alice, bob = im.human("alice"), im.human("bob")

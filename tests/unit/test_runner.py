@@ -113,7 +113,7 @@ async def harness(
         clock=clock,
     )
     supervisor = Supervisor(env, cursor_save_delay=0)
-    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
+    service = AgentService(store=store, im=im, runners=supervisor, hub=hub, tools=tools, clock=clock)
     services.append(service)
     human = im.human("alice")
     yield Harness(im, llm, store, hub, supervisor, service, human.id)

@@ -79,10 +79,10 @@ async def make_queue(*, run_tasks: bool = False, **options: object) -> AsyncIter
         clock=clock,
     )
     supervisor = Supervisor(env, cursor_save_delay=0)
-    agents = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
+    agents = AgentService(store=store, im=im, runners=supervisor, hub=hub, tools=tools, clock=clock)
     tasks = TaskService(
         store=store,
-        supervisor=supervisor,
+        runners=supervisor,
         hub=hub,
         agents=agents,
         clock=clock,
@@ -437,7 +437,7 @@ async def test_a_running_task_nobody_runs_is_cancelled_at_once(q: Queue) -> None
     ada = await q.agent()
     await q.submit(ada)
     running = await q.run_next(ada)
-    await q.supervisor.remove(ada.id)  # its runner is gone (the agent stays)
+    await q.supervisor.stop_agent(ada.id)  # its runner is gone (the agent stays)
     cancelled = (await q.tasks.cancel_task(q.me, str(running.id))).task
     assert cancelled.status is TaskStatus.CANCELLED
 

@@ -45,8 +45,8 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
 from services.runtime.service_layer.hub import AgentHub, InFlight, Watcher
 from services.runtime.service_layer.im_port import IMPort
+from services.runtime.service_layer.runners import Runners
 from services.runtime.service_layer.store import AgentStore
-from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import ToolRegistry
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class AgentService:
         *,
         store: AgentStore,
         im: IMPort,
-        supervisor: Supervisor,
+        runners: Runners,
         hub: AgentHub,
         tools: ToolRegistry,
         clock: Callable[[], datetime],
@@ -94,7 +94,7 @@ class AgentService:
         self._store = store
         self._endpoints = endpoints
         self._im = im
-        self._supervisor = supervisor
+        self._runners = runners
         self._hub = hub
         self._tools = tools
         self._clock = clock
@@ -127,8 +127,7 @@ class AgentService:
             raise NotAllowed(
                 f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
             )
-        runner = self._supervisor.runner(agent.id)
-        return runner.agent if runner is not None else agent
+        return self._runners.live(agent.id) or agent
 
     async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
         """The agent, if the caller may control it, reconfigure it and read its work
@@ -319,7 +318,7 @@ class AgentService:
             return await self._replayed(found, fingerprint, request_id)
         # Its main session; stored after the agent, which a replay returns without this.
         await self._store.add_session(Session(id=agent.session_id, agent_id=agent.id, created_at=now))
-        self._supervisor.add(agent)
+        self._runners.start_agent(agent)
         return agent
 
     async def _replayed(self, found: tuple[str, uuid.UUID], fingerprint: str, request_id: str) -> Agent:
@@ -351,8 +350,7 @@ class AgentService:
         return live, str(agents[limit - 1].id) if len(agents) > limit else ""
 
     def _live(self, agent: Agent) -> Agent:
-        runner = self._supervisor.runner(agent.id)
-        return runner.agent if runner is not None else agent
+        return self._runners.live(agent.id) or agent
 
     async def update_agent(
         self,
@@ -410,15 +408,11 @@ class AgentService:
             },
         )
         await self._store.update_agent(updated, audit=record)
-        runner = self._supervisor.runner(agent.id)
-        if runner is not None:
-            runner.update(updated)
-            return runner.agent
-        return updated
+        return self._runners.update(updated) or updated
 
     async def delete_agent(self, principal: Caller | None, agent_id: str) -> None:
         agent = await self.controlled(principal, agent_id)
-        await self._supervisor.remove(agent.id)
+        await self._runners.stop_agent(agent.id)
         await self._store.delete_agent(agent.id, audit=self.audit_record(principal, agent, "DeleteAgent"))
 
     async def tell_owners(self) -> int:
@@ -481,9 +475,7 @@ class AgentService:
 
     async def wake_agent(self, principal: Caller | None, agent_id: str) -> Agent:
         agent = await self.controlled(principal, agent_id)
-        runner = self._supervisor.runner(agent.id)
-        if runner is not None:
-            runner.wake(retry=True)
+        self._runners.wake(agent.id, retry=True)
         return agent
 
     # -- runs and steps -------------------------------------------------------
@@ -602,10 +594,9 @@ class AgentService:
     ) -> AsyncGenerator[Emitted, None]:
         try:
             async for emitted in events:
-                runner = self._supervisor.runner(emitted.agent_id)
-                if runner is None:
+                agent = self._runners.live(emitted.agent_id)
+                if agent is None:
                     continue
-                agent = runner.agent
                 verdict = decide(
                     viewer, Action.CONTROL, workspace_id=agent.workspace_id, owner_id=agent.owner_id
                 )

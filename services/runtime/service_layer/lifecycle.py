@@ -11,8 +11,7 @@ from services.runtime.domain.errors import AgentGone
 from services.runtime.domain.lifecycle import Control, check_control
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.agents import AgentService
-from services.runtime.service_layer.runner import AgentRunner
-from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.runners import Runners
 
 # Cancels an agent's queued tasks; returns how many.
 QueueClearer = Callable[[uuid.UUID], Awaitable[int]]
@@ -31,64 +30,61 @@ class LifecycleService:
     """
 
     def __init__(
-        self, *, agents: AgentService, supervisor: Supervisor, clear_queue: QueueClearer | None = None
+        self, *, agents: AgentService, runners: Runners, clear_queue: QueueClearer | None = None
     ) -> None:
         self._agents = agents
-        self._supervisor = supervisor
+        self._runners = runners
         self._clear_queue = clear_queue
         self._lock = asyncio.Lock()
 
-    async def _runner(self, principal: Caller | None, agent_id: str) -> AgentRunner:
+    async def _checked(self, principal: Caller | None, agent_id: str, control: Control) -> Agent:
+        """The live agent, if the caller may control it and `control` may be applied now."""
         agent = await self._agents.controlled(principal, agent_id)
-        runner = self._supervisor.runner(agent.id)
-        if runner is None:
+        live = self._runners.live(agent.id)
+        if live is None:
             raise AgentGone(f"agent {agent.id} was deleted")
-        return runner
+        check_control(control, live.state)
+        return live
 
     async def start(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
-            runner = await self._runner(principal, agent_id)
-            check_control(Control.START, runner.agent.state)
-            await runner.start_again()
-            await self._agents.recorded(principal, runner.agent, "StartAgent")
-            return runner.agent
+            agent = await self._checked(principal, agent_id, Control.START)
+            agent = await self._runners.start_again(agent.id)
+            await self._agents.recorded(principal, agent, "StartAgent")
+            return agent
 
     async def pause(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
-            runner = await self._runner(principal, agent_id)
-            check_control(Control.PAUSE, runner.agent.state)
-            await runner.pause()
-            await self._agents.recorded(principal, runner.agent, "PauseAgent")
-            return runner.agent
+            agent = await self._checked(principal, agent_id, Control.PAUSE)
+            agent = await self._runners.pause(agent.id)
+            await self._agents.recorded(principal, agent, "PauseAgent")
+            return agent
 
     async def resume(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
-            runner = await self._runner(principal, agent_id)
-            check_control(Control.RESUME, runner.agent.state)
-            await runner.resume()
-            await self._agents.recorded(principal, runner.agent, "ResumeAgent")
-            return runner.agent
+            agent = await self._checked(principal, agent_id, Control.RESUME)
+            agent = await self._runners.resume(agent.id)
+            await self._agents.recorded(principal, agent, "ResumeAgent")
+            return agent
 
     async def interrupt(self, principal: Caller | None, agent_id: str) -> Agent:
         async with self._lock:
-            runner = await self._runner(principal, agent_id)
-            check_control(Control.INTERRUPT, runner.agent.state)
-            await runner.interrupt()
-            await self._agents.recorded(principal, runner.agent, "InterruptAgent")
-            return runner.agent
+            agent = await self._checked(principal, agent_id, Control.INTERRUPT)
+            agent = await self._runners.interrupt(agent.id)
+            await self._agents.recorded(principal, agent, "InterruptAgent")
+            return agent
 
     async def terminate(self, principal: Caller | None, agent_id: str, *, clear_queue: bool) -> Agent:
         async with self._lock:
-            runner = await self._runner(principal, agent_id)
-            check_control(Control.TERMINATE, runner.agent.state)
-            await runner.terminate()
+            agent = await self._checked(principal, agent_id, Control.TERMINATE)
+            agent = await self._runners.terminate(agent.id)
             cleared = 0
             if clear_queue and self._clear_queue is not None:
-                cleared = await self._clear_queue(runner.agent.id)
+                cleared = await self._clear_queue(agent.id)
             await self._agents.recorded(
                 principal,
-                runner.agent,
+                agent,
                 "TerminateAgent",
                 details={"clear_queue": str(clear_queue).lower(), "tasks_cancelled": str(cleared)},
             )
-            return runner.agent
+            return agent

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import random
 import uuid
@@ -54,8 +53,8 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.hub import AgentHub
+from services.runtime.service_layer.runners import Runners
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
-from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
@@ -120,7 +119,7 @@ class TaskService(TaskQueue):
         self,
         *,
         store: AgentStore,
-        supervisor: Supervisor,
+        runners: Runners,
         hub: AgentHub,
         agents: AgentService,
         clock: Callable[[], datetime],
@@ -131,7 +130,7 @@ class TaskService(TaskQueue):
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self._store = store
-        self._supervisor = supervisor
+        self._runners = runners
         self._hub = hub
         self._agents = agents
         self._clock = clock
@@ -220,9 +219,7 @@ class TaskService(TaskQueue):
         return await self._placed(stored)
 
     def _wake(self, agent_id: uuid.UUID) -> None:
-        runner = self._supervisor.runner(agent_id)
-        if runner is not None:
-            runner.wake()
+        self._runners.wake(agent_id)
 
     async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
         return await self._placed(await self._visible(principal, task_id))
@@ -465,21 +462,15 @@ class TaskService(TaskQueue):
     async def _cancel_running(self, task: Task) -> Task:
         self._cancelling.add(task.id)
         stopped = self._stopped.setdefault(task.id, asyncio.Event())
-        runner = self._supervisor.runner(task.agent_id)
-        # AgentRunner.cancel_task cuts the task's run short; the runner then
-        # reports it `cancelled`. (Guarded until every runner has it.)
-        cancel = getattr(runner, "cancel_task", None)
-        outcome = cancel(task.id) if cancel is not None else None
-        if inspect.isawaitable(outcome):
-            outcome = await outcome
-        if runner is None or outcome is False:
+        # The runner cuts the task's run short, then reports it `cancelled`.
+        if not await self._runners.cancel_task(task.agent_id, task.id):
             # Nobody here runs it (a run lost with its process): end it now.
             await self._end(
                 task,
                 lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock()),
                 quiet=True,
             )
-        elif cancel is not None:
+        else:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopped.wait(), self._cancel_wait)
         return await self._reread(task)
