@@ -28,7 +28,7 @@ from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import Watcher
 from services.runtime.service_layer.lifecycle import LifecycleService
 from tests.identities import caller_of
-from tests.unit.runtime_fakes import FakeClock, Script
+from tests.unit.runtime_fakes import Script
 from tests.unit.test_runner import Harness, harness
 
 CALL_TOOL = Script(tool_calls=[("list_groups", "{}")])
@@ -72,10 +72,7 @@ class World:
 
 async def world(*scripts: Script) -> AsyncIterator[World]:
     async for h in harness(*scripts):
-        history = HistoryService(
-            store=h.store, runners=h.supervisor, hub=h.hub, im=h.im, agents=h.service, clock=FakeClock()
-        )
-        yield World(h, history, LifecycleService(agents=h.service, runners=h.supervisor))
+        yield World(h, h.app.history, h.app.lifecycle)
 
 
 @pytest.fixture
@@ -507,7 +504,7 @@ async def test_a_clone_and_a_sub_agent_belong_to_the_owner_of_the_agent_they_com
         await w.history.fork_from_step(other, str(ada.id), 2, new_agent=True)
     _, clone = await w.history.fork_from_step(admin, str(ada.id), 2, new_agent=True)
     assert clone.owner_id == w.h.human
-    child = await w.h.service.create_child(ada, "kid", "", "")
+    child = await w.h.app.factory.create_child(ada, "kid", "", "")
     assert child.owner_id == w.h.human
     # The admin created neither; the owner controls both.
     await w.history.list_sessions(owner, str(clone.id))

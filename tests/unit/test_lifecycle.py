@@ -34,7 +34,6 @@ from services.runtime.domain.model import (
     StepMetrics,
 )
 from services.runtime.service_layer.lifecycle import LifecycleService
-from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import Tool, ToolContext, ToolRegistry, default_registry
 from tests.unit.runtime_fakes import Script
 from tests.unit.test_runner import WAIT, Harness, harness
@@ -102,7 +101,7 @@ def test_an_interrupted_step_keeps_its_text_and_only_whole_tool_calls() -> None:
 
 async def lifecycle_harness(*scripts: Script) -> AsyncIterator[tuple[Harness, LifecycleService]]:
     async for h in harness(*scripts):
-        yield h, LifecycleService(agents=h.service, runners=h.supervisor)
+        yield h, h.app.lifecycle
 
 
 def states(events: list[Emitted]) -> list[AgentState]:
@@ -215,7 +214,7 @@ async def test_interrupting_tools_in_flight_answers_every_call_and_resume_contin
 
     calls = [("probe", json.dumps({"name": "fast"})), ("probe", json.dumps({"name": "slow"}))]
     async for h, control in lifecycle_harness(Script(tool_calls=calls), Script(content="finished")):
-        h.supervisor._env.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), slow))
+        h.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), slow))
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "probe")
@@ -297,7 +296,7 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
 
     calls = [("probe", json.dumps({"name": "recorded"})), ("probe", json.dumps({"name": "missing"}))]
     async for h, _control in lifecycle_harness(Script(tool_calls=calls), Script(content="recovered")):
-        h.supervisor._env.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe))
+        h.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe))
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "probe")
@@ -311,20 +310,15 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         h.store.runs[run.id] = replace(run, status=RunStatus.RUNNING, ended_at=None)
         h.store.agents[ada.id] = replace(h.store.agents[ada.id], state=AgentState.RUNNING)
         executed.clear()
-        await h.supervisor.aclose()
+        await h.crash()
 
-        fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
-        await fresh.start()
-        runner = fresh.runner(ada.id)
-        assert runner is not None
-        await asyncio.sleep(0)
-        await asyncio.wait_for(runner.idle.wait(), WAIT)
+        await h.restart(tools=[Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe)])
+        await h.settle(ada)
         assert executed == ["missing"], "the call whose result was recorded does not run again"
         (run,) = h.store.runs.values()
         assert run.status is RunStatus.COMPLETED, "the run the runtime stopped in goes on"
         assert [m.content for m in h.im.in_group(chat.id)][-1] == "recovered"
         assert h.store.agents[ada.id].state is AgentState.IDLE
-        await fresh.aclose()
 
 
 def noting_sends(h: Harness, prefix: str) -> asyncio.Event:
@@ -382,7 +376,7 @@ async def test_a_tool_may_have_its_own_time_limit() -> None:
     async for h in harness():
         ada = await h.agent()
         context = ToolContext(
-            agent=ada, im=h.im, trigger_group_id=None, create_sub_agent=h.service.create_child
+            agent=ada, im=h.im, trigger_group_id=None, create_sub_agent=h.app.factory.create_child
         )
         outcome = await asyncio.wait_for(registry.execute(context, ToolCall("c1", "wait", "{}")), WAIT)
         assert outcome.content == "error: wait did not finish within 0.01 s"

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from services.common.identity import Caller
+from services.runtime.bootstrap import RuntimeApp
 from services.runtime.domain.errors import (
     ContextTooLong,
     IMUnavailable,
@@ -21,7 +22,7 @@ from services.runtime.domain.errors import (
     LLMRejected,
     LLMUnavailable,
 )
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
+from services.runtime.domain.etiquette import GroupPolicy
 from services.runtime.domain.llm import ContentDelta, ModelSettings, ReasoningDelta, Role
 from services.runtime.domain.model import (
     Agent,
@@ -38,24 +39,43 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMEvent
-from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
+from services.runtime.service_layer.runner import HistoryCache
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tools import default_registry
+from services.runtime.service_layer.tools import Tool, ToolRegistry
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Refused, Script, ScriptedLLM
+from tests.unit.runtime_support import fake_runtime, unit_settings
 
 WAIT = 3.0
 
 
 @dataclass
 class Harness:
+    """The runtime over fakes (`bootstrap.build`), and the fakes."""
+
+    app: RuntimeApp
     im: FakeIM
     llm: ScriptedLLM
     store: InMemoryAgentStore
-    hub: AgentHub
-    supervisor: Supervisor
-    service: AgentService
+    clock: FakeClock
     human: uuid.UUID
+
+    @property
+    def hub(self) -> AgentHub:
+        return self.app.hub
+
+    @property
+    def service(self) -> AgentService:
+        return self.app.service
+
+    @property
+    def tools(self) -> ToolRegistry:
+        return self.app.tools
+
+    @property
+    def supervisor(self) -> Supervisor:
+        assert self.app.supervisor is not None
+        return self.app.supervisor
 
     @property
     def me(self) -> Caller:
@@ -76,6 +96,21 @@ class Harness:
     def steps(self, agent: Agent) -> list[tuple[Role, str]]:
         return [(s.role, s.message.content or "") for s in self.store.steps.get(agent.session_id, [])]
 
+    async def crash(self) -> None:
+        """Stops the runtime where it is (a crash: its runners stop mid-work)."""
+        await self.app.stop()
+
+    async def restart(self, *, tools: Sequence[Tool] = ()) -> int:
+        """A new runtime over the same store, IM and model after `crash`, with
+        `tools` besides the built-in ones; returns how many agents it started."""
+        self.app = fake_runtime(
+            settings=self.app.settings, store=self.store, im=self.im, llm=self.llm, clock=self.clock
+        )
+        for tool in tools:
+            self.app.tools.register(tool)
+        _, started = await self.app.start()
+        return started
+
 
 async def harness(
     *scripts: Script,
@@ -86,38 +121,19 @@ async def harness(
     im: FakeIM | None = None,
 ) -> AsyncIterator[Harness]:
     im = im if im is not None else FakeIM()
-    llm, store, hub = ScriptedLLM(*scripts), InMemoryAgentStore(), AgentHub()
-    clock = FakeClock()
-    services: list[AgentService] = []
-
-    async def create_child(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
-        return await services[0].create_child(parent, name, role, prompt, request_id=request_id)
-
-    tools = default_registry(timeout_seconds=5)
-    env = RunnerEnv(
-        store=store,
-        im=im,
-        llm=llm,
-        tools=tools,
-        hub=hub,
-        guard=ChatterGuard(chatter_limit),
-        directory=Directory(im),
-        settings=LoopSettings(
-            max_iterations=max_iterations,
-            group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
-            max_reply_bytes=max_reply_bytes,
-            unread_batch=unread_batch,
-            stream_cut_backoff_seconds=0.001,
-        ),
-        create_sub_agent=create_child,
-        clock=clock,
+    llm, store, clock = ScriptedLLM(*scripts), InMemoryAgentStore(), FakeClock()
+    settings = unit_settings(
+        max_iterations=max_iterations,
+        agent_chatter_limit=chatter_limit,
+        max_reply_bytes=max_reply_bytes,
+        unread_batch=unread_batch,
+        group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
     )
-    supervisor = Supervisor(env, cursor_save_delay=0)
-    service = AgentService(store=store, im=im, runners=supervisor, hub=hub, tools=tools, clock=clock)
-    services.append(service)
-    human = im.human("alice")
-    yield Harness(im, llm, store, hub, supervisor, service, human.id)
-    await supervisor.aclose()
+    app = fake_runtime(settings=settings, store=store, im=im, llm=llm, clock=clock)
+    await app.start()
+    h = Harness(app, im, llm, store, clock, im.human("alice").id)
+    yield h
+    await h.app.stop()
 
 
 @pytest.fixture
@@ -514,18 +530,16 @@ async def test_restart_restores_agents_with_their_history(h: Harness) -> None:
     h.im.post(h.human, chat.id, "remember me")
     await asyncio.sleep(0)
     await h.settle(ada)
-    await h.supervisor.aclose()
-    fresh = Supervisor(h.supervisor._env)
-    assert await fresh.start() == 1
+    await h.crash()
+    assert await h.restart() == 1
     h.im.post(h.human, chat.id, "still there?")
-    runner = fresh.runner(ada.id)
+    runner = h.supervisor.runner(ada.id)
     assert runner is not None
     runner.wake()
     await asyncio.sleep(0)
     await asyncio.wait_for(runner.idle.wait(), WAIT)
     context = [m.content or "" for m in h.llm.last_messages()]
     assert any("remember me" in c for c in context) and any("still there?" in c for c in context)
-    await fresh.aclose()
 
 
 async def test_bad_agent_settings_are_refused(h: Harness) -> None:
@@ -840,22 +854,17 @@ async def test_a_restart_resumes_the_im_watch_and_wakes_only_the_agents_it_conce
     for _ in range(20):  # the cursor is saved once the agents are idle
         await asyncio.sleep(0)
     assert h.store.cursors == {h.im.workspace: str(len(h.im.messages))}
-    await h.supervisor.aclose()
+    await h.crash()
 
     h.im.post(h.human, chat.id, "sent while the runtime was down")
     h.im.unread_reads.clear()
-    fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
-    assert await fresh.start() == 2
+    assert await h.restart() == 2
     await asyncio.sleep(0)
     await h.settle(ada, bea)
-    for runner in (fresh.runner(ada.id), fresh.runner(bea.id)):
-        assert runner is not None
-        await asyncio.wait_for(runner.idle.wait(), WAIT)
     assert [m.content for m in h.im.in_group(chat.id)][-1] == "Hello Alice!"
     assert len(h.im.in_group(chat.id)) == 4
     # The replay brought the message to ada: nobody asked the IM for unread messages.
     assert not h.im.unread_reads
-    await fresh.aclose()
 
 
 async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) -> None:
@@ -864,17 +873,12 @@ async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) ->
     for _ in range(20):
         await asyncio.sleep(0)
     assert h.store.cursors, "the watch's start was saved"
-    await h.supervisor.aclose()
+    await h.crash()
     h.store.agents[ada.id] = dataclasses.replace(h.store.agents[ada.id], state=AgentState.RUNNING)
     h.im.unread_reads.clear()
-    fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
-    await fresh.start()
-    runner = fresh.runner(ada.id)
-    assert runner is not None
-    await asyncio.sleep(0)
-    await asyncio.wait_for(runner.idle.wait(), WAIT)
+    await h.restart()
+    await h.settle(ada)
     assert set(h.im.unread_reads) == {ada.member_id}
-    await fresh.aclose()
 
 
 async def test_more_unread_than_one_read_takes_are_all_answered() -> None:

@@ -74,76 +74,25 @@ class AgentDraft:
     auto_recall: int | None = None
 
 
-class AgentService:
-    """Agents' lifecycle and views. Callers act as IM members of a workspace."""
+class AgentFactory:
+    """Makes agents: checks a draft, creates the agent's IM member, and stores
+    the agent with its main session (the same agent again for a repeated
+    request_id). Starting its runner is the caller's (`Runners.start_agent`).
+
+    The runners use it for the create_sub_agent tool, and the use cases for
+    CreateAgent and ForkFromStep; it needs neither of them.
+    """
 
     def __init__(
-        self,
-        *,
-        store: AgentStore,
-        im: IMPort,
-        runners: Runners,
-        hub: AgentHub,
-        tools: ToolRegistry,
-        clock: Callable[[], datetime],
-        endpoints: EndpointGuard | None = None,
-        max_page_size: int = 200,
-        audit_log: audit.AuditLog | None = None,
+        self, *, store: AgentStore, im: IMPort, tools: ToolRegistry, clock: Callable[[], datetime]
     ) -> None:
-        self._audit_log = audit_log
         self._store = store
-        self._endpoints = endpoints
         self._im = im
-        self._runners = runners
-        self._hub = hub
         self._tools = tools
         self._clock = clock
-        self._max_page = max_page_size
 
-    # -- identity -----------------------------------------------------------
-
-    async def _viewer(self, caller: Caller | None) -> Viewer:
-        """The calling member, its workspace and (from its token) its roles."""
-        if caller is None:
-            raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
-        claims = caller.claims
-        if claims.kind is PrincipalKind.SERVICE or claims.member_id is None or claims.workspace_id is None:
-            raise NotAllowed("a service acts on no agent of its own: call as a member")
-        return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
-
-    async def _visible(self, caller: Caller | None, agent_id: str, action: Action = Action.VIEW) -> Agent:
-        """The agent as its runner has it, if the caller may do `action` to it."""
-        viewer = await self._viewer(caller)
-        wanted = _parse_id(agent_id, "agent_id")
-        agent = await self._store.get_agent(wanted)
-        verdict = (
-            Verdict.HIDDEN
-            if agent is None
-            else decide(viewer, action, workspace_id=agent.workspace_id, owner_id=agent.owner_id)
-        )
-        if agent is None or verdict is Verdict.HIDDEN:
-            raise AgentNotFound(f"agent {wanted} not found")
-        if verdict is Verdict.DENIED:
-            raise NotAllowed(
-                f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
-            )
-        return self._runners.live(agent.id) or agent
-
-    async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
-        """The agent, if the caller may control it, reconfigure it and read its work
-        (its owner, the workspace's admins and owner)."""
-        return await self._visible(caller, agent_id, Action.CONTROL)
-
-    async def _check_endpoint(self, viewer: Viewer, base_url: str) -> None:
-        """May the caller point an agent's model requests at `base_url`?"""
-        if not may_set_endpoint(viewer):
-            raise NotAllowed("only the workspace's admins and owner set an agent's model.base_url")
-        if self._endpoints is not None and base_url:
-            await self._endpoints.check(base_url)
-
-    # -- agents -------------------------------------------------------------
-
-    def _check(self, draft: AgentDraft) -> AgentDraft:
+    def check(self, draft: AgentDraft) -> AgentDraft:
+        """The draft with its name trimmed; InvalidAgentRequest says what is wrong with it."""
         name = draft.name.strip()
         if not name:
             raise InvalidAgentRequest("name is required")
@@ -184,63 +133,17 @@ class AgentService:
             )
         return replace(draft, name=name)
 
-    async def create_agent(
-        self,
-        principal: Caller | None,
-        draft: AgentDraft,
-        *,
-        workspace_id: str = "",
-        parent_id: str = "",
-        request_id: str = "",
-    ) -> Agent:
-        viewer = await self._viewer(principal)
-        workspace = viewer.workspace_id
-        if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
-            raise AgentNotFound(f"workspace {workspace_id} not found")
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidAgentRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
-        parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
-        checked = self._check(draft)
-        if checked.model.base_url:
-            await self._check_endpoint(viewer, checked.model.base_url)
-        return await self._create(
-            viewer.member_id,
-            workspace,
-            checked,
-            parent=parent,
-            request_id=request_id,
-            owner=viewer.member_id,
-            actor=audit.actor_of(principal),
-            action="CreateAgent",
-        )
-
-    async def create_clone(self, caller: Caller | None, source: Agent, draft: AgentDraft) -> Agent:
-        """A fork of `source` into a new agent: its parent and its owner are `source`'s."""
-        viewer = await self._viewer(caller)
-        parent = await self._store.get_agent(source.parent_id) if source.parent_id else None
-        return await self._create(
-            viewer.member_id,
-            source.workspace_id,
-            self._check(draft),
-            parent=parent,
-            request_id="",
-            owner=source.owner_id,
-            actor=audit.actor_of(caller),
-            action="ForkFromStep",
-            details={"forked_from": str(source.id)},
-        )
-
     async def create_child(
         self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str = ""
     ) -> Agent:
         """The create_sub_agent tool: a child with its parent's model and tools
         (the same child again for a repeated request_id)."""
-        draft = self._check(
+        draft = self.check(
             AgentDraft(
                 name=name, role=role, system_prompt=system_prompt, model=parent.model, tools=parent.tools
             )
         )
-        return await self._create(
+        return await self.create(
             parent.member_id,
             parent.workspace_id,
             draft,
@@ -252,7 +155,7 @@ class AgentService:
             action="CreateAgent",
         )
 
-    async def _create(
+    async def create(
         self,
         caller: uuid.UUID,
         workspace: uuid.UUID,
@@ -265,6 +168,8 @@ class AgentService:
         action: str,
         details: dict[str, str] | None = None,
     ) -> Agent:
+        """Creates the agent's IM member and stores the agent, with its main
+        session; the agent already made for a repeated `request_id`."""
         fingerprint = hashlib.sha256(
             json.dumps([str(workspace), repr(draft), str(parent.id if parent else "")]).encode()
         ).hexdigest()
@@ -318,7 +223,6 @@ class AgentService:
             return await self._replayed(found, fingerprint, request_id)
         # Its main session; stored after the agent, which a replay returns without this.
         await self._store.add_session(Session(id=agent.session_id, agent_id=agent.id, created_at=now))
-        self._runners.start_agent(agent)
         return agent
 
     async def _replayed(self, found: tuple[str, uuid.UUID], fingerprint: str, request_id: str) -> Agent:
@@ -328,6 +232,128 @@ class AgentService:
         agent = await self._store.get_agent(agent_id)
         if agent is None:
             raise AgentNotFound(f"agent {agent_id} not found")
+        return agent
+
+
+class AgentService:
+    """Agents' lifecycle and views. Callers act as IM members of a workspace."""
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        im: IMPort,
+        factory: AgentFactory,
+        runners: Runners,
+        hub: AgentHub,
+        tools: ToolRegistry,
+        clock: Callable[[], datetime],
+        endpoints: EndpointGuard | None = None,
+        max_page_size: int = 200,
+        audit_log: audit.AuditLog | None = None,
+    ) -> None:
+        self._audit_log = audit_log
+        self._store = store
+        self._endpoints = endpoints
+        self._im = im
+        self._factory = factory
+        self._runners = runners
+        self._hub = hub
+        self._tools = tools
+        self._clock = clock
+        self._max_page = max_page_size
+
+    # -- identity -----------------------------------------------------------
+
+    async def _viewer(self, caller: Caller | None) -> Viewer:
+        """The calling member, its workspace and (from its token) its roles."""
+        if caller is None:
+            raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
+        claims = caller.claims
+        if claims.kind is PrincipalKind.SERVICE or claims.member_id is None or claims.workspace_id is None:
+            raise NotAllowed("a service acts on no agent of its own: call as a member")
+        return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
+
+    async def _visible(self, caller: Caller | None, agent_id: str, action: Action = Action.VIEW) -> Agent:
+        """The agent as its runner has it, if the caller may do `action` to it."""
+        viewer = await self._viewer(caller)
+        wanted = _parse_id(agent_id, "agent_id")
+        agent = await self._store.get_agent(wanted)
+        verdict = (
+            Verdict.HIDDEN
+            if agent is None
+            else decide(viewer, action, workspace_id=agent.workspace_id, owner_id=agent.owner_id)
+        )
+        if agent is None or verdict is Verdict.HIDDEN:
+            raise AgentNotFound(f"agent {wanted} not found")
+        if verdict is Verdict.DENIED:
+            raise NotAllowed(
+                f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
+            )
+        return self._runners.live(agent.id) or agent
+
+    async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
+        """The agent, if the caller may control it, reconfigure it and read its work
+        (its owner, the workspace's admins and owner)."""
+        return await self._visible(caller, agent_id, Action.CONTROL)
+
+    async def _check_endpoint(self, viewer: Viewer, base_url: str) -> None:
+        """May the caller point an agent's model requests at `base_url`?"""
+        if not may_set_endpoint(viewer):
+            raise NotAllowed("only the workspace's admins and owner set an agent's model.base_url")
+        if self._endpoints is not None and base_url:
+            await self._endpoints.check(base_url)
+
+    # -- agents -------------------------------------------------------------
+
+    async def create_agent(
+        self,
+        principal: Caller | None,
+        draft: AgentDraft,
+        *,
+        workspace_id: str = "",
+        parent_id: str = "",
+        request_id: str = "",
+    ) -> Agent:
+        viewer = await self._viewer(principal)
+        workspace = viewer.workspace_id
+        if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
+            raise AgentNotFound(f"workspace {workspace_id} not found")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidAgentRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
+        parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
+        checked = self._factory.check(draft)
+        if checked.model.base_url:
+            await self._check_endpoint(viewer, checked.model.base_url)
+        agent = await self._factory.create(
+            viewer.member_id,
+            workspace,
+            checked,
+            parent=parent,
+            request_id=request_id,
+            owner=viewer.member_id,
+            actor=audit.actor_of(principal),
+            action="CreateAgent",
+        )
+        self._runners.start_agent(agent)
+        return agent
+
+    async def create_clone(self, caller: Caller | None, source: Agent, draft: AgentDraft) -> Agent:
+        """A fork of `source` into a new agent: its parent and its owner are `source`'s."""
+        viewer = await self._viewer(caller)
+        parent = await self._store.get_agent(source.parent_id) if source.parent_id else None
+        agent = await self._factory.create(
+            viewer.member_id,
+            source.workspace_id,
+            self._factory.check(draft),
+            parent=parent,
+            request_id="",
+            owner=source.owner_id,
+            actor=audit.actor_of(caller),
+            action="ForkFromStep",
+            details={"forked_from": str(source.id)},
+        )
+        self._runners.start_agent(agent)
         return agent
 
     async def get_agent(self, principal: Caller | None, agent_id: str) -> Agent:
@@ -379,7 +405,7 @@ class AgentService:
             token_budget=draft.token_budget if "token_budget" in fields else agent.token_budget,
             auto_recall=draft.auto_recall if "auto_recall" in fields else agent.auto_recall,
         )
-        merged = self._check(merged)
+        merged = self._factory.check(merged)
         if merged.model.base_url != agent.model.base_url:
             await self._check_endpoint(await self._viewer(principal), merged.model.base_url)
         if merged.name != agent.name:

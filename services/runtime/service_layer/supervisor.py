@@ -13,7 +13,6 @@ from services.runtime.domain.model import Agent, AgentState
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import STOPPED_DURING_RUN, AgentRunner, RunnerEnv
 from services.runtime.service_layer.runners import Runners
-from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,10 @@ class Supervisor(Runners):
     """
 
     def __init__(self, env: RunnerEnv, *, cursor_save_delay: float = 1.0) -> None:
-        self._env = env
+        # An agent's create_sub_agent tool makes the child (`env.create_sub_agent`)
+        # and the supervisor starts the child's runner.
+        self._make_child = env.create_sub_agent
+        self._env = replace(env, create_sub_agent=self._create_sub_agent)
         self._runners: dict[uuid.UUID, AgentRunner] = {}
         self._by_member: dict[uuid.UUID, AgentRunner] = {}
         self._watches: dict[uuid.UUID, asyncio.Task[None]] = {}
@@ -52,10 +54,12 @@ class Supervisor(Runners):
         self._save_delay = cursor_save_delay
         self._savers: dict[uuid.UUID, asyncio.Task[None]] = {}
 
-    def use_tasks(self, tasks: TaskQueue) -> None:
-        """Gives the runners their task queue (which needs the supervisor
-        itself, hence after construction); before `start`."""
-        self._env = replace(self._env, tasks=tasks)
+    async def _create_sub_agent(
+        self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str
+    ) -> Agent:
+        child = await self._make_child(parent, name, role, system_prompt, request_id)
+        self.start_agent(child)
+        return child
 
     async def start(self) -> int:
         """Starts a runner for every stored agent; returns how many.

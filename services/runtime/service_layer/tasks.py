@@ -102,16 +102,13 @@ class QueueStats:
     average_wait_ms: float
 
 
-class TaskService(TaskQueue):
-    """The use cases of SubmitTask, GetTask, ListTasks, CancelTask and
-    GetQueueStats, and the queue the agents' runners take their tasks from.
+class StoredTaskQueue(TaskQueue):
+    """The queue the agents' runners take their tasks from, kept in the
+    `AgentStore` (the runners' `TaskQueue` port), and the changes of status
+    the task RPCs make (`TaskService`).
 
     Args:
         retry: how failed tasks are retried.
-        max_input_bytes: the largest task input (UTF-8).
-        max_page_size: the largest page of ListTasks.
-        cancel_wait_seconds: how long CancelTask waits for the runner to cut
-            a running task short before answering with the task as it is.
         jitter: a source of numbers in [0, 1) for the retry backoff.
     """
 
@@ -119,25 +116,15 @@ class TaskService(TaskQueue):
         self,
         *,
         store: AgentStore,
-        runners: Runners,
         hub: AgentHub,
-        agents: AgentService,
         clock: Callable[[], datetime],
         retry: RetryPolicy | None = None,
-        max_input_bytes: int = 64 * 1024,
-        max_page_size: int = 200,
-        cancel_wait_seconds: float = 10.0,
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self._store = store
-        self._runners = runners
         self._hub = hub
-        self._agents = agents
         self._clock = clock
         self._retry = retry or RetryPolicy()
-        self._max_input_bytes = max_input_bytes
-        self._max_page = max_page_size
-        self._cancel_wait = cancel_wait_seconds
         self._jitter = jitter
         # Running tasks a person cancelled: however their run ends (short of
         # succeeding), they end CANCELLED, never retried.
@@ -156,128 +143,34 @@ class TaskService(TaskQueue):
         # ended: only those can have an orphan once their runner is idle.
         self._unsettled: set[uuid.UUID] = set()
 
-    # -- the RPCs -------------------------------------------------------------
+    # -- for the task RPCs ----------------------------------------------------
 
-    async def submit_task(
-        self,
-        principal: Caller | None,
-        agent_id: str,
-        *,
-        text: str,
-        request_id: str = "",
-        session_id: str = "",
-        priority: int = 0,
-    ) -> Placed:
-        """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
-        agent = await self._agents.controlled(principal, agent_id)
-        if not text.strip():
-            raise InvalidTaskRequest("input is required")
-        size = len(text.encode())
-        if size > self._max_input_bytes:
-            raise InvalidTaskRequest(f"input is {size} bytes; the limit is {self._max_input_bytes}")
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidTaskRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
-        session = await self._session_of(agent, session_id)
-        asked = (text, priority, session if session_id else None)
-        if request_id:
-            found = await self._store.find_task(agent.id, request_id)
-            if found is not None:
-                return await self._placed(_replayed(found, asked))
-        task = Task(
-            id=uuid7(),
-            agent_id=agent.id,
-            session_id=session,
-            input=text,
-            status=TaskStatus.QUEUED,
-            created_at=self._clock(),
-            priority=priority,
-            request_id=request_id,
+    def added(self, task: Task) -> None:
+        """A task was stored as QUEUED (or may have been: its write's answer
+        was lost): the agent's next look finds it."""
+        self._forget(task.agent_id)
+
+    def publish(self, task: Task) -> None:
+        """Tells the agent's watchers the task's new status."""
+        self._publish(task)
+
+    def cancelling(self, task: Task) -> asyncio.Event:
+        """A person cancels the RUNNING task: however its run ends (short of
+        succeeding), it ends CANCELLED. The event is set once it stops running."""
+        self._cancelling.add(task.id)
+        return self._stopped.setdefault(task.id, asyncio.Event())
+
+    async def cancel_unrun(self, task: Task) -> bool:
+        """Cancels a RUNNING task no runner goes on with (its run was lost with its process)."""
+        return await self._end(
+            task,
+            lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock()),
+            quiet=True,
         )
-        record = self._agents.audit_record(
-            principal,
-            agent,
-            "SubmitTask",
-            target=audit.Target("task", str(task.id)),
-            request_id=request_id,
-            details={"agent_id": str(agent.id), "priority": str(priority)},
-        )
-        try:
-            stored = await self._store.add_task(task, audit=record)
-        except errors.Unavailable:
-            # The write may have committed all the same (only its answer was
-            # lost): the caller's retry then finds the task, which the runner
-            # must not miss.
-            self._forget(agent.id)
-            self._wake(agent.id)
-            raise
-        # After the write: a look that began before it sees this and keeps nothing.
-        self._forget(agent.id)
-        if stored.id != task.id:  # a concurrent call with the request_id got there first
-            return await self._placed(_replayed(stored, asked))
-        self._publish(stored)
-        self._wake(agent.id)
-        return await self._placed(stored)
 
-    def _wake(self, agent_id: uuid.UUID) -> None:
-        self._runners.wake(agent_id)
-
-    async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
-        return await self._placed(await self._visible(principal, task_id))
-
-    async def list_tasks(
-        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
-    ) -> tuple[list[Placed], str]:
-        """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
-        agent = await self._agents.controlled(principal, agent_id)
-        if page_size < 0:
-            raise InvalidTaskRequest("page_size must not be negative")
-        limit = min(page_size or 50, self._max_page)
-        before = _parse_id(page_token, "page_token") if page_token else None
-        tasks = await self._store.list_tasks(agent.id, before=before, limit=limit + 1)
-        page = [await self._placed(t) for t in tasks[:limit]]
-        return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
-
-    async def cancel_task(self, principal: Caller | None, task_id: str) -> Placed:
-        """Cancels a waiting task at once; asks the runner to cut a running one short.
-
-        Raises:
-            TaskAlreadyEnded: it succeeded, died or was cancelled already.
-        """
-        task = await self._visible(principal, task_id)
-        while True:
-            if task.status in WAITING:
-                ended = replace(task, status=TaskStatus.CANCELLED, ended_at=self._clock(), retry_at=None)
-                if await self._store.update_task(ended, expected=WAITING):
-                    self._publish(ended)
-                    await self._cancelled_by(principal, task)
-                    return Placed(ended)
-            elif task.status is TaskStatus.RUNNING:
-                placed = Placed(await self._cancel_running(task))
-                await self._cancelled_by(principal, task)
-                return placed
-            else:
-                raise TaskAlreadyEnded(
-                    f"task {task.id} is {task.status.value}:"
-                    " only queued, failed or running tasks can be cancelled"
-                )
-            # Its status changed meanwhile (the runner started it): look again.
-            task = await self._reread(task)
-
-    async def _cancelled_by(self, principal: Caller | None, task: Task) -> None:
-        agent = await self._store.get_agent(task.agent_id)
-        if agent is not None:
-            await self._agents.recorded(
-                principal,
-                agent,
-                "CancelTask",
-                target=audit.Target("task", str(task.id)),
-                details={"agent_id": str(agent.id), "was": task.status.value},
-            )
-
-    async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
-        agent = await self._agents.controlled(principal, agent_id)
-        waiting, running, average = await self._store.queue_stats(agent.id)
-        return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
+    async def reread(self, task: Task) -> Task:
+        """The task as stored now."""
+        return await self._reread(task)
 
     async def clear_queue(self, agent_id: uuid.UUID) -> int:
         """Cancels every waiting (QUEUED or FAILED) task of the agent, as
@@ -426,54 +319,8 @@ class TaskService(TaskQueue):
     async def cancelled(self, task: Task, *, at: datetime) -> None:
         await self._end(task, lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None))
 
-    # -- helpers ------------------------------------------------------------------
-
-    async def _visible(self, principal: Caller | None, task_id: str) -> Task:
-        """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
-        wanted = _parse_id(task_id, "task_id")
-        task = await self._store.get_task(wanted)
-        try:
-            # Asked even for a missing task: an unauthenticated caller learns nothing.
-            await self._agents.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
-        except AgentNotFound:
-            task = None
-        if task is None:
-            raise TaskNotFound(f"task {wanted} not found")
-        return task
-
-    async def _session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
-        if not session_id:
-            return agent.session_id
-        wanted = _parse_id(session_id, "session_id")
-        if wanted != agent.session_id:
-            session = await self._store.get_session(wanted)
-            if session is None or session.agent_id != agent.id:
-                raise SessionNotFound(f"session {wanted} of agent {agent.id} not found")
-        return wanted
-
-    async def _placed(self, task: Task) -> Placed:
-        if task.status is not TaskStatus.QUEUED:
-            return Placed(task)
-        return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
-
     async def _reread(self, task: Task) -> Task:
         return await self._store.get_task(task.id) or task
-
-    async def _cancel_running(self, task: Task) -> Task:
-        self._cancelling.add(task.id)
-        stopped = self._stopped.setdefault(task.id, asyncio.Event())
-        # The runner cuts the task's run short, then reports it `cancelled`.
-        if not await self._runners.cancel_task(task.agent_id, task.id):
-            # Nobody here runs it (a run lost with its process): end it now.
-            await self._end(
-                task,
-                lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock()),
-                quiet=True,
-            )
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopped.wait(), self._cancel_wait)
-        return await self._reread(task)
 
     async def _end(
         self,
@@ -509,6 +356,204 @@ class TaskService(TaskQueue):
 
     def _publish(self, task: Task) -> None:
         self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)))
+
+
+class TaskService:
+    """The use cases of SubmitTask, GetTask, ListTasks, CancelTask and
+    GetQueueStats, over the agents' queue.
+
+    Args:
+        max_input_bytes: the largest task input (UTF-8).
+        max_page_size: the largest page of ListTasks.
+        cancel_wait_seconds: how long CancelTask waits for the runner to cut
+            a running task short before answering with the task as it is.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        queue: StoredTaskQueue,
+        runners: Runners,
+        agents: AgentService,
+        clock: Callable[[], datetime],
+        max_input_bytes: int = 64 * 1024,
+        max_page_size: int = 200,
+        cancel_wait_seconds: float = 10.0,
+    ) -> None:
+        self._store = store
+        self._queue = queue
+        self._runners = runners
+        self._agents = agents
+        self._clock = clock
+        self._max_input_bytes = max_input_bytes
+        self._max_page = max_page_size
+        self._cancel_wait = cancel_wait_seconds
+
+    async def submit_task(
+        self,
+        principal: Caller | None,
+        agent_id: str,
+        *,
+        text: str,
+        request_id: str = "",
+        session_id: str = "",
+        priority: int = 0,
+    ) -> Placed:
+        """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
+        agent = await self._agents.controlled(principal, agent_id)
+        if not text.strip():
+            raise InvalidTaskRequest("input is required")
+        size = len(text.encode())
+        if size > self._max_input_bytes:
+            raise InvalidTaskRequest(f"input is {size} bytes; the limit is {self._max_input_bytes}")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidTaskRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
+        session = await self._session_of(agent, session_id)
+        asked = (text, priority, session if session_id else None)
+        if request_id:
+            found = await self._store.find_task(agent.id, request_id)
+            if found is not None:
+                return await self._placed(_replayed(found, asked))
+        task = Task(
+            id=uuid7(),
+            agent_id=agent.id,
+            session_id=session,
+            input=text,
+            status=TaskStatus.QUEUED,
+            created_at=self._clock(),
+            priority=priority,
+            request_id=request_id,
+        )
+        record = self._agents.audit_record(
+            principal,
+            agent,
+            "SubmitTask",
+            target=audit.Target("task", str(task.id)),
+            request_id=request_id,
+            details={"agent_id": str(agent.id), "priority": str(priority)},
+        )
+        try:
+            stored = await self._store.add_task(task, audit=record)
+        except errors.Unavailable:
+            # The write may have committed all the same (only its answer was
+            # lost): the caller's retry then finds the task, which the runner
+            # must not miss.
+            self._queue.added(task)
+            self._wake(agent.id)
+            raise
+        # After the write: a look that began before it sees this and keeps nothing.
+        self._queue.added(task)
+        if stored.id != task.id:  # a concurrent call with the request_id got there first
+            return await self._placed(_replayed(stored, asked))
+        self._queue.publish(stored)
+        self._wake(agent.id)
+        return await self._placed(stored)
+
+    def _wake(self, agent_id: uuid.UUID) -> None:
+        self._runners.wake(agent_id)
+
+    async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
+        return await self._placed(await self._visible(principal, task_id))
+
+    async def list_tasks(
+        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
+    ) -> tuple[list[Placed], str]:
+        """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
+        agent = await self._agents.controlled(principal, agent_id)
+        if page_size < 0:
+            raise InvalidTaskRequest("page_size must not be negative")
+        limit = min(page_size or 50, self._max_page)
+        before = _parse_id(page_token, "page_token") if page_token else None
+        tasks = await self._store.list_tasks(agent.id, before=before, limit=limit + 1)
+        page = [await self._placed(t) for t in tasks[:limit]]
+        return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
+
+    async def cancel_task(self, principal: Caller | None, task_id: str) -> Placed:
+        """Cancels a waiting task at once; asks the runner to cut a running one short.
+
+        Raises:
+            TaskAlreadyEnded: it succeeded, died or was cancelled already.
+        """
+        task = await self._visible(principal, task_id)
+        while True:
+            if task.status in WAITING:
+                ended = replace(task, status=TaskStatus.CANCELLED, ended_at=self._clock(), retry_at=None)
+                if await self._store.update_task(ended, expected=WAITING):
+                    self._queue.publish(ended)
+                    await self._cancelled_by(principal, task)
+                    return Placed(ended)
+            elif task.status is TaskStatus.RUNNING:
+                placed = Placed(await self._cancel_running(task))
+                await self._cancelled_by(principal, task)
+                return placed
+            else:
+                raise TaskAlreadyEnded(
+                    f"task {task.id} is {task.status.value}:"
+                    " only queued, failed or running tasks can be cancelled"
+                )
+            # Its status changed meanwhile (the runner started it): look again.
+            task = await self._reread(task)
+
+    async def _cancelled_by(self, principal: Caller | None, task: Task) -> None:
+        agent = await self._store.get_agent(task.agent_id)
+        if agent is not None:
+            await self._agents.recorded(
+                principal,
+                agent,
+                "CancelTask",
+                target=audit.Target("task", str(task.id)),
+                details={"agent_id": str(agent.id), "was": task.status.value},
+            )
+
+    async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
+        agent = await self._agents.controlled(principal, agent_id)
+        waiting, running, average = await self._store.queue_stats(agent.id)
+        return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
+
+    # -- helpers ------------------------------------------------------------------
+
+    async def _visible(self, principal: Caller | None, task_id: str) -> Task:
+        """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
+        wanted = _parse_id(task_id, "task_id")
+        task = await self._store.get_task(wanted)
+        try:
+            # Asked even for a missing task: an unauthenticated caller learns nothing.
+            await self._agents.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
+        except AgentNotFound:
+            task = None
+        if task is None:
+            raise TaskNotFound(f"task {wanted} not found")
+        return task
+
+    async def _session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
+        if not session_id:
+            return agent.session_id
+        wanted = _parse_id(session_id, "session_id")
+        if wanted != agent.session_id:
+            session = await self._store.get_session(wanted)
+            if session is None or session.agent_id != agent.id:
+                raise SessionNotFound(f"session {wanted} of agent {agent.id} not found")
+        return wanted
+
+    async def _placed(self, task: Task) -> Placed:
+        if task.status is not TaskStatus.QUEUED:
+            return Placed(task)
+        return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
+
+    async def _reread(self, task: Task) -> Task:
+        return await self._queue.reread(task)
+
+    async def _cancel_running(self, task: Task) -> Task:
+        stopped = self._queue.cancelling(task)
+        # The runner cuts the task's run short, then reports it `cancelled`.
+        if not await self._runners.cancel_task(task.agent_id, task.id):
+            # Nobody here runs it (a run lost with its process): end it now.
+            await self._queue.cancel_unrun(task)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), self._cancel_wait)
+        return await self._reread(task)
 
 
 def _replayed(found: Task, asked: tuple[str, int, uuid.UUID | None]) -> Task:
