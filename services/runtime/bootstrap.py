@@ -37,13 +37,14 @@ from services.runtime.entrypoints.policy import RUNTIME_POLICY
 from services.runtime.service_layer.agents import AgentFactory, AgentService
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
+from services.runtime.service_layer.handlers import control
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
-from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.memory_port import MemoryPort
+from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.read_positions import ReadPositions
 from services.runtime.service_layer.runner import (
     AgentRunner,
@@ -95,7 +96,7 @@ class RuntimeApp:
     history: HistoryService
     queue: StoredTaskQueue
     tasks: TaskService
-    lifecycle: LifecycleService
+    bus: MessageBus
     servicer: RuntimeServicer
     # What `stop` closes, in order, once the server (if any) has stopped:
     # what `build` opened, never what the caller passed in.
@@ -345,8 +346,10 @@ def build(
         max_input_bytes=settings.max_task_input_bytes,
         cancel_wait_seconds=settings.task_cancel_wait_seconds,
     )
-    lifecycle = LifecycleService(agents=service, runners=runners, clear_queue=queue.clear_queue)
-    servicer = RuntimeServicer(service, history=history, tasks=tasks, lifecycle=lifecycle)
+    bus = MessageBus(
+        control.handlers(control.Control(agents=service, runners=runners, clear_queue=queue.clear_queue))
+    )
+    servicer = RuntimeServicer(service, history=history, tasks=tasks, bus=bus)
     app = RuntimeApp(
         settings=settings,
         store=store,
@@ -361,7 +364,7 @@ def build(
         history=history,
         queue=queue,
         tasks=tasks,
-        lifecycle=lifecycle,
+        bus=bus,
         servicer=servicer,
         cleanups=cleanups,
         database=database,

@@ -23,6 +23,7 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import PauseAgent, ResumeAgent, TerminateAgent
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
     Agent,
@@ -37,8 +38,8 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMMessage
-from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.llm_port import LLM
+from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tasks import TaskService
 from tests.identities import caller_of
@@ -138,8 +139,8 @@ class System:
         return self.app.tasks
 
     @property
-    def control(self) -> LifecycleService:
-        return self.app.lifecycle
+    def bus(self) -> MessageBus:
+        return self.app.bus
 
     async def crash(self) -> None:
         """Stops the runtime where it is: its runners stop mid-work."""
@@ -447,7 +448,7 @@ async def test_a_pause_asked_during_the_last_completion_takes_effect_as_the_run_
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "finish it")
         await asyncio.wait_for(last.reached.wait(), WAIT)
-        answered = await s.control.pause(s.me, str(ada.id))
+        answered = await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         assert (answered.state, answered.pause_pending) == (AgentState.RUNNING, True)
         assert s.store.agents[ada.id].pause_pending, "a pending pause is stored"
         gate.set()
@@ -456,7 +457,7 @@ async def test_a_pause_asked_during_the_last_completion_takes_effect_as_the_run_
         assert not s.store.agents[ada.id].pause_pending
         (run,) = s.store.runs.values()
         assert run.status is RunStatus.COMPLETED, "the run ended as it would have"
-        await s.control.resume(s.me, str(ada.id))
+        await s.bus.handle(ResumeAgent(s.me, str(ada.id)))
         s.im.post(s.human, chat.id, "are you there?")
         await until(lambda: len(s.im.in_group(chat.id)) == 4, "the next message was answered")
         await s.settle(ada)
@@ -470,7 +471,7 @@ async def test_a_pause_pending_when_the_runtime_stopped_takes_effect_after_the_r
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "go")
         await asyncio.wait_for(s.llm.scripts[0].reached.wait(), WAIT)
-        await s.control.pause(s.me, str(ada.id))
+        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         fresh = await crash_and_restart(s, Script(content="must not run"))
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it is paused")
         await fresh.settle(ada)
@@ -519,12 +520,12 @@ async def test_a_task_paused_mid_run_goes_on_where_it_was_when_resumed() -> None
         ada = await s.agent()
         placed = await s.tasks.submit_task(s.me, str(ada.id), text="tell bob")
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
-        await s.control.pause(s.me, str(ada.id))
+        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         gate.set()
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it paused")
         paused = s.store.tasks[placed.task.id]
         assert paused.status is TaskStatus.RUNNING, "a paused task is neither done nor given up"
-        await s.control.resume(s.me, str(ada.id))
+        await s.bus.handle(ResumeAgent(s.me, str(ada.id)))
         await until(
             lambda: s.store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded"
         )
@@ -546,9 +547,9 @@ async def test_terminating_an_agent_paused_mid_task_puts_the_task_back() -> None
         ada = await s.agent()
         placed = await s.tasks.submit_task(s.me, str(ada.id), text="look around")
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
-        await s.control.pause(s.me, str(ada.id))
+        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         gate.set()
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it paused")
-        await s.control.terminate(s.me, str(ada.id), clear_queue=False)
+        await s.bus.handle(TerminateAgent(s.me, str(ada.id), clear_queue=False))
         task = s.store.tasks[placed.task.id]
         assert (task.status, task.attempts) == (TaskStatus.QUEUED, 0)

@@ -499,11 +499,6 @@ class AgentService:
             self._audit_log, viewer.workspace_id, query, page_token=page_token, size=page_size
         )
 
-    async def wake_agent(self, principal: Caller | None, agent_id: str) -> Agent:
-        agent = await self.controlled(principal, agent_id)
-        self._runners.wake(agent.id, retry=True)
-        return agent
-
     # -- runs and steps -------------------------------------------------------
 
     async def list_runs(
