@@ -525,6 +525,25 @@ async def test_watching_mid_run_gives_missed_steps_then_live_deltas() -> None:
         assert sequences == [1, 2]
 
 
+async def test_a_sub_agent_made_by_an_agent_runs_at_once_and_answers_its_own_chats() -> None:
+    make_one = Script(tool_calls=[("create_sub_agent", json.dumps({"name": "kid", "role": "helper"}))])
+    async for h in harness(make_one, Script(content="done")):
+        ada = await h.agent(tools=("create_sub_agent",))
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "make a helper")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        (kid,) = [a for a in h.store.agents.values() if a.parent_id == ada.id]
+        assert h.app.runners.live(kid.id) is not None, "its runner started with it"
+        asked = len(h.llm.requests)
+        kid_chat = h.im.group("", h.human, kid.member_id, direct=True)
+        h.im.post(h.human, kid_chat.id, "hello kid")
+        await asyncio.sleep(0)
+        await h.settle(kid)
+        assert len(h.llm.requests) == asked + 1
+        assert [m.content for m in h.im.in_group(kid_chat.id)] == ["hello kid", "done"]
+
+
 async def test_restart_restores_agents_with_their_history(h: Harness) -> None:
     ada = await h.agent()
     chat = h.im.group("", h.human, ada.member_id, direct=True)
