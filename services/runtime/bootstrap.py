@@ -73,7 +73,7 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class RuntimeApp:
     """Everything the running runtime service is made of, wired together.
 
@@ -132,6 +132,8 @@ class RuntimeApp:
         return port, agents
 
     async def stop(self) -> None:
+        """Stops serving (draining the calls in flight), then every runner, then
+        closes what `build` opened. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -147,7 +149,11 @@ class RuntimeApp:
             await cleanup()
 
     async def __aenter__(self) -> RuntimeApp:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
