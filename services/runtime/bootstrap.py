@@ -38,6 +38,7 @@ from services.runtime.service_layer.agents import AgentFactory, AgentService
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
 from services.runtime.service_layer.handlers import control
+from services.runtime.service_layer.handlers import tasks as task_handlers
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
@@ -56,7 +57,7 @@ from services.runtime.service_layer.runner import (
 from services.runtime.service_layer.runners import Runners
 from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskService
+from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
 from services.runtime.service_layer.tools import ToolRegistry, default_registry
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class RuntimeApp:
     service: AgentService
     history: HistoryService
     queue: StoredTaskQueue
-    tasks: TaskService
+    tasks: TaskViews
     bus: MessageBus
     servicer: RuntimeServicer
     # What `stop` closes, in order, once the server (if any) has stopped:
@@ -343,17 +344,25 @@ def build(
         audit_log=audit_log,
     )
     history = HistoryService(store=store, runners=runners, hub=hub, im=im, agents=service, clock=clock)
-    tasks = TaskService(
-        store=store,
-        queue=queue,
-        runners=runners,
-        agents=service,
-        clock=clock,
-        max_input_bytes=settings.max_task_input_bytes,
-        cancel_wait_seconds=settings.task_cancel_wait_seconds,
-    )
+    tasks = TaskViews(store=store, agents=service, clock=clock)
     bus = MessageBus(
-        control.handlers(control.Control(agents=service, runners=runners, clear_queue=queue.clear_queue))
+        {
+            **control.handlers(
+                control.Control(agents=service, runners=runners, clear_queue=queue.clear_queue)
+            ),
+            **task_handlers.handlers(
+                task_handlers.Tasks(
+                    store=store,
+                    queue=queue,
+                    views=tasks,
+                    runners=runners,
+                    agents=service,
+                    clock=clock,
+                    max_input_bytes=settings.max_task_input_bytes,
+                    cancel_wait_seconds=settings.task_cancel_wait_seconds,
+                )
+            ),
+        }
     )
     servicer = RuntimeServicer(service, history=history, tasks=tasks, bus=bus)
     app = RuntimeApp(

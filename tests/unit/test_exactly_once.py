@@ -23,7 +23,7 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.runtime.bootstrap import RuntimeApp
-from services.runtime.domain.commands import PauseAgent, ResumeAgent, TerminateAgent
+from services.runtime.domain.commands import PauseAgent, ResumeAgent, SubmitTask, TerminateAgent
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
     Agent,
@@ -41,7 +41,7 @@ from services.runtime.service_layer.im_port import IMMessage
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tasks import TaskService
+from services.runtime.service_layer.tasks import TaskViews
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
 from tests.unit.runtime_support import fake_runtime
@@ -135,7 +135,7 @@ class System:
         return self.app.service
 
     @property
-    def tasks(self) -> TaskService:
+    def tasks(self) -> TaskViews:
         return self.app.tasks
 
     @property
@@ -333,7 +333,7 @@ async def test_a_task_left_running_by_a_run_that_was_never_stored_goes_back_to_t
         ada = await s.agent()
         await s.crash()
         # The process died between marking the task RUNNING and storing its run.
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="do it")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="do it"))
         stranded = replace(placed.task, status=TaskStatus.RUNNING, attempts=1, run_id=uuid.uuid4())
         s.store.tasks[stranded.id] = stranded
         fresh = await crash_and_restart(s)
@@ -353,7 +353,7 @@ async def test_a_task_whose_run_ended_before_the_crash_ends_as_its_run_did(
     async with system(Script(content="never asked")) as s:
         ada = await s.agent()
         await s.crash()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="do it")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="do it"))
         run = Run(
             id=uuid.uuid4(),
             agent_id=ada.id,
@@ -395,7 +395,7 @@ async def test_a_task_cut_by_a_crash_goes_on_in_its_run_and_sends_once() -> None
         bob = s.im.human("bob")
         s.im.hold_sends("task one", after=True)
         ada = await s.agent()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="tell bob task one is done")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="tell bob task one is done"))
         dm = await s.im.get_or_create_direct_group(ada.member_id, bob.id)
         await until(lambda: len(s.im.in_group(dm.id)) == 1, "bob got the message")
         s.im.release()
@@ -429,7 +429,7 @@ async def test_a_task_whose_end_could_not_be_stored_is_settled_once_the_runner_i
         store = SettleFailsOnce()
         fresh = build(s.im, llm=s.llm, store=store, clock=s.clock, human=s.human, lineage=s.lineage)
         ada = await fresh.agent()
-        placed = await fresh.tasks.submit_task(fresh.me, str(ada.id), text="do it")
+        placed = await fresh.bus.handle(SubmitTask(fresh.me, str(ada.id), text="do it"))
         await until(lambda: store.failed, "the first end was lost")
         fresh.app.runners.wake(ada.id)
         await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
@@ -498,7 +498,7 @@ async def test_a_run_whose_end_could_not_be_stored_is_ended_at_the_next_cycle() 
         store = EndFailsOnce()
         fresh = build(s.im, llm=s.llm, store=store, clock=s.clock, human=s.human, lineage=s.lineage)
         ada = await fresh.agent()
-        placed = await fresh.tasks.submit_task(fresh.me, str(ada.id), text="do it")
+        placed = await fresh.bus.handle(SubmitTask(fresh.me, str(ada.id), text="do it"))
         await until(lambda: store.failed, "the first end was lost")
         fresh.app.runners.wake(ada.id)
         await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
@@ -518,7 +518,7 @@ async def test_a_task_paused_mid_run_goes_on_where_it_was_when_resumed() -> None
     async with system(tool_round, Script(content="reported")) as s:
         bob = s.im.human("bob")
         ada = await s.agent()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="tell bob")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="tell bob"))
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
         await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         gate.set()
@@ -545,7 +545,7 @@ async def test_terminating_an_agent_paused_mid_task_puts_the_task_back() -> None
     tool_round = Script(tool_calls=[("list_groups", "{}")], hold_after=1, gate=gate)
     async with system(tool_round, Script(content="done")) as s:
         ada = await s.agent()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="look around")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="look around"))
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
         await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         gate.set()

@@ -1,4 +1,4 @@
-"""The task queue (`TaskService`) against in-memory fakes: submission and
+"""The task queue (`TaskViews`) against in-memory fakes: submission and
 idempotency, order and positions, retries, cancellation, statistics."""
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from services.common import errors
 from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import CancelTask, SubmitTask
 from services.runtime.domain.model import (
     Agent,
     AgentState,
     Emitted,
+    Placed,
     RunStatus,
     Session,
     Task,
@@ -29,8 +31,9 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
+from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.runner import AgentRunner
-from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskService
+from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, FakeRunners, InMemoryAgentStore, Script, ScriptedLLM
 from tests.unit.runtime_support import fake_runtime, unit_settings
@@ -58,8 +61,12 @@ class Queue:
         return self.app.service
 
     @property
-    def tasks(self) -> TaskService:
+    def tasks(self) -> TaskViews:
         return self.app.tasks
+
+    @property
+    def bus(self) -> MessageBus:
+        return self.app.bus
 
     @property
     def queue(self) -> StoredTaskQueue:
@@ -79,7 +86,7 @@ class Queue:
         return await self.agents.create_agent(self.me, AgentDraft(name=name))
 
     async def submit(self, agent: Agent, text: str = "do it", **fields: object) -> Task:
-        placed = await self.tasks.submit_task(self.me, str(agent.id), text=text, **fields)  # type: ignore[arg-type]
+        placed = await self.bus.handle(SubmitTask(self.me, str(agent.id), text=text, **fields))  # type: ignore[arg-type]
         return placed.task
 
     async def run_next(self, agent: Agent) -> Task:
@@ -132,7 +139,7 @@ def drain(watcher: Watcher) -> list[tuple[TaskStatus, uuid.UUID]]:
 async def test_a_submitted_task_is_queued_announced_and_wakes_the_agent(q: Queue) -> None:
     ada = await q.agent()
     watcher, _ = q.hub.watch([ada.id])
-    placed = await q.tasks.submit_task(q.me, str(ada.id), text="summarise the week", priority=2)
+    placed = await q.bus.handle(SubmitTask(q.me, str(ada.id), text="summarise the week", priority=2))
     assert q.runners.woken == [ada.id]
     task = placed.task
     assert task.status is TaskStatus.QUEUED and placed.position == 0
@@ -172,14 +179,17 @@ async def test_a_request_id_reused_for_something_else_is_refused(q: Queue, field
         value = str(other.id)
     fields: dict[str, object] = {"text": "report", "priority": 1, field: value}
     with pytest.raises(errors.AlreadyExists, match="r-1"):
-        await q.tasks.submit_task(q.me, str(ada.id), request_id="r-1", **fields)  # type: ignore[arg-type]
+        await q.bus.handle(SubmitTask(q.me, str(ada.id), request_id="r-1", **fields))  # type: ignore[arg-type]
     assert len(q.store.tasks) == 1
 
 
 async def test_fifty_concurrent_submissions_are_each_queued_once(q: Queue) -> None:
     ada = await q.agent()
     placed = await asyncio.gather(
-        *(q.tasks.submit_task(q.me, str(ada.id), text=f"task {i}", request_id=f"r-{i}") for i in range(50))
+        *(
+            q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"task {i}", request_id=f"r-{i}"))
+            for i in range(50)
+        )
     )
     assert len({p.task.id for p in placed}) == 50 and len(q.store.tasks) == 50
     assert all(p.task.status is TaskStatus.QUEUED for p in placed)
@@ -197,7 +207,7 @@ async def test_fifty_concurrent_submissions_with_one_request_id_make_one_task(q:
     ada = await q.agent()
     watcher, _ = q.hub.watch([ada.id])
     placed = await asyncio.gather(
-        *(q.tasks.submit_task(q.me, str(ada.id), text="once", request_id="same") for _ in range(50))
+        *(q.bus.handle(SubmitTask(q.me, str(ada.id), text="once", request_id="same")) for _ in range(50))
     )
     assert {p.task.id for p in placed} == {placed[0].task.id}
     assert len(q.store.tasks) == 1
@@ -222,7 +232,7 @@ async def test_submissions_are_checked(q: Queue) -> None:
     for error, principal, agent_id, fields in cases:
         arguments: dict[str, object] = {"text": "do it", **fields}
         with pytest.raises(error):
-            await q.tasks.submit_task(principal, agent_id, **arguments)  # type: ignore[arg-type]
+            await q.bus.handle(SubmitTask(principal, agent_id, **arguments))  # type: ignore[arg-type]
     # Another agent's session is not this one's.
     bea = await q.agent("bea")
     with pytest.raises(errors.NotFound, match="session"):
@@ -270,11 +280,11 @@ async def test_higher_priority_first_then_arrival(q: Queue) -> None:
 async def test_the_position_of_a_new_task_counts_the_tasks_ahead(q: Queue) -> None:
     ada = await q.agent()
     for i in range(3):
-        assert (await q.tasks.submit_task(q.me, str(ada.id), text=f"t{i}")).position == i
+        assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"t{i}"))).position == i
     # Higher priority goes ahead of them all; the running one is not in the queue.
-    assert (await q.tasks.submit_task(q.me, str(ada.id), text="vip", priority=1)).position == 0
+    assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="vip", priority=1))).position == 0
     await q.run_next(ada)
-    assert (await q.tasks.submit_task(q.me, str(ada.id), text="t3")).position == 3
+    assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="t3"))).position == 3
 
 
 # Running, retries, death
@@ -361,12 +371,12 @@ async def test_cancelling_a_waiting_task_is_immediate(q: Queue) -> None:
     watcher, _ = q.hub.watch([ada.id])
     queued = await q.submit(ada, "queued")
     failing = await q.submit(ada, "failing")
-    await q.tasks.cancel_task(q.me, str(queued.id))
+    await q.bus.handle(CancelTask(q.me, str(queued.id)))
     # A FAILED task waiting for its retry is cancelled too.
     running = await q.run_next(ada)
     assert running.id == failing.id
     await q.queue.failed(running, error="boom", at=q.clock())
-    cancelled = (await q.tasks.cancel_task(q.me, str(failing.id))).task
+    cancelled = (await q.bus.handle(CancelTask(q.me, str(failing.id)))).task
     assert cancelled.status is TaskStatus.CANCELLED and cancelled.ended_at is not None
     assert cancelled.retry_at is None
     assert [s for s, _ in drain(watcher)] == [
@@ -380,7 +390,7 @@ async def test_cancelling_a_waiting_task_is_immediate(q: Queue) -> None:
     assert await q.queue.next_task(ada.id, now=q.clock.now + timedelta(days=1)) is None
     # An ended task cannot be cancelled.
     with pytest.raises(errors.FailedPrecondition, match="cancelled"):
-        await q.tasks.cancel_task(q.me, str(queued.id))
+        await q.bus.handle(CancelTask(q.me, str(queued.id)))
 
 
 async def test_a_task_cancelled_before_it_starts_is_not_started(q: Queue) -> None:
@@ -388,7 +398,7 @@ async def test_a_task_cancelled_before_it_starts_is_not_started(q: Queue) -> Non
     await q.submit(ada)
     head = await q.queue.next_task(ada.id, now=q.clock.now)
     assert head is not None
-    await q.tasks.cancel_task(q.me, str(head.id))
+    await q.bus.handle(CancelTask(q.me, str(head.id)))
     started = await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
     assert started.status is TaskStatus.CANCELLED and started.attempts == 0
 
@@ -404,7 +414,7 @@ async def test_cancelling_a_running_task_asks_its_runner_to_cut_it_short(q: Queu
         await q.queue.cancelled(running, at=q.clock())
 
     q.runners.on_cancel = cut_short
-    cancelled = (await q.tasks.cancel_task(q.me, str(running.id))).task
+    cancelled = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
     assert q.runners.cancels == [running.id] and cancelled.status is TaskStatus.CANCELLED
 
 
@@ -415,7 +425,7 @@ async def test_a_cancelled_running_task_that_then_fails_is_not_retried() -> None
         await q.submit(ada)
         running = await q.run_next(ada)
         q.runners.running.add(running.id)  # the runner will report later
-        still = (await q.tasks.cancel_task(q.me, str(running.id))).task
+        still = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
         assert still.status is TaskStatus.RUNNING
         await q.queue.failed(running, error="cut", at=q.clock())
         assert q.store.tasks[running.id].status is TaskStatus.CANCELLED
@@ -426,7 +436,7 @@ async def test_a_running_task_nobody_runs_is_cancelled_at_once(q: Queue) -> None
     await q.submit(ada)
     running = await q.run_next(ada)
     await q.runners.stop_agent(ada.id)  # its runner is gone (the agent stays)
-    cancelled = (await q.tasks.cancel_task(q.me, str(running.id))).task
+    cancelled = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
     assert cancelled.status is TaskStatus.CANCELLED
 
 
@@ -480,7 +490,11 @@ async def test_tasks_of_other_workspaces_are_not_found(q: Queue) -> None:
     task = await q.submit(ada)
     stranger = q.im.human("mallory")
     them = caller_of(stranger.id, uuid.uuid4())
-    for call in (q.tasks.get_task, q.tasks.cancel_task):
+
+    async def cancel(caller: Caller | None, task_id: str) -> Placed:
+        return await q.bus.handle(CancelTask(caller, task_id))
+
+    for call in (q.tasks.get_task, cancel):
         with pytest.raises(errors.NotFound):
             await call(them, str(task.id))
         with pytest.raises(errors.NotFound):
@@ -523,7 +537,10 @@ async def test_the_runner_runs_queued_tasks_one_at_a_time_in_order() -> None:
         ada = await q.agent()
         watcher, _ = q.hub.watch([ada.id])
         submitted = await asyncio.gather(
-            *(q.tasks.submit_task(q.me, str(ada.id), text=f"task {i}", request_id=f"r{i}") for i in range(50))
+            *(
+                q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"task {i}", request_id=f"r{i}"))
+                for i in range(50)
+            )
         )
         events: list[tuple[TaskStatus, uuid.UUID]] = []
         async with asyncio.timeout(WAIT):

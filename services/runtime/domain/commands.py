@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from services.common.identity import Caller
-from services.runtime.domain.model import Agent
+from services.runtime.domain.model import Agent, Placed
 
 R_co = TypeVar("R_co", covariant=True)
 
@@ -72,3 +72,28 @@ class WakeAgent(Command[Agent]):
 
     caller: Caller | None
     agent_id: str
+
+
+# -- tasks ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitTask(Command[Placed]):
+    """Queues a task for the agent (the same one again for a repeated
+    `request_id`), in its main session unless `session_id` names another;
+    a higher `priority` runs first."""
+
+    caller: Caller | None
+    agent_id: str
+    text: str
+    request_id: str = ""
+    session_id: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTask(Command[Placed]):
+    """Cancels a waiting task at once; a running one is cut short by its runner."""
+
+    caller: Caller | None
+    task_id: str

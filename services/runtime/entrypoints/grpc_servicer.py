@@ -24,7 +24,7 @@ from services.runtime.entrypoints.task_rpcs import TaskRpcs
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.messagebus import MessageBus
-from services.runtime.service_layer.tasks import TaskService
+from services.runtime.service_layer.tasks import TaskViews
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any
@@ -51,7 +51,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         service: AgentService,
         *,
         history: HistoryService,
-        tasks: TaskService,
+        tasks: TaskViews,
         bus: MessageBus,
     ) -> None:
         self._service = service

@@ -19,7 +19,6 @@ its queue cleared, `clear_queue`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import uuid
@@ -27,23 +26,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from uuid_utils.compat import uuid7
-
-from services.common import audit, errors
+from services.common import errors
 from services.common.identity import Caller
 from services.runtime.domain.errors import (
     AgentNotFound,
     InvalidTaskRequest,
     SessionNotFound,
-    TaskAlreadyEnded,
     TaskNotFound,
-    TaskRequestReused,
 )
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
     Agent,
     AgentState,
     Emitted,
+    Placed,
     Run,
     RunStatus,
     Task,
@@ -53,7 +49,6 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.runners import Runners
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
 from services.runtime.service_layer.work import TaskQueue
 
@@ -85,14 +80,6 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class Placed:
-    """A task and, while it is QUEUED, how many tasks are ahead of it."""
-
-    task: Task
-    position: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class QueueStats:
     """An agent's queue: tasks waiting (QUEUED or FAILED awaiting a retry),
     whether one is running, and the mean wait from submission to start."""
@@ -105,7 +92,7 @@ class QueueStats:
 class StoredTaskQueue(TaskQueue):
     """The queue the agents' runners take their tasks from, kept in the
     `AgentStore` (the runners' `TaskQueue` port), and the changes of status
-    the task RPCs make (`TaskService`).
+    the task commands make (`handlers.tasks`).
 
     Args:
         retry: how failed tasks are retried.
@@ -358,103 +345,29 @@ class StoredTaskQueue(TaskQueue):
         self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)))
 
 
-class TaskService:
-    """The use cases of SubmitTask, GetTask, ListTasks, CancelTask and
-    GetQueueStats, over the agents' queue.
+class TaskViews:
+    """The reads of tasks (GetTask, ListTasks, GetQueueStats) and who may see
+    a task; the changes are the handlers' (`handlers.tasks`).
 
     Args:
-        max_input_bytes: the largest task input (UTF-8).
         max_page_size: the largest page of ListTasks.
-        cancel_wait_seconds: how long CancelTask waits for the runner to cut
-            a running task short before answering with the task as it is.
     """
 
     def __init__(
         self,
         *,
         store: AgentStore,
-        queue: StoredTaskQueue,
-        runners: Runners,
         agents: AgentService,
         clock: Callable[[], datetime],
-        max_input_bytes: int = 64 * 1024,
         max_page_size: int = 200,
-        cancel_wait_seconds: float = 10.0,
     ) -> None:
         self._store = store
-        self._queue = queue
-        self._runners = runners
         self._agents = agents
         self._clock = clock
-        self._max_input_bytes = max_input_bytes
         self._max_page = max_page_size
-        self._cancel_wait = cancel_wait_seconds
-
-    async def submit_task(
-        self,
-        principal: Caller | None,
-        agent_id: str,
-        *,
-        text: str,
-        request_id: str = "",
-        session_id: str = "",
-        priority: int = 0,
-    ) -> Placed:
-        """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
-        agent = await self._agents.controlled(principal, agent_id)
-        if not text.strip():
-            raise InvalidTaskRequest("input is required")
-        size = len(text.encode())
-        if size > self._max_input_bytes:
-            raise InvalidTaskRequest(f"input is {size} bytes; the limit is {self._max_input_bytes}")
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidTaskRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
-        session = await self._session_of(agent, session_id)
-        asked = (text, priority, session if session_id else None)
-        if request_id:
-            found = await self._store.find_task(agent.id, request_id)
-            if found is not None:
-                return await self._placed(_replayed(found, asked))
-        task = Task(
-            id=uuid7(),
-            agent_id=agent.id,
-            session_id=session,
-            input=text,
-            status=TaskStatus.QUEUED,
-            created_at=self._clock(),
-            priority=priority,
-            request_id=request_id,
-        )
-        record = self._agents.audit_record(
-            principal,
-            agent,
-            "SubmitTask",
-            target=audit.Target("task", str(task.id)),
-            request_id=request_id,
-            details={"agent_id": str(agent.id), "priority": str(priority)},
-        )
-        try:
-            stored = await self._store.add_task(task, audit=record)
-        except errors.Unavailable:
-            # The write may have committed all the same (only its answer was
-            # lost): the caller's retry then finds the task, which the runner
-            # must not miss.
-            self._queue.added(task)
-            self._wake(agent.id)
-            raise
-        # After the write: a look that began before it sees this and keeps nothing.
-        self._queue.added(task)
-        if stored.id != task.id:  # a concurrent call with the request_id got there first
-            return await self._placed(_replayed(stored, asked))
-        self._queue.publish(stored)
-        self._wake(agent.id)
-        return await self._placed(stored)
-
-    def _wake(self, agent_id: uuid.UUID) -> None:
-        self._runners.wake(agent_id)
 
     async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
-        return await self._placed(await self._visible(principal, task_id))
+        return await self.placed(await self.visible(principal, task_id))
 
     async def list_tasks(
         self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
@@ -466,45 +379,8 @@ class TaskService:
         limit = min(page_size or 50, self._max_page)
         before = _parse_id(page_token, "page_token") if page_token else None
         tasks = await self._store.list_tasks(agent.id, before=before, limit=limit + 1)
-        page = [await self._placed(t) for t in tasks[:limit]]
+        page = [await self.placed(t) for t in tasks[:limit]]
         return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
-
-    async def cancel_task(self, principal: Caller | None, task_id: str) -> Placed:
-        """Cancels a waiting task at once; asks the runner to cut a running one short.
-
-        Raises:
-            TaskAlreadyEnded: it succeeded, died or was cancelled already.
-        """
-        task = await self._visible(principal, task_id)
-        while True:
-            if task.status in WAITING:
-                ended = replace(task, status=TaskStatus.CANCELLED, ended_at=self._clock(), retry_at=None)
-                if await self._store.update_task(ended, expected=WAITING):
-                    self._queue.publish(ended)
-                    await self._cancelled_by(principal, task)
-                    return Placed(ended)
-            elif task.status is TaskStatus.RUNNING:
-                placed = Placed(await self._cancel_running(task))
-                await self._cancelled_by(principal, task)
-                return placed
-            else:
-                raise TaskAlreadyEnded(
-                    f"task {task.id} is {task.status.value}:"
-                    " only queued, failed or running tasks can be cancelled"
-                )
-            # Its status changed meanwhile (the runner started it): look again.
-            task = await self._reread(task)
-
-    async def _cancelled_by(self, principal: Caller | None, task: Task) -> None:
-        agent = await self._store.get_agent(task.agent_id)
-        if agent is not None:
-            await self._agents.recorded(
-                principal,
-                agent,
-                "CancelTask",
-                target=audit.Target("task", str(task.id)),
-                details={"agent_id": str(agent.id), "was": task.status.value},
-            )
 
     async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
         agent = await self._agents.controlled(principal, agent_id)
@@ -513,7 +389,7 @@ class TaskService:
 
     # -- helpers ------------------------------------------------------------------
 
-    async def _visible(self, principal: Caller | None, task_id: str) -> Task:
+    async def visible(self, principal: Caller | None, task_id: str) -> Task:
         """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
         wanted = _parse_id(task_id, "task_id")
         task = await self._store.get_task(wanted)
@@ -526,7 +402,9 @@ class TaskService:
             raise TaskNotFound(f"task {wanted} not found")
         return task
 
-    async def _session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
+    async def session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
+        """The session a task of `agent` works in: its main one, unless
+        `session_id` names another of its own."""
         if not session_id:
             return agent.session_id
         wanted = _parse_id(session_id, "session_id")
@@ -536,44 +414,11 @@ class TaskService:
                 raise SessionNotFound(f"session {wanted} of agent {agent.id} not found")
         return wanted
 
-    async def _placed(self, task: Task) -> Placed:
+    async def placed(self, task: Task) -> Placed:
+        """The task, with its place in the queue while QUEUED."""
         if task.status is not TaskStatus.QUEUED:
             return Placed(task)
         return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
-
-    async def _reread(self, task: Task) -> Task:
-        return await self._queue.reread(task)
-
-    async def _cancel_running(self, task: Task) -> Task:
-        stopped = self._queue.cancelling(task)
-        # The runner cuts the task's run short, then reports it `cancelled`.
-        if not await self._runners.cancel_task(task.agent_id, task.id):
-            # Nobody here runs it (a run lost with its process): end it now.
-            await self._queue.cancel_unrun(task)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopped.wait(), self._cancel_wait)
-        return await self._reread(task)
-
-
-def _replayed(found: Task, asked: tuple[str, int, uuid.UUID | None]) -> Task:
-    """The task a request_id was used for, if it was asked for the same thing."""
-    text, priority, session = asked
-    differs = [
-        name
-        for name, same in (
-            ("input", found.input == text),
-            ("priority", found.priority == priority),
-            ("session_id", session is None or found.session_id == session),
-        )
-        if not same
-    ]
-    if differs:
-        raise TaskRequestReused(
-            f"request_id {found.request_id!r} was already used for task {found.id} of this agent"
-            f" with another {' and '.join(differs)}"
-        )
-    return found
 
 
 def _parse_id(value: str, field: str) -> uuid.UUID:
