@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
+import random
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,22 +32,33 @@ from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.adapters.tables import audit_events
 from services.runtime.config import Settings
 from services.runtime.domain.etiquette import ChatterGuard
-from services.runtime.domain.model import Agent
 from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
 from services.runtime.entrypoints.policy import RUNTIME_POLICY
-from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.agents import AgentFactory, AgentService
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
+from services.runtime.service_layer.handlers import control
+from services.runtime.service_layer.handlers import tasks as task_handlers
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.lifecycle import LifecycleService
+from services.runtime.service_layer.im_port import IMPort
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
+from services.runtime.service_layer.memory_port import MemoryPort
+from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.read_positions import ReadPositions
-from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
+from services.runtime.service_layer.runner import (
+    AgentRunner,
+    Directory,
+    HistoryCache,
+    LoopSettings,
+    RunnerEnv,
+)
+from services.runtime.service_layer.runners import Runners
+from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tasks import RetryPolicy, TaskService
-from services.runtime.service_layer.tools import default_registry
+from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
+from services.runtime.service_layer.tools import ToolRegistry, default_registry
 
 logger = logging.getLogger(__name__)
 
@@ -60,27 +74,57 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class RuntimeApp:
-    """Everything the running runtime service is made of, wired together."""
+    """Everything the running runtime service is made of, wired together.
+
+    `async with build(settings) as app:` starts it (the gRPC server, when
+    built with one, and every agent's runner) and stops it; `start` and
+    `stop` do the same by hand. `stop` is idempotent.
+    """
 
     settings: Settings
-    database: Database
-    im: GrpcIM
+    store: AgentStore
+    im: IMPort
     llm: LLM
     hub: AgentHub
-    supervisor: Supervisor
+    tools: ToolRegistry
+    factory: AgentFactory
+    runners: Runners
+    # The runners of this process (None: the caller's `runners` stand in).
+    supervisor: Supervisor | None
     service: AgentService
-    server: GrpcServer
-
+    history: HistoryService
+    queue: StoredTaskQueue
+    tasks: TaskViews
+    bus: MessageBus
+    servicer: RuntimeServicer
+    # What `stop` closes, in order, once the server (if any) has stopped:
+    # what `build` opened, never what the caller passed in.
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    database: Database | None = None
     archiver: Archiver | None = None
     audit_pruner: AuditPruner | None = None
+    grpc_server: GrpcServer | None = None
     _owners: asyncio.Task[None] | None = None
+    _stopped: bool = False
+
+    @property
+    def server(self) -> GrpcServer:
+        """The gRPC server (built unless `build(..., serve=False)`)."""
+        if self.grpc_server is None:
+            raise RuntimeError("this runtime was built without a server (serve=False)")
+        return self.grpc_server
+
+    def runner(self, agent_id: uuid.UUID) -> AgentRunner | None:
+        """The agent's runner, if it runs in this process (for tests and benchmarks)."""
+        return self.supervisor.runner(agent_id) if self.supervisor is not None else None
 
     async def start(self) -> tuple[int, int]:
-        """Starts serving and every agent's runner; returns (port, agents started)."""
-        port = await self.server.start()
-        agents = await self.supervisor.start()
+        """Starts serving (if it serves) and every agent's runner; returns
+        (port, agents started), port 0 without a server."""
+        port = await self.grpc_server.start() if self.grpc_server is not None else 0
+        agents = await self.supervisor.start() if self.supervisor is not None else 0
         if self.archiver is not None:
             self.archiver.start()
         if self.audit_pruner is not None:
@@ -89,11 +133,32 @@ class RuntimeApp:
         return port, agents
 
     async def stop(self) -> None:
+        """Stops serving (draining the calls in flight), then every runner, then
+        closes what `build` opened. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._owners is not None:
             self._owners.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._owners
-        await self.server.stop()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop()  # then its cleanups: the same as below
+            return
+        self.hub.close()
+        for cleanup in self.cleanups:
+            await cleanup()
+
+    async def __aenter__(self) -> RuntimeApp:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
 
 async def tell_owners(service: AgentService, *, attempts: int = 6) -> None:
@@ -122,56 +187,111 @@ def open_database(settings: Settings) -> Database:
     return Database(settings.database_url)
 
 
-def build(settings: Settings) -> RuntimeApp:
-    """Wires the service; connects nothing until `RuntimeApp.start`."""
-    database = open_database(settings)
-    store = SqlAgentStore(database)
-    im = GrpcIM(
-        settings.im_address,
-        deadline_seconds=settings.im_call_timeout_seconds,
-        tls=settings.tls.client,
-        service_name="runtime",
-        service_secret=settings.service_secret.source(),
-    )
+def build(
+    settings: Settings,
+    *,
+    store: AgentStore | None = None,
+    im: IMPort | None = None,
+    llm: LLM | None = None,
+    clock: Callable[[], datetime] | None = None,
+    memory: MemoryPort | None = None,
+    runners: Runners | None = None,
+    jitter: Callable[[], float] = random.random,
+    serve: bool = True,
+) -> RuntimeApp:
+    """Wires the service; connects nothing until `RuntimeApp.start`.
+
+    Each adapter left None is the real one the settings describe; tests pass
+    fakes. The real ones `build` makes are closed by `RuntimeApp.stop`.
+
+    Args:
+        memory: long-term memory (the real client only if MEMORY_ADDRESS is set).
+        runners: the agents' runners; None runs them here (`Supervisor`).
+        jitter: a source of numbers in [0, 1) for the tasks' retry backoff.
+        serve: whether to build the gRPC server (which needs the real IM client,
+            whose signing keys check the callers' tokens).
+    """
+    clock = clock or utc_now
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+    database: Database | None = None
+    if store is None:
+        database = open_database(settings)
+        store = SqlAgentStore(database)
+        cleanups += [store.aclose, database.aclose]
+    grpc_im: GrpcIM | None = None
+    if im is None:
+        im = grpc_im = GrpcIM(
+            settings.im_address,
+            deadline_seconds=settings.im_call_timeout_seconds,
+            tls=settings.tls.client,
+            service_name="runtime",
+            service_secret=settings.service_secret.source(),
+        )
+        cleanups.insert(0, grpc_im.aclose)
     endpoints = EndpointGuard(settings.llm_allowed_hosts, resolve)
-    llm = ModelRouter(
-        offline=OfflineModel(),
-        endpoint=lambda url: OpenAIProvider(
-            base_url=url,
-            api_key=settings.llm_api_key or "",
-            model=settings.llm_model,
-            request_timeout=settings.llm_timeout_seconds,
-            max_retries=settings.llm_max_retries,
-        ),
-        default_base_url=settings.llm_base_url,
-        guard=endpoints,
-    )
+    if llm is None:
+        llm = ModelRouter(
+            offline=OfflineModel(),
+            endpoint=lambda url: OpenAIProvider(
+                base_url=url,
+                api_key=settings.llm_api_key or "",
+                model=settings.llm_model,
+                request_timeout=settings.llm_timeout_seconds,
+                max_retries=settings.llm_max_retries,
+            ),
+            default_base_url=settings.llm_base_url,
+            guard=endpoints,
+        )
+        cleanups.insert(0, llm.aclose)
     # Long-term memory, unless MEMORY_ADDRESS is empty.
-    memory = (
-        GrpcMemory(
+    if memory is None and settings.memory_address and grpc_im is not None:
+        memory = GrpcMemory(
             settings.memory_address,
             deadline_seconds=settings.memory_call_timeout_seconds,
             tls=settings.tls.client,
-            credentials=im.service_token,
-            agent_tokens=im.agent_tokens,
+            credentials=grpc_im.service_token,
+            agent_tokens=grpc_im.agent_tokens,
         )
-        if settings.memory_address
+        cleanups.insert(0, memory.aclose)
+    archiver = (
+        Archiver(
+            store,
+            memory,
+            im,
+            clock=clock,
+            retry_initial_seconds=settings.archive_retry_seconds,
+            retry_max_seconds=settings.archive_retry_max_seconds,
+        )
+        if memory is not None
         else None
     )
-    archiver = Archiver(store, memory, im, clock=utc_now) if memory is not None else None
+    if archiver is not None:
+        cleanups.insert(0, archiver.stop)
     hub = AgentHub()
     tools = default_registry(
         timeout_seconds=settings.tool_timeout_seconds,
         ask_human_timeout_seconds=settings.ask_human_timeout_seconds,
     )
-    services: list[AgentService] = []
-
-    async def create_sub_agent(
-        parent: Agent, name: str, role: str, system_prompt: str, request_id: str
-    ) -> Agent:
-        return await services[0].create_child(parent, name, role, system_prompt, request_id=request_id)
-
-    read_positions = ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
+    # A delay of 0 moves each read position at once, in the agent's run.
+    read_positions = (
+        ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
+        if settings.read_position_delay_seconds > 0
+        else None
+    )
+    if read_positions is not None:
+        cleanups.insert(0, read_positions.aclose)
+    factory = AgentFactory(store=store, im=im, tools=tools, clock=clock)
+    queue = StoredTaskQueue(
+        store=store,
+        hub=hub,
+        clock=clock,
+        retry=RetryPolicy(
+            max_attempts=settings.task_max_attempts,
+            base_seconds=settings.task_retry_base_seconds,
+            max_seconds=settings.task_retry_max_seconds,
+        ),
+        jitter=jitter,
+    )
     env = RunnerEnv(
         store=store,
         im=im,
@@ -184,6 +304,7 @@ def build(settings: Settings) -> RuntimeApp:
             max_iterations=settings.max_iterations,
             group_policy=settings.group_policy,
             default_token_budget=settings.token_budget,
+            unread_batch=settings.unread_batch,
             max_reply_bytes=settings.max_reply_bytes,
             auto_recall=settings.auto_recall,
             recall_timeout_seconds=settings.recall_timeout_seconds,
@@ -192,62 +313,100 @@ def build(settings: Settings) -> RuntimeApp:
             unconfigured_model=settings.llm_model if settings.llm_base_url else OFFLINE_MODEL,
             context_tokens=settings.context_tokens,
             stream_cut_retries=settings.llm_max_retries,
+            stream_cut_backoff_seconds=settings.llm_stream_cut_backoff_seconds,
         ),
-        create_sub_agent=create_sub_agent,
-        clock=utc_now,
+        create_sub_agent=factory.create_child,
+        clock=clock,
         history=HistoryCache(settings.history_cache_steps),
+        tasks=queue,
         memory=memory,
         run_ended=archiver.notify if archiver is not None else lambda: None,
         read_positions=read_positions,
     )
-    supervisor = Supervisor(env)
-    audit_log = SqlAuditLog(database, audit_events)
-    audit_pruner = AuditPruner(audit_log, settings.audit)
+    supervisor: Supervisor | None = None
+    if runners is None:
+        runners = supervisor = Supervisor(env, cursor_save_delay=settings.cursor_save_delay_seconds)
+        # Runners stop before what they use closes.
+        cleanups.insert(0, supervisor.aclose)
+    audit_log = SqlAuditLog(database, audit_events) if database is not None else None
+    audit_pruner = AuditPruner(audit_log, settings.audit) if audit_log is not None else None
+    if audit_pruner is not None:
+        cleanups.insert(0, audit_pruner.aclose)
     service = AgentService(
         store=store,
         im=im,
-        supervisor=supervisor,
+        factory=factory,
+        runners=runners,
         hub=hub,
         tools=tools,
-        clock=utc_now,
+        clock=clock,
         endpoints=endpoints,
         audit_log=audit_log,
     )
-    services.append(service)
-    history = HistoryService(
-        store=store, supervisor=supervisor, hub=hub, im=im, agents=service, clock=utc_now
+    history = HistoryService(store=store, runners=runners, hub=hub, im=im, agents=service, clock=clock)
+    tasks = TaskViews(store=store, agents=service, clock=clock)
+    bus = MessageBus(
+        {
+            **control.handlers(
+                control.Control(agents=service, runners=runners, clear_queue=queue.clear_queue)
+            ),
+            **task_handlers.handlers(
+                task_handlers.Tasks(
+                    store=store,
+                    queue=queue,
+                    views=tasks,
+                    runners=runners,
+                    agents=service,
+                    clock=clock,
+                    max_input_bytes=settings.max_task_input_bytes,
+                    cancel_wait_seconds=settings.task_cancel_wait_seconds,
+                )
+            ),
+        }
     )
-    tasks = TaskService(
+    servicer = RuntimeServicer(service, history=history, tasks=tasks, bus=bus)
+    app = RuntimeApp(
+        settings=settings,
         store=store,
-        supervisor=supervisor,
+        im=im,
+        llm=llm,
         hub=hub,
-        agents=service,
-        clock=utc_now,
-        retry=RetryPolicy(
-            max_attempts=settings.task_max_attempts,
-            base_seconds=settings.task_retry_base_seconds,
-            max_seconds=settings.task_retry_max_seconds,
-        ),
-        max_input_bytes=settings.max_task_input_bytes,
-    )
-    supervisor.use_tasks(tasks)
-    lifecycle = LifecycleService(agents=service, supervisor=supervisor, clear_queue=tasks.clear_queue)
-    servicer = RuntimeServicer(
-        service,
+        tools=tools,
+        factory=factory,
+        runners=runners,
+        supervisor=supervisor,
+        service=service,
         history=history,
+        queue=queue,
         tasks=tasks,
-        lifecycle=lifecycle,
+        bus=bus,
+        servicer=servicer,
+        cleanups=cleanups,
+        database=database,
+        archiver=archiver,
+        audit_pruner=audit_pruner,
     )
+    if serve:
+        if grpc_im is None or database is None or audit_log is None:
+            raise ValueError("serving needs the real IM client and store (serve=False with fakes)")
+        app.grpc_server = _server(settings, app, grpc_im, database, audit_log)
+    return app
+
+
+def _server(
+    settings: Settings, app: RuntimeApp, im: GrpcIM, database: Database, audit_log: SqlAuditLog
+) -> GrpcServer:
+    """The gRPC server of `app`: its servicer behind audit, authentication and rate limits."""
 
     async def ready() -> bool:
         return await database.ping()
 
     async def close_hub() -> None:
-        hub.close()
+        app.hub.close()
 
-    server = GrpcServer(
+    return GrpcServer(
         address=settings.grpc_address,
-        registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, s)],
+        registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(app.servicer, s)],
         tls=settings.tls.server,
         interceptors=[
             # Outside authentication: it records the refusals made there too.
@@ -267,26 +426,5 @@ def build(settings: Settings) -> RuntimeApp:
         # have drained, since those calls use them; a run cut short resumes
         # at the next start, as after a crash.
         closers=[close_hub],
-        cleanups=[
-            audit_pruner.aclose,
-            supervisor.aclose,
-            read_positions.aclose,
-            *([archiver.stop, memory.aclose] if archiver is not None and memory is not None else []),
-            llm.aclose,
-            im.aclose,
-            store.aclose,
-            database.aclose,
-        ],
-    )
-    return RuntimeApp(
-        settings=settings,
-        database=database,
-        im=im,
-        llm=llm,
-        hub=hub,
-        supervisor=supervisor,
-        service=service,
-        archiver=archiver,
-        server=server,
-        audit_pruner=audit_pruner,
+        cleanups=app.cleanups,
     )

@@ -61,6 +61,19 @@ class Settings:
     service_secret: ServiceSecretSettings = field(default_factory=ServiceSecretSettings)
     # The hosts agents' model.base_url may name (RUNTIME_LLM_ALLOWED_HOSTS).
     llm_allowed_hosts: AllowedHosts = field(default_factory=AllowedHosts)
+    # Most unread messages a runner takes from the IM at once when it catches up.
+    unread_batch: int = 200
+    # The first wait before a model's stream that broke off midway is asked
+    # for again (it doubles at each try).
+    llm_stream_cut_backoff_seconds: float = 0.5
+    # Seconds of IM events gathered into one write of a workspace's watch cursor.
+    cursor_save_delay_seconds: float = 1.0
+    # How long CancelTask waits for the runner to cut a running task short.
+    task_cancel_wait_seconds: float = 10.0
+    # A run long-term memory could not take is sent again after this wait,
+    # doubling up to the most.
+    archive_retry_seconds: float = 0.5
+    archive_retry_max_seconds: float = 60.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -130,6 +143,12 @@ class Settings:
                 embedded=database_url.startswith("sqlite"),
             ),
             llm_allowed_hosts=allowed,
+            unread_batch=env.integer("RUNTIME_UNREAD_BATCH", 200, minimum=1),
+            llm_stream_cut_backoff_seconds=env.number("LLM_STREAM_CUT_BACKOFF_SECONDS", 0.5, minimum=0.0),
+            cursor_save_delay_seconds=env.number("RUNTIME_CURSOR_SAVE_DELAY_SECONDS", 1.0, minimum=0.0),
+            task_cancel_wait_seconds=env.number("RUNTIME_TASK_CANCEL_WAIT_SECONDS", 10.0, minimum=0.0),
+            archive_retry_seconds=env.number("RUNTIME_ARCHIVE_RETRY_SECONDS", 0.5, minimum=0.001),
+            archive_retry_max_seconds=env.number("RUNTIME_ARCHIVE_RETRY_MAX_SECONDS", 60.0, minimum=0.001),
         )
         env.finish()
         return settings

@@ -10,9 +10,9 @@ import uuid
 from uuid_utils.compat import uuid7
 
 from services.runtime.adapters.sql import SqlAgentStore
+from services.runtime.domain.errors import DuplicateStep
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import AgentState, RunStatus, TaskStatus
-from services.runtime.service_layer.store import DuplicateStep
 from tests.integration.test_runtime_store import make_agent, make_run, make_step, make_task, now
 
 

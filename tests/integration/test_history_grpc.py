@@ -36,7 +36,7 @@ async def rt(im: RunningIM, tmp_path: Path) -> AsyncIterator[RunningRuntime]:
 
 async def settled(rt: RunningRuntime, agent_id: str) -> None:
     """Until the agent's runner has nothing left to do."""
-    runner = rt.app.supervisor.runner(uuid.UUID(agent_id))
+    runner = rt.app.runner(uuid.UUID(agent_id))
     assert runner is not None
     await asyncio.sleep(0.05)
     await asyncio.wait_for(runner.idle.wait(), WAIT)

@@ -24,7 +24,8 @@ from services.common.tokens import PrincipalKind
 from services.im.adapters import migrate
 from services.im.adapters.sql import Database
 from services.runtime.adapters.im_client import GrpcIM
-from services.runtime.service_layer.im_port import IMError, IMEvent, IMMember, IMUnavailable
+from services.runtime.domain.errors import IMError, IMUnavailable
+from services.runtime.service_layer.im_port import IMEvent, IMMember
 from tests.auth_support import service_secret
 from tests.conftest import RunningIM, World, make_world, start_im, stop_im
 from tests.identities import Identity, as_member, remember

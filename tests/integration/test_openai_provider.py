@@ -19,16 +19,14 @@ from collections.abc import AsyncIterator
 import pytest
 
 from services.runtime.adapters.llm.openai_provider import OpenAIProvider
+from services.runtime.domain.errors import ContextTooLong, LLMRejected, LLMUnavailable
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
     CompletionRequest,
     ContentDelta,
-    ContextTooLong,
     Delta,
     FinishReason,
-    LLMRejected,
-    LLMUnavailable,
     ModelSettings,
     ReasoningDelta,
     Role,

@@ -18,6 +18,7 @@ from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.identity import bearer_metadata
 from services.common.service_auth import TokenRefused
 from services.common.tokens import PrincipalKind, Verifier
+from services.runtime.adapters.im_client import GrpcIM
 from tests.conftest import RunningIM
 from tests.identities import as_member
 from tests.integration.test_runtime_grpc import (
@@ -264,11 +265,13 @@ async def test_the_runtime_answers_as_the_agent_with_the_agents_own_token(
     )
     messages = await wait_for_messages(im, team.id("cyd"), chat.group.id, 2)
     assert messages[1].sender_id == agent.member_id
-    tokens = runtime.app.im.agent_tokens
+    client = runtime.app.im
+    assert isinstance(client, GrpcIM)
+    tokens = client.agent_tokens
     assert tokens is not None
     held = tokens.held(uuid.UUID(agent.member_id))
     assert held is not None
-    auth = runtime.app.im.auth
+    auth = client.auth
     claims = await Verifier(auth.signing_keys).verify(held)
     assert (claims.kind, str(claims.member_id), claims.host) == (
         PrincipalKind.AGENT,
@@ -285,11 +288,13 @@ async def test_the_runtime_gets_no_token_for_a_person_or_an_agent_it_does_not_ho
         im_pb2.CreateMemberRequest(kind=im_pb2.MEMBER_KIND_AGENT, display_name="stray"),
         metadata=as_member(team.id("ada")),
     )
-    tokens, service = runtime.app.im.agent_tokens, runtime.app.im.service_token
+    client = runtime.app.im
+    assert isinstance(client, GrpcIM)
+    tokens, service = client.agent_tokens, client.service_token
     assert tokens is not None and service is not None
     own = await service.get()
     assert own is not None
     for member in (team.id("cyd"), stray.member.id):
         with pytest.raises(TokenRefused):
-            await runtime.app.im.auth.agent_tokens(own, [uuid.UUID(member)])
+            await client.auth.agent_tokens(own, [uuid.UUID(member)])
         assert await tokens.get(uuid.UUID(member)) is None

@@ -66,7 +66,7 @@ def only(events: Sequence[audit_pb2.AuditEvent], action: str) -> audit_pb2.Audit
 
 
 async def settled(rt: RunningRuntime, agent_id: str) -> None:
-    runner = rt.app.supervisor.runner(uuid.UUID(agent_id))
+    runner = rt.app.runner(uuid.UUID(agent_id))
     assert runner is not None
     await asyncio.sleep(0.05)
     await asyncio.wait_for(runner.idle.wait(), WAIT)
@@ -254,7 +254,9 @@ async def test_refusals_admins_only_and_no_secrets(im: RunningIM, rt: RunningRun
     assert {e.workspace_id for e in theirs} == {other.workspace}
     assert only(theirs, "PauseAgent").outcome.code == "NOT_FOUND"
 
-    async with rt.app.database.engine.connect() as conn:
+    database = rt.app.database
+    assert database is not None
+    async with database.engine.connect() as conn:
         rows = (await conn.execute(sa.select(audit_events))).all()
     text = json.dumps([[str(v) for v in row] for row in rows])
     for secret in ("VERY-SECRET", "ALSO-SECRET", "sk-", "api_key"):

@@ -274,7 +274,7 @@ async def test_two_agents_that_name_each_other_stop_at_the_limit(im: RunningIM, 
         await wait_for_messages(im, world.members[0].id, group.group.id, 6)
         # They stop: nothing more comes, however long we wait for both to be idle.
         for agent in (ada, bea):
-            runner = runtime.app.supervisor.runner(uuid.UUID(agent.id))
+            runner = runtime.app.runner(uuid.UUID(agent.id))
             assert runner is not None
             await asyncio.wait_for(runner.idle.wait(), WAIT)
         page = await im.stub.ListMessages(

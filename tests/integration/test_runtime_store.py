@@ -22,6 +22,7 @@ from uuid_utils.compat import uuid7
 from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database, SqlAgentStore, agent_row
 from services.runtime.adapters.tables import SCHEMA, agents, metadata
+from services.runtime.domain.errors import DuplicateAgentRequest, DuplicateStep
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import (
     Agent,
@@ -35,7 +36,6 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.store import DuplicateAgentRequest, DuplicateStep
 
 
 def now() -> datetime:

@@ -57,7 +57,7 @@ async def paused_agent(runtime: RunningRuntime, world: World, name: str = "ada")
     agent = await create_agent(runtime, world, name)
     await runtime.stub.PauseAgent(rpb.PauseAgentRequest(agent_id=agent.id), metadata=world.md(0))
     # A cycle that began before the pause (its first look) ends before any task is submitted.
-    runner = runtime.app.supervisor.runner(uuid.UUID(agent.id))
+    runner = runtime.app.runner(uuid.UUID(agent.id))
     assert runner is not None
     await asyncio.wait_for(runner.idle.wait(), WAIT)
     return agent

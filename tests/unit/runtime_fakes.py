@@ -1,4 +1,4 @@
-"""In-memory fakes of the runtime's ports: the IM, the LLM and the store."""
+"""In-memory fakes of the runtime's ports: the IM, the LLM, the store, memory and the runners."""
 
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ from typing import Any
 
 from services.common.audit import AuditRecord
 from services.common.outages import DATABASE, DependencyUnavailable
+from services.runtime.domain.errors import (
+    DuplicateAgentRequest,
+    DuplicateStep,
+    IMError,
+    MemoryRefused,
+    MemoryUnavailable,
+)
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -37,23 +44,11 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.im_port import IMError, IMEvent, IMGroup, IMMember, IMMessage, IMPort
+from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
 from services.runtime.service_layer.llm_port import LLM
-from services.runtime.service_layer.memory_port import (
-    Expanded,
-    Memory,
-    MemoryPort,
-    MemoryRefused,
-    MemoryUnavailable,
-    RecallQuery,
-    RunRecord,
-)
-from services.runtime.service_layer.store import (
-    AgentStore,
-    DuplicateAgentRequest,
-    DuplicateStep,
-    TaskInFlight,
-)
+from services.runtime.service_layer.memory_port import Expanded, Memory, MemoryPort, RecallQuery, RunRecord
+from services.runtime.service_layer.runners import Runners
+from services.runtime.service_layer.store import AgentStore, TaskInFlight
 
 
 class FakeClock:
@@ -868,3 +863,69 @@ class FakeMemory(MemoryPort):
         return Expanded(
             memories[at], memories[max(0, at - before) : at], memories[at + 1 : at + 1 + after], None
         )
+
+
+class FakeRunners(Runners):
+    """Runners that run nothing: they keep the agents started and record what
+    they are asked. A task is being run only while a test says so
+    (`running`); cancelling it then does what `on_cancel` does, as a runner
+    cutting the run short would."""
+
+    def __init__(self) -> None:
+        self.agents: dict[uuid.UUID, Agent] = {}
+        self.woken: list[uuid.UUID] = []
+        self.cancels: list[uuid.UUID] = []
+        self.running: set[uuid.UUID] = set()
+        self.on_cancel: Callable[[uuid.UUID], Awaitable[None]] | None = None
+
+    def live(self, agent_id: uuid.UUID) -> Agent | None:
+        return self.agents.get(agent_id)
+
+    def start_agent(self, agent: Agent) -> None:
+        self.agents.setdefault(agent.id, agent)
+
+    async def stop_agent(self, agent_id: uuid.UUID) -> None:
+        self.agents.pop(agent_id, None)
+
+    def update(self, agent: Agent) -> Agent | None:
+        if agent.id not in self.agents:
+            return None
+        self.agents[agent.id] = agent
+        return agent
+
+    def wake(self, agent_id: uuid.UUID, *, retry: bool = False) -> None:
+        self.woken.append(agent_id)
+
+    def forget_history(self, agent_id: uuid.UUID) -> None:
+        pass
+
+    def continue_from_history(self, agent_id: uuid.UUID) -> None:
+        self.woken.append(agent_id)
+
+    async def _to(self, agent_id: uuid.UUID, state: AgentState) -> Agent:
+        agent = self.agents[agent_id].with_state(state, "")
+        self.agents[agent_id] = agent
+        return agent
+
+    async def pause(self, agent_id: uuid.UUID) -> Agent:
+        return await self._to(agent_id, AgentState.PAUSED)
+
+    async def resume(self, agent_id: uuid.UUID) -> Agent:
+        return await self._to(agent_id, AgentState.IDLE)
+
+    async def interrupt(self, agent_id: uuid.UUID) -> Agent:
+        return await self._to(agent_id, AgentState.PAUSED)
+
+    async def terminate(self, agent_id: uuid.UUID) -> Agent:
+        return await self._to(agent_id, AgentState.TERMINATED)
+
+    async def start_again(self, agent_id: uuid.UUID) -> Agent:
+        return await self._to(agent_id, AgentState.IDLE)
+
+    async def cancel_task(self, agent_id: uuid.UUID, task_id: uuid.UUID) -> bool:
+        self.cancels.append(task_id)
+        if agent_id not in self.agents or task_id not in self.running:
+            return False
+        if self.on_cancel is not None:
+            await self.on_cancel(task_id)
+        return True

@@ -9,9 +9,10 @@ from datetime import UTC, datetime
 
 import pytest
 
+from services.runtime.domain.errors import HubClosed, WatcherFellBehind
 from services.runtime.domain.llm import ContentDelta, ReasoningDelta, Role, ToolCallDelta
 from services.runtime.domain.model import Emitted, StepDelta, StepStarted, merge_deltas
-from services.runtime.service_layer.hub import AgentHub, HubClosed, WatcherFellBehind
+from services.runtime.service_layer.hub import AgentHub
 
 AGENT = uuid.uuid4()
 AT = datetime(2026, 1, 1, tzinfo=UTC)

@@ -22,7 +22,8 @@ import pytest
 
 from services.common import errors
 from services.common.identity import Caller
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
+from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import PauseAgent, ResumeAgent, SubmitTask, TerminateAgent
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
     Agent,
@@ -37,14 +38,13 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMMessage
-from services.runtime.service_layer.lifecycle import LifecycleService
 from services.runtime.service_layer.llm_port import LLM
-from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
+from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tasks import TaskService
-from services.runtime.service_layer.tools import default_registry
+from services.runtime.service_layer.tasks import TaskViews
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
+from tests.unit.runtime_support import fake_runtime
 
 WAIT = 3.0
 
@@ -110,20 +110,41 @@ class GatedIM(FakeIM):
 
 @dataclass
 class System:
-    """The runtime's services over a store and an IM that outlive them."""
+    """The runtime (`bootstrap.build` over fakes) over a store and an IM that outlive it."""
 
+    app: RuntimeApp
     im: GatedIM
     llm: ScriptedLLM
     store: InMemoryAgentStore
-    hub: AgentHub
     clock: FakeClock
-    supervisor: Supervisor
-    agents: AgentService
-    tasks: TaskService
-    control: LifecycleService
     human: uuid.UUID
     # Every System built over this store and IM, the newest last (each restart adds one).
     lineage: list[System]
+
+    @property
+    def hub(self) -> AgentHub:
+        return self.app.hub
+
+    @property
+    def supervisor(self) -> Supervisor:
+        assert self.app.supervisor is not None
+        return self.app.supervisor
+
+    @property
+    def agents(self) -> AgentService:
+        return self.app.service
+
+    @property
+    def tasks(self) -> TaskViews:
+        return self.app.tasks
+
+    @property
+    def bus(self) -> MessageBus:
+        return self.app.bus
+
+    async def crash(self) -> None:
+        """Stops the runtime where it is: its runners stop mid-work."""
+        await self.app.stop()
 
     @property
     def me(self) -> Caller:
@@ -149,38 +170,14 @@ def build(
     *,
     llm: ScriptedLLM,
     store: InMemoryAgentStore,
-    hub: AgentHub,
     clock: FakeClock,
     human: uuid.UUID,
     lineage: list[System],
     model: LLM | None = None,
 ) -> System:
-    """The services over the store and IM; `model` (if given) answers instead of `llm`."""
-    tools = default_registry(timeout_seconds=5)
-    holder: list[AgentService] = []
-
-    async def create_child(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
-        return await holder[0].create_child(parent, name, role, prompt, request_id)
-
-    env = RunnerEnv(
-        store=store,
-        im=im,
-        llm=model or llm,
-        tools=tools,
-        hub=hub,
-        guard=ChatterGuard(20),
-        directory=Directory(im),
-        settings=LoopSettings(group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED),
-        create_sub_agent=create_child,
-        clock=clock,
-    )
-    supervisor = Supervisor(env, cursor_save_delay=0)
-    agents = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
-    holder.append(agents)
-    tasks = TaskService(store=store, supervisor=supervisor, hub=hub, agents=agents, clock=clock)
-    supervisor.use_tasks(tasks)
-    control = LifecycleService(agents=agents, supervisor=supervisor, clear_queue=tasks.clear_queue)
-    built = System(im, llm, store, hub, clock, supervisor, agents, tasks, control, human, lineage)
+    """The runtime over the store and IM, not started; `model` (if given) answers instead of `llm`."""
+    app = fake_runtime(store=store, im=im, llm=model or llm, clock=clock)
+    built = System(app, im, llm, store, clock, human, lineage)
     lineage.append(built)
     return built
 
@@ -191,29 +188,28 @@ async def system(
 ) -> AsyncIterator[System]:
     """The runtime's services over a new store and `im` (a `GatedIM` by default)."""
     im = im or GatedIM()
-    store, hub, clock = InMemoryAgentStore(), AgentHub(), FakeClock()
+    store, clock = InMemoryAgentStore(), FakeClock()
     first = build(
         im,
         llm=ScriptedLLM(*scripts),
         store=store,
-        hub=hub,
         clock=clock,
         human=im.human("alice").id,
         lineage=[],
         model=model,
     )
     yield first
-    await first.lineage[-1].supervisor.aclose()
+    await first.lineage[-1].app.stop()
 
 
 async def crash_and_restart(s: System, *scripts: Script) -> System:
     """Stops every runner where it is and starts the services again over the same store and IM."""
-    await s.supervisor.aclose()
+    await s.crash()
     s.llm.requests.clear()  # from here on: what the new process asks
     if scripts:
         s.llm.scripts = list(scripts)
-    fresh = build(s.im, llm=s.llm, store=s.store, hub=s.hub, clock=s.clock, human=s.human, lineage=s.lineage)
-    await fresh.supervisor.start()
+    fresh = build(s.im, llm=s.llm, store=s.store, clock=s.clock, human=s.human, lineage=s.lineage)
+    await fresh.app.start()
     return fresh
 
 
@@ -318,7 +314,7 @@ async def test_ask_human_answered_while_the_runtime_was_down_finds_the_answer() 
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "merge it")
         await until(lambda: len(s.im.in_group(chat.id)) == 2, "the question was asked")
-        await s.supervisor.aclose()
+        await s.crash()
         s.im.post(s.human, chat.id, "main")  # answered while the runtime is down
         fresh = await crash_and_restart(s, Script(content="merging main"))
         await until(lambda: s.im.in_group(chat.id)[-1].content == "merging main", "the answer came")
@@ -335,9 +331,9 @@ async def test_ask_human_answered_while_the_runtime_was_down_finds_the_answer() 
 async def test_a_task_left_running_by_a_run_that_was_never_stored_goes_back_to_the_queue() -> None:
     async with system(Script(content="done")) as s:
         ada = await s.agent()
-        await s.supervisor.aclose()
+        await s.crash()
         # The process died between marking the task RUNNING and storing its run.
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="do it")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="do it"))
         stranded = replace(placed.task, status=TaskStatus.RUNNING, attempts=1, run_id=uuid.uuid4())
         s.store.tasks[stranded.id] = stranded
         fresh = await crash_and_restart(s)
@@ -356,8 +352,8 @@ async def test_a_task_whose_run_ended_before_the_crash_ends_as_its_run_did(
 ) -> None:
     async with system(Script(content="never asked")) as s:
         ada = await s.agent()
-        await s.supervisor.aclose()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="do it")
+        await s.crash()
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="do it"))
         run = Run(
             id=uuid.uuid4(),
             agent_id=ada.id,
@@ -399,7 +395,7 @@ async def test_a_task_cut_by_a_crash_goes_on_in_its_run_and_sends_once() -> None
         bob = s.im.human("bob")
         s.im.hold_sends("task one", after=True)
         ada = await s.agent()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="tell bob task one is done")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="tell bob task one is done"))
         dm = await s.im.get_or_create_direct_group(ada.member_id, bob.id)
         await until(lambda: len(s.im.in_group(dm.id)) == 1, "bob got the message")
         s.im.release()
@@ -429,15 +425,13 @@ class SettleFailsOnce(InMemoryAgentStore):
 
 async def test_a_task_whose_end_could_not_be_stored_is_settled_once_the_runner_is_idle() -> None:
     async with system(Script(content="done")) as s:
-        await s.supervisor.aclose()
+        await s.crash()
         store = SettleFailsOnce()
-        fresh = build(
-            s.im, llm=s.llm, store=store, hub=s.hub, clock=s.clock, human=s.human, lineage=s.lineage
-        )
+        fresh = build(s.im, llm=s.llm, store=store, clock=s.clock, human=s.human, lineage=s.lineage)
         ada = await fresh.agent()
-        placed = await fresh.tasks.submit_task(fresh.me, str(ada.id), text="do it")
+        placed = await fresh.bus.handle(SubmitTask(fresh.me, str(ada.id), text="do it"))
         await until(lambda: store.failed, "the first end was lost")
-        fresh.supervisor.runner(ada.id).wake()  # type: ignore[union-attr]
+        fresh.app.runners.wake(ada.id)
         await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
         assert store.tasks[placed.task.id].result == "done"
         assert len(s.llm.requests) == 1, "it did not run again"
@@ -454,7 +448,7 @@ async def test_a_pause_asked_during_the_last_completion_takes_effect_as_the_run_
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "finish it")
         await asyncio.wait_for(last.reached.wait(), WAIT)
-        answered = await s.control.pause(s.me, str(ada.id))
+        answered = await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         assert (answered.state, answered.pause_pending) == (AgentState.RUNNING, True)
         assert s.store.agents[ada.id].pause_pending, "a pending pause is stored"
         gate.set()
@@ -463,7 +457,7 @@ async def test_a_pause_asked_during_the_last_completion_takes_effect_as_the_run_
         assert not s.store.agents[ada.id].pause_pending
         (run,) = s.store.runs.values()
         assert run.status is RunStatus.COMPLETED, "the run ended as it would have"
-        await s.control.resume(s.me, str(ada.id))
+        await s.bus.handle(ResumeAgent(s.me, str(ada.id)))
         s.im.post(s.human, chat.id, "are you there?")
         await until(lambda: len(s.im.in_group(chat.id)) == 4, "the next message was answered")
         await s.settle(ada)
@@ -477,7 +471,7 @@ async def test_a_pause_pending_when_the_runtime_stopped_takes_effect_after_the_r
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "go")
         await asyncio.wait_for(s.llm.scripts[0].reached.wait(), WAIT)
-        await s.control.pause(s.me, str(ada.id))
+        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         fresh = await crash_and_restart(s, Script(content="must not run"))
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it is paused")
         await fresh.settle(ada)
@@ -500,15 +494,13 @@ class EndFailsOnce(InMemoryAgentStore):
 
 async def test_a_run_whose_end_could_not_be_stored_is_ended_at_the_next_cycle() -> None:
     async with system(Script(content="done")) as s:
-        await s.supervisor.aclose()
+        await s.crash()
         store = EndFailsOnce()
-        fresh = build(
-            s.im, llm=s.llm, store=store, hub=s.hub, clock=s.clock, human=s.human, lineage=s.lineage
-        )
+        fresh = build(s.im, llm=s.llm, store=store, clock=s.clock, human=s.human, lineage=s.lineage)
         ada = await fresh.agent()
-        placed = await fresh.tasks.submit_task(fresh.me, str(ada.id), text="do it")
+        placed = await fresh.bus.handle(SubmitTask(fresh.me, str(ada.id), text="do it"))
         await until(lambda: store.failed, "the first end was lost")
-        fresh.supervisor.runner(ada.id).wake()  # type: ignore[union-attr]
+        fresh.app.runners.wake(ada.id)
         await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
         (run,) = store.runs.values()
         assert run.status is RunStatus.COMPLETED, "the run is not left RUNNING"
@@ -526,14 +518,14 @@ async def test_a_task_paused_mid_run_goes_on_where_it_was_when_resumed() -> None
     async with system(tool_round, Script(content="reported")) as s:
         bob = s.im.human("bob")
         ada = await s.agent()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="tell bob")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="tell bob"))
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
-        await s.control.pause(s.me, str(ada.id))
+        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         gate.set()
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it paused")
         paused = s.store.tasks[placed.task.id]
         assert paused.status is TaskStatus.RUNNING, "a paused task is neither done nor given up"
-        await s.control.resume(s.me, str(ada.id))
+        await s.bus.handle(ResumeAgent(s.me, str(ada.id)))
         await until(
             lambda: s.store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded"
         )
@@ -553,11 +545,11 @@ async def test_terminating_an_agent_paused_mid_task_puts_the_task_back() -> None
     tool_round = Script(tool_calls=[("list_groups", "{}")], hold_after=1, gate=gate)
     async with system(tool_round, Script(content="done")) as s:
         ada = await s.agent()
-        placed = await s.tasks.submit_task(s.me, str(ada.id), text="look around")
+        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="look around"))
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
-        await s.control.pause(s.me, str(ada.id))
+        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
         gate.set()
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it paused")
-        await s.control.terminate(s.me, str(ada.id), clear_queue=False)
+        await s.bus.handle(TerminateAgent(s.me, str(ada.id), clear_queue=False))
         task = s.store.tasks[placed.task.id]
         assert (task.status, task.attempts) == (TaskStatus.QUEUED, 0)

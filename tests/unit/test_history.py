@@ -14,7 +14,9 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.common.tokens import AccessClaims, PrincipalKind
-from services.runtime.domain.llm import LLMUnavailable, Role
+from services.runtime.domain.commands import PauseAgent, ResumeAgent, TerminateAgent
+from services.runtime.domain.errors import LLMUnavailable, NotAllowed
+from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
     Agent,
     AgentState,
@@ -22,12 +24,12 @@ from services.runtime.domain.model import (
     MainSessionChanged,
     StepsRewritten,
 )
-from services.runtime.service_layer.agents import AgentDraft, NotAllowed
+from services.runtime.service_layer.agents import AgentDraft
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import Watcher
-from services.runtime.service_layer.lifecycle import LifecycleService
+from services.runtime.service_layer.messagebus import MessageBus
 from tests.identities import caller_of
-from tests.unit.runtime_fakes import FakeClock, Script
+from tests.unit.runtime_fakes import Script
 from tests.unit.test_runner import Harness, harness
 
 CALL_TOOL = Script(tool_calls=[("list_groups", "{}")])
@@ -37,7 +39,7 @@ CALL_TOOL = Script(tool_calls=[("list_groups", "{}")])
 class World:
     h: Harness
     history: HistoryService
-    control: LifecycleService
+    bus: MessageBus
 
     @property
     def me(self) -> Caller:
@@ -52,7 +54,7 @@ class World:
 
     async def paused(self, agent: Agent) -> None:
         await self.h.settle(agent)
-        paused = await self.control.pause(self.me, str(agent.id))
+        paused = await self.bus.handle(PauseAgent(self.me, str(agent.id)))
         assert paused.state is AgentState.PAUSED
 
     def live(self, agent: Agent) -> Agent:
@@ -71,10 +73,7 @@ class World:
 
 async def world(*scripts: Script) -> AsyncIterator[World]:
     async for h in harness(*scripts):
-        history = HistoryService(
-            store=h.store, supervisor=h.supervisor, hub=h.hub, im=h.im, agents=h.service, clock=FakeClock()
-        )
-        yield World(h, history, LifecycleService(agents=h.service, supervisor=h.supervisor))
+        yield World(h, h.app.history, h.app.bus)
 
 
 @pytest.fixture
@@ -164,7 +163,7 @@ async def test_edit_then_resume_uses_the_edited_context_and_keeps_the_original(w
     w.h.im.post(w.h.human, chat.id, "what was it?")
     await asyncio.sleep(0)
     assert len(w.h.llm.requests) == 1, "paused: the message waits"
-    await w.control.resume(w.me, str(ada.id))
+    await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
     await w.h.settle(ada)
     seen = [content for _, content in context(w)]
     assert seen[0] == "the password is [removed]" and not any("hunter2" in c for c in seen)
@@ -185,7 +184,7 @@ async def test_a_note_is_the_next_step_and_part_of_the_next_context(w: World) ->
             await w.history.add_note(w.me, str(ada.id), role, "x")
     with pytest.raises(errors.InvalidArgument, match="content"):
         await w.history.add_note(w.me, str(ada.id), Role.USER, "  ")
-    await w.control.resume(w.me, str(ada.id))
+    await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
     await w.talk(ada, "and now?")
     assert context(w)[2:4] == [
         (Role.SYSTEM, "Answer in French from now on."),
@@ -209,7 +208,7 @@ async def test_a_tool_result_cannot_be_deleted_alone_but_goes_with_its_call() ->
         with pytest.raises(errors.NotFound):
             await w.history.delete_step(w.me, str(ada.id), 2)
         # The next context has no call without its result.
-        await w.control.resume(w.me, str(ada.id))
+        await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
         await w.talk(ada, "thanks")
         assert [r for r, _ in context(w)] == [Role.USER, Role.ASSISTANT, Role.USER]
 
@@ -221,7 +220,7 @@ async def test_deleting_a_plain_step_keeps_the_later_numbers(w: World) -> None:
     await w.paused(ada)
     assert await w.history.delete_step(w.me, str(ada.id), 3) == [3]
     assert [s for s, _, _ in w.steps(ada)] == [1, 2, 4]
-    await w.control.resume(w.me, str(ada.id))
+    await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
     await w.talk(ada, "three")
     assert [s for s, _, _ in w.steps(ada)] == [1, 2, 4, 5, 6]
     assert [r for r, _ in context(w)] == [Role.USER, Role.ASSISTANT, Role.ASSISTANT, Role.USER]
@@ -294,7 +293,7 @@ async def test_restore_is_refused_while_running_or_terminated() -> None:
             await w.history.fork_from_step(w.me, str(ada.id), 1, new_agent=False)
         gate.set()
         await w.h.settle(ada)
-        await w.control.terminate(w.me, str(ada.id), clear_queue=False)
+        await w.bus.handle(TerminateAgent(w.me, str(ada.id), clear_queue=False))
         with pytest.raises(errors.FailedPrecondition, match="TERMINATED"):
             await w.history.restore_checkpoint(w.me, str(ada.id), str(checkpoint.id))
 
@@ -506,7 +505,7 @@ async def test_a_clone_and_a_sub_agent_belong_to_the_owner_of_the_agent_they_com
         await w.history.fork_from_step(other, str(ada.id), 2, new_agent=True)
     _, clone = await w.history.fork_from_step(admin, str(ada.id), 2, new_agent=True)
     assert clone.owner_id == w.h.human
-    child = await w.h.service.create_child(ada, "kid", "", "")
+    child = await w.h.app.factory.create_child(ada, "kid", "", "")
     assert child.owner_id == w.h.human
     # The admin created neither; the owner controls both.
     await w.history.list_sessions(owner, str(clone.id))

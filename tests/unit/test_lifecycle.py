@@ -13,10 +13,18 @@ from typing import Any
 
 import pytest
 
+from services.common.status import status_name
+from services.runtime.domain.commands import (
+    InterruptAgent,
+    PauseAgent,
+    ResumeAgent,
+    StartAgent,
+    TerminateAgent,
+)
+from services.runtime.domain.errors import AgentGone, InvalidTransition
 from services.runtime.domain.lifecycle import (
     CANCELLED_RESULT,
     Control,
-    InvalidTransition,
     Next,
     check_control,
     interrupted_message,
@@ -32,8 +40,7 @@ from services.runtime.domain.model import (
     Step,
     StepMetrics,
 )
-from services.runtime.service_layer.lifecycle import LifecycleService
-from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.tools import Tool, ToolContext, ToolRegistry, default_registry
 from tests.unit.runtime_fakes import Script
 from tests.unit.test_runner import WAIT, Harness, harness
@@ -99,9 +106,9 @@ def test_an_interrupted_step_keeps_its_text_and_only_whole_tool_calls() -> None:
 # -- the runner under control ---------------------------------------------------------
 
 
-async def lifecycle_harness(*scripts: Script) -> AsyncIterator[tuple[Harness, LifecycleService]]:
+async def lifecycle_harness(*scripts: Script) -> AsyncIterator[tuple[Harness, MessageBus]]:
     async for h in harness(*scripts):
-        yield h, LifecycleService(agents=h.service, supervisor=h.supervisor)
+        yield h, h.app.bus
 
 
 def states(events: list[Emitted]) -> list[AgentState]:
@@ -139,12 +146,12 @@ def gate_script(content: str, *, hold_after: int) -> tuple[Script, asyncio.Event
 
 async def test_interrupt_mid_stream_keeps_the_partial_step_and_pauses() -> None:
     script, gate = gate_script("Hello there, Alice!", hold_after=3)
-    async for h, control in lifecycle_harness(script):
+    async for h, bus in lifecycle_harness(script):
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "hi")
         await asyncio.wait_for(script.reached.wait(), WAIT)
-        agent = await control.interrupt(h.me, str(ada.id))
+        agent = await bus.handle(InterruptAgent(h.me, str(ada.id)))
         assert agent.state is AgentState.PAUSED
         steps = h.store.steps[ada.session_id]
         assert [s.role for s in steps] == [Role.USER, Role.ASSISTANT]
@@ -161,14 +168,14 @@ async def test_interrupt_mid_stream_keeps_the_partial_step_and_pauses() -> None:
         await asyncio.sleep(0.01)
         assert [m.content for m in h.im.in_group(chat.id)] == ["hi", "still there?"]
         with pytest.raises(InvalidTransition):
-            await control.interrupt(h.me, str(ada.id))
+            await bus.handle(InterruptAgent(h.me, str(ada.id)))
 
 
 async def test_pause_takes_effect_at_the_next_step_boundary_and_resume_goes_on() -> None:
     calls = [("list_groups", "{}")]
     gate = asyncio.Event()
     tool_step = Script(tool_calls=calls, hold_after=1, gate=gate)
-    async for h, control in lifecycle_harness(tool_step, Script(content="all done")):
+    async for h, bus in lifecycle_harness(tool_step, Script(content="all done")):
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         watcher, _ = h.hub.watch([ada.id])
@@ -176,7 +183,7 @@ async def test_pause_takes_effect_at_the_next_step_boundary_and_resume_goes_on()
         collecting = asyncio.create_task(collect(watcher.events(), got))
         h.im.post(h.human, chat.id, "look around")
         await wait_for_state(h, ada.id, AgentState.RUNNING)
-        agent = await control.pause(h.me, str(ada.id))
+        agent = await bus.handle(PauseAgent(h.me, str(ada.id)))
         assert agent.state is AgentState.RUNNING, "a run is paused at its next boundary, not at once"
         gate.set()
         await wait_for_state(h, ada.id, AgentState.PAUSED)
@@ -187,7 +194,7 @@ async def test_pause_takes_effect_at_the_next_step_boundary_and_resume_goes_on()
         await asyncio.sleep(0.01)
         assert len(h.llm.requests) == 1, "paused: the new message waits"
 
-        await control.resume(h.me, str(ada.id))
+        await bus.handle(ResumeAgent(h.me, str(ada.id)))
         await h.settle(ada)
         await asyncio.sleep(0)
         await h.settle(ada)
@@ -213,13 +220,13 @@ async def test_interrupting_tools_in_flight_answers_every_call_and_resume_contin
         return f"done {arguments['name']}"
 
     calls = [("probe", json.dumps({"name": "fast"})), ("probe", json.dumps({"name": "slow"}))]
-    async for h, control in lifecycle_harness(Script(tool_calls=calls), Script(content="finished")):
-        h.supervisor._env.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), slow))
+    async for h, bus in lifecycle_harness(Script(tool_calls=calls), Script(content="finished")):
+        h.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), slow))
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "probe")
         await asyncio.wait_for(both_started.wait(), WAIT)
-        await control.interrupt(h.me, str(ada.id))
+        await bus.handle(InterruptAgent(h.me, str(ada.id)))
         steps = h.store.steps[ada.session_id]
         assert [s.role for s in steps] == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.TOOL]
         results = {s.message.tool_call_id: s.message.content for s in steps[2:]}
@@ -228,7 +235,7 @@ async def test_interrupting_tools_in_flight_answers_every_call_and_resume_contin
         assert results[call_ids[1]] == CANCELLED_RESULT
         assert unanswered_calls(steps) == ()
 
-        await control.resume(h.me, str(ada.id))
+        await bus.handle(ResumeAgent(h.me, str(ada.id)))
         await h.settle(ada)
         await asyncio.sleep(0)
         await h.settle(ada)
@@ -239,42 +246,52 @@ async def test_interrupting_tools_in_flight_answers_every_call_and_resume_contin
 
 
 async def test_terminate_then_start_handles_what_waited() -> None:
-    async for h, control in lifecycle_harness(Script(content="back")):
+    async for h, bus in lifecycle_harness(Script(content="back")):
         ada = await h.agent()
         await h.settle(ada)
         chat = h.im.group("", h.human, ada.member_id, direct=True)
-        agent = await control.terminate(h.me, str(ada.id), clear_queue=False)
+        agent = await bus.handle(TerminateAgent(h.me, str(ada.id), clear_queue=False))
         assert agent.state is AgentState.TERMINATED
         assert h.store.agents[ada.id].state is AgentState.TERMINATED
         h.im.post(h.human, chat.id, "anyone?")
         await asyncio.sleep(0.01)
         assert len(h.im.in_group(chat.id)) == 1
-        for refused in (control.pause, control.resume, control.interrupt):
+        for refused in (PauseAgent, ResumeAgent, InterruptAgent):
             with pytest.raises(InvalidTransition):
-                await refused(h.me, str(ada.id))
+                await bus.handle(refused(h.me, str(ada.id)))
         with pytest.raises(InvalidTransition):
-            await control.terminate(h.me, str(ada.id), clear_queue=False)
-        await control.start(h.me, str(ada.id))
+            await bus.handle(TerminateAgent(h.me, str(ada.id), clear_queue=False))
+        await bus.handle(StartAgent(h.me, str(ada.id)))
         await asyncio.sleep(0)
         await h.settle(ada)
         assert [m.content for m in h.im.in_group(chat.id)] == ["anyone?", "back"]
         with pytest.raises(InvalidTransition):
-            await control.start(h.me, str(ada.id))
+            await bus.handle(StartAgent(h.me, str(ada.id)))
 
 
 async def test_pausing_an_idle_agent_is_immediate_and_a_resume_with_nothing_pending_runs_nothing() -> None:
-    async for h, control in lifecycle_harness(Script(content="hello")):
+    async for h, bus in lifecycle_harness(Script(content="hello")):
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "hi")
         await asyncio.sleep(0)
         await h.settle(ada)
-        assert (await control.pause(h.me, str(ada.id))).state is AgentState.PAUSED
-        await control.resume(h.me, str(ada.id))
+        assert (await bus.handle(PauseAgent(h.me, str(ada.id)))).state is AgentState.PAUSED
+        await bus.handle(ResumeAgent(h.me, str(ada.id)))
         await asyncio.sleep(0)
         await h.settle(ada)
         assert len(h.llm.requests) == 1, "the last step was an answer: nothing to go on with"
         assert h.store.agents[ada.id].state is AgentState.IDLE
+
+
+async def test_a_control_of_an_agent_deleted_on_the_way_is_not_found() -> None:
+    async for h, bus in lifecycle_harness():
+        ada = await h.agent()
+        await h.supervisor.stop_agent(ada.id)  # its runner is gone, as in a delete racing the control
+        with pytest.raises(AgentGone) as refused:
+            await bus.handle(PauseAgent(h.me, str(ada.id)))
+        assert status_name(refused.value) == "NOT_FOUND"
+        assert str(ada.id) in refused.value.message
 
 
 async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() -> None:
@@ -285,8 +302,8 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         return f"done {arguments['name']}"
 
     calls = [("probe", json.dumps({"name": "recorded"})), ("probe", json.dumps({"name": "missing"}))]
-    async for h, _control in lifecycle_harness(Script(tool_calls=calls), Script(content="recovered")):
-        h.supervisor._env.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe))
+    async for h, _bus in lifecycle_harness(Script(tool_calls=calls), Script(content="recovered")):
+        h.tools.register(Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe))
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "probe")
@@ -300,20 +317,15 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         h.store.runs[run.id] = replace(run, status=RunStatus.RUNNING, ended_at=None)
         h.store.agents[ada.id] = replace(h.store.agents[ada.id], state=AgentState.RUNNING)
         executed.clear()
-        await h.supervisor.aclose()
+        await h.crash()
 
-        fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
-        await fresh.start()
-        runner = fresh.runner(ada.id)
-        assert runner is not None
-        await asyncio.sleep(0)
-        await asyncio.wait_for(runner.idle.wait(), WAIT)
+        await h.restart(tools=[Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe)])
+        await h.settle(ada)
         assert executed == ["missing"], "the call whose result was recorded does not run again"
         (run,) = h.store.runs.values()
         assert run.status is RunStatus.COMPLETED, "the run the runtime stopped in goes on"
         assert [m.content for m in h.im.in_group(chat.id)][-1] == "recovered"
         assert h.store.agents[ada.id].state is AgentState.IDLE
-        await fresh.aclose()
 
 
 def noting_sends(h: Harness, prefix: str) -> asyncio.Event:
@@ -333,7 +345,7 @@ def noting_sends(h: Harness, prefix: str) -> asyncio.Event:
 
 async def test_ask_human_keeps_the_agent_busy_until_a_person_answers() -> None:
     question = json.dumps({"question": "Which branch shall I deploy?"})
-    async for h, _control in lifecycle_harness(
+    async for h, _bus in lifecycle_harness(
         Script(tool_calls=[("ask_human", question)]), Script(content="Deploying main.")
     ):
         ada = await h.agent(tools=("ask_human",))
@@ -371,7 +383,7 @@ async def test_a_tool_may_have_its_own_time_limit() -> None:
     async for h in harness():
         ada = await h.agent()
         context = ToolContext(
-            agent=ada, im=h.im, trigger_group_id=None, create_sub_agent=h.service.create_child
+            agent=ada, im=h.im, trigger_group_id=None, create_sub_agent=h.app.factory.create_child
         )
         outcome = await asyncio.wait_for(registry.execute(context, ToolCall("c1", "wait", "{}")), WAIT)
         assert outcome.content == "error: wait did not finish within 0.01 s"
@@ -386,15 +398,15 @@ async def test_every_state_change_has_a_higher_version_and_an_answer_is_never_ne
     event may reach a client before ResumeAgent's answer (IDLE): the version
     tells which is newer."""
     script, gate = gate_script("done", hold_after=1)
-    async for h, control in lifecycle_harness(script):
+    async for h, bus in lifecycle_harness(script):
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
-        paused = await control.pause(h.me, str(ada.id))
+        paused = await bus.handle(PauseAgent(h.me, str(ada.id)))
         watcher, _ = h.hub.watch([ada.id])
         got: list[Emitted] = []
         collecting = asyncio.create_task(collect(watcher.events(), got))
         h.im.post(h.human, chat.id, "waiting for you")
-        answer = await control.resume(h.me, str(ada.id))
+        answer = await bus.handle(ResumeAgent(h.me, str(ada.id)))
         await asyncio.wait_for(script.reached.wait(), WAIT)
         gate.set()
         await h.settle(ada)
@@ -414,15 +426,15 @@ async def test_every_state_change_has_a_higher_version_and_an_answer_is_never_ne
 async def test_terminating_an_agent_mid_answer_tells_the_chat_and_interrupting_does_not() -> None:
     for control_name, told in (("terminate", True), ("interrupt", False)):
         script, gate = gate_script("Here is a long answer", hold_after=3)
-        async for h, control in lifecycle_harness(script):
+        async for h, bus in lifecycle_harness(script):
             ada = await h.agent()
             chat = h.im.group("", h.human, ada.member_id, direct=True)
             h.im.post(h.human, chat.id, "explain")
             await asyncio.wait_for(script.reached.wait(), WAIT)
             if control_name == "terminate":
-                await control.terminate(h.me, str(ada.id), clear_queue=False)
+                await bus.handle(TerminateAgent(h.me, str(ada.id), clear_queue=False))
             else:
-                await control.interrupt(h.me, str(ada.id))
+                await bus.handle(InterruptAgent(h.me, str(ada.id)))
             gate.set()
             said = h.im.in_group(chat.id)[1:]
             if told:

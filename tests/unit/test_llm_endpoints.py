@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime.domain.endpoints import AllowedHosts, EndpointRefused, endpoint_of
-from services.runtime.domain.llm import CompletionRequest, LLMRejected, ModelSettings
-from services.runtime.service_layer.endpoint_guard import EndpointGuard, EndpointNotAllowed
+from services.runtime.domain.endpoints import AllowedHosts, endpoint_of
+from services.runtime.domain.errors import EndpointNotAllowed, EndpointRefused, LLMRejected
+from services.runtime.domain.llm import CompletionRequest, ModelSettings
+from services.runtime.service_layer.endpoint_guard import EndpointGuard
 from services.runtime.service_layer.llm_router import ModelRouter
 from tests.unit.runtime_fakes import ScriptedLLM
 

@@ -16,6 +16,7 @@ import pytest
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from services.runtime.adapters.memory_client import archived_run
+from services.runtime.bootstrap import RuntimeApp
 from services.runtime.domain.conversations import (
     TASKS,
     conversation_of_input,
@@ -23,16 +24,15 @@ from services.runtime.domain.conversations import (
     run_conversations,
     step_chats,
 )
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
+from services.runtime.domain.errors import InvalidAgentRequest
+from services.runtime.domain.etiquette import GroupPolicy
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import Agent, Origin, Run, RunStatus, Step, StepKind, StepMetrics
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.grpc_servicer import _draft
-from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
+from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.archiver import Archiver
-from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.memory_port import Memory, RunRecord
-from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import (
     RECALLED_HEADER,
@@ -41,7 +41,8 @@ from services.runtime.service_layer.tools import (
     describe_memory,
 )
 from tests.identities import caller_of
-from tests.unit.runtime_fakes import FakeClock, FakeIM, FakeMemory, InMemoryAgentStore, Script, ScriptedLLM
+from tests.unit.runtime_fakes import FakeIM, FakeMemory, InMemoryAgentStore, Script, ScriptedLLM
+from tests.unit.runtime_support import fake_runtime, unit_settings
 
 WAIT = 3.0
 SECRET = "PLUM-7731"
@@ -49,15 +50,29 @@ SECRET = "PLUM-7731"
 
 @dataclass
 class World:
+    """The runtime over fakes (`bootstrap.build`), with long-term memory."""
+
+    app: RuntimeApp
     im: FakeIM
     llm: ScriptedLLM
     store: InMemoryAgentStore
     memory: FakeMemory
-    archiver: Archiver
-    supervisor: Supervisor
-    service: AgentService
     alice: uuid.UUID
     bob: uuid.UUID
+
+    @property
+    def service(self) -> AgentService:
+        return self.app.service
+
+    @property
+    def archiver(self) -> Archiver:
+        assert self.app.archiver is not None
+        return self.app.archiver
+
+    @property
+    def supervisor(self) -> Supervisor:
+        assert self.app.supervisor is not None
+        return self.app.supervisor
 
     async def agent(self) -> Agent:
         return await self.service.create_agent(
@@ -87,36 +102,15 @@ async def world() -> AsyncIterator[World]:
         InMemoryAgentStore(),
         FakeMemory(),
     )
-    clock, hub = FakeClock(), AgentHub()
-    archiver = Archiver(store, memory, im, clock=clock, retry_initial_seconds=0.01, retry_max_seconds=0.05)
-    tools = default_registry(timeout_seconds=5)
-    services: list[AgentService] = []
-
-    async def create_child(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
-        return await services[0].create_child(parent, name, role, prompt, request_id=request_id)
-
-    env = RunnerEnv(
-        store=store,
-        im=im,
-        llm=llm,
-        tools=tools,
-        hub=hub,
-        guard=ChatterGuard(20),
-        directory=Directory(im),
-        settings=LoopSettings(group_policy=GroupPolicy.ALWAYS, auto_recall=3),
-        create_sub_agent=create_child,
-        clock=clock,
-        memory=memory,
-        run_ended=archiver.notify,
+    settings = unit_settings(
+        group_policy=GroupPolicy.ALWAYS,
+        auto_recall=3,
+        archive_retry_seconds=0.01,
+        archive_retry_max_seconds=0.05,
     )
-    supervisor = Supervisor(env, cursor_save_delay=0)
-    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
-    services.append(service)
-    archiver.start()
-    alice, bob = im.human("alice"), im.human("bob")
-    yield World(im, llm, store, memory, archiver, supervisor, service, alice.id, bob.id)
-    await archiver.stop()
-    await supervisor.aclose()
+    async with fake_runtime(settings=settings, store=store, im=im, llm=llm, memory=memory) as app:
+        alice, bob = im.human("alice"), im.human("bob")
+        yield World(app, im, llm, store, memory, alice.id, bob.id)
 
 
 async def test_a_secret_told_in_a_direct_chat_stays_out_of_a_group_that_includes_someone_else(
@@ -307,7 +301,7 @@ async def test_recall_and_expand_tools_search_memory_for_the_chat_being_answered
             agent=ada,
             im=world.im,
             trigger_group_id=None,
-            create_sub_agent=world.service.create_child,
+            create_sub_agent=world.app.factory.create_child,
             memory=world.memory,
             audience=audience,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from services.runtime.service_layer.im_port import IMUnavailable
+from services.runtime.domain.errors import IMUnavailable
 from services.runtime.service_layer.read_positions import ReadPositions
 from tests.unit.runtime_fakes import FakeIM
 

@@ -14,16 +14,17 @@ from typing import Any
 import pytest
 
 from services.common.identity import Caller
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
-from services.runtime.domain.llm import (
-    ContentDelta,
+from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import WakeAgent
+from services.runtime.domain.errors import (
     ContextTooLong,
+    IMUnavailable,
+    InvalidAgentRequest,
     LLMRejected,
     LLMUnavailable,
-    ModelSettings,
-    ReasoningDelta,
-    Role,
 )
+from services.runtime.domain.etiquette import GroupPolicy
+from services.runtime.domain.llm import ContentDelta, ModelSettings, ReasoningDelta, Role
 from services.runtime.domain.model import (
     Agent,
     AgentState,
@@ -36,27 +37,46 @@ from services.runtime.domain.model import (
     StepKind,
     StepStarted,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService, InvalidAgentRequest
+from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
-from services.runtime.service_layer.im_port import IMEvent, IMUnavailable
-from services.runtime.service_layer.runner import Directory, HistoryCache, LoopSettings, RunnerEnv
+from services.runtime.service_layer.im_port import IMEvent
+from services.runtime.service_layer.runner import HistoryCache
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tools import default_registry
+from services.runtime.service_layer.tools import Tool, ToolRegistry
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Refused, Script, ScriptedLLM
+from tests.unit.runtime_support import fake_runtime, unit_settings
 
 WAIT = 3.0
 
 
 @dataclass
 class Harness:
+    """The runtime over fakes (`bootstrap.build`), and the fakes."""
+
+    app: RuntimeApp
     im: FakeIM
     llm: ScriptedLLM
     store: InMemoryAgentStore
-    hub: AgentHub
-    supervisor: Supervisor
-    service: AgentService
+    clock: FakeClock
     human: uuid.UUID
+
+    @property
+    def hub(self) -> AgentHub:
+        return self.app.hub
+
+    @property
+    def service(self) -> AgentService:
+        return self.app.service
+
+    @property
+    def tools(self) -> ToolRegistry:
+        return self.app.tools
+
+    @property
+    def supervisor(self) -> Supervisor:
+        assert self.app.supervisor is not None
+        return self.app.supervisor
 
     @property
     def me(self) -> Caller:
@@ -77,6 +97,21 @@ class Harness:
     def steps(self, agent: Agent) -> list[tuple[Role, str]]:
         return [(s.role, s.message.content or "") for s in self.store.steps.get(agent.session_id, [])]
 
+    async def crash(self) -> None:
+        """Stops the runtime where it is (a crash: its runners stop mid-work)."""
+        await self.app.stop()
+
+    async def restart(self, *, tools: Sequence[Tool] = ()) -> int:
+        """A new runtime over the same store, IM and model after `crash`, with
+        `tools` besides the built-in ones; returns how many agents it started."""
+        self.app = fake_runtime(
+            settings=self.app.settings, store=self.store, im=self.im, llm=self.llm, clock=self.clock
+        )
+        for tool in tools:
+            self.app.tools.register(tool)
+        _, started = await self.app.start()
+        return started
+
 
 async def harness(
     *scripts: Script,
@@ -87,38 +122,19 @@ async def harness(
     im: FakeIM | None = None,
 ) -> AsyncIterator[Harness]:
     im = im if im is not None else FakeIM()
-    llm, store, hub = ScriptedLLM(*scripts), InMemoryAgentStore(), AgentHub()
-    clock = FakeClock()
-    services: list[AgentService] = []
-
-    async def create_child(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
-        return await services[0].create_child(parent, name, role, prompt, request_id=request_id)
-
-    tools = default_registry(timeout_seconds=5)
-    env = RunnerEnv(
-        store=store,
-        im=im,
-        llm=llm,
-        tools=tools,
-        hub=hub,
-        guard=ChatterGuard(chatter_limit),
-        directory=Directory(im),
-        settings=LoopSettings(
-            max_iterations=max_iterations,
-            group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
-            max_reply_bytes=max_reply_bytes,
-            unread_batch=unread_batch,
-            stream_cut_backoff_seconds=0.001,
-        ),
-        create_sub_agent=create_child,
-        clock=clock,
+    llm, store, clock = ScriptedLLM(*scripts), InMemoryAgentStore(), FakeClock()
+    settings = unit_settings(
+        max_iterations=max_iterations,
+        agent_chatter_limit=chatter_limit,
+        max_reply_bytes=max_reply_bytes,
+        unread_batch=unread_batch,
+        group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED,
     )
-    supervisor = Supervisor(env, cursor_save_delay=0)
-    service = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
-    services.append(service)
-    human = im.human("alice")
-    yield Harness(im, llm, store, hub, supervisor, service, human.id)
-    await supervisor.aclose()
+    app = fake_runtime(settings=settings, store=store, im=im, llm=llm, clock=clock)
+    await app.start()
+    h = Harness(app, im, llm, store, clock, im.human("alice").id)
+    yield h
+    await h.app.stop()
 
 
 @pytest.fixture
@@ -411,7 +427,7 @@ async def test_a_failing_endpoint_puts_the_agent_in_error_and_a_wake_recovers() 
                 "retry": "WakeAgent",
             }
         }
-        await h.service.wake_agent(h.me, str(ada.id))
+        await h.app.bus.handle(WakeAgent(h.me, str(ada.id)))
         await h.settle(ada)
         assert h.store.agents[ada.id].state is AgentState.IDLE
         assert [m.content for m in h.im.in_group(chat.id)] == ["hello?", notice.content, "back"]
@@ -443,7 +459,7 @@ async def test_a_run_failed_for_its_context_is_told_in_the_chat_and_a_wake_retri
             notice.content_type == "system" and "no longer fits my model's context window" in notice.content
         )
         assert "context too long" in notice.content
-        await h.service.wake_agent(h.me, str(ada.id))
+        await h.app.bus.handle(WakeAgent(h.me, str(ada.id)))
         await h.settle(ada)
         assert h.im.in_group(chat.id)[-1].content == "fits now"
         statuses = sorted(r.status.value for r in h.store.runs.values())
@@ -509,24 +525,41 @@ async def test_watching_mid_run_gives_missed_steps_then_live_deltas() -> None:
         assert sequences == [1, 2]
 
 
+async def test_a_sub_agent_made_by_an_agent_runs_at_once_and_answers_its_own_chats() -> None:
+    make_one = Script(tool_calls=[("create_sub_agent", json.dumps({"name": "kid", "role": "helper"}))])
+    async for h in harness(make_one, Script(content="done")):
+        ada = await h.agent(tools=("create_sub_agent",))
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.post(h.human, chat.id, "make a helper")
+        await asyncio.sleep(0)
+        await h.settle(ada)
+        (kid,) = [a for a in h.store.agents.values() if a.parent_id == ada.id]
+        assert h.app.runners.live(kid.id) is not None, "its runner started with it"
+        asked = len(h.llm.requests)
+        kid_chat = h.im.group("", h.human, kid.member_id, direct=True)
+        h.im.post(h.human, kid_chat.id, "hello kid")
+        await asyncio.sleep(0)
+        await h.settle(kid)
+        assert len(h.llm.requests) == asked + 1
+        assert [m.content for m in h.im.in_group(kid_chat.id)] == ["hello kid", "done"]
+
+
 async def test_restart_restores_agents_with_their_history(h: Harness) -> None:
     ada = await h.agent()
     chat = h.im.group("", h.human, ada.member_id, direct=True)
     h.im.post(h.human, chat.id, "remember me")
     await asyncio.sleep(0)
     await h.settle(ada)
-    await h.supervisor.aclose()
-    fresh = Supervisor(h.supervisor._env)
-    assert await fresh.start() == 1
+    await h.crash()
+    assert await h.restart() == 1
     h.im.post(h.human, chat.id, "still there?")
-    runner = fresh.runner(ada.id)
+    runner = h.supervisor.runner(ada.id)
     assert runner is not None
     runner.wake()
     await asyncio.sleep(0)
     await asyncio.wait_for(runner.idle.wait(), WAIT)
     context = [m.content or "" for m in h.llm.last_messages()]
     assert any("remember me" in c for c in context) and any("still there?" in c for c in context)
-    await fresh.aclose()
 
 
 async def test_bad_agent_settings_are_refused(h: Harness) -> None:
@@ -841,22 +874,17 @@ async def test_a_restart_resumes_the_im_watch_and_wakes_only_the_agents_it_conce
     for _ in range(20):  # the cursor is saved once the agents are idle
         await asyncio.sleep(0)
     assert h.store.cursors == {h.im.workspace: str(len(h.im.messages))}
-    await h.supervisor.aclose()
+    await h.crash()
 
     h.im.post(h.human, chat.id, "sent while the runtime was down")
     h.im.unread_reads.clear()
-    fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
-    assert await fresh.start() == 2
+    assert await h.restart() == 2
     await asyncio.sleep(0)
     await h.settle(ada, bea)
-    for runner in (fresh.runner(ada.id), fresh.runner(bea.id)):
-        assert runner is not None
-        await asyncio.wait_for(runner.idle.wait(), WAIT)
     assert [m.content for m in h.im.in_group(chat.id)][-1] == "Hello Alice!"
     assert len(h.im.in_group(chat.id)) == 4
     # The replay brought the message to ada: nobody asked the IM for unread messages.
     assert not h.im.unread_reads
-    await fresh.aclose()
 
 
 async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) -> None:
@@ -865,17 +893,12 @@ async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) ->
     for _ in range(20):
         await asyncio.sleep(0)
     assert h.store.cursors, "the watch's start was saved"
-    await h.supervisor.aclose()
+    await h.crash()
     h.store.agents[ada.id] = dataclasses.replace(h.store.agents[ada.id], state=AgentState.RUNNING)
     h.im.unread_reads.clear()
-    fresh = Supervisor(h.supervisor._env, cursor_save_delay=0)
-    await fresh.start()
-    runner = fresh.runner(ada.id)
-    assert runner is not None
-    await asyncio.sleep(0)
-    await asyncio.wait_for(runner.idle.wait(), WAIT)
+    await h.restart()
+    await h.settle(ada)
     assert set(h.im.unread_reads) == {ada.member_id}
-    await fresh.aclose()
 
 
 async def test_more_unread_than_one_read_takes_are_all_answered() -> None:

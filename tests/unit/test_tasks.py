@@ -1,9 +1,10 @@
-"""The task queue (`TaskService`) against in-memory fakes: submission and
+"""The task queue (`TaskViews`) against in-memory fakes: submission and
 idempotency, order and positions, retries, cancellation, statistics."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
@@ -15,11 +16,13 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
-from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
+from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import CancelTask, SubmitTask
 from services.runtime.domain.model import (
     Agent,
     AgentState,
     Emitted,
+    Placed,
     RunStatus,
     Session,
     Task,
@@ -28,89 +31,94 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
-from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
-from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tasks import RetryPolicy, TaskService
-from services.runtime.service_layer.tools import default_registry
+from services.runtime.service_layer.messagebus import MessageBus
+from services.runtime.service_layer.runner import AgentRunner
+from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
 from tests.identities import caller_of
-from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
+from tests.unit.runtime_fakes import FakeClock, FakeIM, FakeRunners, InMemoryAgentStore, Script, ScriptedLLM
+from tests.unit.runtime_support import fake_runtime, unit_settings
 
 WAIT = 3.0
 
 
 @dataclass
 class Queue:
+    """The runtime over fakes (`bootstrap.build`); its runners are `FakeRunners`
+    unless the tests run tasks for real."""
+
+    app: RuntimeApp
     im: FakeIM
     store: InMemoryAgentStore
-    hub: AgentHub
     clock: FakeClock
-    supervisor: Supervisor
-    agents: AgentService
-    tasks: TaskService
     me: Caller
+
+    @property
+    def hub(self) -> AgentHub:
+        return self.app.hub
+
+    @property
+    def agents(self) -> AgentService:
+        return self.app.service
+
+    @property
+    def tasks(self) -> TaskViews:
+        return self.app.tasks
+
+    @property
+    def bus(self) -> MessageBus:
+        return self.app.bus
+
+    @property
+    def queue(self) -> StoredTaskQueue:
+        return self.app.queue
+
+    @property
+    def runners(self) -> FakeRunners:
+        assert isinstance(self.app.runners, FakeRunners)
+        return self.app.runners
+
+    def runner(self, agent: Agent) -> AgentRunner:
+        runner = self.app.runner(agent.id)
+        assert runner is not None
+        return runner
 
     async def agent(self, name: str = "ada") -> Agent:
         return await self.agents.create_agent(self.me, AgentDraft(name=name))
 
     async def submit(self, agent: Agent, text: str = "do it", **fields: object) -> Task:
-        placed = await self.tasks.submit_task(self.me, str(agent.id), text=text, **fields)  # type: ignore[arg-type]
+        placed = await self.bus.handle(SubmitTask(self.me, str(agent.id), text=text, **fields))  # type: ignore[arg-type]
         return placed.task
 
     async def run_next(self, agent: Agent) -> Task:
         """Takes the head of the queue as a runner would."""
-        head = await self.tasks.next_task(agent.id, now=self.clock.now)
+        head = await self.queue.next_task(agent.id, now=self.clock.now)
         assert head is not None
-        return await self.tasks.started(head, run_id=uuid.uuid4(), at=self.clock())
+        return await self.queue.started(head, run_id=uuid.uuid4(), at=self.clock())
 
 
-async def make_queue(*, run_tasks: bool = False, **options: object) -> AsyncIterator[Queue]:
-    im, store, hub, clock = FakeIM(), InMemoryAgentStore(), AgentHub(), FakeClock()
-    tools = default_registry(timeout_seconds=5)
-    env = RunnerEnv(
+async def make_queue(
+    *, run_tasks: bool = False, jitter: Callable[[], float] = random.random, **settings: Any
+) -> AsyncIterator[Queue]:
+    """The runtime over fakes, with `settings` changed; its runners run tasks
+    only if `run_tasks` (else the tests play the runner)."""
+    im, store, clock = FakeIM(), InMemoryAgentStore(), FakeClock()
+    app = fake_runtime(
+        settings=unit_settings(max_iterations=3, **settings),
         store=store,
         im=im,
         llm=ScriptedLLM(Script(content="done")),
-        tools=tools,
-        hub=hub,
-        guard=ChatterGuard(20),
-        directory=Directory(im),
-        settings=LoopSettings(max_iterations=3, group_policy=GroupPolicy.UNLESS_OTHERS_MENTIONED),
-        create_sub_agent=_no_children,
         clock=clock,
+        runners=None if run_tasks else FakeRunners(),
+        jitter=jitter,
     )
-    supervisor = Supervisor(env, cursor_save_delay=0)
-    agents = AgentService(store=store, im=im, supervisor=supervisor, hub=hub, tools=tools, clock=clock)
-    tasks = TaskService(
-        store=store,
-        supervisor=supervisor,
-        hub=hub,
-        agents=agents,
-        clock=clock,
-        **options,  # type: ignore[arg-type]
-    )
-    if run_tasks:
-        supervisor.use_tasks(tasks)
-    human = im.human("alice")
-    yield Queue(
-        im,
-        store,
-        hub,
-        clock,
-        supervisor,
-        agents,
-        tasks,
-        caller_of(human.id, human.workspace_id, roles=("owner",)),
-    )
-    await supervisor.aclose()
-
-
-async def _no_children(parent: Agent, name: str, role: str, prompt: str, request_id: str) -> Agent:
-    raise AssertionError("no sub-agents here")
+    async with app:
+        human = im.human("alice")
+        yield Queue(app, im, store, clock, caller_of(human.id, human.workspace_id, roles=("owner",)))
 
 
 @pytest.fixture
 async def q() -> AsyncIterator[Queue]:
-    async for value in make_queue(retry=RetryPolicy(max_attempts=3, base_seconds=10, max_seconds=25)):
+    async for value in make_queue(task_max_attempts=3, task_retry_base_seconds=10, task_retry_max_seconds=25):
         yield value
 
 
@@ -130,12 +138,9 @@ def drain(watcher: Watcher) -> list[tuple[TaskStatus, uuid.UUID]]:
 
 async def test_a_submitted_task_is_queued_announced_and_wakes_the_agent(q: Queue) -> None:
     ada = await q.agent()
-    runner = q.supervisor.runner(ada.id)
-    assert runner is not None
-    await asyncio.wait_for(runner.idle.wait(), WAIT)
     watcher, _ = q.hub.watch([ada.id])
-    placed = await q.tasks.submit_task(q.me, str(ada.id), text="summarise the week", priority=2)
-    assert not runner.idle.is_set()  # woken
+    placed = await q.bus.handle(SubmitTask(q.me, str(ada.id), text="summarise the week", priority=2))
+    assert q.runners.woken == [ada.id]
     task = placed.task
     assert task.status is TaskStatus.QUEUED and placed.position == 0
     assert task.agent_id == ada.id and task.session_id == ada.session_id
@@ -174,23 +179,26 @@ async def test_a_request_id_reused_for_something_else_is_refused(q: Queue, field
         value = str(other.id)
     fields: dict[str, object] = {"text": "report", "priority": 1, field: value}
     with pytest.raises(errors.AlreadyExists, match="r-1"):
-        await q.tasks.submit_task(q.me, str(ada.id), request_id="r-1", **fields)  # type: ignore[arg-type]
+        await q.bus.handle(SubmitTask(q.me, str(ada.id), request_id="r-1", **fields))  # type: ignore[arg-type]
     assert len(q.store.tasks) == 1
 
 
 async def test_fifty_concurrent_submissions_are_each_queued_once(q: Queue) -> None:
     ada = await q.agent()
     placed = await asyncio.gather(
-        *(q.tasks.submit_task(q.me, str(ada.id), text=f"task {i}", request_id=f"r-{i}") for i in range(50))
+        *(
+            q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"task {i}", request_id=f"r-{i}"))
+            for i in range(50)
+        )
     )
     assert len({p.task.id for p in placed}) == 50 and len(q.store.tasks) == 50
     assert all(p.task.status is TaskStatus.QUEUED for p in placed)
     # Served in the order they arrived, each exactly once.
     served: list[str] = []
-    while (head := await q.tasks.next_task(ada.id, now=q.clock.now)) is not None:
-        started = await q.tasks.started(head, run_id=uuid.uuid4(), at=q.clock())
+    while (head := await q.queue.next_task(ada.id, now=q.clock.now)) is not None:
+        started = await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
         served.append(started.input)
-        await q.tasks.succeeded(started, result="ok", at=q.clock())
+        await q.queue.succeeded(started, result="ok", at=q.clock())
     arrival = sorted(q.store.tasks.values(), key=lambda t: (t.created_at, t.id))
     assert served == [t.input for t in arrival] and len(set(served)) == 50
 
@@ -199,7 +207,7 @@ async def test_fifty_concurrent_submissions_with_one_request_id_make_one_task(q:
     ada = await q.agent()
     watcher, _ = q.hub.watch([ada.id])
     placed = await asyncio.gather(
-        *(q.tasks.submit_task(q.me, str(ada.id), text="once", request_id="same") for _ in range(50))
+        *(q.bus.handle(SubmitTask(q.me, str(ada.id), text="once", request_id="same")) for _ in range(50))
     )
     assert {p.task.id for p in placed} == {placed[0].task.id}
     assert len(q.store.tasks) == 1
@@ -224,7 +232,7 @@ async def test_submissions_are_checked(q: Queue) -> None:
     for error, principal, agent_id, fields in cases:
         arguments: dict[str, object] = {"text": "do it", **fields}
         with pytest.raises(error):
-            await q.tasks.submit_task(principal, agent_id, **arguments)  # type: ignore[arg-type]
+            await q.bus.handle(SubmitTask(principal, agent_id, **arguments))  # type: ignore[arg-type]
     # Another agent's session is not this one's.
     bea = await q.agent("bea")
     with pytest.raises(errors.NotFound, match="session"):
@@ -241,7 +249,7 @@ async def test_a_task_may_name_another_session_of_its_agent(q: Queue) -> None:
 
 
 async def test_the_input_limit_is_configurable() -> None:
-    async for q in make_queue(max_input_bytes=10):
+    async for q in make_queue(max_task_input_bytes=10):
         ada = await q.agent()
         await q.submit(ada, "0123456789")
         with pytest.raises(errors.InvalidArgument, match="10"):
@@ -263,20 +271,20 @@ async def test_higher_priority_first_then_arrival(q: Queue) -> None:
     }
     assert positions == {"urgent": 0, "high": 1, "high 2": 2, "low": 3, "low 2": 4}
     served = []
-    while (head := await q.tasks.next_task(ada.id, now=q.clock.now)) is not None:
+    while (head := await q.queue.next_task(ada.id, now=q.clock.now)) is not None:
         served.append(head.input)
-        await q.tasks.cancelled(await q.tasks.started(head, run_id=uuid.uuid4(), at=q.clock()), at=q.clock())
+        await q.queue.cancelled(await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock()), at=q.clock())
     assert served == ["urgent", "high", "high 2", "low", "low 2"]
 
 
 async def test_the_position_of_a_new_task_counts_the_tasks_ahead(q: Queue) -> None:
     ada = await q.agent()
     for i in range(3):
-        assert (await q.tasks.submit_task(q.me, str(ada.id), text=f"t{i}")).position == i
+        assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"t{i}"))).position == i
     # Higher priority goes ahead of them all; the running one is not in the queue.
-    assert (await q.tasks.submit_task(q.me, str(ada.id), text="vip", priority=1)).position == 0
+    assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="vip", priority=1))).position == 0
     await q.run_next(ada)
-    assert (await q.tasks.submit_task(q.me, str(ada.id), text="t3")).position == 3
+    assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="t3"))).position == 3
 
 
 # Running, retries, death
@@ -284,7 +292,7 @@ async def test_the_position_of_a_new_task_counts_the_tasks_ahead(q: Queue) -> No
 
 async def test_a_failed_task_is_retried_after_a_backoff_then_dead() -> None:
     async for q in make_queue(
-        retry=RetryPolicy(max_attempts=3, base_seconds=10, max_seconds=15), jitter=lambda: 0.0
+        task_max_attempts=3, task_retry_base_seconds=10, task_retry_max_seconds=15, jitter=lambda: 0.0
     ):
         ada = await q.agent()
         watcher, _ = q.hub.watch([ada.id])
@@ -292,28 +300,28 @@ async def test_a_failed_task_is_retried_after_a_backoff_then_dead() -> None:
         first = await q.run_next(ada)
         assert first.status is TaskStatus.RUNNING and first.attempts == 1 and first.run_id is not None
         failed_at = q.clock()
-        await q.tasks.failed(first, error="boom 1", at=failed_at)
+        await q.queue.failed(first, error="boom 1", at=failed_at)
         stored = q.store.tasks[task.id]
         assert stored.status is TaskStatus.FAILED and stored.last_error == "boom 1"
         assert stored.retry_at == failed_at + timedelta(seconds=10)
-        assert await q.tasks.next_retry_at(ada.id) == stored.retry_at
+        assert await q.queue.next_retry_at(ada.id) == stored.retry_at
         # Not due yet: not served; due: served again.
-        assert await q.tasks.next_task(ada.id, now=failed_at + timedelta(seconds=9)) is None
+        assert await q.queue.next_task(ada.id, now=failed_at + timedelta(seconds=9)) is None
         q.clock.now = failed_at + timedelta(seconds=10)
         second = await q.run_next(ada)
         assert second.id == task.id and second.attempts == 2 and second.retry_at is None
         failed_at = q.clock()
-        await q.tasks.failed(second, error="boom 2", at=failed_at)
+        await q.queue.failed(second, error="boom 2", at=failed_at)
         # The wait doubles, up to the cap.
         assert q.store.tasks[task.id].retry_at == failed_at + timedelta(seconds=15)
         q.clock.now = failed_at + timedelta(seconds=15)
         third = await q.run_next(ada)
-        await q.tasks.failed(third, error="boom 3", at=q.clock())
+        await q.queue.failed(third, error="boom 3", at=q.clock())
         dead = q.store.tasks[task.id]
         assert dead.status is TaskStatus.DEAD and dead.attempts == 3 and dead.last_error == "boom 3"
         assert dead.ended_at is not None and dead.retry_at is None
-        assert await q.tasks.next_task(ada.id, now=q.clock.now + timedelta(days=1)) is None
-        assert await q.tasks.next_retry_at(ada.id) is None
+        assert await q.queue.next_task(ada.id, now=q.clock.now + timedelta(days=1)) is None
+        assert await q.queue.next_retry_at(ada.id) is None
         statuses = [s for s, _ in drain(watcher)]
         assert statuses == [
             TaskStatus.QUEUED,
@@ -336,7 +344,7 @@ async def test_a_task_that_succeeds_keeps_its_answer(q: Queue) -> None:
     ada = await q.agent()
     await q.submit(ada)
     running = await q.run_next(ada)
-    await q.tasks.succeeded(running, result="all done", at=q.clock())
+    await q.queue.succeeded(running, result="all done", at=q.clock())
     done = q.store.tasks[running.id]
     assert done.status is TaskStatus.SUCCEEDED and done.result == "all done" and done.ended_at is not None
     assert (await q.tasks.get_task(q.me, str(done.id))).position == 0
@@ -347,11 +355,11 @@ async def test_a_task_put_back_waits_again_and_its_attempt_does_not_count(q: Que
     await q.submit(ada, "first")
     await q.submit(ada, "second")
     running = await q.run_next(ada)
-    await q.tasks.put_back(running)
+    await q.queue.put_back(running)
     back = q.store.tasks[running.id]
     assert back.status is TaskStatus.QUEUED and back.attempts == 0
     # Still ahead of the later one.
-    head = await q.tasks.next_task(ada.id, now=q.clock.now)
+    head = await q.queue.next_task(ada.id, now=q.clock.now)
     assert head is not None and head.id == running.id
 
 
@@ -363,12 +371,12 @@ async def test_cancelling_a_waiting_task_is_immediate(q: Queue) -> None:
     watcher, _ = q.hub.watch([ada.id])
     queued = await q.submit(ada, "queued")
     failing = await q.submit(ada, "failing")
-    await q.tasks.cancel_task(q.me, str(queued.id))
+    await q.bus.handle(CancelTask(q.me, str(queued.id)))
     # A FAILED task waiting for its retry is cancelled too.
     running = await q.run_next(ada)
     assert running.id == failing.id
-    await q.tasks.failed(running, error="boom", at=q.clock())
-    cancelled = (await q.tasks.cancel_task(q.me, str(failing.id))).task
+    await q.queue.failed(running, error="boom", at=q.clock())
+    cancelled = (await q.bus.handle(CancelTask(q.me, str(failing.id)))).task
     assert cancelled.status is TaskStatus.CANCELLED and cancelled.ended_at is not None
     assert cancelled.retry_at is None
     assert [s for s, _ in drain(watcher)] == [
@@ -379,66 +387,56 @@ async def test_cancelling_a_waiting_task_is_immediate(q: Queue) -> None:
         TaskStatus.FAILED,
         TaskStatus.CANCELLED,
     ]
-    assert await q.tasks.next_task(ada.id, now=q.clock.now + timedelta(days=1)) is None
+    assert await q.queue.next_task(ada.id, now=q.clock.now + timedelta(days=1)) is None
     # An ended task cannot be cancelled.
     with pytest.raises(errors.FailedPrecondition, match="cancelled"):
-        await q.tasks.cancel_task(q.me, str(queued.id))
+        await q.bus.handle(CancelTask(q.me, str(queued.id)))
 
 
 async def test_a_task_cancelled_before_it_starts_is_not_started(q: Queue) -> None:
     ada = await q.agent()
     await q.submit(ada)
-    head = await q.tasks.next_task(ada.id, now=q.clock.now)
+    head = await q.queue.next_task(ada.id, now=q.clock.now)
     assert head is not None
-    await q.tasks.cancel_task(q.me, str(head.id))
-    started = await q.tasks.started(head, run_id=uuid.uuid4(), at=q.clock())
+    await q.bus.handle(CancelTask(q.me, str(head.id)))
+    started = await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
     assert started.status is TaskStatus.CANCELLED and started.attempts == 0
 
 
-async def test_cancelling_a_running_task_asks_its_runner_to_cut_it_short(
-    q: Queue, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_cancelling_a_running_task_asks_its_runner_to_cut_it_short(q: Queue) -> None:
     ada = await q.agent()
     await q.submit(ada)
     running = await q.run_next(ada)
-    asked: list[uuid.UUID] = []
+    q.runners.running.add(running.id)
 
-    async def cancel_task(task_id: uuid.UUID) -> bool:
-        # As AgentRunner does: the run ends, and the runner reports it cancelled.
-        asked.append(task_id)
-        await asyncio.sleep(0)
-        await q.tasks.cancelled(running, at=q.clock())
-        return True
+    async def cut_short(task_id: uuid.UUID) -> None:
+        # As AgentRunner does: the run ends, and the runner reports the task cancelled.
+        await q.queue.cancelled(running, at=q.clock())
 
-    monkeypatch.setattr(q.supervisor.runner(ada.id), "cancel_task", cancel_task, raising=False)
-    cancelled = (await q.tasks.cancel_task(q.me, str(running.id))).task
-    assert asked == [running.id] and cancelled.status is TaskStatus.CANCELLED
+    q.runners.on_cancel = cut_short
+    cancelled = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
+    assert q.runners.cancels == [running.id] and cancelled.status is TaskStatus.CANCELLED
 
 
-async def test_a_cancelled_running_task_that_then_fails_is_not_retried(
-    q: Queue, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    ada = await q.agent()
-    await q.submit(ada)
-    running = await q.run_next(ada)
-
-    async def cancel_task(task_id: uuid.UUID) -> bool:
-        return True  # the runner will report later
-
-    monkeypatch.setattr(q.supervisor.runner(ada.id), "cancel_task", cancel_task, raising=False)
-    q.tasks._cancel_wait = 0.01
-    still = (await q.tasks.cancel_task(q.me, str(running.id))).task
-    assert still.status is TaskStatus.RUNNING
-    await q.tasks.failed(running, error="cut", at=q.clock())
-    assert q.store.tasks[running.id].status is TaskStatus.CANCELLED
+async def test_a_cancelled_running_task_that_then_fails_is_not_retried() -> None:
+    # CancelTask does not wait for the runner: it answers with the task as it is.
+    async for q in make_queue(task_cancel_wait_seconds=0):
+        ada = await q.agent()
+        await q.submit(ada)
+        running = await q.run_next(ada)
+        q.runners.running.add(running.id)  # the runner will report later
+        still = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
+        assert still.status is TaskStatus.RUNNING
+        await q.queue.failed(running, error="cut", at=q.clock())
+        assert q.store.tasks[running.id].status is TaskStatus.CANCELLED
 
 
 async def test_a_running_task_nobody_runs_is_cancelled_at_once(q: Queue) -> None:
     ada = await q.agent()
     await q.submit(ada)
     running = await q.run_next(ada)
-    await q.supervisor.remove(ada.id)  # its runner is gone (the agent stays)
-    cancelled = (await q.tasks.cancel_task(q.me, str(running.id))).task
+    await q.runners.stop_agent(ada.id)  # its runner is gone (the agent stays)
+    cancelled = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
     assert cancelled.status is TaskStatus.CANCELLED
 
 
@@ -449,12 +447,12 @@ async def test_clear_queue_cancels_every_waiting_task(q: Queue) -> None:
         await q.submit(ada, f"t{i}")
     other = await q.submit(bea, "other")
     running = await q.run_next(ada)
-    failed = await q.tasks.started(
+    failed = await q.queue.started(
         await q.submit(ada, "to fail", priority=9), run_id=uuid.uuid4(), at=q.clock()
     )
-    await q.tasks.failed(failed, error="boom", at=q.clock())
+    await q.queue.failed(failed, error="boom", at=q.clock())
     watcher, _ = q.hub.watch(None)
-    assert await q.tasks.clear_queue(ada.id) == 4  # 3 queued and 1 awaiting a retry
+    assert await q.queue.clear_queue(ada.id) == 4  # 3 queued and 1 awaiting a retry
     statuses = {t.input: t.status for t in q.store.tasks.values()}
     assert statuses == {
         "t0": TaskStatus.RUNNING,
@@ -466,7 +464,7 @@ async def test_clear_queue_cancels_every_waiting_task(q: Queue) -> None:
     }
     assert running.input == "t0" and other.status is TaskStatus.QUEUED
     assert [s for s, _ in drain(watcher)] == [TaskStatus.CANCELLED] * 4
-    assert await q.tasks.clear_queue(ada.id) == 0
+    assert await q.queue.clear_queue(ada.id) == 0
 
 
 # Views
@@ -492,7 +490,11 @@ async def test_tasks_of_other_workspaces_are_not_found(q: Queue) -> None:
     task = await q.submit(ada)
     stranger = q.im.human("mallory")
     them = caller_of(stranger.id, uuid.uuid4())
-    for call in (q.tasks.get_task, q.tasks.cancel_task):
+
+    async def cancel(caller: Caller | None, task_id: str) -> Placed:
+        return await q.bus.handle(CancelTask(caller, task_id))
+
+    for call in (q.tasks.get_task, cancel):
         with pytest.raises(errors.NotFound):
             await call(them, str(task.id))
         with pytest.raises(errors.NotFound):
@@ -516,7 +518,7 @@ async def test_queue_stats_count_waiting_and_running_and_average_the_wait(q: Que
     await q.submit(ada, "three")
     q.clock.now += timedelta(milliseconds=100)
     first = await q.run_next(ada)  # waited 100 ms and a few ticks
-    await q.tasks.failed(first, error="boom", at=q.clock())
+    await q.queue.failed(first, error="boom", at=q.clock())
     q.clock.now += timedelta(milliseconds=300)
     second = await q.run_next(ada)
     assert (first.id, second.id) == (one.id, two.id)
@@ -535,7 +537,10 @@ async def test_the_runner_runs_queued_tasks_one_at_a_time_in_order() -> None:
         ada = await q.agent()
         watcher, _ = q.hub.watch([ada.id])
         submitted = await asyncio.gather(
-            *(q.tasks.submit_task(q.me, str(ada.id), text=f"task {i}", request_id=f"r{i}") for i in range(50))
+            *(
+                q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"task {i}", request_id=f"r{i}"))
+                for i in range(50)
+            )
         )
         events: list[tuple[TaskStatus, uuid.UUID]] = []
         async with asyncio.timeout(WAIT):
@@ -583,17 +588,17 @@ async def test_an_agent_known_to_have_no_task_is_not_asked_again_until_one_may_h
         store = SubmitDuringFirstLook(q, ada)
         q.store.next_task = store  # type: ignore[method-assign]
         # That first look's "none" came before the submission: not remembered.
-        assert await q.tasks.next_task(ada.id, now=q.clock.now) is None
-        head = await q.tasks.next_task(ada.id, now=q.clock.now)
+        assert await q.queue.next_task(ada.id, now=q.clock.now) is None
+        head = await q.queue.next_task(ada.id, now=q.clock.now)
         assert head is not None and head.id == store.submitted[0].id
-        await q.tasks.started(head, run_id=uuid.uuid4(), at=q.clock())
-        assert await q.tasks.next_task(ada.id, now=q.clock.now) is None
+        await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
+        assert await q.queue.next_task(ada.id, now=q.clock.now) is None
         asked = store.queries
         for _ in range(3):  # known to have none now: no more queries
-            assert await q.tasks.next_task(ada.id, now=q.clock.now) is None
+            assert await q.queue.next_task(ada.id, now=q.clock.now) is None
         assert store.queries == asked
         later = await q.submit(ada, "later")
-        again = await q.tasks.next_task(ada.id, now=q.clock.now)
+        again = await q.queue.next_task(ada.id, now=q.clock.now)
         assert again is not None and again.id == later.id
 
 
@@ -610,10 +615,9 @@ def answer_lost(add_task: Callable[..., Awaitable[Task]]) -> Callable[..., Corou
 async def test_a_submission_whose_answer_was_lost_still_reaches_the_runner() -> None:
     async for q in make_queue(run_tasks=True):
         ada = await q.agent()
-        runner = q.supervisor.runner(ada.id)
-        assert runner is not None
+        runner = q.runner(ada)
         await asyncio.wait_for(runner.idle.wait(), WAIT)
-        assert await q.tasks.next_task(ada.id, now=q.clock.now) is None  # known to have none
+        assert await q.queue.next_task(ada.id, now=q.clock.now) is None  # known to have none
         real = q.store.add_task
         q.store.add_task = answer_lost(real)  # type: ignore[method-assign]
         watcher, _ = q.hub.watch([ada.id])
@@ -666,8 +670,7 @@ async def test_a_task_whose_bookkeeping_the_database_lost_still_runs_to_its_end(
                 if isinstance(event, TaskChanged) and event.task.status is TaskStatus.SUCCEEDED:
                     assert event.task.id == task.id
                     break
-        runner = q.supervisor.runner(ada.id)
-        assert runner is not None
+        runner = q.runner(ada)
         await asyncio.wait_for(runner.idle.wait(), WAIT)
         assert q.store.agents[ada.id].state is AgentState.IDLE
         assert all(r.status is not RunStatus.RUNNING for r in q.store.runs.values())
@@ -710,15 +713,13 @@ async def test_a_task_waiting_behind_an_older_message_runs_after_it() -> None:
     must not then wait for some later wake."""
     async for q in make_queue(run_tasks=True):
         ada = await q.agent()
-        runner = q.supervisor.runner(ada.id)
-        assert runner is not None
-        await runner.pause()
+        await q.app.runners.pause(ada.id)
         chat = q.im.group("", q.me.member_id, ada.member_id, direct=True)  # type: ignore[arg-type]
         q.im.clock = q.clock  # one clock: the message is older than the task
         q.im.post(q.me.member_id, chat.id, "first, a question")  # type: ignore[arg-type]
         watcher, _ = q.hub.watch([ada.id])
         task = await q.submit(ada, "then, a task")
-        await runner.resume()
+        await q.app.runners.resume(ada.id)
         async with asyncio.timeout(WAIT):
             async for emitted in watcher.events():
                 event = emitted.event

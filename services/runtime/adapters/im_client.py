@@ -30,15 +30,8 @@ from services.common.clients import make_channel
 from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata
 from services.common.service_auth import AgentTokens, AuthClient, SecretSource, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
-from services.runtime.service_layer.im_port import (
-    IMError,
-    IMEvent,
-    IMGroup,
-    IMMember,
-    IMMessage,
-    IMPort,
-    IMUnavailable,
-)
+from services.runtime.domain.errors import IMError, IMUnavailable
+from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
 
 logger = logging.getLogger(__name__)
 

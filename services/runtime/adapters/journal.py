@@ -27,8 +27,8 @@ from typing import Any
 from services.common.batching import NaturalBatcher
 from services.common.sql import SqlDatabase, SqliteWorker, database_unavailable, sqlite_time
 from services.runtime.adapters.tables import SCHEMA
+from services.runtime.domain.errors import DuplicateStep
 from services.runtime.domain.model import Agent, Origin, Run, Step
-from services.runtime.service_layer.store import DuplicateStep
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,17 +22,10 @@ from services.common.clients import open_channel
 from services.common.identity import bearer_metadata
 from services.common.service_auth import AgentTokens, ServiceToken, TokenRefused
 from services.common.tls import ClientTls
+from services.runtime.domain.errors import MemoryRefused, MemoryUnavailable
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import Agent, StepKind
-from services.runtime.service_layer.memory_port import (
-    Expanded,
-    Memory,
-    MemoryPort,
-    MemoryRefused,
-    MemoryUnavailable,
-    RecallQuery,
-    RunRecord,
-)
+from services.runtime.service_layer.memory_port import Expanded, Memory, MemoryPort, RecallQuery, RunRecord
 
 _UNREACHABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}

@@ -39,6 +39,7 @@ from services.runtime.adapters.tables import (
     tasks,
     watch_cursors,
 )
+from services.runtime.domain.errors import DuplicateAgentRequest
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import (
     Agent,
@@ -53,7 +54,7 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest, TaskInFlight
+from services.runtime.service_layer.store import AgentStore, TaskInFlight
 
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
 _WRITE = "runtime_write"

@@ -20,14 +20,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from services.runtime.domain.errors import EndpointRefused
+
 SETTING = "RUNTIME_LLM_ALLOWED_HOSTS"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
-class EndpointRefused(ValueError):
-    """The URL may not be an agent's model endpoint; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)

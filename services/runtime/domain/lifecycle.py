@@ -11,7 +11,7 @@ import enum
 import json
 from collections.abc import Sequence
 
-from services.common.errors import FailedPrecondition
+from services.runtime.domain.errors import InvalidTransition
 from services.runtime.domain.llm import ChatMessage, Role, ToolCall
 from services.runtime.domain.model import AgentState, Step, shown_to_model
 
@@ -32,10 +32,6 @@ _ALLOWED: dict[Control, frozenset[AgentState]] = {
     Control.INTERRUPT: frozenset({AgentState.RUNNING}),
     Control.TERMINATE: frozenset({AgentState.IDLE, AgentState.RUNNING, AgentState.ERROR, AgentState.PAUSED}),
 }
-
-
-class InvalidTransition(FailedPrecondition):
-    """The agent's state does not allow that control."""
 
 
 def check_control(control: Control, state: AgentState) -> None:

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.common import errors
-
 
 class Role(enum.StrEnum):
     SYSTEM = "system"
@@ -269,25 +267,3 @@ def storable_delta(delta: Delta) -> Delta:
                 index, _storable_or_none(call_id), _storable_or_none(name), storable_text(arguments)
             )
     return delta
-
-
-class LLMError(errors.ServiceError):
-    """A completion failed."""
-
-
-class LLMUnavailable(LLMError, errors.Unavailable):
-    """The endpoint failed even after retries (rate limits, server errors, cut connections)."""
-
-
-class LLMRejected(LLMError, errors.FailedPrecondition):
-    """The endpoint refused the request itself (bad model, bad key, bad input): retrying will not help."""
-
-
-class ContextTooLong(LLMRejected):
-    """The endpoint refused the request as longer than the model's context
-    window; `window` and `requested` are its numbers when it said them."""
-
-    def __init__(self, message: str, *, window: int | None = None, requested: int | None = None) -> None:
-        super().__init__(message)
-        self.window = window
-        self.requested = requested

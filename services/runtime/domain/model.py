@@ -346,3 +346,11 @@ def _joined(first: AgentEvent, second: AgentEvent) -> StepDelta | None:
     ):
         return StepDelta(first.sequence, replace(a, arguments=a.arguments + b.arguments))
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """A task and, while it is QUEUED, how many tasks are ahead of it."""
+
+    task: Task
+    position: int = 0

@@ -10,13 +10,21 @@ from agentim.runtime.v1 import runtime_pb2_grpc
 from services.common.audit_proto import event_out, query_in
 from services.common.authn import current_caller
 from services.common.identity import Caller
+from services.runtime.domain.commands import (
+    InterruptAgent,
+    PauseAgent,
+    ResumeAgent,
+    StartAgent,
+    TerminateAgent,
+    WakeAgent,
+)
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.history_rpcs import HistoryRpcs
 from services.runtime.entrypoints.task_rpcs import TaskRpcs
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.history import HistoryService
-from services.runtime.service_layer.lifecycle import LifecycleService
-from services.runtime.service_layer.tasks import TaskService
+from services.runtime.service_layer.messagebus import MessageBus
+from services.runtime.service_layer.tasks import TaskViews
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any
@@ -35,18 +43,19 @@ def _draft(value: pb.Agent) -> AgentDraft:
 
 
 class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServicer):
-    """Thin translation between the wire and the use cases."""
+    """Thin translation between the wire and the use cases: a request that
+    changes something becomes a command for the bus."""
 
     def __init__(
         self,
         service: AgentService,
         *,
         history: HistoryService,
-        tasks: TaskService,
-        lifecycle: LifecycleService,
+        tasks: TaskViews,
+        bus: MessageBus,
     ) -> None:
         self._service = service
-        self._lifecycle = lifecycle
+        self._bus = bus
         self._history = history
         self._tasks = tasks
 
@@ -104,7 +113,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return pb.DeleteAgentResponse()
 
     async def WakeAgent(self, request: pb.WakeAgentRequest, context: Context) -> pb.WakeAgentResponse:
-        woken = await self._service.wake_agent(await self._caller(context), request.agent_id)
+        woken = await self._bus.handle(WakeAgent(await self._caller(context), request.agent_id))
         return pb.WakeAgentResponse(agent=mappers.agent(woken))
 
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
@@ -159,30 +168,32 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     # -- lifecycle -----------------------------------------------------------
 
     async def StartAgent(self, request: pb.StartAgentRequest, context: Context) -> pb.StartAgentResponse:
-        agent = await self._lifecycle.start(await self._caller(context), request.agent_id)
+        agent = await self._bus.handle(StartAgent(await self._caller(context), request.agent_id))
         return pb.StartAgentResponse(agent=mappers.agent(agent))
 
     async def PauseAgent(self, request: pb.PauseAgentRequest, context: Context) -> pb.PauseAgentResponse:
-        agent = await self._lifecycle.pause(await self._caller(context), request.agent_id)
+        agent = await self._bus.handle(PauseAgent(await self._caller(context), request.agent_id))
         return pb.PauseAgentResponse(agent=mappers.agent(agent))
 
     async def ResumeAgent(self, request: pb.ResumeAgentRequest, context: Context) -> pb.ResumeAgentResponse:
-        agent = await self._lifecycle.resume(await self._caller(context), request.agent_id)
+        agent = await self._bus.handle(ResumeAgent(await self._caller(context), request.agent_id))
         return pb.ResumeAgentResponse(agent=mappers.agent(agent))
 
     async def InterruptAgent(
         self, request: pb.InterruptAgentRequest, context: Context
     ) -> pb.InterruptAgentResponse:
-        agent = await self._lifecycle.interrupt(await self._caller(context), request.agent_id)
+        agent = await self._bus.handle(InterruptAgent(await self._caller(context), request.agent_id))
         return pb.InterruptAgentResponse(agent=mappers.agent(agent))
 
     async def TerminateAgent(
         self, request: pb.TerminateAgentRequest, context: Context
     ) -> pb.TerminateAgentResponse:
-        agent = await self._lifecycle.terminate(
-            await self._caller(context),
-            request.agent_id,
-            clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
+        agent = await self._bus.handle(
+            TerminateAgent(
+                await self._caller(context),
+                request.agent_id,
+                clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
+            )
         )
         return pb.TerminateAgentResponse(agent=mappers.agent(agent))
 

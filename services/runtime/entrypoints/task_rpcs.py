@@ -1,4 +1,4 @@
-"""RuntimeService RPCs of `TaskService`: a mixin of `RuntimeServicer`."""
+"""RuntimeService RPCs of tasks: a mixin of `RuntimeServicer`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from services.common.identity import Caller
+from services.runtime.domain.commands import CancelTask, SubmitTask
+from services.runtime.domain.model import Placed
 from services.runtime.entrypoints import mappers
-from services.runtime.service_layer.tasks import Placed, TaskService
+from services.runtime.service_layer.messagebus import MessageBus
+from services.runtime.service_layer.tasks import TaskViews
 
 Context: TypeAlias = Any
 
@@ -19,19 +22,22 @@ def _task(placed: Placed) -> pb.Task:
 class TaskRpcs:
     """SubmitTask, GetTask, ListTasks, CancelTask, GetQueueStats."""
 
-    _tasks: TaskService
+    _tasks: TaskViews
+    _bus: MessageBus
 
     async def _caller(self, context: Context) -> Caller | None:
         raise NotImplementedError  # RuntimeServicer's
 
     async def SubmitTask(self, request: pb.SubmitTaskRequest, context: Context) -> pb.SubmitTaskResponse:
-        placed = await self._tasks.submit_task(
-            await self._caller(context),
-            request.agent_id,
-            text=request.input,
-            request_id=request.request_id,
-            session_id=request.session_id,
-            priority=request.priority,
+        placed = await self._bus.handle(
+            SubmitTask(
+                await self._caller(context),
+                request.agent_id,
+                text=request.input,
+                request_id=request.request_id,
+                session_id=request.session_id,
+                priority=request.priority,
+            )
         )
         return pb.SubmitTaskResponse(task=_task(placed))
 
@@ -49,7 +55,7 @@ class TaskRpcs:
         return pb.ListTasksResponse(tasks=[_task(p) for p in page], next_page_token=token)
 
     async def CancelTask(self, request: pb.CancelTaskRequest, context: Context) -> pb.CancelTaskResponse:
-        placed = await self._tasks.cancel_task(await self._caller(context), request.task_id)
+        placed = await self._bus.handle(CancelTask(await self._caller(context), request.task_id))
         return pb.CancelTaskResponse(task=_task(placed))
 
     async def GetQueueStats(

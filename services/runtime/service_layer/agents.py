@@ -13,10 +13,20 @@ from urllib.parse import urlsplit
 
 from uuid_utils.compat import uuid7
 
-from services.common import audit, errors
+from services.common import audit
 from services.common.identity import Caller
 from services.common.tokens import PrincipalKind
 from services.runtime.domain.access import Action, Verdict, Viewer, decide, may_set_endpoint
+from services.runtime.domain.errors import (
+    AgentNotFound,
+    DuplicateAgentRequest,
+    HubClosed,
+    InvalidAgentRequest,
+    NotAllowed,
+    NotAuthenticated,
+    RequestReused,
+    SessionNotFound,
+)
 from services.runtime.domain.llm import ModelSettings, ToolSpec
 from services.runtime.domain.model import (
     Agent,
@@ -33,10 +43,10 @@ from services.runtime.domain.model import (
     merge_deltas,
 )
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
-from services.runtime.service_layer.hub import AgentHub, HubClosed, InFlight, Watcher
+from services.runtime.service_layer.hub import AgentHub, InFlight, Watcher
 from services.runtime.service_layer.im_port import IMPort
-from services.runtime.service_layer.store import AgentStore, DuplicateAgentRequest
-from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.runners import Runners
+from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.tools import ToolRegistry
 
 logger = logging.getLogger(__name__)
@@ -49,30 +59,6 @@ MAX_AUTO_RECALL = 20
 # A window smaller than this cannot hold a system prompt, a message and an answer.
 MIN_CONTEXT_TOKENS = 1024
 MAX_CONTEXT_TOKENS = 10_000_000
-
-
-class InvalidAgentRequest(errors.InvalidArgument):
-    pass
-
-
-class AgentNotFound(errors.NotFound):
-    pass
-
-
-class NotAuthenticated(errors.Unauthenticated):
-    pass
-
-
-class NotAllowed(errors.PermissionDenied):
-    pass
-
-
-class RequestReused(errors.AlreadyExists):
-    pass
-
-
-class SessionNotFound(errors.NotFound):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,77 +74,25 @@ class AgentDraft:
     auto_recall: int | None = None
 
 
-class AgentService:
-    """Agents' lifecycle and views. Callers act as IM members of a workspace."""
+class AgentFactory:
+    """Makes agents: checks a draft, creates the agent's IM member, and stores
+    the agent with its main session (the same agent again for a repeated
+    request_id). Starting its runner is the caller's (`Runners.start_agent`).
+
+    The runners use it for the create_sub_agent tool, and the use cases for
+    CreateAgent and ForkFromStep; it needs neither of them.
+    """
 
     def __init__(
-        self,
-        *,
-        store: AgentStore,
-        im: IMPort,
-        supervisor: Supervisor,
-        hub: AgentHub,
-        tools: ToolRegistry,
-        clock: Callable[[], datetime],
-        endpoints: EndpointGuard | None = None,
-        max_page_size: int = 200,
-        audit_log: audit.AuditLog | None = None,
+        self, *, store: AgentStore, im: IMPort, tools: ToolRegistry, clock: Callable[[], datetime]
     ) -> None:
-        self._audit_log = audit_log
         self._store = store
-        self._endpoints = endpoints
         self._im = im
-        self._supervisor = supervisor
-        self._hub = hub
         self._tools = tools
         self._clock = clock
-        self._max_page = max_page_size
 
-    # -- identity -----------------------------------------------------------
-
-    async def _viewer(self, caller: Caller | None) -> Viewer:
-        """The calling member, its workspace and (from its token) its roles."""
-        if caller is None:
-            raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
-        claims = caller.claims
-        if claims.kind is PrincipalKind.SERVICE or claims.member_id is None or claims.workspace_id is None:
-            raise NotAllowed("a service acts on no agent of its own: call as a member")
-        return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
-
-    async def _visible(self, caller: Caller | None, agent_id: str, action: Action = Action.VIEW) -> Agent:
-        """The agent as its runner has it, if the caller may do `action` to it."""
-        viewer = await self._viewer(caller)
-        wanted = _parse_id(agent_id, "agent_id")
-        agent = await self._store.get_agent(wanted)
-        verdict = (
-            Verdict.HIDDEN
-            if agent is None
-            else decide(viewer, action, workspace_id=agent.workspace_id, owner_id=agent.owner_id)
-        )
-        if agent is None or verdict is Verdict.HIDDEN:
-            raise AgentNotFound(f"agent {wanted} not found")
-        if verdict is Verdict.DENIED:
-            raise NotAllowed(
-                f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
-            )
-        runner = self._supervisor.runner(agent.id)
-        return runner.agent if runner is not None else agent
-
-    async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
-        """The agent, if the caller may control it, reconfigure it and read its work
-        (its owner, the workspace's admins and owner)."""
-        return await self._visible(caller, agent_id, Action.CONTROL)
-
-    async def _check_endpoint(self, viewer: Viewer, base_url: str) -> None:
-        """May the caller point an agent's model requests at `base_url`?"""
-        if not may_set_endpoint(viewer):
-            raise NotAllowed("only the workspace's admins and owner set an agent's model.base_url")
-        if self._endpoints is not None and base_url:
-            await self._endpoints.check(base_url)
-
-    # -- agents -------------------------------------------------------------
-
-    def _check(self, draft: AgentDraft) -> AgentDraft:
+    def check(self, draft: AgentDraft) -> AgentDraft:
+        """The draft with its name trimmed; InvalidAgentRequest says what is wrong with it."""
         name = draft.name.strip()
         if not name:
             raise InvalidAgentRequest("name is required")
@@ -199,63 +133,17 @@ class AgentService:
             )
         return replace(draft, name=name)
 
-    async def create_agent(
-        self,
-        principal: Caller | None,
-        draft: AgentDraft,
-        *,
-        workspace_id: str = "",
-        parent_id: str = "",
-        request_id: str = "",
-    ) -> Agent:
-        viewer = await self._viewer(principal)
-        workspace = viewer.workspace_id
-        if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
-            raise AgentNotFound(f"workspace {workspace_id} not found")
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidAgentRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
-        parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
-        checked = self._check(draft)
-        if checked.model.base_url:
-            await self._check_endpoint(viewer, checked.model.base_url)
-        return await self._create(
-            viewer.member_id,
-            workspace,
-            checked,
-            parent=parent,
-            request_id=request_id,
-            owner=viewer.member_id,
-            actor=audit.actor_of(principal),
-            action="CreateAgent",
-        )
-
-    async def create_clone(self, caller: Caller | None, source: Agent, draft: AgentDraft) -> Agent:
-        """A fork of `source` into a new agent: its parent and its owner are `source`'s."""
-        viewer = await self._viewer(caller)
-        parent = await self._store.get_agent(source.parent_id) if source.parent_id else None
-        return await self._create(
-            viewer.member_id,
-            source.workspace_id,
-            self._check(draft),
-            parent=parent,
-            request_id="",
-            owner=source.owner_id,
-            actor=audit.actor_of(caller),
-            action="ForkFromStep",
-            details={"forked_from": str(source.id)},
-        )
-
     async def create_child(
         self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str = ""
     ) -> Agent:
         """The create_sub_agent tool: a child with its parent's model and tools
         (the same child again for a repeated request_id)."""
-        draft = self._check(
+        draft = self.check(
             AgentDraft(
                 name=name, role=role, system_prompt=system_prompt, model=parent.model, tools=parent.tools
             )
         )
-        return await self._create(
+        return await self.create(
             parent.member_id,
             parent.workspace_id,
             draft,
@@ -267,7 +155,7 @@ class AgentService:
             action="CreateAgent",
         )
 
-    async def _create(
+    async def create(
         self,
         caller: uuid.UUID,
         workspace: uuid.UUID,
@@ -280,6 +168,8 @@ class AgentService:
         action: str,
         details: dict[str, str] | None = None,
     ) -> Agent:
+        """Creates the agent's IM member and stores the agent, with its main
+        session; the agent already made for a repeated `request_id`."""
         fingerprint = hashlib.sha256(
             json.dumps([str(workspace), repr(draft), str(parent.id if parent else "")]).encode()
         ).hexdigest()
@@ -333,7 +223,6 @@ class AgentService:
             return await self._replayed(found, fingerprint, request_id)
         # Its main session; stored after the agent, which a replay returns without this.
         await self._store.add_session(Session(id=agent.session_id, agent_id=agent.id, created_at=now))
-        self._supervisor.add(agent)
         return agent
 
     async def _replayed(self, found: tuple[str, uuid.UUID], fingerprint: str, request_id: str) -> Agent:
@@ -343,6 +232,128 @@ class AgentService:
         agent = await self._store.get_agent(agent_id)
         if agent is None:
             raise AgentNotFound(f"agent {agent_id} not found")
+        return agent
+
+
+class AgentService:
+    """Agents' lifecycle and views. Callers act as IM members of a workspace."""
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        im: IMPort,
+        factory: AgentFactory,
+        runners: Runners,
+        hub: AgentHub,
+        tools: ToolRegistry,
+        clock: Callable[[], datetime],
+        endpoints: EndpointGuard | None = None,
+        max_page_size: int = 200,
+        audit_log: audit.AuditLog | None = None,
+    ) -> None:
+        self._audit_log = audit_log
+        self._store = store
+        self._endpoints = endpoints
+        self._im = im
+        self._factory = factory
+        self._runners = runners
+        self._hub = hub
+        self._tools = tools
+        self._clock = clock
+        self._max_page = max_page_size
+
+    # -- identity -----------------------------------------------------------
+
+    async def _viewer(self, caller: Caller | None) -> Viewer:
+        """The calling member, its workspace and (from its token) its roles."""
+        if caller is None:
+            raise NotAuthenticated("this call needs the acting member: authorization: Bearer <access token>")
+        claims = caller.claims
+        if claims.kind is PrincipalKind.SERVICE or claims.member_id is None or claims.workspace_id is None:
+            raise NotAllowed("a service acts on no agent of its own: call as a member")
+        return Viewer(claims.member_id, claims.workspace_id, frozenset(claims.roles))
+
+    async def _visible(self, caller: Caller | None, agent_id: str, action: Action = Action.VIEW) -> Agent:
+        """The agent as its runner has it, if the caller may do `action` to it."""
+        viewer = await self._viewer(caller)
+        wanted = _parse_id(agent_id, "agent_id")
+        agent = await self._store.get_agent(wanted)
+        verdict = (
+            Verdict.HIDDEN
+            if agent is None
+            else decide(viewer, action, workspace_id=agent.workspace_id, owner_id=agent.owner_id)
+        )
+        if agent is None or verdict is Verdict.HIDDEN:
+            raise AgentNotFound(f"agent {wanted} not found")
+        if verdict is Verdict.DENIED:
+            raise NotAllowed(
+                f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
+            )
+        return self._runners.live(agent.id) or agent
+
+    async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
+        """The agent, if the caller may control it, reconfigure it and read its work
+        (its owner, the workspace's admins and owner)."""
+        return await self._visible(caller, agent_id, Action.CONTROL)
+
+    async def _check_endpoint(self, viewer: Viewer, base_url: str) -> None:
+        """May the caller point an agent's model requests at `base_url`?"""
+        if not may_set_endpoint(viewer):
+            raise NotAllowed("only the workspace's admins and owner set an agent's model.base_url")
+        if self._endpoints is not None and base_url:
+            await self._endpoints.check(base_url)
+
+    # -- agents -------------------------------------------------------------
+
+    async def create_agent(
+        self,
+        principal: Caller | None,
+        draft: AgentDraft,
+        *,
+        workspace_id: str = "",
+        parent_id: str = "",
+        request_id: str = "",
+    ) -> Agent:
+        viewer = await self._viewer(principal)
+        workspace = viewer.workspace_id
+        if workspace_id and _parse_id(workspace_id, "workspace_id") != workspace:
+            raise AgentNotFound(f"workspace {workspace_id} not found")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidAgentRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
+        parent: Agent | None = await self._visible(principal, parent_id) if parent_id else None
+        checked = self._factory.check(draft)
+        if checked.model.base_url:
+            await self._check_endpoint(viewer, checked.model.base_url)
+        agent = await self._factory.create(
+            viewer.member_id,
+            workspace,
+            checked,
+            parent=parent,
+            request_id=request_id,
+            owner=viewer.member_id,
+            actor=audit.actor_of(principal),
+            action="CreateAgent",
+        )
+        self._runners.start_agent(agent)
+        return agent
+
+    async def create_clone(self, caller: Caller | None, source: Agent, draft: AgentDraft) -> Agent:
+        """A fork of `source` into a new agent: its parent and its owner are `source`'s."""
+        viewer = await self._viewer(caller)
+        parent = await self._store.get_agent(source.parent_id) if source.parent_id else None
+        agent = await self._factory.create(
+            viewer.member_id,
+            source.workspace_id,
+            self._factory.check(draft),
+            parent=parent,
+            request_id="",
+            owner=source.owner_id,
+            actor=audit.actor_of(caller),
+            action="ForkFromStep",
+            details={"forked_from": str(source.id)},
+        )
+        self._runners.start_agent(agent)
         return agent
 
     async def get_agent(self, principal: Caller | None, agent_id: str) -> Agent:
@@ -365,8 +376,7 @@ class AgentService:
         return live, str(agents[limit - 1].id) if len(agents) > limit else ""
 
     def _live(self, agent: Agent) -> Agent:
-        runner = self._supervisor.runner(agent.id)
-        return runner.agent if runner is not None else agent
+        return self._runners.live(agent.id) or agent
 
     async def update_agent(
         self,
@@ -395,7 +405,7 @@ class AgentService:
             token_budget=draft.token_budget if "token_budget" in fields else agent.token_budget,
             auto_recall=draft.auto_recall if "auto_recall" in fields else agent.auto_recall,
         )
-        merged = self._check(merged)
+        merged = self._factory.check(merged)
         if merged.model.base_url != agent.model.base_url:
             await self._check_endpoint(await self._viewer(principal), merged.model.base_url)
         if merged.name != agent.name:
@@ -424,15 +434,11 @@ class AgentService:
             },
         )
         await self._store.update_agent(updated, audit=record)
-        runner = self._supervisor.runner(agent.id)
-        if runner is not None:
-            runner.update(updated)
-            return runner.agent
-        return updated
+        return self._runners.update(updated) or updated
 
     async def delete_agent(self, principal: Caller | None, agent_id: str) -> None:
         agent = await self.controlled(principal, agent_id)
-        await self._supervisor.remove(agent.id)
+        await self._runners.stop_agent(agent.id)
         await self._store.delete_agent(agent.id, audit=self.audit_record(principal, agent, "DeleteAgent"))
 
     async def tell_owners(self) -> int:
@@ -492,13 +498,6 @@ class AgentService:
         return await audit.list_page(
             self._audit_log, viewer.workspace_id, query, page_token=page_token, size=page_size
         )
-
-    async def wake_agent(self, principal: Caller | None, agent_id: str) -> Agent:
-        agent = await self.controlled(principal, agent_id)
-        runner = self._supervisor.runner(agent.id)
-        if runner is not None:
-            runner.wake(retry=True)
-        return agent
 
     # -- runs and steps -------------------------------------------------------
 
@@ -616,10 +615,9 @@ class AgentService:
     ) -> AsyncGenerator[Emitted, None]:
         try:
             async for emitted in events:
-                runner = self._supervisor.runner(emitted.agent_id)
-                if runner is None:
+                agent = self._runners.live(emitted.agent_id)
+                if agent is None:
                     continue
-                agent = runner.agent
                 verdict = decide(
                     viewer, Action.CONTROL, workspace_id=agent.workspace_id, owner_id=agent.owner_id
                 )

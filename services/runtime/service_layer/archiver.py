@@ -20,15 +20,10 @@ from datetime import datetime
 
 from services.common import errors
 from services.runtime.domain.conversations import step_chats
+from services.runtime.domain.errors import IMError, MemoryRefused, MemoryUnavailable
 from services.runtime.domain.model import Run, StepKind
-from services.runtime.service_layer.im_port import IMError, IMPort
-from services.runtime.service_layer.memory_port import (
-    Conversation,
-    MemoryPort,
-    MemoryRefused,
-    MemoryUnavailable,
-    RunRecord,
-)
+from services.runtime.service_layer.im_port import IMPort
+from services.runtime.service_layer.memory_port import Conversation, MemoryPort, RunRecord
 from services.runtime.service_layer.store import AgentStore
 
 logger = logging.getLogger(__name__)

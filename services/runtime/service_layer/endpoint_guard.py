@@ -4,15 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from services.common import errors
-from services.runtime.domain.endpoints import AllowedHosts, EndpointRefused, endpoint_of
+from services.runtime.domain.endpoints import AllowedHosts, endpoint_of
+from services.runtime.domain.errors import EndpointNotAllowed, EndpointRefused
 
 # host, port -> the addresses the name resolves to (raises OSError if it does not).
 Resolve = Callable[[str, int], Awaitable[list[str]]]
-
-
-class EndpointNotAllowed(errors.InvalidArgument):
-    """An agent's model.base_url names a host it may not."""
 
 
 class EndpointGuard:

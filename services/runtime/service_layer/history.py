@@ -40,9 +40,19 @@ from datetime import datetime
 
 from uuid_utils.compat import uuid7
 
-from services.common import audit, errors
+from services.common import audit
 from services.common.audit import AuditRecord
 from services.common.identity import Caller
+from services.runtime.domain.errors import (
+    BrokenToolCall,
+    CheckpointNotFound,
+    DuplicateStep,
+    InvalidHistoryRequest,
+    SessionNotFound,
+    StepNotFound,
+    StepTaken,
+    WrongAgentState,
+)
 from services.runtime.domain.lifecycle import Next, resume_point
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
@@ -57,17 +67,11 @@ from services.runtime.domain.model import (
     StepMetrics,
     StepsRewritten,
 )
-from services.runtime.service_layer.agents import (
-    MAX_NAME_CHARS,
-    UPDATABLE,
-    AgentDraft,
-    AgentService,
-    SessionNotFound,
-)
+from services.runtime.service_layer.agents import MAX_NAME_CHARS, UPDATABLE, AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
-from services.runtime.service_layer.store import AgentStore, DuplicateStep
-from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.runners import Runners
+from services.runtime.service_layer.store import AgentStore
 
 logger = logging.getLogger(__name__)
 
@@ -78,30 +82,6 @@ CONTINUABLE = frozenset({AgentState.IDLE, AgentState.PAUSED, AgentState.ERROR})
 RESTORABLE = frozenset({AgentState.IDLE, AgentState.PAUSED})
 
 
-class InvalidHistoryRequest(errors.InvalidArgument):
-    pass
-
-
-class WrongAgentState(errors.FailedPrecondition):
-    """The agent's state does not allow the change now."""
-
-
-class BrokenToolCall(errors.FailedPrecondition):
-    """The change would leave a tool call without its result, or a result without its call."""
-
-
-class StepNotFound(errors.NotFound):
-    pass
-
-
-class CheckpointNotFound(errors.NotFound):
-    pass
-
-
-class StepTaken(errors.Conflict):
-    """The agent wrote a step at the same moment."""
-
-
 class HistoryService:
     """The use cases of UpdateStep, DeleteStep, AddNote, checkpoints, sessions, retry and fork."""
 
@@ -109,7 +89,7 @@ class HistoryService:
         self,
         *,
         store: AgentStore,
-        supervisor: Supervisor,
+        runners: Runners,
         hub: AgentHub,
         im: IMPort,
         agents: AgentService,
@@ -117,7 +97,7 @@ class HistoryService:
         max_page_size: int = 200,
     ) -> None:
         self._store = store
-        self._supervisor = supervisor
+        self._runners = runners
         self._hub = hub
         self._im = im
         self._agents = agents
@@ -471,25 +451,23 @@ class HistoryService:
 
     def _adopt(self, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
         """The runner works in `session_id` from its next run (its cached history is another's)."""
-        runner = self._supervisor.runner(agent_id)
-        if runner is not None and runner.agent.session_id != session_id:
-            runner.update(replace(runner.agent, session_id=session_id))
-            runner.forget_history()
+        live = self._runners.live(agent_id)
+        if live is not None and live.session_id != session_id:
+            self._runners.update(replace(live, session_id=session_id))
+            self._runners.forget_history(agent_id)
 
     async def _continue(self, agent_id: uuid.UUID) -> None:
         """Goes on from the last step; a PAUSED agent is resumed to do so."""
-        runner = self._supervisor.runner(agent_id)
-        if runner is None:
+        live = self._runners.live(agent_id)
+        if live is None:
             return
-        if runner.agent.state is AgentState.PAUSED:
-            await runner.resume()
+        if live.state is AgentState.PAUSED:
+            await self._runners.resume(agent_id)
         else:
-            runner.continue_from_history()
+            self._runners.continue_from_history(agent_id)
 
     def _rewritten(self, agent: Agent, session_id: uuid.UUID, after_sequence: int) -> None:
-        runner = self._supervisor.runner(agent.id)
-        if runner is not None:
-            runner.forget_history()
+        self._runners.forget_history(agent.id)
         self._emit(agent.id, StepsRewritten(session_id, max(after_sequence, 0)))
 
     def _emit(self, agent_id: uuid.UUID, event: AgentEvent) -> None:

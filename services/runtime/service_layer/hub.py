@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
-from services.common.errors import ResourceExhausted, Unavailable
+from services.runtime.domain.errors import HubClosed, WatcherFellBehind
 from services.runtime.domain.model import (
     Emitted,
     RunEnded,
@@ -34,16 +34,6 @@ class InFlight:
 
 
 _CLOSED = object()
-
-
-class WatcherFellBehind(ResourceExhausted):
-    """A watcher's backlog overflowed: its stream ends with this error, never
-    silently, so that the client knows to resume from its last step."""
-
-
-class HubClosed(Unavailable):
-    """The runtime is shutting down: every watch ends with this error (which
-    clients retry), never silently, so that the client knows to watch again."""
 
 
 class Watcher:

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from services.common import errors
-
 
 @dataclass(frozen=True, slots=True)
 class IMMember:
@@ -64,14 +62,6 @@ class IMEvent:
     member_ids: tuple[uuid.UUID, ...] = ()
     sequence: int = 0
     previous_sequence: int = 0
-
-
-class IMError(errors.ServiceError):
-    """The IM refused a call; `code` is the IM's status, `message` its readable reason."""
-
-
-class IMUnavailable(IMError, errors.Unavailable):
-    """The IM could not be reached (after the call's deadline)."""
 
 
 class IMPort(abc.ABC):

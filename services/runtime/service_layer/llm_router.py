@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 
-from services.runtime.domain.llm import Completion, CompletionRequest, Delta, LLMRejected
-from services.runtime.service_layer.endpoint_guard import EndpointGuard, EndpointNotAllowed
+from services.runtime.domain.errors import EndpointNotAllowed, LLMRejected
+from services.runtime.domain.llm import Completion, CompletionRequest, Delta
+from services.runtime.service_layer.endpoint_guard import EndpointGuard
 from services.runtime.service_layer.llm_port import LLM
 
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from services.common import errors
 from services.runtime.domain.model import Agent, Run, Step
 
 
@@ -67,14 +66,6 @@ class Expanded:
     before: list[Memory] = field(default_factory=list)
     after: list[Memory] = field(default_factory=list)
     run_id: uuid.UUID | None = None
-
-
-class MemoryRefused(errors.ServiceError):
-    """The memory service refused a call (bad query, unknown anchor)."""
-
-
-class MemoryUnavailable(MemoryRefused, errors.Unavailable):
-    """The memory service could not be reached."""
 
 
 class MemoryPort(abc.ABC):

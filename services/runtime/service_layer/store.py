@@ -16,14 +16,6 @@ from services.common.audit import AuditRecord
 from services.runtime.domain.model import Agent, AgentState, Checkpoint, Run, Session, Step, Task, TaskStatus
 
 
-class DuplicateStep(Exception):
-    """A step with that (session, sequence) exists: another writer got there first."""
-
-
-class DuplicateAgentRequest(Exception):
-    """The request_id was recorded first by a concurrent call."""
-
-
 @dataclass(frozen=True, slots=True)
 class TaskInFlight:
     """A RUNNING task, the run it was last in (None: never stored) and its

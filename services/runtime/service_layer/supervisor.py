@@ -8,15 +8,16 @@ import logging
 import uuid
 from dataclasses import replace
 
+from services.runtime.domain.errors import AgentGone
 from services.runtime.domain.model import Agent, AgentState
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import STOPPED_DURING_RUN, AgentRunner, RunnerEnv
-from services.runtime.service_layer.work import TaskQueue
+from services.runtime.service_layer.runners import Runners
 
 logger = logging.getLogger(__name__)
 
 
-class Supervisor:
+class Supervisor(Runners):
     """Starts, updates and stops runners; routes IM messages to the agents they concern.
 
     Per workspace with agents it holds one IM watch for those agents'
@@ -40,7 +41,10 @@ class Supervisor:
     """
 
     def __init__(self, env: RunnerEnv, *, cursor_save_delay: float = 1.0) -> None:
-        self._env = env
+        # An agent's create_sub_agent tool makes the child (`env.create_sub_agent`)
+        # and the supervisor starts the child's runner.
+        self._make_child = env.create_sub_agent
+        self._env = replace(env, create_sub_agent=self._create_sub_agent)
         self._runners: dict[uuid.UUID, AgentRunner] = {}
         self._by_member: dict[uuid.UUID, AgentRunner] = {}
         self._watches: dict[uuid.UUID, asyncio.Task[None]] = {}
@@ -50,10 +54,12 @@ class Supervisor:
         self._save_delay = cursor_save_delay
         self._savers: dict[uuid.UUID, asyncio.Task[None]] = {}
 
-    def use_tasks(self, tasks: TaskQueue) -> None:
-        """Gives the runners their task queue (which needs the supervisor
-        itself, hence after construction); before `start`."""
-        self._env = replace(self._env, tasks=tasks)
+    async def _create_sub_agent(
+        self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str
+    ) -> Agent:
+        child = await self._make_child(parent, name, role, system_prompt, request_id)
+        self.start_agent(child)
+        return child
 
     async def start(self) -> int:
         """Starts a runner for every stored agent; returns how many.
@@ -81,12 +87,20 @@ class Supervisor:
         return len(agents)
 
     def runner(self, agent_id: uuid.UUID) -> AgentRunner | None:
+        """The agent's runner in this process (for tests and the runtime's own wiring)."""
         return self._runners.get(agent_id)
 
-    def add(self, agent: Agent) -> AgentRunner:
-        runner = self._add(agent)
-        self._restart_watch(agent.workspace_id)
+    def _running(self, agent_id: uuid.UUID) -> AgentRunner:
+        runner = self._runners.get(agent_id)
+        if runner is None:
+            raise AgentGone(f"agent {agent_id} was deleted")
         return runner
+
+    def start_agent(self, agent: Agent) -> None:
+        if agent.id in self._runners:
+            return
+        self._add(agent)
+        self._restart_watch(agent.workspace_id)
 
     def _add(self, agent: Agent, *, look: bool = True) -> AgentRunner:
         runner = AgentRunner(agent, self._env)
@@ -95,13 +109,72 @@ class Supervisor:
         runner.start(look=look)
         return runner
 
-    async def remove(self, agent_id: uuid.UUID) -> None:
+    async def stop_agent(self, agent_id: uuid.UUID) -> None:
         runner = self._runners.pop(agent_id, None)
         if runner is None:
             return
         self._by_member.pop(runner.agent.member_id, None)
         await runner.stop()
         self._restart_watch(runner.agent.workspace_id)
+
+    # -- the port's calls of one runner -------------------------------------------
+
+    def live(self, agent_id: uuid.UUID) -> Agent | None:
+        runner = self._runners.get(agent_id)
+        return runner.agent if runner is not None else None
+
+    def update(self, agent: Agent) -> Agent | None:
+        runner = self._runners.get(agent.id)
+        if runner is None:
+            return None
+        runner.update(agent)
+        return runner.agent
+
+    def wake(self, agent_id: uuid.UUID, *, retry: bool = False) -> None:
+        runner = self._runners.get(agent_id)
+        if runner is not None:
+            runner.wake(retry=retry)
+
+    def forget_history(self, agent_id: uuid.UUID) -> None:
+        runner = self._runners.get(agent_id)
+        if runner is not None:
+            runner.forget_history()
+
+    def continue_from_history(self, agent_id: uuid.UUID) -> None:
+        runner = self._runners.get(agent_id)
+        if runner is not None:
+            runner.continue_from_history()
+
+    async def pause(self, agent_id: uuid.UUID) -> Agent:
+        runner = self._running(agent_id)
+        await runner.pause()
+        return runner.agent
+
+    async def resume(self, agent_id: uuid.UUID) -> Agent:
+        runner = self._running(agent_id)
+        await runner.resume()
+        return runner.agent
+
+    async def interrupt(self, agent_id: uuid.UUID) -> Agent:
+        runner = self._running(agent_id)
+        await runner.interrupt()
+        return runner.agent
+
+    async def terminate(self, agent_id: uuid.UUID) -> Agent:
+        runner = self._running(agent_id)
+        await runner.terminate()
+        return runner.agent
+
+    async def start_again(self, agent_id: uuid.UUID) -> Agent:
+        runner = self._running(agent_id)
+        await runner.start_again()
+        return runner.agent
+
+    async def cancel_task(self, agent_id: uuid.UUID, task_id: uuid.UUID) -> bool:
+        runner = self._runners.get(agent_id)
+        return runner is not None and await runner.cancel_task(task_id)
+
+    # -- routing the IM's events ------------------------------------------------
 
     def is_agent(self, member_id: uuid.UUID) -> bool:
         return member_id in self._by_member

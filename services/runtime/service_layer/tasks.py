@@ -19,8 +19,6 @@ its queue cleared, `clear_queue`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import logging
 import random
 import uuid
@@ -28,15 +26,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from uuid_utils.compat import uuid7
-
-from services.common import audit, errors
+from services.common import errors
 from services.common.identity import Caller
+from services.runtime.domain.errors import (
+    AgentNotFound,
+    InvalidTaskRequest,
+    SessionNotFound,
+    TaskNotFound,
+)
 from services.runtime.domain.llm import Role
 from services.runtime.domain.model import (
     Agent,
     AgentState,
     Emitted,
+    Placed,
     Run,
     RunStatus,
     Task,
@@ -44,10 +47,9 @@ from services.runtime.domain.model import (
     TaskStatus,
     shown_to_model,
 )
-from services.runtime.service_layer.agents import AgentNotFound, AgentService
+from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
-from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.work import TaskQueue
 
 logger = logging.getLogger(__name__)
@@ -55,26 +57,6 @@ logger = logging.getLogger(__name__)
 # In the queue: waiting for the first attempt, or for a retry.
 WAITING = (TaskStatus.QUEUED, TaskStatus.FAILED)
 MAX_REQUEST_ID_CHARS = 128  # the width of tasks.request_id
-
-
-class InvalidTaskRequest(errors.InvalidArgument):
-    pass
-
-
-class TaskNotFound(errors.NotFound):
-    pass
-
-
-class SessionNotFound(errors.NotFound):
-    pass
-
-
-class TaskRequestReused(errors.AlreadyExists):
-    pass
-
-
-class TaskAlreadyEnded(errors.FailedPrecondition):
-    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,14 +80,6 @@ class RetryPolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class Placed:
-    """A task and, while it is QUEUED, how many tasks are ahead of it."""
-
-    task: Task
-    position: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class QueueStats:
     """An agent's queue: tasks waiting (QUEUED or FAILED awaiting a retry),
     whether one is running, and the mean wait from submission to start."""
@@ -115,16 +89,13 @@ class QueueStats:
     average_wait_ms: float
 
 
-class TaskService(TaskQueue):
-    """The use cases of SubmitTask, GetTask, ListTasks, CancelTask and
-    GetQueueStats, and the queue the agents' runners take their tasks from.
+class StoredTaskQueue(TaskQueue):
+    """The queue the agents' runners take their tasks from, kept in the
+    `AgentStore` (the runners' `TaskQueue` port), and the changes of status
+    the task commands make (`handlers.tasks`).
 
     Args:
         retry: how failed tasks are retried.
-        max_input_bytes: the largest task input (UTF-8).
-        max_page_size: the largest page of ListTasks.
-        cancel_wait_seconds: how long CancelTask waits for the runner to cut
-            a running task short before answering with the task as it is.
         jitter: a source of numbers in [0, 1) for the retry backoff.
     """
 
@@ -132,25 +103,15 @@ class TaskService(TaskQueue):
         self,
         *,
         store: AgentStore,
-        supervisor: Supervisor,
         hub: AgentHub,
-        agents: AgentService,
         clock: Callable[[], datetime],
         retry: RetryPolicy | None = None,
-        max_input_bytes: int = 64 * 1024,
-        max_page_size: int = 200,
-        cancel_wait_seconds: float = 10.0,
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self._store = store
-        self._supervisor = supervisor
         self._hub = hub
-        self._agents = agents
         self._clock = clock
         self._retry = retry or RetryPolicy()
-        self._max_input_bytes = max_input_bytes
-        self._max_page = max_page_size
-        self._cancel_wait = cancel_wait_seconds
         self._jitter = jitter
         # Running tasks a person cancelled: however their run ends (short of
         # succeeding), they end CANCELLED, never retried.
@@ -169,130 +130,34 @@ class TaskService(TaskQueue):
         # ended: only those can have an orphan once their runner is idle.
         self._unsettled: set[uuid.UUID] = set()
 
-    # -- the RPCs -------------------------------------------------------------
+    # -- for the task RPCs ----------------------------------------------------
 
-    async def submit_task(
-        self,
-        principal: Caller | None,
-        agent_id: str,
-        *,
-        text: str,
-        request_id: str = "",
-        session_id: str = "",
-        priority: int = 0,
-    ) -> Placed:
-        """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
-        agent = await self._agents.controlled(principal, agent_id)
-        if not text.strip():
-            raise InvalidTaskRequest("input is required")
-        size = len(text.encode())
-        if size > self._max_input_bytes:
-            raise InvalidTaskRequest(f"input is {size} bytes; the limit is {self._max_input_bytes}")
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidTaskRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
-        session = await self._session_of(agent, session_id)
-        asked = (text, priority, session if session_id else None)
-        if request_id:
-            found = await self._store.find_task(agent.id, request_id)
-            if found is not None:
-                return await self._placed(_replayed(found, asked))
-        task = Task(
-            id=uuid7(),
-            agent_id=agent.id,
-            session_id=session,
-            input=text,
-            status=TaskStatus.QUEUED,
-            created_at=self._clock(),
-            priority=priority,
-            request_id=request_id,
+    def added(self, task: Task) -> None:
+        """A task was stored as QUEUED (or may have been: its write's answer
+        was lost): the agent's next look finds it."""
+        self._forget(task.agent_id)
+
+    def publish(self, task: Task) -> None:
+        """Tells the agent's watchers the task's new status."""
+        self._publish(task)
+
+    def cancelling(self, task: Task) -> asyncio.Event:
+        """A person cancels the RUNNING task: however its run ends (short of
+        succeeding), it ends CANCELLED. The event is set once it stops running."""
+        self._cancelling.add(task.id)
+        return self._stopped.setdefault(task.id, asyncio.Event())
+
+    async def cancel_unrun(self, task: Task) -> bool:
+        """Cancels a RUNNING task no runner goes on with (its run was lost with its process)."""
+        return await self._end(
+            task,
+            lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock()),
+            quiet=True,
         )
-        record = self._agents.audit_record(
-            principal,
-            agent,
-            "SubmitTask",
-            target=audit.Target("task", str(task.id)),
-            request_id=request_id,
-            details={"agent_id": str(agent.id), "priority": str(priority)},
-        )
-        try:
-            stored = await self._store.add_task(task, audit=record)
-        except errors.Unavailable:
-            # The write may have committed all the same (only its answer was
-            # lost): the caller's retry then finds the task, which the runner
-            # must not miss.
-            self._forget(agent.id)
-            self._wake(agent.id)
-            raise
-        # After the write: a look that began before it sees this and keeps nothing.
-        self._forget(agent.id)
-        if stored.id != task.id:  # a concurrent call with the request_id got there first
-            return await self._placed(_replayed(stored, asked))
-        self._publish(stored)
-        self._wake(agent.id)
-        return await self._placed(stored)
 
-    def _wake(self, agent_id: uuid.UUID) -> None:
-        runner = self._supervisor.runner(agent_id)
-        if runner is not None:
-            runner.wake()
-
-    async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
-        return await self._placed(await self._visible(principal, task_id))
-
-    async def list_tasks(
-        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
-    ) -> tuple[list[Placed], str]:
-        """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
-        agent = await self._agents.controlled(principal, agent_id)
-        if page_size < 0:
-            raise InvalidTaskRequest("page_size must not be negative")
-        limit = min(page_size or 50, self._max_page)
-        before = _parse_id(page_token, "page_token") if page_token else None
-        tasks = await self._store.list_tasks(agent.id, before=before, limit=limit + 1)
-        page = [await self._placed(t) for t in tasks[:limit]]
-        return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
-
-    async def cancel_task(self, principal: Caller | None, task_id: str) -> Placed:
-        """Cancels a waiting task at once; asks the runner to cut a running one short.
-
-        Raises:
-            TaskAlreadyEnded: it succeeded, died or was cancelled already.
-        """
-        task = await self._visible(principal, task_id)
-        while True:
-            if task.status in WAITING:
-                ended = replace(task, status=TaskStatus.CANCELLED, ended_at=self._clock(), retry_at=None)
-                if await self._store.update_task(ended, expected=WAITING):
-                    self._publish(ended)
-                    await self._cancelled_by(principal, task)
-                    return Placed(ended)
-            elif task.status is TaskStatus.RUNNING:
-                placed = Placed(await self._cancel_running(task))
-                await self._cancelled_by(principal, task)
-                return placed
-            else:
-                raise TaskAlreadyEnded(
-                    f"task {task.id} is {task.status.value}:"
-                    " only queued, failed or running tasks can be cancelled"
-                )
-            # Its status changed meanwhile (the runner started it): look again.
-            task = await self._reread(task)
-
-    async def _cancelled_by(self, principal: Caller | None, task: Task) -> None:
-        agent = await self._store.get_agent(task.agent_id)
-        if agent is not None:
-            await self._agents.recorded(
-                principal,
-                agent,
-                "CancelTask",
-                target=audit.Target("task", str(task.id)),
-                details={"agent_id": str(agent.id), "was": task.status.value},
-            )
-
-    async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
-        agent = await self._agents.controlled(principal, agent_id)
-        waiting, running, average = await self._store.queue_stats(agent.id)
-        return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
+    async def reread(self, task: Task) -> Task:
+        """The task as stored now."""
+        return await self._reread(task)
 
     async def clear_queue(self, agent_id: uuid.UUID) -> int:
         """Cancels every waiting (QUEUED or FAILED) task of the agent, as
@@ -441,60 +306,8 @@ class TaskService(TaskQueue):
     async def cancelled(self, task: Task, *, at: datetime) -> None:
         await self._end(task, lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None))
 
-    # -- helpers ------------------------------------------------------------------
-
-    async def _visible(self, principal: Caller | None, task_id: str) -> Task:
-        """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
-        wanted = _parse_id(task_id, "task_id")
-        task = await self._store.get_task(wanted)
-        try:
-            # Asked even for a missing task: an unauthenticated caller learns nothing.
-            await self._agents.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
-        except AgentNotFound:
-            task = None
-        if task is None:
-            raise TaskNotFound(f"task {wanted} not found")
-        return task
-
-    async def _session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
-        if not session_id:
-            return agent.session_id
-        wanted = _parse_id(session_id, "session_id")
-        if wanted != agent.session_id:
-            session = await self._store.get_session(wanted)
-            if session is None or session.agent_id != agent.id:
-                raise SessionNotFound(f"session {wanted} of agent {agent.id} not found")
-        return wanted
-
-    async def _placed(self, task: Task) -> Placed:
-        if task.status is not TaskStatus.QUEUED:
-            return Placed(task)
-        return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
-
     async def _reread(self, task: Task) -> Task:
         return await self._store.get_task(task.id) or task
-
-    async def _cancel_running(self, task: Task) -> Task:
-        self._cancelling.add(task.id)
-        stopped = self._stopped.setdefault(task.id, asyncio.Event())
-        runner = self._supervisor.runner(task.agent_id)
-        # AgentRunner.cancel_task cuts the task's run short; the runner then
-        # reports it `cancelled`. (Guarded until every runner has it.)
-        cancel = getattr(runner, "cancel_task", None)
-        outcome = cancel(task.id) if cancel is not None else None
-        if inspect.isawaitable(outcome):
-            outcome = await outcome
-        if runner is None or outcome is False:
-            # Nobody here runs it (a run lost with its process): end it now.
-            await self._end(
-                task,
-                lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock()),
-                quiet=True,
-            )
-        elif cancel is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopped.wait(), self._cancel_wait)
-        return await self._reread(task)
 
     async def _end(
         self,
@@ -532,24 +345,80 @@ class TaskService(TaskQueue):
         self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)))
 
 
-def _replayed(found: Task, asked: tuple[str, int, uuid.UUID | None]) -> Task:
-    """The task a request_id was used for, if it was asked for the same thing."""
-    text, priority, session = asked
-    differs = [
-        name
-        for name, same in (
-            ("input", found.input == text),
-            ("priority", found.priority == priority),
-            ("session_id", session is None or found.session_id == session),
-        )
-        if not same
-    ]
-    if differs:
-        raise TaskRequestReused(
-            f"request_id {found.request_id!r} was already used for task {found.id} of this agent"
-            f" with another {' and '.join(differs)}"
-        )
-    return found
+class TaskViews:
+    """The reads of tasks (GetTask, ListTasks, GetQueueStats) and who may see
+    a task; the changes are the handlers' (`handlers.tasks`).
+
+    Args:
+        max_page_size: the largest page of ListTasks.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: AgentStore,
+        agents: AgentService,
+        clock: Callable[[], datetime],
+        max_page_size: int = 200,
+    ) -> None:
+        self._store = store
+        self._agents = agents
+        self._clock = clock
+        self._max_page = max_page_size
+
+    async def get_task(self, principal: Caller | None, task_id: str) -> Placed:
+        return await self.placed(await self.visible(principal, task_id))
+
+    async def list_tasks(
+        self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
+    ) -> tuple[list[Placed], str]:
+        """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
+        agent = await self._agents.controlled(principal, agent_id)
+        if page_size < 0:
+            raise InvalidTaskRequest("page_size must not be negative")
+        limit = min(page_size or 50, self._max_page)
+        before = _parse_id(page_token, "page_token") if page_token else None
+        tasks = await self._store.list_tasks(agent.id, before=before, limit=limit + 1)
+        page = [await self.placed(t) for t in tasks[:limit]]
+        return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
+
+    async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
+        agent = await self._agents.controlled(principal, agent_id)
+        waiting, running, average = await self._store.queue_stats(agent.id)
+        return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
+
+    # -- helpers ------------------------------------------------------------------
+
+    async def visible(self, principal: Caller | None, task_id: str) -> Task:
+        """The task, if the caller may see its agent (NOT_FOUND otherwise, as for agents)."""
+        wanted = _parse_id(task_id, "task_id")
+        task = await self._store.get_task(wanted)
+        try:
+            # Asked even for a missing task: an unauthenticated caller learns nothing.
+            await self._agents.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
+        except AgentNotFound:
+            task = None
+        if task is None:
+            raise TaskNotFound(f"task {wanted} not found")
+        return task
+
+    async def session_of(self, agent: Agent, session_id: str) -> uuid.UUID:
+        """The session a task of `agent` works in: its main one, unless
+        `session_id` names another of its own."""
+        if not session_id:
+            return agent.session_id
+        wanted = _parse_id(session_id, "session_id")
+        if wanted != agent.session_id:
+            session = await self._store.get_session(wanted)
+            if session is None or session.agent_id != agent.id:
+                raise SessionNotFound(f"session {wanted} of agent {agent.id} not found")
+        return wanted
+
+    async def placed(self, task: Task) -> Placed:
+        """The task, with its place in the queue while QUEUED."""
+        if task.status is not TaskStatus.QUEUED:
+            return Placed(task)
+        return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
 
 
 def _parse_id(value: str, field: str) -> uuid.UUID:

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from services.common.errors import ServiceError
+from services.runtime.domain.errors import ToolError
 from services.runtime.domain.llm import ToolCall, ToolSpec
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.im_port import IMGroup, IMMember, IMMessage, IMPort
@@ -57,10 +58,6 @@ class Tool:
     run: ToolFunction
     # Longest it may run; None: the registry's limit.
     timeout_seconds: float | None = None
-
-
-class ToolError(Exception):
-    """A tool's own refusal, shown to the model as is."""
 
 
 @dataclass(frozen=True, slots=True)

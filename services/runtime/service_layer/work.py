@@ -1,5 +1,5 @@
 """What a runner asks of the task queue: the port between `AgentRunner` and
-`TaskService`, so that the runner runs tasks in turn with its messages."""
+`StoredTaskQueue`, so that the runner runs tasks in turn with its messages."""
 
 from __future__ import annotations
 

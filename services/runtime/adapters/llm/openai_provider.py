@@ -57,16 +57,14 @@ from typing import Any
 import openai
 from openai._streaming import ServerSentEvent, SSEDecoder
 
+from services.runtime.domain.errors import ContextTooLong, LLMRejected, LLMUnavailable
 from services.runtime.domain.llm import (
     Completion,
     CompletionAssembler,
     CompletionRequest,
     ContentDelta,
-    ContextTooLong,
     Delta,
     FinishReason,
-    LLMRejected,
-    LLMUnavailable,
     ReasoningDelta,
     ToolCallDelta,
     Usage,

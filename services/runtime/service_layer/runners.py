@@ -1,0 +1,79 @@
+"""The agents' runners, as the rest of the service layer reaches them.
+
+The port is narrow and by agent id: nothing outside the runners holds a
+runner. Today one process hosts every runner (`Supervisor`); an
+implementation across replicas forwards each call to the replica that runs
+the agent.
+"""
+
+from __future__ import annotations
+
+import abc
+import uuid
+
+from services.runtime.domain.model import Agent
+
+
+class Runners(abc.ABC):
+    """Starts, stops, wakes and controls agents' runners, by agent id.
+
+    The controls (`pause` ... `start_again`) do not check the transition
+    (`services.runtime.domain.lifecycle.check_control` does), and raise
+    `AgentGone` when no runner runs the agent (it was deleted meanwhile).
+    """
+
+    @abc.abstractmethod
+    def live(self, agent_id: uuid.UUID) -> Agent | None:
+        """The agent as its runner holds it (its live state and token use);
+        None if no runner runs it."""
+
+    @abc.abstractmethod
+    def start_agent(self, agent: Agent) -> None:
+        """Starts the agent's runner (nothing if it runs already)."""
+
+    @abc.abstractmethod
+    async def stop_agent(self, agent_id: uuid.UUID) -> None:
+        """Stops the agent's runner, if any (the agent is being deleted)."""
+
+    @abc.abstractmethod
+    def update(self, agent: Agent) -> Agent | None:
+        """New settings (or main session) for the agent's runner, from its next
+        completion; returns the live agent, or None if no runner runs it."""
+
+    @abc.abstractmethod
+    def wake(self, agent_id: uuid.UUID, *, retry: bool = False) -> None:
+        """Makes the runner look for work; `retry` also retries a failed run."""
+
+    @abc.abstractmethod
+    def forget_history(self, agent_id: uuid.UUID) -> None:
+        """The agent's stored steps changed under its runner (a person edited
+        them): its next run reads them again."""
+
+    @abc.abstractmethod
+    def continue_from_history(self, agent_id: uuid.UUID) -> None:
+        """Makes the runner go on from the agent's last step."""
+
+    @abc.abstractmethod
+    async def pause(self, agent_id: uuid.UUID) -> Agent:
+        """PAUSED now if idle, else at the run's next step boundary; returns the agent."""
+
+    @abc.abstractmethod
+    async def resume(self, agent_id: uuid.UUID) -> Agent:
+        """Back to work: what was cut short goes on, then what waits."""
+
+    @abc.abstractmethod
+    async def interrupt(self, agent_id: uuid.UUID) -> Agent:
+        """Cuts the run in flight at once and pauses."""
+
+    @abc.abstractmethod
+    async def terminate(self, agent_id: uuid.UUID) -> Agent:
+        """Cuts the run in flight; nothing more until `start_again`."""
+
+    @abc.abstractmethod
+    async def start_again(self, agent_id: uuid.UUID) -> Agent:
+        """A terminated agent works again."""
+
+    @abc.abstractmethod
+    async def cancel_task(self, agent_id: uuid.UUID, task_id: uuid.UUID) -> bool:
+        """Cuts the agent's run of that task short if it is the one in flight;
+        False if not (or no runner runs the agent)."""
