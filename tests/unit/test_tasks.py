@@ -117,9 +117,9 @@ async def q() -> AsyncIterator[Queue]:
 def drain(watcher: Watcher) -> list[tuple[TaskStatus, uuid.UUID]]:
     """The task events the watcher has had so far."""
     seen: list[tuple[TaskStatus, uuid.UUID]] = []
-    queue = watcher._queue
-    while not queue.empty():
-        item = queue.get_nowait()
+    backlog = watcher._backlog
+    while backlog:
+        item = backlog.popleft()
         if isinstance(item, Emitted) and isinstance(item.event, TaskChanged):
             seen.append((item.event.task.status, item.event.task.id))
     return seen
