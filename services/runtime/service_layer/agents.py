@@ -129,7 +129,10 @@ class AgentService:
         """The agent as its runner has it, if the caller may do `action` to it."""
         viewer = await self._viewer(caller)
         wanted = _parse_id(agent_id, "agent_id")
-        agent = await self._store.get_agent(wanted)
+        # A running agent is its runner's (deleting an agent removes its runner
+        # first; its workspace and owner never change): no read for it.
+        runner = self._supervisor.runner(wanted)
+        agent = runner.agent if runner is not None else await self._store.get_agent(wanted)
         verdict = (
             Verdict.HIDDEN
             if agent is None
@@ -141,8 +144,7 @@ class AgentService:
             raise NotAllowed(
                 f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
             )
-        runner = self._supervisor.runner(agent.id)
-        return runner.agent if runner is not None else agent
+        return agent
 
     async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
         """The agent, if the caller may control it, reconfigure it and read its work
