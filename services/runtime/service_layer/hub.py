@@ -52,11 +52,11 @@ class Watcher:
 
     A watch is sent one message at a time (one per turn of the event loop),
     while a hundred busy runners publish many events per turn: a watcher can
-    fall behind although its client reads promptly. Before such a watcher is
-    ended, its backlog is compacted: the deltas of a step whose completion is
-    waiting too are dropped (the completed step carries the whole of them),
-    and the other deltas of a step are joined. Every other event stays, in
-    order.
+    fall behind although its client reads promptly. What waits is compacted
+    (`compacted`) as it is sent, and again before the backlog would overflow:
+    the deltas of a step whose completion waits too are dropped (the
+    completed step carries the whole of them), and the other deltas of a step
+    are joined. Every other event stays, in order.
     """
 
     def __init__(self, hub: AgentHub, agent_ids: frozenset[uuid.UUID] | None, max_backlog: int) -> None:
@@ -107,13 +107,14 @@ class Watcher:
                 await self._ready.wait()
                 self._ready.clear()
                 # What queued up while the last event was being sent goes out
-                # merged: a watcher slower than the model gets fewer, longer deltas.
+                # compacted: a watcher slower than the runners gets fewer, longer
+                # deltas, and none of a step whose completion it gets with them.
                 waiting = list(self._backlog)
                 self._backlog.clear()
                 closed = bool(waiting) and waiting[-1] is _CLOSED
                 if closed:
                     waiting.pop()
-                for emitted in merge_deltas(cast(list[Emitted], waiting)):
+                for emitted in compacted(cast(list[Emitted], waiting)):
                     yield emitted
                 if closed:
                     if self.overflowed:
