@@ -4,6 +4,7 @@ idempotency, order and positions, retries, cancellation, statistics."""
 from __future__ import annotations
 
 import asyncio
+import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
 from services.runtime.service_layer.runner import Directory, LoopSettings, RunnerEnv
 from services.runtime.service_layer.supervisor import Supervisor
-from services.runtime.service_layer.tasks import RetryPolicy, TaskService
+from services.runtime.service_layer.tasks import WAITING, RetryPolicy, TaskService
 from services.runtime.service_layer.tools import default_registry
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
@@ -277,6 +278,41 @@ async def test_the_position_of_a_new_task_counts_the_tasks_ahead(q: Queue) -> No
     assert (await q.tasks.submit_task(q.me, str(ada.id), text="vip", priority=1)).position == 0
     await q.run_next(ada)
     assert (await q.tasks.submit_task(q.me, str(ada.id), text="t3")).position == 3
+
+
+async def test_the_queue_kept_in_memory_serves_and_places_as_the_store_would() -> None:
+    # The store's own next_task and tasks_ahead are the reference: after every
+    # change (submissions of mixed priorities, starts, failures backing off,
+    # cancellations, time passing), both agree.
+    rng = random.Random(12)
+    async for q in make_queue(retry=RetryPolicy(max_attempts=5, base_seconds=10, max_seconds=60)):
+        ada = await q.agent()
+        for _ in range(300):
+            move = rng.random()
+            if move < 0.45:
+                await q.submit(ada, f"t{rng.random()}", priority=rng.choice([-1, 0, 0, 3]))
+            elif move < 0.75:
+                head = await q.tasks.next_task(ada.id, now=q.clock.now)
+                if head is not None:
+                    running = await q.tasks.started(head, run_id=uuid.uuid4(), at=q.clock())
+                    if rng.random() < 0.5:
+                        await q.tasks.failed(running, error="boom", at=q.clock())
+                    else:
+                        await q.tasks.succeeded(running, result="done", at=q.clock())
+            elif move < 0.85:
+                waiting = [t for t in q.store.tasks.values() if t.status in WAITING]
+                if waiting:
+                    await q.tasks.cancel_task(q.me, str(rng.choice(waiting).id))
+            else:
+                q.clock.now += timedelta(seconds=rng.uniform(0, 30))
+            now = q.clock.now
+            expected = await q.store.next_task(ada.id, now=now)
+            assert await q.tasks.next_task(ada.id, now=now) == expected
+            assert await q.tasks.next_retry_at(ada.id) == await q.store.next_retry_at(ada.id)
+            for task in q.store.tasks.values():
+                if task.status is TaskStatus.QUEUED:
+                    placed = await q.tasks.get_task(q.me, str(task.id))
+                    assert placed.position == await q.store.tasks_ahead(task, now=now)
 
 
 # Running, retries, death

@@ -19,6 +19,7 @@ its queue cleared, `clear_queue`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import inspect
 import logging
@@ -595,32 +596,51 @@ class _Place:
 
 
 class _Queue:
-    """An agent's waiting (QUEUED or FAILED) tasks, in the order they are served."""
+    """An agent's waiting tasks, in the order they are served: the QUEUED ones
+    in a sorted list (a long queue costs a binary search, not a scan), the
+    FAILED ones awaiting a retry (few: those backing off) aside."""
 
     def __init__(self, waiting: list[Task]) -> None:
         self._places: dict[uuid.UUID, _Place] = {}
+        self._queued: list[tuple[int, datetime, uuid.UUID]] = []  # the QUEUED places' orders, sorted
+        self._retrying: dict[uuid.UUID, _Place] = {}
         for task in waiting:
             self.put(task)
 
     def put(self, task: Task) -> None:
+        self.remove(task.id)
         kept = task if len(task.input) <= _KEPT_INPUT_CHARS else None
         place = _Place(task.id, task.priority, task.created_at, task.status, task.retry_at, kept)
         self._places[task.id] = place
+        if place.status is TaskStatus.QUEUED:
+            bisect.insort(self._queued, place.order)
+        else:
+            self._retrying[task.id] = place
 
     def remove(self, task_id: uuid.UUID) -> None:
-        self._places.pop(task_id, None)
+        place = self._places.pop(task_id, None)
+        if place is None:
+            return
+        if place.status is TaskStatus.QUEUED:
+            del self._queued[bisect.bisect_left(self._queued, place.order)]
+        else:
+            del self._retrying[task_id]
 
     def head(self, now: datetime) -> _Place | None:
         """The next task to serve: the highest priority, then the oldest."""
-        return min((p for p in self._places.values() if p.due(now)), key=lambda p: p.order, default=None)
+        due = [p for p in self._retrying.values() if p.due(now)]
+        if self._queued:
+            due.append(self._places[self._queued[0][2]])
+        return min(due, key=lambda p: p.order, default=None)
 
     def ahead_of(self, task: Task, *, now: datetime) -> int:
         """How many tasks `head` would serve before `task`."""
         order = (-task.priority, task.created_at, task.id)
-        return sum(1 for p in self._places.values() if p.due(now) and p.order < order)
+        retries = sum(1 for p in self._retrying.values() if p.due(now) and p.order < order)
+        return bisect.bisect_left(self._queued, order) + retries
 
     def next_retry_at(self) -> datetime | None:
-        return min((p.retry_at for p in self._places.values() if p.retry_at is not None), default=None)
+        return min((p.retry_at for p in self._retrying.values() if p.retry_at is not None), default=None)
 
 
 def _replayed(found: Task, asked: tuple[str, int, uuid.UUID | None]) -> Task:
