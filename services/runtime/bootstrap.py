@@ -344,7 +344,7 @@ def build(
         audit_log=audit_log,
     )
     history = HistoryService(store=store, runners=runners, hub=hub, im=im, agents=service, clock=clock)
-    tasks = TaskViews(store=store, agents=service, clock=clock)
+    tasks = TaskViews(store=store, queue=queue, agents=service, clock=clock)
     bus = MessageBus(
         {
             **control.handlers(

@@ -19,9 +19,10 @@ from alembic.migration import MigrationContext
 from sqlalchemy.engine import Connection
 from uuid_utils.compat import uuid7
 
+from services.common import audit
 from services.runtime.adapters import migrate
 from services.runtime.adapters.sql import Database, SqlAgentStore, agent_row
-from services.runtime.adapters.tables import SCHEMA, agents, metadata
+from services.runtime.adapters.tables import SCHEMA, agents, audit_events, metadata
 from services.runtime.domain.errors import DuplicateAgentRequest, DuplicateStep
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
 from services.runtime.domain.model import (
@@ -780,6 +781,52 @@ async def test_a_request_id_is_recorded_once_per_agent(store: SqlAgentStore, run
         assert len({t.id for t in stored}) == 1 and stored[0] in rivals
     finally:
         await other.aclose()
+
+
+async def test_task_writes_arriving_together_each_stand_or_fall_alone(
+    store: SqlAgentStore, runtime_url: str
+) -> None:
+    # Concurrent task writes share a journal batch (one transaction, or one statement).
+    agent_id, workspace_id = uuid7(), uuid7()
+    waiting = make_task(agent_id, request_id="first")
+    assert await store.add_task(waiting) == waiting
+
+    def submitted(task: Task) -> audit.AuditRecord:
+        target = audit.Target("task", str(task.id))
+        return audit.succeeded(None, workspace_id=workspace_id, action="SubmitTask", target=target, at=now())
+
+    fresh = [make_task(agent_id, request_id=f"new-{i}", input=f"new {i}") for i in range(4)]
+    again = make_task(agent_id, request_id="first", input="a retry")
+    at = now()
+    started = dataclasses.replace(waiting, status=TaskStatus.RUNNING, attempts=1, started_at=at)
+    cancelled = dataclasses.replace(waiting, status=TaskStatus.CANCELLED, ended_at=at)
+    results = await asyncio.gather(
+        *(store.add_task(t, audit=submitted(t)) for t in fresh),
+        store.add_task(again, audit=submitted(again)),
+        # A runner starting the task and a person cancelling it: one wins.
+        store.update_task(started, expected=[TaskStatus.QUEUED, TaskStatus.FAILED]),
+        store.update_task(cancelled, expected=[TaskStatus.QUEUED, TaskStatus.FAILED]),
+    )
+    assert list(results[:4]) == fresh
+    replayed = results[4]
+    assert isinstance(replayed, Task) and replayed.id == waiting.id  # the request id's task, not the retry
+    assert sorted(bool(r) for r in results[5:]) == [False, True]
+    stored = await store.get_task(waiting.id)
+    assert stored in (started, cancelled)
+    assert [await store.get_task(t.id) for t in fresh] == fresh
+    # The audit records of the tasks stored, and none of the retry that stored nothing.
+    database = Database(runtime_url)
+    try:
+        async with database.engine.connect() as conn:
+            rows = await conn.execute(
+                sa.select(audit_events.c.target_id, audit_events.c.action).where(
+                    audit_events.c.workspace_id == workspace_id
+                )
+            )
+            recorded = sorted(rows.all())
+    finally:
+        await database.aclose()
+    assert recorded == sorted((str(t.id), "SubmitTask") for t in fresh)
 
 
 async def test_tasks_are_listed_newest_first_before_a_cursor(store: SqlAgentStore) -> None:

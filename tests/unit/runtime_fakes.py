@@ -606,6 +606,10 @@ class InMemoryAgentStore(AgentStore):
         waiting = self._waiting_tasks(agent_id, now)
         return waiting[0] if waiting else None
 
+    async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+        waiting = (TaskStatus.QUEUED, TaskStatus.FAILED)
+        return [t for t in self.tasks.values() if t.agent_id == agent_id and t.status in waiting]
+
     async def tasks_ahead(self, task: Task, *, now: datetime) -> int:
         return sum(1 for t in self._waiting_tasks(task.agent_id, now) if _queue_order(t) < _queue_order(task))
 

@@ -10,11 +10,20 @@ from datetime import UTC, datetime
 import pytest
 
 from services.runtime.domain.errors import HubClosed, WatcherFellBehind
-from services.runtime.domain.llm import ContentDelta, ReasoningDelta, Role, ToolCallDelta
-from services.runtime.domain.model import Emitted, StepDelta, StepStarted, merge_deltas
-from services.runtime.service_layer.hub import AgentHub
+from services.runtime.domain.llm import ChatMessage, ContentDelta, ReasoningDelta, Role, ToolCallDelta
+from services.runtime.domain.model import (
+    Emitted,
+    Step,
+    StepCompleted,
+    StepDelta,
+    StepMetrics,
+    StepStarted,
+    merge_deltas,
+)
+from services.runtime.service_layer.hub import AgentHub, compacted
 
 AGENT = uuid.uuid4()
+RUN = uuid.uuid4()
 AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 
@@ -44,13 +53,23 @@ async def test_a_watcher_gets_what_happens_after_it_joined_with_the_step_in_flig
     assert got == [delta("b")]
 
 
+def started(sequence: int, agent_id: uuid.UUID = AGENT) -> Emitted:
+    return Emitted(agent_id, AT, StepStarted(RUN, sequence, Role.ASSISTANT))
+
+
+def completed(sequence: int, text: str) -> Emitted:
+    message = ChatMessage(role=Role.ASSISTANT, content=text)
+    step = Step(uuid.uuid4(), AGENT, uuid.uuid4(), RUN, sequence, message, StepMetrics(), AT)
+    return Emitted(AGENT, AT, StepCompleted(step))
+
+
 async def test_a_watcher_that_falls_behind_is_ended_with_an_error_not_silently() -> None:
     hub = AgentHub(max_backlog=3)
     watcher, _ = hub.watch(None)
     events = watcher.events()
-    for text in "abcd":
-        hub.publish(delta(text))
-    with pytest.raises(WatcherFellBehind, match="after_sequence"):
+    for sequence in range(1, 5):  # nothing to compact
+        hub.publish(started(sequence))
+    with pytest.raises(WatcherFellBehind, match="ListTasks"):
         await asyncio.wait_for(anext(events), 1)
     hub.publish(delta("e"))  # it no longer receives anything
     assert not hub._watchers
@@ -109,3 +128,41 @@ async def test_a_watcher_behind_the_model_gets_fewer_longer_deltas_with_the_same
     assert first == delta("a")
     assert rest[0].event == StepDelta(1, ContentDelta("bcdef"))
     assert isinstance(rest[1].event, StepStarted) and len(rest) == 2
+
+
+async def test_a_watcher_behind_is_compacted_before_it_would_be_ended() -> None:
+    other = uuid.uuid4()
+    hub = AgentHub(max_backlog=8)
+    watcher, _ = hub.watch(None)
+    published = [
+        started(1),
+        delta("Hel"),
+        started(1, other),
+        Emitted(other, AT, StepDelta(1, ContentDelta("Bon"))),
+        delta("lo"),
+        Emitted(other, AT, StepDelta(1, ContentDelta("jour"))),
+        completed(1, "Hello"),
+        started(2),
+        Emitted(AGENT, AT, StepDelta(2, ContentDelta("a"))),
+        Emitted(AGENT, AT, StepDelta(2, ContentDelta("b"))),
+    ]
+    for emitted in published:
+        hub.publish(emitted)
+    hub.close()
+    got = await asyncio.wait_for(until_closed(watcher.events()), 1)
+    # The completed step's deltas are gone, the others joined; nothing else moved.
+    assert got == [
+        started(1),
+        started(1, other),
+        Emitted(other, AT, StepDelta(1, ContentDelta("Bonjour"))),
+        published[6],
+        started(2),
+        Emitted(AGENT, AT, StepDelta(2, ContentDelta("ab"))),
+    ]
+    assert compacted(got) == got
+
+
+def test_compacting_never_moves_an_agents_delta_before_its_other_events() -> None:
+    between = Emitted(AGENT, AT, StepStarted(RUN, 2, Role.TOOL))
+    backlog = [delta("a"), between, delta("b")]
+    assert compacted(backlog) == backlog

@@ -8,7 +8,7 @@ import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -33,7 +33,7 @@ from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.runner import AgentRunner
-from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
+from services.runtime.service_layer.tasks import WAITING, RetryPolicy, StoredTaskQueue, TaskViews
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, FakeRunners, InMemoryAgentStore, Script, ScriptedLLM
 from tests.unit.runtime_support import fake_runtime, unit_settings
@@ -125,9 +125,9 @@ async def q() -> AsyncIterator[Queue]:
 def drain(watcher: Watcher) -> list[tuple[TaskStatus, uuid.UUID]]:
     """The task events the watcher has had so far."""
     seen: list[tuple[TaskStatus, uuid.UUID]] = []
-    queue = watcher._queue
-    while not queue.empty():
-        item = queue.get_nowait()
+    backlog = watcher._backlog
+    while backlog:
+        item = backlog.popleft()
         if isinstance(item, Emitted) and isinstance(item.event, TaskChanged):
             seen.append((item.event.task.status, item.event.task.id))
     return seen
@@ -285,6 +285,41 @@ async def test_the_position_of_a_new_task_counts_the_tasks_ahead(q: Queue) -> No
     assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="vip", priority=1))).position == 0
     await q.run_next(ada)
     assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="t3"))).position == 3
+
+
+async def test_the_queue_kept_in_memory_serves_and_places_as_the_store_would() -> None:
+    # The store's own next_task and tasks_ahead are the reference: after every
+    # change (submissions of mixed priorities, starts, failures backing off,
+    # cancellations, time passing), both agree.
+    rng = random.Random(12)
+    async for q in make_queue(task_max_attempts=5, task_retry_base_seconds=10, task_retry_max_seconds=60):
+        ada = await q.agent()
+        for _ in range(300):
+            move = rng.random()
+            if move < 0.45:
+                await q.submit(ada, f"t{rng.random()}", priority=rng.choice([-1, 0, 0, 3]))
+            elif move < 0.75:
+                head = await q.queue.next_task(ada.id, now=q.clock.now)
+                if head is not None:
+                    running = await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
+                    if rng.random() < 0.5:
+                        await q.queue.failed(running, error="boom", at=q.clock())
+                    else:
+                        await q.queue.succeeded(running, result="done", at=q.clock())
+            elif move < 0.85:
+                waiting = [t for t in q.store.tasks.values() if t.status in WAITING]
+                if waiting:
+                    await q.bus.handle(CancelTask(q.me, str(rng.choice(waiting).id)))
+            else:
+                q.clock.now += timedelta(seconds=rng.uniform(0, 30))
+            now = q.clock.now
+            expected = await q.store.next_task(ada.id, now=now)
+            assert await q.queue.next_task(ada.id, now=now) == expected
+            assert await q.queue.next_retry_at(ada.id) == await q.store.next_retry_at(ada.id)
+            for task in q.store.tasks.values():
+                if task.status is TaskStatus.QUEUED:
+                    placed = await q.tasks.get_task(q.me, str(task.id))
+                    assert placed.position == await q.store.tasks_ahead(task, now=now)
 
 
 # Running, retries, death
@@ -565,41 +600,42 @@ async def test_the_runner_runs_queued_tasks_one_at_a_time_in_order() -> None:
 
 
 class SubmitDuringFirstLook:
-    """The store's next_task, counting its queries; a task is submitted
+    """The store's waiting_tasks, counting its queries; a task is submitted
     while the first one is under way."""
 
     def __init__(self, q: Queue, agent: Agent) -> None:
         self.q, self.agent = q, agent
-        self.real = q.store.next_task
+        self.real = q.store.waiting_tasks
         self.queries = 0
         self.submitted: list[Task] = []
 
-    async def __call__(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
+    async def __call__(self, agent_id: uuid.UUID) -> list[Task]:
         self.queries += 1
-        found = await self.real(agent_id, now=now)
+        found = await self.real(agent_id)
         if self.queries == 1:
             self.submitted.append(await self.q.submit(self.agent, "arrived meanwhile"))
         return found
 
 
-async def test_an_agent_known_to_have_no_task_is_not_asked_again_until_one_may_have_come() -> None:
+async def test_an_agents_queue_is_read_once_unless_a_change_overtook_the_read() -> None:
     async for q in make_queue():
         ada = await q.agent()
         store = SubmitDuringFirstLook(q, ada)
-        q.store.next_task = store  # type: ignore[method-assign]
-        # That first look's "none" came before the submission: not remembered.
+        q.store.waiting_tasks = store  # type: ignore[method-assign]
+        # That first read's "none" came before the submission: not remembered.
         assert await q.queue.next_task(ada.id, now=q.clock.now) is None
         head = await q.queue.next_task(ada.id, now=q.clock.now)
         assert head is not None and head.id == store.submitted[0].id
         await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
         assert await q.queue.next_task(ada.id, now=q.clock.now) is None
         asked = store.queries
-        for _ in range(3):  # known to have none now: no more queries
+        assert asked == 2
+        for _ in range(3):  # known now: no more queries
             assert await q.queue.next_task(ada.id, now=q.clock.now) is None
-        assert store.queries == asked
         later = await q.submit(ada, "later")
         again = await q.queue.next_task(ada.id, now=q.clock.now)
         assert again is not None and again.id == later.id
+        assert store.queries == asked
 
 
 def answer_lost(add_task: Callable[..., Awaitable[Task]]) -> Callable[..., Coroutine[Any, Any, Task]]:

@@ -1,4 +1,5 @@
-"""The runners' writes, made for speed: runs, steps and agents' progress.
+"""The runners' writes, made for speed: runs, steps, agents' progress and
+the task queue's changes.
 
 Every runner writes at every step. Through SQLAlchemy's async engine a
 three-statement transaction took about 4 ms on SQLite (a thread hop per
@@ -10,25 +11,46 @@ a worker thread (one hop), on PostgreSQL as one statement through asyncpg
 SQLAlchemy tables of `tables.py` read back.
 
 A write whose step is already stored (another writer of that agent got
-there first) is refused as a whole with `DuplicateStep`; the others in its
-batch are unaffected.
+there first) is refused as a whole with `DuplicateStep`, one whose task is no
+longer in an expected status with `TaskMoved`, one whose new task's request
+id is taken with `TaskRequestTaken`; the others in its batch are unaffected.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 import json
 import sqlite3
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
+from services.common.audit import AuditRecord
+from services.common.audit_sql import record_values
 from services.common.batching import NaturalBatcher
 from services.common.sql import SqlDatabase, SqliteWorker, database_unavailable, sqlite_time
 from services.runtime.adapters.tables import SCHEMA
 from services.runtime.domain.errors import DuplicateStep
-from services.runtime.domain.model import Agent, Origin, Run, Step
+from services.runtime.domain.model import Agent, Origin, Run, Step, Task, TaskStatus
+
+
+class TaskMoved(Exception):
+    """The task's stored status was not one the write expected (compare-and-set lost)."""
+
+
+class TaskRequestTaken(Exception):
+    """The agent has a task with the new task's request id already."""
+
+
+class Refusal(enum.Enum):
+    """Why a write was refused (as a whole)."""
+
+    STEP_TAKEN = "step"
+    TASK_MOVED = "task"
+    REQUEST_TAKEN = "request"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +68,20 @@ class Write:
     steps: Sequence[Step] = ()
     marks_of: uuid.UUID | None = None
     read_marks: Mapping[uuid.UUID, uuid.UUID] = field(default_factory=dict)
+    # A new task (stored unless its agent has one with its request id) and
+    # the audit record of its submission (stored with it, only if it is).
+    new_task: Task | None = None
+    audit: AuditRecord | None = None
+    # A task's progress, stored if its stored status is one of `task_expected`.
+    task: Task | None = None
+    task_expected: Collection[TaskStatus] = ()
 
 
 class Journal(abc.ABC):
     """Applies runners' writes, each atomically."""
 
     def __init__(self, *, max_batch: int = 256) -> None:
-        self._batcher: NaturalBatcher[Write, bool] = NaturalBatcher(
+        self._batcher: NaturalBatcher[Write, Refusal | None] = NaturalBatcher(
             self._apply, max_batch=max_batch, not_about_items=database_unavailable
         )
 
@@ -61,14 +90,23 @@ class Journal(abc.ABC):
 
         Raises:
             DuplicateStep: one of its steps' (session, sequence) is taken.
+            TaskMoved: its task's stored status is not one of `task_expected`.
+            TaskRequestTaken: its new task's request id is taken.
         """
-        if not await self._batcher.submit(write):
+        refusal = await self._batcher.submit(write)
+        if refusal is Refusal.STEP_TAKEN:
             sequences = [s.sequence for s in write.steps]
             raise DuplicateStep(f"steps {sequences} of session {write.steps[0].session_id} exist")
+        if refusal is Refusal.TASK_MOVED:
+            assert write.task is not None
+            raise TaskMoved(f"task {write.task.id} is not {[s.value for s in write.task_expected]}")
+        if refusal is Refusal.REQUEST_TAKEN:
+            assert write.new_task is not None
+            raise TaskRequestTaken(f"request_id {write.new_task.request_id!r} is taken")
 
     @abc.abstractmethod
-    async def _apply(self, batch: list[Write]) -> list[bool]:
-        """Stores a batch; per write, whether it was stored (False: a step was taken)."""
+    async def _apply(self, batch: list[Write]) -> list[Refusal | None]:
+        """Stores a batch; per write, None if it was stored, else why not."""
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
@@ -142,13 +180,17 @@ class SqliteJournal(Journal):
         super().__init__(max_batch=max_batch)
         self._worker = SqliteWorker(database, name="runtime-sqlite-journal")
 
-    async def _apply(self, batch: list[Write]) -> list[bool]:
+    async def _apply(self, batch: list[Write]) -> list[Refusal | None]:
         return await self._worker.write(lambda conn: [self._store(conn, w) for w in batch])
 
     @staticmethod
-    def _store(conn: sqlite3.Connection, write: Write) -> bool:
+    def _store(conn: sqlite3.Connection, write: Write) -> Refusal | None:
         conn.execute("SAVEPOINT write")
         try:
+            refusal = _store_task_parts(conn, write)
+            if refusal is not None:
+                conn.execute("ROLLBACK TO write")
+                return refusal
             for step in write.steps:
                 message, metrics = step.message, step.metrics
                 inserted = conn.execute(
@@ -182,7 +224,7 @@ class SqliteJournal(Journal):
                 ).rowcount
                 if not inserted:
                     conn.execute("ROLLBACK TO write")
-                    return False
+                    return Refusal.STEP_TAKEN
             if write.new_run is not None:
                 run = write.new_run
                 conn.execute(
@@ -231,7 +273,7 @@ class SqliteJournal(Journal):
                     _SQLITE_MARK_READ,
                     [(write.marks_of.hex, g.hex, m.hex) for g, m in write.read_marks.items()],
                 )
-            return True
+            return None
         finally:
             conn.execute("RELEASE write")
 
@@ -239,6 +281,117 @@ class SqliteJournal(Journal):
         await super().aclose()
         await self._worker.aclose()
 
+
+def _store_task_parts(conn: sqlite3.Connection, write: Write) -> Refusal | None:
+    """Stores a write's new task (with its audit record) and task progress."""
+    if write.new_task is not None:
+        task = write.new_task
+        if not conn.execute(_SQLITE_INSERT_TASK, _sqlite_new_task(task)).rowcount:
+            return Refusal.REQUEST_TAKEN
+        if write.audit is not None:
+            conn.execute(_SQLITE_INSERT_AUDIT, _sqlite_audit(write.audit))
+    if write.task is not None:
+        expected = [s.value for s in write.task_expected]
+        statement = _SQLITE_MOVE_TASK.format(expected=", ".join("?" * len(expected)))
+        values = (*_sqlite_progress(write.task), write.task.id.hex, *expected)
+        if not conn.execute(statement, values).rowcount:
+            return Refusal.TASK_MOVED
+    return None
+
+
+def _sqlite_progress(task: Task) -> tuple[Any, ...]:
+    """The columns `update_task` replaces, in `_TASK_PROGRESS` order."""
+    return (
+        task.status.value,
+        task.attempts,
+        task.last_error,
+        task.result,
+        _sqlite_time_or_none(task.started_at),
+        _sqlite_time_or_none(task.ended_at),
+        _sqlite_time_or_none(task.retry_at),
+        task.run_id.hex if task.run_id else None,
+    )
+
+
+def _sqlite_new_task(task: Task) -> tuple[Any, ...]:
+    return (
+        task.id.hex,
+        task.agent_id.hex,
+        task.session_id.hex,
+        task.input,
+        task.priority,
+        task.request_id,
+        sqlite_time(task.created_at),
+        *_sqlite_progress(task),
+    )
+
+
+def _sqlite_audit(record: AuditRecord) -> tuple[Any, ...]:
+    values = record_values(record)
+    ids = {"id", "workspace_id", "actor_member_id"}
+    times = {"at", "last_at"}
+    row: list[Any] = []
+    for name in _AUDIT_COLUMNS:
+        value = values[name]
+        if name in ids:
+            value = value.hex if value is not None else None
+        elif name in times:
+            value = sqlite_time(value)
+        elif name == "details":
+            value = json.dumps(value)
+        row.append(value)
+    return tuple(row)
+
+
+def _sqlite_time_or_none(value: datetime | None) -> str | None:
+    return sqlite_time(value) if value is not None else None
+
+
+_TASK_PROGRESS = (
+    "status",
+    "attempts",
+    "last_error",
+    "result",
+    "started_at",
+    "ended_at",
+    "retry_at",
+    "run_id",
+)
+_AUDIT_COLUMNS = (
+    "id",
+    "workspace_id",
+    "actor_kind",
+    "actor_member_id",
+    "actor_service",
+    "actor_key",
+    "action",
+    "target_kind",
+    "target_id",
+    "at",
+    "last_at",
+    "code",
+    "reason",
+    "request_id",
+    "details",
+    "count",
+)
+# The partial unique index uq_tasks_agent_request covers the tasks with a
+# request id (written out: see `sql._has_request`).
+_SQLITE_INSERT_TASK = f"""
+INSERT INTO tasks (id, agent_id, session_id, input, priority, request_id, created_at,
+                   {", ".join(_TASK_PROGRESS)})
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (agent_id, request_id) WHERE request_id != '' DO NOTHING
+"""
+_SQLITE_INSERT_AUDIT = f"""
+INSERT INTO agent_audit_events ({", ".join(_AUDIT_COLUMNS)})
+VALUES ({", ".join("?" * len(_AUDIT_COLUMNS))})
+"""
+_SQLITE_MOVE_TASK = (
+    "UPDATE tasks SET "
+    + ", ".join(f"{c} = ?" for c in _TASK_PROGRESS)
+    + " WHERE id = ? AND status IN ({expected})"
+)
 
 # Ids as SQLAlchemy's Uuid stores them on SQLite (32 hex digits), times as
 # `UtcDateTime` does, JSON as text.
@@ -277,8 +430,15 @@ class PostgresJournal(Journal):
         super().__init__(max_batch=max_batch)
         self._db = database
 
-    async def _apply(self, batch: list[Write]) -> list[bool]:
+    async def _apply(self, batch: list[Write]) -> list[Refusal | None]:
         steps = [(index, step) for index, write in enumerate(batch) for step in write.steps]
+        new_tasks = [(i, w.new_task) for i, w in enumerate(batch) if w.new_task is not None]
+        audits = [
+            (w.new_task.id, record_values(w.audit))
+            for w in batch
+            if w.new_task is not None and w.audit is not None
+        ]
+        moved = [(i, w.task, w.task_expected) for i, w in enumerate(batch) if w.task is not None]
         new_runs = [(i, w.new_run) for i, w in enumerate(batch) if w.new_run is not None]
         ended_runs = [(i, w.ended_run) for i, w in enumerate(batch) if w.ended_run is not None]
         progress = [(i, w.progress) for i, w in enumerate(batch) if w.progress is not None]
@@ -356,13 +516,49 @@ class PostgresJournal(Journal):
                 [a.state_version for _, a in progress],
                 # $54: steps again
                 [_origin_json(s) for _, s in steps],
+                # $55-$70: new tasks
+                [i for i, _ in new_tasks],
+                [t.id for _, t in new_tasks],
+                [t.agent_id for _, t in new_tasks],
+                [t.session_id for _, t in new_tasks],
+                [t.input for _, t in new_tasks],
+                [t.priority for _, t in new_tasks],
+                [t.request_id for _, t in new_tasks],
+                [t.created_at for _, t in new_tasks],
+                [t.status.value for _, t in new_tasks],
+                [t.attempts for _, t in new_tasks],
+                [t.last_error for _, t in new_tasks],
+                [t.result for _, t in new_tasks],
+                [t.started_at for _, t in new_tasks],
+                [t.ended_at for _, t in new_tasks],
+                [t.retry_at for _, t in new_tasks],
+                [t.run_id for _, t in new_tasks],
+                # $71-$87: their audit records (by task id)
+                [task_id for task_id, _ in audits],
+                *[
+                    [json.dumps(a[name]) if name == "details" else a[name] for _, a in audits]
+                    for name in _AUDIT_COLUMNS
+                ],
+                # $88-$98: task progress
+                [i for i, _, _ in moved],
+                [t.id for _, t, _ in moved],
+                [",".join(s.value for s in expected) for _, _, expected in moved],
+                [t.status.value for _, t, _ in moved],
+                [t.attempts for _, t, _ in moved],
+                [t.last_error for _, t, _ in moved],
+                [t.result for _, t, _ in moved],
+                [t.started_at for _, t, _ in moved],
+                [t.ended_at for _, t, _ in moved],
+                [t.retry_at for _, t, _ in moved],
+                [t.run_id for _, t, _ in moved],
             )
-        refused = {int(row["w"]) for row in rows}
-        return [index not in refused for index in range(len(batch))]
+        refused = {int(row["w"]): Refusal(row["why"]) for row in rows}
+        return [refused.get(index) for index in range(len(batch))]
 
 
 # One statement stores a batch. A write with a step whose (session, sequence)
-# is taken is refused whole: every part is filtered on the refused writes.
+# is taken, a new task whose request id is taken or a task not in an expected
+# status is refused whole: every part is filtered on the refused writes.
 # (A step inserted concurrently between the check and the insert is still
 # kept out by ON CONFLICT and its write reported refused, but that write's
 # other parts then stand: only two runtimes running one agent get there.)
@@ -379,13 +575,37 @@ new_steps AS (
              cached_tokens, model, tool_duration_ms, created_at, interrupted, kind, summary_through,
              usage_estimated, origin)
 ),
-refused AS (
-    SELECT s.w FROM new_steps s
+new_tasks AS (
+    SELECT * FROM unnest($55::int[], $56::uuid[], $57::uuid[], $58::uuid[], $59::text[], $60::int[],
+                         $61::text[], $62::timestamptz[], $63::text[], $64::int[], $65::text[], $66::text[],
+                         $67::timestamptz[], $68::timestamptz[], $69::timestamptz[], $70::uuid[])
+        AS t(w, id, agent_id, session_id, input, priority, request_id, created_at, status, attempts,
+             last_error, result, started_at, ended_at, retry_at, run_id)
+),
+moves AS (
+    SELECT * FROM unnest($88::int[], $89::uuid[], $90::text[], $91::text[], $92::int[], $93::text[],
+                         $94::text[], $95::timestamptz[], $96::timestamptz[], $97::timestamptz[], $98::uuid[])
+        AS m(w, id, expected, status, attempts, last_error, result, started_at, ended_at, retry_at, run_id)
+),
+refused_why AS (
+    SELECT s.w, 'step' AS why FROM new_steps s
     JOIN {SCHEMA}.steps t ON t.session_id = s.session_id AND t.sequence = s.sequence
     UNION  -- the same step twice in one batch: the first write has it
-    SELECT s.w FROM new_steps s
+    SELECT s.w, 'step' FROM new_steps s
     JOIN new_steps o ON o.session_id = s.session_id AND o.sequence = s.sequence AND o.w < s.w
+    UNION
+    SELECT n.w, 'request' FROM new_tasks n
+    JOIN {SCHEMA}.tasks t ON t.agent_id = n.agent_id AND t.request_id = n.request_id AND n.request_id != ''
+    UNION  -- the same request id twice in one batch: the first write has it
+    SELECT n.w, 'request' FROM new_tasks n
+    JOIN new_tasks o ON o.agent_id = n.agent_id AND o.request_id = n.request_id AND n.request_id != ''
+        AND o.w < n.w
+    UNION
+    SELECT m.w, 'task' FROM moves m
+    LEFT JOIN {SCHEMA}.tasks t ON t.id = m.id
+    WHERE t.id IS NULL OR NOT t.status = ANY(string_to_array(m.expected, ','))
 ),
+refused AS (SELECT DISTINCT w FROM refused_why),
 inserted_steps AS (
     INSERT INTO {SCHEMA}.steps (id, agent_id, session_id, run_id, sequence, role, content, reasoning,
                                 tool_calls, tool_call_id, name, duration_ms, first_token_ms, input_tokens,
@@ -441,10 +661,44 @@ marked AS (
     ON CONFLICT (agent_id, group_id) DO UPDATE SET message_id = excluded.message_id
     WHERE excluded.message_id > {SCHEMA}.read_marks.message_id
     RETURNING 1
+),
+inserted_tasks AS (
+    INSERT INTO {SCHEMA}.tasks (id, agent_id, session_id, input, priority, request_id, created_at, status,
+                                attempts, last_error, result, started_at, ended_at, retry_at, run_id)
+    SELECT id, agent_id, session_id, input, priority, request_id, created_at, status, attempts, last_error,
+           result, started_at, ended_at, retry_at, run_id
+    FROM new_tasks WHERE w NOT IN (SELECT w FROM refused)
+    ON CONFLICT (agent_id, request_id) WHERE request_id != '' DO NOTHING
+    RETURNING id
+),
+audited AS (
+    INSERT INTO {SCHEMA}.agent_audit_events ({", ".join(_AUDIT_COLUMNS)})
+    SELECT {", ".join(_AUDIT_COLUMNS[:-2])}, details::json, count
+    FROM unnest($71::uuid[], $72::uuid[], $73::uuid[], $74::text[], $75::uuid[], $76::text[], $77::text[],
+                $78::text[], $79::text[], $80::text[], $81::timestamptz[], $82::timestamptz[], $83::text[],
+                $84::text[], $85::text[], $86::text[], $87::int[])
+        AS a(task_id, {", ".join(_AUDIT_COLUMNS)})
+    WHERE a.task_id IN (SELECT id FROM inserted_tasks)
+    RETURNING 1
+),
+moved_tasks AS (
+    UPDATE {SCHEMA}.tasks AS t
+    SET status = m.status, attempts = m.attempts, last_error = m.last_error, result = m.result,
+        started_at = m.started_at, ended_at = m.ended_at, retry_at = m.retry_at, run_id = m.run_id
+    FROM moves m
+    WHERE t.id = m.id AND t.status = ANY(string_to_array(m.expected, ','))
+      AND m.w NOT IN (SELECT w FROM refused)
+    RETURNING m.w
 )
-SELECT w FROM refused
-UNION  -- lost a race with a concurrent insert of the same step
-SELECT s.w FROM new_steps s
+SELECT w, min(why) AS why FROM refused_why GROUP BY w
+UNION ALL  -- lost a race with a concurrent insert of the same step
+SELECT s.w, 'step' FROM new_steps s
 WHERE s.w NOT IN (SELECT w FROM refused)
   AND (s.session_id, s.sequence) NOT IN (SELECT session_id, sequence FROM inserted_steps)
+UNION ALL  -- ... or of a task with the same request id
+SELECT n.w, 'request' FROM new_tasks n
+WHERE n.w NOT IN (SELECT w FROM refused) AND n.id NOT IN (SELECT id FROM inserted_tasks)
+UNION ALL  -- ... or with a concurrent change of the task
+SELECT m.w, 'task' FROM moves m
+WHERE m.w NOT IN (SELECT w FROM refused) AND m.w NOT IN (SELECT w FROM moved_tasks)
 """

@@ -24,7 +24,14 @@ from services.common.audit import AuditRecord
 from services.common.audit_sql import insert_record
 from services.common.outages import DATABASE, as_unavailable
 from services.common.sql import SqlDatabase
-from services.runtime.adapters.journal import Write, open_journal, origin_of_record, origin_record
+from services.runtime.adapters.journal import (
+    TaskMoved,
+    TaskRequestTaken,
+    Write,
+    open_journal,
+    origin_of_record,
+    origin_record,
+)
 from services.runtime.adapters.tables import (
     SCHEMA,
     agent_requests,
@@ -618,22 +625,16 @@ class SqlAgentStore(AgentStore):
     # -- Tasks (TaskService) --
 
     async def add_task(self, task: Task, *, audit: AuditRecord | None = None) -> Task:
-        async with self._db.transaction() as conn:
-            statement = self._insert(tasks).values(**_task_values(task))
-            if task.request_id:
-                # A concurrent submission with the request_id waits here for the
-                # first one's commit, then inserts nothing and reads its task.
-                statement = statement.on_conflict_do_nothing(
-                    index_elements=[tasks.c.agent_id, tasks.c.request_id], index_where=_has_request
-                )
-            if (await conn.execute(statement)).rowcount:
-                if audit is not None:
-                    await insert_record(conn, audit_events, audit)
-                return task
-            found = await conn.execute(
-                tasks.select().where(tasks.c.agent_id == task.agent_id, tasks.c.request_id == task.request_id)
-            )
-            return _task(found.one())
+        # Through the journal: submissions arriving together share a commit.
+        try:
+            await self._journal.write(Write(new_task=task, audit=audit))
+        except TaskRequestTaken:
+            # Committed before this one (a concurrent submission, or a retry).
+            found = await self.find_task(task.agent_id, task.request_id)
+            if found is None:
+                raise
+            return found
+        return task
 
     async def get_task(self, task_id: uuid.UUID) -> Task | None:
         rows = await self._rows(tasks.select().where(tasks.c.id == task_id))
@@ -681,6 +682,10 @@ class SqlAgentStore(AgentStore):
             heads = [_task(r) for q in (queued, due) for r in (await conn.execute(q)).all()]
         return min(heads, key=_queue_order, default=None)
 
+    async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+        query = tasks.select().where(tasks.c.agent_id == agent_id, tasks.c.status.in_(_WAITING))
+        return [_task(r) for r in await self._rows(query)]
+
     async def tasks_ahead(self, task: Task, *, now: datetime) -> int:
         ahead = sa.or_(
             tasks.c.priority > task.priority,
@@ -716,13 +721,11 @@ class SqlAgentStore(AgentStore):
         return found
 
     async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
-        async with self._db.transaction() as conn:
-            updated = await conn.execute(
-                tasks.update()
-                .where(tasks.c.id == task.id, tasks.c.status.in_([s.value for s in expected]))
-                .values(**_task_progress(task))
-            )
-            return bool(updated.rowcount)
+        try:
+            await self._journal.write(Write(task=task, task_expected=tuple(expected)))
+        except TaskMoved:
+            return False
+        return True
 
     async def cancel_waiting_tasks(self, agent_id: uuid.UUID, *, at: datetime) -> list[Task]:
         async with self._db.transaction() as conn:
@@ -915,9 +918,9 @@ def _checkpoint(row: sa.Row[Any], agent: Agent) -> Checkpoint:
 
 _WAITING = [TaskStatus.QUEUED.value, TaskStatus.FAILED.value]
 # The partial unique index uq_tasks_agent_request covers the tasks with a request_id.
-# Written out, not bound: PostgreSQL matches ON CONFLICT to the partial index
-# uq_tasks_agent_request only when it sees the literal (a bound "" works for
-# a prepared statement's first five runs, until its plan turns generic).
+# Written out, not bound: PostgreSQL matches ON CONFLICT (and a query) to the
+# partial index uq_tasks_agent_request only when it sees the literal (a bound
+# "" works for a prepared statement's first five runs, until its plan turns generic).
 _has_request = sa.text("request_id != ''")
 
 
@@ -928,33 +931,6 @@ def _retry_due(now: datetime) -> sa.ColumnElement[bool]:
 def _queue_order(task: Task) -> tuple[int, datetime, uuid.UUID]:
     """The order tasks are served in: higher priority first, then arrival."""
     return (-task.priority, task.created_at, task.id)
-
-
-def _task_progress(task: Task) -> dict[str, Any]:
-    """The columns `update_task` replaces."""
-    return {
-        "status": task.status.value,
-        "attempts": task.attempts,
-        "last_error": task.last_error,
-        "result": task.result,
-        "started_at": task.started_at,
-        "ended_at": task.ended_at,
-        "retry_at": task.retry_at,
-        "run_id": task.run_id,
-    }
-
-
-def _task_values(task: Task) -> dict[str, Any]:
-    return {
-        "id": task.id,
-        "agent_id": task.agent_id,
-        "session_id": task.session_id,
-        "input": task.input,
-        "priority": task.priority,
-        "request_id": task.request_id,
-        "created_at": task.created_at,
-        **_task_progress(task),
-    }
 
 
 def _task(row: sa.Row[Any]) -> Task:

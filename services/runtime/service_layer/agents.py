@@ -278,7 +278,9 @@ class AgentService:
         """The agent as its runner has it, if the caller may do `action` to it."""
         viewer = await self._viewer(caller)
         wanted = _parse_id(agent_id, "agent_id")
-        agent = await self._store.get_agent(wanted)
+        # A running agent is its runner's (deleting an agent removes its runner
+        # first; its workspace and owner never change): no read for it.
+        agent = self._runners.live(wanted) or await self._store.get_agent(wanted)
         verdict = (
             Verdict.HIDDEN
             if agent is None
@@ -290,7 +292,7 @@ class AgentService:
             raise NotAllowed(
                 f"only the agent's owner and the workspace's admins may {action.value} agent {wanted}"
             )
-        return self._runners.live(agent.id) or agent
+        return agent
 
     async def controlled(self, caller: Caller | None, agent_id: str) -> Agent:
         """The agent, if the caller may control it, reconfigure it and read its work

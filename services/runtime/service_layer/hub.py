@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import deque
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import cast
@@ -37,12 +38,23 @@ _CLOSED = object()
 
 
 class Watcher:
-    """One watcher's queue of live events; bounded so a stuck reader cannot grow it forever."""
+    """One watcher's backlog of live events; bounded so a stuck reader cannot grow it forever.
+
+    A watch is sent one message at a time (one per turn of the event loop),
+    while a hundred busy runners publish many events per turn: a watcher can
+    fall behind although its client reads promptly. What waits is compacted
+    (`compacted`) as it is sent, and again before the backlog would overflow:
+    the deltas of a step whose completion waits too are dropped (the
+    completed step carries the whole of them), and the other deltas of a step
+    are joined. Every other event stays, in order.
+    """
 
     def __init__(self, hub: AgentHub, agent_ids: frozenset[uuid.UUID] | None, max_backlog: int) -> None:
         self._hub = hub
         self.agent_ids = agent_ids
-        self._queue: asyncio.Queue[object] = asyncio.Queue(maxsize=max_backlog)
+        self._max_backlog = max_backlog
+        self._backlog: deque[object] = deque()
+        self._ready = asyncio.Event()
         self.overflowed = False
         self._closed = False
 
@@ -51,15 +63,18 @@ class Watcher:
 
     def put(self, item: object) -> None:
         if self._closed:
-            return  # nothing may follow the end of the queue
-        try:
-            self._queue.put_nowait(item)
-        except asyncio.QueueFull:
+            return  # nothing may follow the end of the backlog
+        self._backlog.append(item)
+        self._ready.set()
+        if len(self._backlog) <= self._max_backlog:
+            return
+        self._backlog = deque(compacted(cast(list[Emitted], list(self._backlog))))
+        # Still mostly full: compacting again at every event would cost more and more.
+        if len(self._backlog) > self._max_backlog * 3 // 4:
             # Too slow: end this watch at once (what is queued is dropped); the
-            # client resumes from its last completed step.
+            # client watches again and reads what it missed.
             self.overflowed = True
-            while not self._queue.empty():
-                self._queue.get_nowait()
+            self._backlog.clear()
             self.close()
             self._hub.unwatch(self)
 
@@ -67,37 +82,36 @@ class Watcher:
         if self._closed:
             return
         self._closed = True
-        while True:
-            try:
-                self._queue.put_nowait(_CLOSED)
-                return
-            except asyncio.QueueFull:
-                self._queue.get_nowait()
+        self._backlog.append(_CLOSED)
+        self._ready.set()
 
     async def events(self) -> AsyncGenerator[Emitted, None]:
         """Live events until the hub closes.
 
         Raises:
-            WatcherFellBehind: the queue overflowed.
+            WatcherFellBehind: the backlog overflowed.
             HubClosed: the hub closed (the runtime is shutting down).
         """
         try:
             while True:
-                waiting = [await self._queue.get()]
+                await self._ready.wait()
+                self._ready.clear()
                 # What queued up while the last event was being sent goes out
-                # merged: a watcher slower than the model gets fewer, longer deltas.
-                while not self._queue.empty():
-                    waiting.append(self._queue.get_nowait())
-                closed = waiting[-1] is _CLOSED
+                # compacted: a watcher slower than the runners gets fewer, longer
+                # deltas, and none of a step whose completion it gets with them.
+                waiting = list(self._backlog)
+                self._backlog.clear()
+                closed = bool(waiting) and waiting[-1] is _CLOSED
                 if closed:
                     waiting.pop()
-                for emitted in merge_deltas(cast(list[Emitted], waiting)):
+                for emitted in compacted(cast(list[Emitted], waiting)):
                     yield emitted
                 if closed:
                     if self.overflowed:
                         raise WatcherFellBehind(
-                            f"this watch fell more than {self._queue.maxsize} events behind and was ended;"
-                            " watch again with after_sequence set to the last step received"
+                            f"this watch fell more than {self._max_backlog} events behind and was ended;"
+                            " watch again, and read what changed meanwhile (WatchAgent resumes with"
+                            " after_sequence set to the last step received; ListTasks has the tasks)"
                         )
                     raise HubClosed(
                         "the runtime is shutting down; watch again (another replica, or this one once it"
@@ -105,6 +119,32 @@ class Watcher:
                     )
         finally:
             self._hub.unwatch(self)
+
+
+def compacted(backlog: list[Emitted]) -> list[Emitted]:
+    """A backlog with fewer events and the same outcome for its reader: the
+    deltas of a step whose completion follows are dropped, and each agent's
+    deltas of one step joined until another event of that agent comes."""
+    completed = {(e.agent_id, e.event.step.sequence) for e in backlog if isinstance(e.event, StepCompleted)}
+    kept: list[Emitted] = []
+    joining: dict[uuid.UUID, int] = {}  # agent -> index in `kept` of its delta being joined
+    for emitted in backlog:
+        event = emitted.event
+        if not isinstance(event, StepDelta):
+            joining.pop(emitted.agent_id, None)  # its later deltas must not move before this
+            kept.append(emitted)
+            continue
+        if (emitted.agent_id, event.sequence) in completed:
+            continue
+        at = joining.get(emitted.agent_id)
+        if at is not None:
+            joined = merge_deltas([kept[at], emitted])
+            if len(joined) == 1:
+                kept[at] = joined[0]
+                continue
+        joining[emitted.agent_id] = len(kept)
+        kept.append(emitted)
+    return kept
 
 
 class AgentHub:

@@ -254,6 +254,10 @@ class AgentStore(abc.ABC):
         (by created_at, then id)."""
 
     @abc.abstractmethod
+    async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
+        """The agent's QUEUED and FAILED tasks (those awaiting a retry too)."""
+
+    @abc.abstractmethod
     async def tasks_ahead(self, task: Task, *, now: datetime) -> int:
         """How many tasks `next_task` would serve before `task`."""
 

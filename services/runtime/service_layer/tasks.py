@@ -19,6 +19,7 @@ its queue cleared, `clear_queue`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import random
 import uuid
@@ -118,14 +119,17 @@ class StoredTaskQueue(TaskQueue):
         self._cancelling: set[uuid.UUID] = set()
         # Set when a running task stops running (CancelTask waits for it).
         self._stopped: dict[uuid.UUID, asyncio.Event] = {}
-        # Agents known to have no waiting task / no pending retry, so that a
-        # runner looking for work (at every message) costs no query. Anything
-        # that may add one forgets the agent here. The tasks of an agent are
-        # submitted and run through the process that runs it.
-        self._none_waiting: set[uuid.UUID] = set()
-        self._no_retries: set[uuid.UUID] = set()
-        # Bumped by each forgetting: an answer read before one is not kept.
+        # Each agent's queue as this process knows it, so that a runner looking
+        # for work (at every message), a submission placing its task and a
+        # retry being scheduled cost no query: read from the store once, then
+        # kept with every change made here (the tasks of an agent are
+        # submitted and run through the process that runs it). A write whose
+        # outcome is unknown forgets the agent's queue: it is read again.
+        self._queues: dict[uuid.UUID, _Queue] = {}
+        # Bumped by each change of an agent's queue: a read begun before one is not kept.
         self._changes: dict[uuid.UUID, int] = {}
+        # The running tasks as last stored here (what ending one starts from).
+        self._running: dict[uuid.UUID, Task] = {}
         # Agents with a task this process marked RUNNING and has not yet seen
         # ended: only those can have an orphan once their runner is idle.
         self._unsettled: set[uuid.UUID] = set()
@@ -133,9 +137,21 @@ class StoredTaskQueue(TaskQueue):
     # -- for the task RPCs ----------------------------------------------------
 
     def added(self, task: Task) -> None:
-        """A task was stored as QUEUED (or may have been: its write's answer
-        was lost): the agent's next look finds it."""
-        self._forget(task.agent_id)
+        """A task was stored as QUEUED: it takes its place in the agent's queue."""
+        self._queued(task)
+
+    def may_have_changed(self, agent_id: uuid.UUID) -> None:
+        """A write's outcome is unknown (its answer was lost): the agent's
+        queue is read again when next needed."""
+        self._forget(agent_id)
+
+    def left(self, task: Task) -> None:
+        """A waiting task was stored as no longer waiting (a person cancelled it)."""
+        self._left_queue(task)
+
+    async def ahead_of(self, task: Task) -> int:
+        """How many tasks the agent's runner would take before `task`."""
+        return (await self._queue(task.agent_id)).ahead_of(task, now=self._clock())
 
     def publish(self, task: Task) -> None:
         """Tells the agent's watchers the task's new status."""
@@ -162,7 +178,10 @@ class StoredTaskQueue(TaskQueue):
     async def clear_queue(self, agent_id: uuid.UUID) -> int:
         """Cancels every waiting (QUEUED or FAILED) task of the agent, as
         terminating it with QUEUE_POLICY_CLEAR does; returns how many."""
-        ended = await self._store.cancel_waiting_tasks(agent_id, at=self._clock())
+        try:
+            ended = await self._store.cancel_waiting_tasks(agent_id, at=self._clock())
+        finally:
+            self._forget(agent_id)
         for task in ended:
             self._publish(task)
         return len(ended)
@@ -170,52 +189,82 @@ class StoredTaskQueue(TaskQueue):
     # -- the runner's port (TaskQueue) ------------------------------------------
 
     async def next_task(self, agent_id: uuid.UUID, *, now: datetime) -> Task | None:
-        if agent_id in self._none_waiting:
-            return None
-        seen = self._changes.get(agent_id, 0)
-        task = await self._store.next_task(agent_id, now=now)
-        if (
-            task is None
-            and await self.next_retry_at(agent_id) is None
-            and seen == self._changes.get(agent_id, 0)
-        ):
-            self._none_waiting.add(agent_id)
-        return task
+        while True:
+            queue = await self._queue(agent_id)
+            head = queue.head(now)
+            if head is None:
+                return None
+            if head.task is not None:
+                return head.task
+            task = await self._store.get_task(head.id)
+            if task is not None and task.status in WAITING:
+                return task
+            # Changed by someone else meanwhile: this queue is not to be trusted.
+            self._forget(agent_id)
 
     async def next_retry_at(self, agent_id: uuid.UUID) -> datetime | None:
-        if agent_id in self._no_retries:
-            return None
+        return (await self._queue(agent_id)).next_retry_at()
+
+    async def _queue(self, agent_id: uuid.UUID) -> _Queue:
+        """The agent's queue, read from the store unless known."""
+        known = self._queues.get(agent_id)
+        if known is not None:
+            return known
         seen = self._changes.get(agent_id, 0)
-        due = await self._store.next_retry_at(agent_id)
-        if due is None and seen == self._changes.get(agent_id, 0):
-            self._no_retries.add(agent_id)
-        return due
+        read = _Queue(await self._store.waiting_tasks(agent_id))
+        if seen == self._changes.get(agent_id, 0):
+            self._queues[agent_id] = read
+        return read
+
+    def _changed(self, agent_id: uuid.UUID) -> _Queue | None:
+        """Notes a change of the agent's queue; the queue if it is known."""
+        self._changes[agent_id] = self._changes.get(agent_id, 0) + 1
+        return self._queues.get(agent_id)
+
+    def _queued(self, task: Task) -> None:
+        """The task is (again) waiting, as stored."""
+        queue = self._changed(task.agent_id)
+        if queue is not None:
+            queue.put(task)
+
+    def _left_queue(self, task: Task) -> None:
+        """The task is no longer waiting."""
+        queue = self._changed(task.agent_id)
+        if queue is not None:
+            queue.remove(task.id)
 
     def _forget(self, agent_id: uuid.UUID) -> None:
-        self._changes[agent_id] = self._changes.get(agent_id, 0) + 1
-        self._none_waiting.discard(agent_id)
-        self._no_retries.discard(agent_id)
+        """The agent's queue may have changed unseen: it is read again when next needed."""
+        self._changed(agent_id)
+        self._queues.pop(agent_id, None)
 
     async def started(self, task: Task, *, run_id: uuid.UUID, at: datetime) -> Task:
         """Marks it RUNNING (one more attempt). If it is no longer waiting (a
         person cancelled it since `next_task`), returns it as stored, not
         RUNNING: the runner must then not run it."""
-        current = await self._reread(task)
-        if current.status in WAITING:
+        if task.status in WAITING:
             running = replace(
-                current,
+                task,
                 status=TaskStatus.RUNNING,
-                attempts=current.attempts + 1,
+                attempts=task.attempts + 1,
                 started_at=at,
                 ended_at=None,
                 retry_at=None,
                 run_id=run_id,
             )
             self._unsettled.add(task.agent_id)
-            if await self._store.update_task(running, expected=WAITING):
+            try:
+                stored = await self._store.update_task(running, expected=WAITING)
+            except errors.Unavailable:
+                self._forget(task.agent_id)  # the write may have committed all the same
+                raise
+            if stored:
+                self._left_queue(running)
+                self._running[running.id] = running
                 self._publish(running)
                 return running
-            current = await self._reread(current)
+            self._forget(task.agent_id)  # changed by someone else meanwhile
+        current = await self._reread(task)
         logger.info("task %s is %s: not started", current.id, current.status.value)
         return current
 
@@ -228,7 +277,9 @@ class StoredTaskQueue(TaskQueue):
     async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
         moved = replace(task, run_id=run_id)
         self._unsettled.add(task.agent_id)
+        self._running.pop(task.id, None)  # unknown until this write is known stored
         if await self._store.update_task(moved, expected=(TaskStatus.RUNNING,)):
+            self._running[moved.id] = moved
             self._publish(moved)
             return moved
         return await self._reread(task)
@@ -318,7 +369,8 @@ class StoredTaskQueue(TaskQueue):
     ) -> bool:
         """Moves a running task on to `outcome(stored task)` (compare-and-set);
         False if it was no longer running."""
-        current = await self._reread(task)
+        # As this process last stored it (only this process runs it), else as stored.
+        current = self._running.pop(task.id, None) or await self._reread(task)
         changed = outcome(current)
         try:
             stored = await self._store.update_task(changed, expected=(TaskStatus.RUNNING,))
@@ -334,7 +386,7 @@ class StoredTaskQueue(TaskQueue):
         self._unsettled.discard(task.agent_id)
         self._cancelling.discard(task.id)
         if changed.status in WAITING:
-            self._forget(task.agent_id)
+            self._queued(changed)
         stopped = self._stopped.pop(task.id, None)
         if stopped is not None:
             stopped.set()
@@ -357,11 +409,13 @@ class TaskViews:
         self,
         *,
         store: AgentStore,
+        queue: StoredTaskQueue,
         agents: AgentService,
         clock: Callable[[], datetime],
         max_page_size: int = 200,
     ) -> None:
         self._store = store
+        self._queue = queue
         self._agents = agents
         self._clock = clock
         self._max_page = max_page_size
@@ -418,7 +472,81 @@ class TaskViews:
         """The task, with its place in the queue while QUEUED."""
         if task.status is not TaskStatus.QUEUED:
             return Placed(task)
-        return Placed(task, await self._store.tasks_ahead(task, now=self._clock()))
+        return Placed(task, await self._queue.ahead_of(task))
+
+
+# A waiting task is kept whole in `_Queue` up to this input size; a larger
+# one is read again when its turn comes, so that a long queue of large tasks
+# costs memory only for their place in it.
+_KEPT_INPUT_CHARS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Place:
+    """A waiting task's place in its agent's queue (and the task, if kept)."""
+
+    id: uuid.UUID
+    priority: int
+    created_at: datetime
+    status: TaskStatus
+    retry_at: datetime | None
+    task: Task | None
+
+    @property
+    def order(self) -> tuple[int, datetime, uuid.UUID]:
+        return (-self.priority, self.created_at, self.id)
+
+    def due(self, now: datetime) -> bool:
+        """Its turn may come: QUEUED, or FAILED with its retry due."""
+        return self.status is TaskStatus.QUEUED or (self.retry_at is not None and self.retry_at <= now)
+
+
+class _Queue:
+    """An agent's waiting tasks, in the order they are served: the QUEUED ones
+    in a sorted list (a long queue costs a binary search, not a scan), the
+    FAILED ones awaiting a retry (few: those backing off) aside."""
+
+    def __init__(self, waiting: list[Task]) -> None:
+        self._places: dict[uuid.UUID, _Place] = {}
+        self._queued: list[tuple[int, datetime, uuid.UUID]] = []  # the QUEUED places' orders, sorted
+        self._retrying: dict[uuid.UUID, _Place] = {}
+        for task in waiting:
+            self.put(task)
+
+    def put(self, task: Task) -> None:
+        self.remove(task.id)
+        kept = task if len(task.input) <= _KEPT_INPUT_CHARS else None
+        place = _Place(task.id, task.priority, task.created_at, task.status, task.retry_at, kept)
+        self._places[task.id] = place
+        if place.status is TaskStatus.QUEUED:
+            bisect.insort(self._queued, place.order)
+        else:
+            self._retrying[task.id] = place
+
+    def remove(self, task_id: uuid.UUID) -> None:
+        place = self._places.pop(task_id, None)
+        if place is None:
+            return
+        if place.status is TaskStatus.QUEUED:
+            del self._queued[bisect.bisect_left(self._queued, place.order)]
+        else:
+            del self._retrying[task_id]
+
+    def head(self, now: datetime) -> _Place | None:
+        """The next task to serve: the highest priority, then the oldest."""
+        due = [p for p in self._retrying.values() if p.due(now)]
+        if self._queued:
+            due.append(self._places[self._queued[0][2]])
+        return min(due, key=lambda p: p.order, default=None)
+
+    def ahead_of(self, task: Task, *, now: datetime) -> int:
+        """How many tasks `head` would serve before `task`."""
+        order = (-task.priority, task.created_at, task.id)
+        retries = sum(1 for p in self._retrying.values() if p.due(now) and p.order < order)
+        return bisect.bisect_left(self._queued, order) + retries
+
+    def next_retry_at(self) -> datetime | None:
+        return min((p.retry_at for p in self._retrying.values() if p.retry_at is not None), default=None)
 
 
 def _parse_id(value: str, field: str) -> uuid.UUID:

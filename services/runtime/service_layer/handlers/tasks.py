@@ -64,10 +64,7 @@ async def submit_task(command: SubmitTask, deps: Tasks) -> Placed:
         raise InvalidTaskRequest(f"request_id is limited to {MAX_REQUEST_ID_CHARS} characters")
     session = await deps.views.session_of(agent, session_id)
     asked = (text, priority, session if session_id else None)
-    if request_id:
-        found = await deps.store.find_task(agent.id, request_id)
-        if found is not None:
-            return await deps.views.placed(_replayed(found, asked))
+    # A request_id used before is found by the write itself (which then stores nothing).
     task = Task(
         id=uuid7(),
         agent_id=agent.id,
@@ -92,13 +89,12 @@ async def submit_task(command: SubmitTask, deps: Tasks) -> Placed:
         # The write may have committed all the same (only its answer was
         # lost): the caller's retry then finds the task, which the runner
         # must not miss.
-        deps.queue.added(task)
+        deps.queue.may_have_changed(agent.id)
         deps.runners.wake(agent.id)
         raise
-    # After the write: a look that began before it sees this and keeps nothing.
-    deps.queue.added(task)
-    if stored.id != task.id:  # a concurrent call with the request_id got there first
+    if stored.id != task.id:  # a call with the request_id got there first
         return await deps.views.placed(_replayed(stored, asked))
+    deps.queue.added(stored)
     deps.queue.publish(stored)
     deps.runners.wake(agent.id)
     return await deps.views.placed(stored)
@@ -116,6 +112,7 @@ async def cancel_task(command: CancelTask, deps: Tasks) -> Placed:
         if task.status in WAITING:
             ended = replace(task, status=TaskStatus.CANCELLED, ended_at=deps.clock(), retry_at=None)
             if await deps.store.update_task(ended, expected=WAITING):
+                deps.queue.left(ended)
                 deps.queue.publish(ended)
                 await _cancelled_by(principal, task, deps)
                 return Placed(ended)
