@@ -1626,7 +1626,9 @@ function composer() {
     updatePopup();
   });
   input.addEventListener("click", updatePopup);
-  input.addEventListener("blur", () => setTimeout(closePopup, 150));
+  // Closed a moment after the input loses focus, unless it has it again by
+  // then: a blur just before typing "@" must not close the list it opens.
+  input.addEventListener("blur", () => setTimeout(() => document.activeElement !== input && closePopup(), 150));
   input.addEventListener("keydown", (event) => {
     if (!popup.hidden && mention.options.length) {
       if (event.key === "ArrowDown" || event.key === "ArrowUp") {

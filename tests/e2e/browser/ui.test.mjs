@@ -531,9 +531,13 @@ try {
   await step("@mention completion, and an agent messaging another agent which answers", async () => {
     const input = page.locator(testid("composer-input"));
     await input.fill("");
+    // The list closes a moment (150 ms) after the input loses focus: a blur
+    // just before typing must not close the list the "@" then opens.
+    await input.evaluate((element) => (element.blur(), element.focus()));
     await input.pressSequentially("tell @be");
+    await page.waitForTimeout(300);
     const option = page.locator(`${testid("mention-option")}[data-member-name="bea"]`);
-    await option.waitFor();
+    await option.waitFor({ timeout: 2000 });
     await input.press("Enter");
     const value = await input.inputValue();
     if (value !== "tell @bea ") throw new Error(`mention not inserted: ${JSON.stringify(value)}`);
