@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from services.runtime.domain.context import (
     DEFAULT_WINDOW,
     SUMMARY_HEADER,
     Calibration,
+    SentSteps,
     answer_reserve,
     context_window,
     estimate_message,
@@ -171,3 +173,48 @@ def test_a_summary_request_keeps_the_newest_steps_when_not_all_fit() -> None:
     body = messages[1].content or ""
     assert "earlier: nothing much" in body and "message 49" in body and "message 0 " not in body
     assert estimate_text(body) <= 1000
+
+
+def test_remembered_estimates_fit_as_fresh_ones_and_an_edited_step_is_worked_out_again() -> None:
+    runs = [chat_run(words=30 + i)[1] for i in range(6)] + [tool_run(words=40)[1]]
+    steps = [s for run in runs for s in run]
+    current = steps[-1].run_id
+    remembered = SentSteps()
+    for budget in (10_000, 600, 300, 120):
+        fresh = fit_context(system_prompt="sys", steps=steps, current_run=current, tools=(), budget=budget)
+        again = fit_context(
+            system_prompt="sys", steps=steps, current_run=current, tools=(), budget=budget, sent=remembered
+        )
+        assert (again.messages, again.estimated, again.left_out) == (
+            fresh.messages,
+            fresh.estimated,
+            fresh.left_out,
+        )
+    # An edited step is another object: its new text is what is counted and sent.
+    edited = list(steps)
+    last = edited[-1]
+    edited[-1] = replace(last, message=replace(last.message, content="short"))
+    fitted = fit_context(
+        system_prompt="sys", steps=edited, current_run=current, tools=(), budget=10_000, sent=remembered
+    )
+    assert fitted.messages[-1].content == "short"
+    assert (
+        fitted.estimated
+        == fit_context(
+            system_prompt="sys", steps=edited, current_run=current, tools=(), budget=10_000
+        ).estimated
+    )
+
+
+def test_remembered_estimates_of_steps_no_longer_fitted_are_let_go() -> None:
+    kept, unbounded = SentSteps(), SentSteps()
+    for _ in range(100):
+        run, steps = chat_run()
+        for remembered in (kept, unbounded):
+            fit_context(
+                system_prompt="", steps=steps, current_run=run, tools=(), budget=10_000, sent=remembered
+            )
+        kept.forget_unused()
+    # A hundred fittings of two new steps each: without letting go, 200 kept.
+    assert unbounded.remembered() == 200
+    assert kept.remembered() <= 2 * 2 + 64

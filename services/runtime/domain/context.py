@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from services.runtime.domain.conversations import as_sent
@@ -161,6 +161,51 @@ def latest_summary(steps: Sequence[Step]) -> Step | None:
     return next((s for s in reversed(steps) if s.kind is StepKind.SUMMARY), None)
 
 
+class SentSteps:
+    """Each step's message as sent (`as_sent`) and its estimate, worked out
+    once per step: a resident agent fits its whole conversation into the
+    window before every completion, and most of it is the same each time.
+
+    Steps are immutable, so an entry is good for as long as it is the very
+    same step object (an edited step is a new one); entries of steps no
+    longer passed are dropped once they outnumber the live ones.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Step, ChatMessage, int]] = {}
+        self._used: set[int] = set()
+
+    def __call__(self, step: Step) -> tuple[ChatMessage, int]:
+        key = id(step)
+        self._used.add(key)
+        known = self._known.get(key)
+        if known is not None and known[0] is step:
+            return known[1], known[2]
+        message = as_sent(step)
+        worked_out = (step, message, estimate_message(message))
+        self._known[key] = worked_out
+        return message, worked_out[2]
+
+    def remembered(self) -> int:
+        """How many steps' results are kept."""
+        return len(self._known)
+
+    def forget_unused(self) -> None:
+        """Drops the steps not asked for since the last call, when they are
+        more than those that were (called after each fitting)."""
+        if len(self._known) > 2 * len(self._used) + 64:
+            self._known = {key: value for key, value in self._known.items() if key in self._used}
+        self._used = set()
+
+
+def _worked_out(step: Step) -> tuple[ChatMessage, int]:
+    message = as_sent(step)
+    return message, estimate_message(message)
+
+
+Sent = Callable[[Step], tuple[ChatMessage, int]]
+
+
 def fit_context(
     *,
     system_prompt: str,
@@ -169,12 +214,15 @@ def fit_context(
     tools: Sequence[ToolSpec],
     budget: int,
     extra: Sequence[ChatMessage] = (),
+    sent: Sent = _worked_out,
 ) -> Fitted:
     """The request's messages: the system prompt (with the latest summary
     merged in, replacing the steps it covers), `extra` (recalled memories),
     then the most recent whole runs of `steps` whose estimate fits in
     `budget`. The current run is always kept; if it alone is too long, the
     oldest tool exchanges after its input go, then the longest texts are cut.
+    `sent` gives a step's message as sent and its estimate (`SentSteps`
+    remembers them).
     """
     steps = shown_to_model(steps)
     summary = latest_summary(steps)
@@ -193,28 +241,28 @@ def fit_context(
     first_kept = len(runs)
     for index in range(len(runs) - 1, -1, -1):
         run = runs[index]
-        cost = _cost(run)
+        cost = _cost(run, sent)
         if used + cost <= budget:
             kept.append(run)
             used += cost
             first_kept = index
             continue
         if index == len(runs) - 1 and run[0].run_id == current_run:
-            run = _shrink_run(run, budget - used)
+            run = _shrink_run(run, budget - used, sent)
             kept.append(run)
-            used += _cost(run)
+            used += _cost(run, sent)
             first_kept = index
             continue
         break
     kept.reverse()
     left_out = [s for s in steps if s.sequence <= covered and s.kind is not StepKind.SUMMARY]
     left_out += [s for run in runs[:first_kept] for s in run]
-    messages = head + [as_sent(s) for run in kept for s in run]
+    messages = head + [sent(s)[0] for run in kept for s in run]
     return Fitted(messages, used, left_out, covered)
 
 
-def _cost(steps: Sequence[Step]) -> int:
-    return sum(estimate_message(as_sent(s)) for s in steps)
+def _cost(steps: Sequence[Step], sent: Sent = _worked_out) -> int:
+    return sum(sent(s)[1] for s in steps)
 
 
 def _runs(steps: Sequence[Step]) -> list[list[Step]]:
@@ -244,16 +292,16 @@ def _exchanges(run: Sequence[Step]) -> list[list[Step]]:
 _MIN_KEPT_TOKENS = 32
 
 
-def _shrink_run(run: list[Step], room: int) -> list[Step]:
+def _shrink_run(run: list[Step], room: int, sent: Sent) -> list[Step]:
     """The current run made to fit `room`: its input stays, the oldest
     exchanges after it go (the last one stays), then the longest texts are cut."""
     units = _exchanges(run)
     first_reply = next((i for i, u in enumerate(units) if u[0].role is Role.ASSISTANT), len(units))
     inputs, rest = units[:first_reply], units[first_reply:]
-    while len(rest) > 1 and _cost([s for u in (*inputs, *rest) for s in u]) > room:
+    while len(rest) > 1 and _cost([s for u in (*inputs, *rest) for s in u], sent) > room:
         rest.pop(0)
     steps = [s for unit in (*inputs, *rest) for s in unit]
-    while (over := _cost(steps) - room) > 0:
+    while (over := _cost(steps, sent) - room) > 0:
         longest = max(range(len(steps)), key=lambda i: estimate_text(steps[i].message.content or ""))
         text = steps[longest].message.content or ""
         target = estimate_text(text) - over

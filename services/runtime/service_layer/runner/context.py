@@ -118,6 +118,7 @@ class Context(RunnerCore):
             current_run=None,
             tools=(),
             budget=int((window - reserve) / self._calibration.ratio),
+            sent=self._sent_steps,
         )
         left = {step.run_id for step in fitted.left_out}
         return sorted({step.run_id for step in steps} - left, reverse=True)
@@ -150,6 +151,7 @@ class Context(RunnerCore):
                 current_run=run.id,
                 tools=tools,
                 budget=tokens,
+                sent=self._sent_steps,
             )
 
         fitted = fit(budget)
@@ -159,6 +161,7 @@ class Context(RunnerCore):
             if leaving and await self._summarize(run, leaving, budget):
                 fitted = fit(budget)
         self._last_estimate = fitted.estimated
+        self._sent_steps.forget_unused()
         return fitted
 
     async def _summarize(self, run: Run, leaving: list[Step], budget: int) -> bool:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from uuid_utils.compat import uuid7
 
-from services.runtime.domain.context import Calibration
+from services.runtime.domain.context import Calibration, SentSteps
 from services.runtime.domain.conversations import conversation_of_input
 from services.runtime.domain.errors import LLMError
 from services.runtime.domain.llm import ChatMessage, CompletionAssembler, Role, Usage, storable_message
@@ -43,6 +43,8 @@ class RunnerCore:
         self._env = env
         self._wake = asyncio.Event()
         self._steps: list[Step] | None = None
+        # Each step's message as sent and its token estimate, worked out once.
+        self._sent_steps = SentSteps()
         # The session the run in flight works in (the main one unless a task names another).
         self._session_id = agent.session_id
         # Read positions to move in the IM once the messages read are stored as steps.
