@@ -190,7 +190,7 @@ async def test_the_pruner_prunes_past_the_retention_at_start_and_stops() -> None
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> AuthWorld:
+async def world(tmp_path: Path) -> AuthWorld:
     return AuthWorld.make(tmp_path)
 
 

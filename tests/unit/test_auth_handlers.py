@@ -164,7 +164,7 @@ class AuthWorld:
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> AuthWorld:
+async def world(tmp_path: Path) -> AuthWorld:
     return AuthWorld.make(tmp_path)
 
 

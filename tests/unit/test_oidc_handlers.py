@@ -71,7 +71,7 @@ def issuer() -> TestIssuer:
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> AuthWorld:
+async def world(tmp_path: Path) -> AuthWorld:
     return AuthWorld.make(tmp_path)
 
 

@@ -16,10 +16,10 @@ from services.common.identity import Caller
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, Scope, sign
 from services.im.domain import access
 from services.im.domain.accounts import IssuedAccess, IssuedTokens, RefreshToken
-from services.im.domain.errors import Conflict, NotAllowed, RequestIdReused, Unauthenticated
+from services.im.domain.errors import Conflict, NotAllowed, Unauthenticated
 from services.im.domain.model import Member, MemberKind
 from services.im.service_layer.auth_ports import Passwords
-from services.im.service_layer.handlers.deps import member_actor, utc_now
+from services.im.service_layer.handlers.deps import Deps, member_actor, utc_now
 from services.im.service_layer.ports import DuplicateRequest, Transaction, UnitOfWorkFactory
 
 logger = logging.getLogger(__name__)
@@ -207,20 +207,8 @@ class AuthBase:
 
     # -- idempotency --------------------------------------------------------------
 
-    @staticmethod
-    async def _replay(
-        tx: Transaction, scope: uuid.UUID, request_id: str | None, fingerprint: str
-    ) -> uuid.UUID | None:
-        """What an earlier call with this request_id created, if any."""
-        if request_id is None:
-            return None
-        found = await tx.find_request(scope, request_id)
-        if found is None:
-            return None
-        used_fingerprint, resource_id = found
-        if used_fingerprint != fingerprint:
-            raise RequestIdReused(f"request_id {request_id!r} was already used for a different request")
-        return resource_id
+    # What an earlier call with this request_id created, if any (as for the IM's other use cases).
+    _replay = staticmethod(Deps.replay)
 
     @staticmethod
     async def _remember(
