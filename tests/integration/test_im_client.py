@@ -631,3 +631,30 @@ async def test_watch_keeps_going_across_a_server_restart(sqlite_url: str) -> Non
         await stop_im(first)
         if second is not None:
             await stop_im(second)
+
+
+async def test_a_message_over_the_sending_rate_is_sent_again_after_the_wait_the_im_names(
+    sqlite_url: str,
+) -> None:
+    # One message at once, then one every 50 ms: sent back to back, most are refused at first.
+    running = await start_im(sqlite_url, LIMIT_SEND_PER_SECOND="20", LIMIT_SEND_BURST="1")
+    try:
+        world = await make_world(running.stub, people=1)
+        async with make_client(running.address) as im:
+            agent = await hosted(im, world)
+            chat = await im.create_group(agent.id, "busy", [member(world, 0)])
+            sent = [
+                await within(im.send_message(agent.id, chat.id, f"answer {i}", request_id=f"answer-{i}"))
+                for i in range(5)
+            ]
+            assert [m.content for m in sent] == [f"answer {i}" for i in range(5)]
+            history = await im.list_messages(agent.id, chat.id, limit=50)
+            assert sorted(m.content for m in history if m.sender_id == agent.id) == [
+                f"answer {i}" for i in range(5)
+            ]
+            # Without a request id a retry could send twice: the refusal is the caller's, with the wait.
+            refused = await refusal(im.send_message(agent.id, chat.id, "no key"))
+            assert status_name(refused) == "RESOURCE_EXHAUSTED"
+            assert refused.retry_after_seconds is not None and 0 < refused.retry_after_seconds <= 0.05
+    finally:
+        await stop_im(running)

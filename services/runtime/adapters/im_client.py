@@ -13,6 +13,7 @@ within the deadline, or that has not given the runtime its token yet, is
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import uuid
@@ -28,7 +29,9 @@ from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common import errors
 from services.common.clients import make_channel
 from services.common.identity import WATCH_START_CURSOR_KEY, bearer_metadata
+from services.common.ratelimit import retry_after_seconds
 from services.common.service_auth import AgentTokens, AuthClient, SecretSource, ServiceToken, TokenRefused
+from services.common.status import status_name
 from services.common.tls import ClientTls
 from services.runtime.domain.errors import IMError, IMUnavailable
 from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
@@ -38,6 +41,11 @@ logger = logging.getLogger(__name__)
 # A call that ends CANCELLED was not cancelled by us (our own cancellation
 # raises CancelledError, never a status): the channel or the IM dropped it,
 # as grpc does under overload. Like an unreachable IM, it is worth a retry.
+# A SendMessage over the IM's rate limit (with a request id, so safe to
+# repeat) is sent again after the wait the IM names, this many times, if that
+# wait is at most this long; otherwise the refusal is the caller's.
+RATE_LIMIT_RETRIES = 5
+RATE_LIMIT_MAX_WAIT_SECONDS = 5.0
 _UNREACHABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 )
@@ -212,6 +220,7 @@ class GrpcIM(IMPort):
         refused = _refused(code, details)
         # A quota the IM ran into is the runtime caller's too (CreateAgent over the agents' quota).
         refused.quota_violation = quota_violation(error.trailing_metadata())
+        refused.retry_after_seconds = retry_after_seconds(error.trailing_metadata())
         return refused
 
     # -- members ------------------------------------------------------------
@@ -322,8 +331,24 @@ class GrpcIM(IMPort):
         )
         if metadata:
             request.metadata.update(dict(metadata))
-        response = await self._call(self._stub.SendMessage, request, as_member=as_member)
-        return _message(response.message)
+        for attempt in itertools.count(1):
+            try:
+                response = await self._call(self._stub.SendMessage, request, as_member=as_member)
+                return _message(response.message)
+            except IMError as refused:
+                # An agent over the IM's sending rate waits as it is told and
+                # sends again: the request id keeps a retry from sending twice.
+                wait = refused.retry_after_seconds
+                if (
+                    not request_id
+                    or status_name(refused) != "RESOURCE_EXHAUSTED"
+                    or wait is None
+                    or wait > RATE_LIMIT_MAX_WAIT_SECONDS
+                    or attempt > RATE_LIMIT_RETRIES
+                ):
+                    raise
+                await asyncio.sleep(max(wait, 0.005))
+        raise AssertionError("unreachable")
 
     async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage:
         response = await self._call(
