@@ -20,7 +20,7 @@ from services.runtime.domain.model import (
     StepStarted,
     merge_deltas,
 )
-from services.runtime.service_layer.hub import AgentHub, compacted
+from services.runtime.service_layer.hub import COMPACT_FROM, AgentHub, compacted
 
 AGENT = uuid.uuid4()
 RUN = uuid.uuid4()
@@ -166,3 +166,23 @@ def test_compacting_never_moves_an_agents_delta_before_its_other_events() -> Non
     between = Emitted(AGENT, AT, StepStarted(RUN, 2, Role.TOOL))
     backlog = [delta("a"), between, delta("b")]
     assert compacted(backlog) == backlog
+
+
+async def test_a_watcher_keeping_up_sees_a_step_stream_in_and_one_far_behind_gets_it_compacted() -> None:
+    for waiting, streamed in ((3, True), (COMPACT_FROM + 1, False)):
+        hub = AgentHub()
+        watcher, _ = hub.watch([AGENT])
+        events = watcher.events()
+        hub.publish(started(1))
+        assert isinstance((await asyncio.wait_for(anext(events), 1)).event, StepStarted)
+        # Queued while the start was being sent: deltas, the completion, then other events.
+        hub.publish(delta("hel"))
+        hub.publish(delta("lo"))
+        hub.publish(completed(1, "hello"))
+        for sequence in range(2, waiting - 1):
+            hub.publish(started(sequence))
+        hub.close()
+        rest = await asyncio.wait_for(until_closed(events), 1)
+        deltas = [e.event for e in rest if isinstance(e.event, StepDelta)]
+        assert deltas == ([StepDelta(1, ContentDelta("hello"))] if streamed else [])
+        assert any(isinstance(e.event, StepCompleted) for e in rest)

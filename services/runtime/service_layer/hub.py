@@ -36,17 +36,23 @@ class InFlight:
 
 _CLOSED = object()
 
+# A watcher with more events than this waiting is behind: what waits is
+# compacted as it is sent (a step's deltas dropped when its completion waits too).
+COMPACT_FROM = 64
+
 
 class Watcher:
     """One watcher's backlog of live events; bounded so a stuck reader cannot grow it forever.
 
     A watch is sent one message at a time (one per turn of the event loop),
     while a hundred busy runners publish many events per turn: a watcher can
-    fall behind although its client reads promptly. What waits is compacted
-    (`compacted`) as it is sent, and again before the backlog would overflow:
-    the deltas of a step whose completion waits too are dropped (the
-    completed step carries the whole of them), and the other deltas of a step
-    are joined. Every other event stays, in order.
+    fall behind although its client reads promptly. What waits goes out with
+    each step's deltas joined; once more than `COMPACT_FROM` events wait (and
+    before the backlog would overflow) it is compacted (`compacted`): the
+    deltas of a step whose completion waits too are dropped (the completed
+    step carries the whole of them). Every other event stays, in order. So a
+    watcher that keeps up sees every step stream in, and one that cannot is
+    not cut off.
     """
 
     def __init__(self, hub: AgentHub, agent_ids: frozenset[uuid.UUID] | None, max_backlog: int) -> None:
@@ -97,14 +103,15 @@ class Watcher:
                 await self._ready.wait()
                 self._ready.clear()
                 # What queued up while the last event was being sent goes out
-                # compacted: a watcher slower than the runners gets fewer, longer
-                # deltas, and none of a step whose completion it gets with them.
+                # merged: a watcher slower than the model gets fewer, longer
+                # deltas; far behind, none of a step whose completion it gets too.
                 waiting = list(self._backlog)
                 self._backlog.clear()
                 closed = bool(waiting) and waiting[-1] is _CLOSED
                 if closed:
                     waiting.pop()
-                for emitted in compacted(cast(list[Emitted], waiting)):
+                send = compacted if len(waiting) > COMPACT_FROM else merge_deltas
+                for emitted in send(cast(list[Emitted], waiting)):
                     yield emitted
                 if closed:
                     if self.overflowed:
