@@ -73,7 +73,11 @@ async def test_a_new_replica_gets_its_share_a_bounded_number_per_round() -> None
     store = InMemoryLeases(clock)
     await store.prepare(SHARDS)
     replicas = [Replica(name, store, clock, max_moves=2) for name in "abc"]
-    await rounds(replicas, clock, count=8)
+    # The first to start takes every free shard at once, then gives the others theirs, 2 a round.
+    await replicas[0].keeper.round()
+    assert len(replicas[0].running) == SHARDS
+    await rounds(replicas, clock, count=12)
+    assert sorted(len(r.running) for r in replicas) == [10, 11, 11]
     newcomer = Replica("d", store, clock, max_moves=2)
     replicas.append(newcomer)
     await newcomer.keeper.round()

@@ -114,3 +114,11 @@ def test_rounds_converge_to_the_target_and_never_have_two_owners() -> None:
                 held[shard] = replica
     assert held == target_owners(64, replicas, held)
     assert sorted(loads(held).values()) == [16, 16, 16, 16]
+
+
+def test_free_shards_are_taken_in_one_round_whatever_the_bound() -> None:
+    # A replica died (its leases expired) or the system starts: nobody runs
+    # these agents, so their new owner takes them all at once.
+    target = target_owners(SHARDS, ["a", "b"], {})
+    mine = tuple(sorted(shard for shard, owner in target.items() if owner == "a"))
+    assert moves_for("a", target, {}, max_moves=1) == Moves(take=mine, release=())

@@ -110,7 +110,8 @@ def target_owners(
 @dataclass(frozen=True, slots=True)
 class Moves:
     """What one replica does in one round: shards to take (free ones assigned
-    to it) and shards to give up (held ones assigned to a live replica)."""
+    to it, all of them) and shards to give up (held ones assigned to another
+    live replica, a bounded number)."""
 
     take: tuple[int, ...]
     release: tuple[int, ...]
@@ -127,8 +128,10 @@ def moves_for(
 
     A replica takes only shards nobody holds (`current` lists live leases
     only), so a handoff is always a release by the old owner followed by a
-    take by the new one, never two owners at once. At most `max_moves` of each per round, lowest shard
-    first, so every replica picks the same ones.
+    take by the new one, never two owners at once. Free shards are taken all
+    in one round: nobody runs their agents (a replica died, or the system is
+    starting), so waiting would only delay them. Releases move running
+    agents: at most `max_moves` per round, lowest shard first.
     """
     take = sorted(shard for shard, owner in target.items() if owner == replica and shard not in current)
     release = sorted(
@@ -136,4 +139,4 @@ def moves_for(
         for shard, owner in current.items()
         if owner == replica and target.get(shard, replica) != replica
     )
-    return Moves(take=tuple(take[:max_moves]), release=tuple(release[:max_moves]))
+    return Moves(take=tuple(take), release=tuple(release[:max_moves]))
