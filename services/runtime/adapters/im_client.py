@@ -13,7 +13,6 @@ within the deadline, or that has not given the runtime its token yet, is
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import uuid
@@ -331,7 +330,9 @@ class GrpcIM(IMPort):
         )
         if metadata:
             request.metadata.update(dict(metadata))
-        for attempt in itertools.count(1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 response = await self._call(self._stub.SendMessage, request, as_member=as_member)
                 return _message(response.message)
@@ -348,7 +349,6 @@ class GrpcIM(IMPort):
                 ):
                     raise
                 await asyncio.sleep(max(wait, 0.005))
-        raise AssertionError("unreachable")
 
     async def get_message(self, as_member: uuid.UUID, message_id: uuid.UUID) -> IMMessage:
         response = await self._call(

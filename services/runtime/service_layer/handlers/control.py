@@ -61,36 +61,34 @@ async def _checked(deps: Control, caller: Caller | None, agent_id: str, transiti
     return live
 
 
-async def start_agent(command: StartAgent, deps: Control) -> Agent:
+async def _apply(
+    deps: Control,
+    command: StartAgent | PauseAgent | ResumeAgent | InterruptAgent,
+    transition: Transition,
+    act: Callable[[uuid.UUID], Awaitable[Agent]],
+) -> Agent:
+    """Checks the caller and the transition, has the runner `act`, and records it (as the command's name)."""
     async with deps.lock:
-        agent = await _checked(deps, command.caller, command.agent_id, Transition.START)
-        agent = await deps.runners.start_again(agent.id)
-        await deps.agents.recorded(command.caller, agent, "StartAgent")
+        agent = await _checked(deps, command.caller, command.agent_id, transition)
+        agent = await act(agent.id)
+        await deps.agents.recorded(command.caller, agent, type(command).__name__)
         return agent
+
+
+async def start_agent(command: StartAgent, deps: Control) -> Agent:
+    return await _apply(deps, command, Transition.START, deps.runners.start_again)
 
 
 async def pause_agent(command: PauseAgent, deps: Control) -> Agent:
-    async with deps.lock:
-        agent = await _checked(deps, command.caller, command.agent_id, Transition.PAUSE)
-        agent = await deps.runners.pause(agent.id)
-        await deps.agents.recorded(command.caller, agent, "PauseAgent")
-        return agent
+    return await _apply(deps, command, Transition.PAUSE, deps.runners.pause)
 
 
 async def resume_agent(command: ResumeAgent, deps: Control) -> Agent:
-    async with deps.lock:
-        agent = await _checked(deps, command.caller, command.agent_id, Transition.RESUME)
-        agent = await deps.runners.resume(agent.id)
-        await deps.agents.recorded(command.caller, agent, "ResumeAgent")
-        return agent
+    return await _apply(deps, command, Transition.RESUME, deps.runners.resume)
 
 
 async def interrupt_agent(command: InterruptAgent, deps: Control) -> Agent:
-    async with deps.lock:
-        agent = await _checked(deps, command.caller, command.agent_id, Transition.INTERRUPT)
-        agent = await deps.runners.interrupt(agent.id)
-        await deps.agents.recorded(command.caller, agent, "InterruptAgent")
-        return agent
+    return await _apply(deps, command, Transition.INTERRUPT, deps.runners.interrupt)
 
 
 async def terminate_agent(command: TerminateAgent, deps: Control) -> Agent:
