@@ -148,6 +148,8 @@ class Counters:
     unpaired: int = 0
     errored: int = 0
     runs_running: int = 0
+    # For each token asked for and never delivered: the results of the calls that tried to send it.
+    tried: dict[str, list[str]] = field(default_factory=dict)
 
 
 async def test_killing_the_runtime_mid_run_repeats_and_loses_nothing(
@@ -202,6 +204,8 @@ async def test_killing_the_runtime_mid_run_repeats_and_loses_nothing(
         f" {counters.unpaired} unpaired tool calls, {counters.errored} agents in ERROR,"
         f" settled {settled_in:.1f}s after the last restart"
     )
+    if counters.lost:
+        summary += "; the lost ones' sends: " + repr({t: counters.tried.get(t, []) for t in counters.lost})
     print(summary)
     assert process.starts == kills + 1
     assert counters.duplicated == [], summary
@@ -241,6 +245,12 @@ async def count(work: Work, expected: set[str]) -> Counters:
         steps = await work.steps(agent)
         calls = Counter(call.id for step in steps for call in step.tool_calls)
         results = Counter(step.tool_call_id for step in steps if step.role == rpb.STEP_ROLE_TOOL)
+        result_of = {step.tool_call_id: step.content for step in steps if step.role == rpb.STEP_ROLE_TOOL}
+        for step in steps:
+            for call in step.tool_calls:
+                for token in expected:
+                    if f'"{token}"' in call.arguments:
+                        counters.tried.setdefault(token, []).append(result_of.get(call.id, "(no result)"))
         counters.unpaired += sum((calls - results).values()) + sum((results - calls).values())
         counters.unpaired += sum(n - 1 for n in results.values() if n > 1)
         for step in steps:

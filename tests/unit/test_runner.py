@@ -751,6 +751,30 @@ async def test_an_answer_lost_to_an_unreachable_im_is_posted_once_the_im_is_back
     assert await h.im.get_all_unread(ada.member_id) == [], "what it read stays read"
 
 
+async def test_a_tool_call_lost_to_an_unreachable_im_runs_again_once_the_im_is_back() -> None:
+    calls = [
+        ("list_groups", "{}"),
+        ("send_direct_message", json.dumps({"to": "bob", "content": "ping from ada"})),
+    ]
+    async for h in harness(Script(tool_calls=calls), Script(content="I told Bob.")):
+        bob = h.im.human("bob")
+        ada = await h.agent()
+        chat = h.im.group("", h.human, ada.member_id, direct=True)
+        h.im.send_failures.append(IMUnavailable("the IM is restarting"))
+        h.im.post(h.human, chat.id, "tell @bob ping")
+        assert await until_a_run_completes(h, ada) == [RunStatus.COMPLETED]
+        direct = await h.im.get_or_create_direct_group(ada.member_id, bob.id)
+        assert [m.content for m in h.im.in_group(direct.id)] == ["ping from ada"]
+        assert [m.content for m in h.im.in_group(chat.id)][-1] == "I told Bob."
+        results = [s.message for s in h.store.steps[ada.session_id] if s.role is Role.TOOL]
+        # The result that came is kept; the lost call is answered once, by its second try.
+        assert [r.name for r in results] == ["list_groups", "send_direct_message"]
+        assert "sent message" in (results[1].content or ""), "the outage is not the model's to handle"
+        assert len(h.llm.requests) == 2, "the tool call was run again, not asked for again"
+        agent = h.store.agents[ada.id]
+        assert agent.state is AgentState.IDLE and not agent.last_error
+
+
 async def test_a_database_outage_mid_run_resumes_the_run_without_blaming_the_agent() -> None:
     store_box: list[InMemoryAgentStore] = []
 

@@ -1,7 +1,11 @@
 """Tools agents can call, and the registry that runs them.
 
 A tool failure never crashes a runner: whatever goes wrong comes back to the
-model as the tool's result, starting with "error:".
+model as the tool's result, starting with "error:". Except an unreachable IM
+or database: that is nobody's answer to the call, so the call stays
+unanswered and the run goes on once the dependency is back, running it again
+with the same key (its side effect happens once). Memory is optional: the
+model is told it is away and goes on without.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from services.common.errors import ServiceError
-from services.runtime.domain.errors import ToolError
+from services.common.errors import ServiceError, Unavailable
+from services.runtime.domain.errors import MemoryUnavailable, ToolError
 from services.runtime.domain.llm import ToolCall, ToolSpec
 from services.runtime.domain.model import Agent
 from services.runtime.service_layer.im_port import IMGroup, IMMember, IMMessage, IMPort
@@ -117,6 +121,10 @@ class ToolRegistry:
             return await asyncio.wait_for(tool.run(context, arguments), timeout)
         except TimeoutError:
             return f"error: {call.name} did not finish within {timeout:g} s"
+        except Unavailable as away:
+            if isinstance(away, MemoryUnavailable):
+                return f"error: {away}"
+            raise
         except (ToolError, ServiceError) as error:
             return f"error: {error}"
         except (KeyError, TypeError, ValueError) as error:

@@ -563,14 +563,22 @@ class OneRun(Inbox, Context):
             self._tool_outcomes[call.id] = outcome
             return outcome
 
-        outcomes = await asyncio.gather(*[execute(call) for call in calls])
+        outcomes = await asyncio.gather(*[execute(call) for call in calls], return_exceptions=True)
         self._tool_outcomes = {}
+        away: BaseException | None = None
         for call, outcome in zip(calls, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                # The IM or the database is away: the call stays unanswered and
+                # runs again (same key) when the run goes on; the others' results are kept.
+                away = away or outcome
+                continue
             await self._append(
                 run,
                 ChatMessage(role=Role.TOOL, content=outcome.content, tool_call_id=call.id, name=call.name),
                 StepMetrics(duration_ms=outcome.duration_ms, tool_duration_ms=outcome.duration_ms),
             )
+        if away is not None:
+            raise away
 
 
 def _trouble(status: RunStatus, cause: Exception | None) -> Trouble | None:
