@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from sqlalchemy.engine import make_url
 
 from agentim.im.v1 import im_pb2, im_pb2_grpc
 from services.common.clients import open_channel
@@ -25,6 +26,7 @@ from services.common.settings import ConfigError
 from services.im.config import Settings
 from tests.auth_support import auth_environment
 from tests.conftest import RunningIM, make_world, start_im, stop_im
+from tests.holding_proxy import HoldingProxy
 from tests.identities import learning_channel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -60,22 +62,23 @@ async def test_health_can_be_watched(im: RunningIM) -> None:
     assert first.status == SERVING
 
 
-async def test_health_follows_database_readiness(tmp_path: Path) -> None:
-    running = await start_im(f"sqlite:///{tmp_path / 'im.db'}")
+async def test_health_follows_database_readiness(postgres_url: str) -> None:
+    """The database's connections are held up for real (a proxy stops
+    forwarding): the IM reports NOT_SERVING, then SERVING once they flow again."""
+    url = make_url(postgres_url)
+    proxy = HoldingProxy(f"{url.host or '127.0.0.1'}:{url.port or 5432}")
+    address = await proxy.start()
+    host, _, port = address.rpartition(":")
+    running = await start_im(url.set(host=host, port=int(port)).render_as_string(hide_password=False))
     try:
         assert await health_of(running.address) == SERVING
-        ready = True
-
-        async def probe() -> bool:
-            return ready
-
-        running.app.server.health._probe = probe
-        ready = False
+        proxy.hold()
         assert await health_of(running.address) == NOT_SERVING
-        ready = True
+        proxy.release()
         assert await health_of(running.address) == SERVING
     finally:
         await stop_im(running)
+        await proxy.aclose()
 
 
 async def test_unreachable_database_is_not_serving() -> None:
