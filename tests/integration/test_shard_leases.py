@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from services.runtime.adapters.journal import Journal, Write, open_journal
 from services.runtime.adapters.leases import SqlLeases, check_fence
-from services.runtime.adapters.sql import Database
+from services.runtime.adapters.sql import Database, SqlAgentStore
+from services.runtime.domain.model import AgentState, Run, RunStatus
 from services.runtime.service_layer.leases import Fence, LeaseLost
+from tests.integration.test_runtime_store import make_agent, make_run, make_step, now
 
 SHARDS = 64
 
@@ -165,3 +169,89 @@ async def test_renewal_is_one_statement_whatever_the_shards_held(
     # PostgreSQL: the heartbeat rides in the renewal's CTE. SQLite (one process
     # by design) sends the two in one transaction.
     assert len(statements) == (2 if database.is_sqlite else 1)
+
+
+# The runners' journal: every part of a fenced write stands or falls with its fence.
+
+
+@pytest.fixture
+async def store(own_runtime_url: str) -> AsyncIterator[SqlAgentStore]:
+    store = SqlAgentStore(Database(own_runtime_url))
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+@pytest.fixture
+async def journal(database: Database) -> AsyncIterator[Journal]:
+    journal = open_journal(database)
+    try:
+        yield journal
+    finally:
+        await journal.aclose()
+
+
+async def _stored_steps(store: SqlAgentStore, run: Run) -> list[int]:
+    return [s.sequence for s in await store.list_steps(run.session_id, after_sequence=0, limit=100)]
+
+
+async def test_a_journal_write_fenced_by_a_moved_shard_is_refused_whole(
+    leases: SqlLeases, store: SqlAgentStore, journal: Journal
+) -> None:
+    stale_agent, live_agent = make_agent(), make_agent()
+    for agent in (stale_agent, live_agent):
+        await store.add_agent(agent)
+    taken = await leases.take("a", [3], 30)
+    stale = Fence(3, taken[3], "a")
+    stale_run, live_run = make_run(stale_agent), make_run(live_agent)
+    await journal.write(Write(new_run=stale_run, steps=[make_step(stale_run, 1)], fence=stale))
+    await leases.release("a", [3])
+    live = Fence(3, (await leases.take("b", [3], 30))[3], "b")
+    # One batch: the stale owner's write and the new owner's.
+    refused, stored = await asyncio.gather(
+        journal.write(
+            Write(
+                ended_run=replace(stale_run, status=RunStatus.COMPLETED, ended_at=now()),
+                steps=[make_step(stale_run, 2)],
+                progress=stale_agent.with_state(AgentState.RUNNING, ""),
+                fence=stale,
+            )
+        ),
+        journal.write(Write(new_run=live_run, steps=[make_step(live_run, 1)], fence=live)),
+        return_exceptions=True,
+    )
+    assert isinstance(refused, LeaseLost) and stored is None
+    assert await _stored_steps(store, stale_run) == [1]
+    assert [r.status for r in await store.list_runs(stale_agent.id, before=None, limit=5)] == [
+        RunStatus.RUNNING
+    ]
+    kept = await store.get_agent(stale_agent.id)
+    assert kept is not None and kept.state is AgentState.IDLE
+    assert await _stored_steps(store, live_run) == [1]
+
+
+async def test_a_journal_write_waits_for_a_take_in_flight_and_is_refused_after_it(
+    database: Database, leases: SqlLeases, store: SqlAgentStore, journal: Journal
+) -> None:
+    """The race the fence closes: a take that has locked the lease row but not
+    committed. The write waits for it and then sees the new epoch."""
+    if database.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a take cannot run beside a write at all")
+    agent = make_agent()
+    await store.add_agent(agent)
+    fence = Fence(4, (await leases.take("a", [4], 30))[4], "a")
+    run = make_run(agent)
+    async with database.transaction() as conn:
+        await conn.execute(
+            sa.text(
+                "UPDATE runtime.shard_leases SET owner = 'b', epoch = epoch + 1"
+                " WHERE shard = 4 AND owner = 'a'"
+            )
+        )
+        write = asyncio.create_task(journal.write(Write(new_run=run, steps=[make_step(run, 1)], fence=fence)))
+        await wait_for_lock_wait(database)
+        assert not write.done()
+    with pytest.raises(LeaseLost):
+        await write
+    assert await _stored_steps(store, run) == []

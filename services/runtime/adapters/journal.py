@@ -13,7 +13,11 @@ SQLAlchemy tables of `tables.py` read back.
 A write whose step is already stored (another writer of that agent got
 there first) is refused as a whole with `DuplicateStep`, one whose task is no
 longer in an expected status with `TaskMoved`, one whose new task's request
-id is taken with `TaskRequestTaken`; the others in its batch are unaffected.
+id is taken with `TaskRequestTaken`, one whose fence is no longer its shard's
+lease (another replica took the shard) with `LeaseLost`; the others in its
+batch are unaffected. The fence is checked in the write's own transaction
+with the lease row locked FOR SHARE (see `adapters.leases.check_fence`), so a
+take of the shard either waits for the write or refuses it: never both.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from services.common.sql import SqlDatabase, SqliteWorker, database_unavailable,
 from services.runtime.adapters.tables import SCHEMA
 from services.runtime.domain.errors import DuplicateStep
 from services.runtime.domain.model import Agent, Origin, Run, Step, Task, TaskStatus
+from services.runtime.service_layer.leases import Fence, LeaseLost
 
 
 class TaskMoved(Exception):
@@ -48,6 +53,7 @@ class TaskRequestTaken(Exception):
 class Refusal(enum.Enum):
     """Why a write was refused (as a whole)."""
 
+    LEASE_LOST = "lease"
     STEP_TAKEN = "step"
     TASK_MOVED = "task"
     REQUEST_TAKEN = "request"
@@ -75,6 +81,9 @@ class Write:
     # A task's progress, stored if its stored status is one of `task_expected`.
     task: Task | None = None
     task_expected: Collection[TaskStatus] = ()
+    # The lease of the agent's shard the writer holds; none where one
+    # replica runs every agent (nobody else can write for them).
+    fence: Fence | None = None
 
 
 class Journal(abc.ABC):
@@ -92,8 +101,12 @@ class Journal(abc.ABC):
             DuplicateStep: one of its steps' (session, sequence) is taken.
             TaskMoved: its task's stored status is not one of `task_expected`.
             TaskRequestTaken: its new task's request id is taken.
+            LeaseLost: its fence is no longer the lease of its shard.
         """
         refusal = await self._batcher.submit(write)
+        if refusal is Refusal.LEASE_LOST:
+            assert write.fence is not None
+            raise LeaseLost.of(write.fence)
         if refusal is Refusal.STEP_TAKEN:
             sequences = [s.sequence for s in write.steps]
             raise DuplicateStep(f"steps {sequences} of session {write.steps[0].session_id} exist")
@@ -187,6 +200,11 @@ class SqliteJournal(Journal):
     def _store(conn: sqlite3.Connection, write: Write) -> Refusal | None:
         conn.execute("SAVEPOINT write")
         try:
+            fence = write.fence
+            if fence is not None and not conn.execute(
+                _SQLITE_FENCE, (fence.shard, fence.epoch, fence.replica)
+            ).fetchone():
+                return Refusal.LEASE_LOST
             refusal = _store_task_parts(conn, write)
             if refusal is not None:
                 conn.execute("ROLLBACK TO write")
@@ -408,6 +426,9 @@ INSERT INTO runs (id, agent_id, session_id, status, trigger_message_ids, started
                   ended_at, group_id)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
+# Only one transaction writes at a time on SQLite: a take of the shard is
+# ordered before or after the whole write.
+_SQLITE_FENCE = "SELECT 1 FROM shard_leases WHERE shard = ? AND epoch = ? AND owner = ?"
 _SQLITE_END_RUN = """
 UPDATE runs SET status = ?, trigger_message_ids = ?, iterations = ?, error = ?, ended_at = ? WHERE id = ?
 """
@@ -442,6 +463,7 @@ class PostgresJournal(Journal):
         new_runs = [(i, w.new_run) for i, w in enumerate(batch) if w.new_run is not None]
         ended_runs = [(i, w.ended_run) for i, w in enumerate(batch) if w.ended_run is not None]
         progress = [(i, w.progress) for i, w in enumerate(batch) if w.progress is not None]
+        fences = [(i, w.fence) for i, w in enumerate(batch) if w.fence is not None]
         marks = [
             (i, w.marks_of, group, message)
             for i, w in enumerate(batch)
@@ -551,14 +573,23 @@ class PostgresJournal(Journal):
                 [t.ended_at for _, t, _ in moved],
                 [t.retry_at for _, t, _ in moved],
                 [t.run_id for _, t, _ in moved],
+                # $99-$102: fences
+                [i for i, _ in fences],
+                [f.shard for _, f in fences],
+                [f.epoch for _, f in fences],
+                [f.replica for _, f in fences],
             )
         refused = {int(row["w"]): Refusal(row["why"]) for row in rows}
         return [refused.get(index) for index in range(len(batch))]
 
 
 # One statement stores a batch. A write with a step whose (session, sequence)
-# is taken, a new task whose request id is taken or a task not in an expected
-# status is refused whole: every part is filtered on the refused writes.
+# is taken, a new task whose request id is taken, a task not in an expected
+# status or a fence that is not its shard's lease any more is refused whole:
+# every part is filtered on the refused writes. The lease rows of the fences
+# are locked FOR SHARE: a take of one (an UPDATE) waits for this statement's
+# commit, and one that committed first is seen with its new epoch (PostgreSQL
+# checks a locked row's newest version against the join), so it refuses.
 # (A step inserted concurrently between the check and the insert is still
 # kept out by ON CONFLICT and its write reported refused, but that write's
 # other parts then stand: only two runtimes running one agent get there.)
@@ -587,8 +618,19 @@ moves AS (
                          $94::text[], $95::timestamptz[], $96::timestamptz[], $97::timestamptz[], $98::uuid[])
         AS m(w, id, expected, status, attempts, last_error, result, started_at, ended_at, retry_at, run_id)
 ),
+fences AS (
+    SELECT * FROM unnest($99::int[], $100::int[], $101::bigint[], $102::text[]) AS f(w, shard, epoch, owner)
+),
+held AS (
+    SELECT l.shard, l.epoch, l.owner FROM {SCHEMA}.shard_leases l
+    JOIN fences f ON l.shard = f.shard AND l.epoch = f.epoch AND l.owner = f.owner
+    FOR SHARE OF l
+),
 refused_why AS (
-    SELECT s.w, 'step' AS why FROM new_steps s
+    SELECT f.w, 'lease' AS why FROM fences f
+    WHERE (f.shard, f.epoch, f.owner) NOT IN (SELECT shard, epoch, owner FROM held)
+    UNION
+    SELECT s.w, 'step' FROM new_steps s
     JOIN {SCHEMA}.steps t ON t.session_id = s.session_id AND t.sequence = s.sequence
     UNION  -- the same step twice in one batch: the first write has it
     SELECT s.w, 'step' FROM new_steps s

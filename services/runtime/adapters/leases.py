@@ -153,4 +153,4 @@ async def check_fence(conn: AsyncConnection, fence: Fence) -> None:
     if conn.dialect.name == "postgresql":
         statement = statement.with_for_update(read=True)
     if (await conn.execute(statement)).first() is None:
-        raise LeaseLost(f"shard {fence.shard} is no longer held by {fence.replica} at epoch {fence.epoch}")
+        raise LeaseLost.of(fence)

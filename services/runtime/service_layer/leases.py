@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 class LeaseLost(errors.Conflict):
     """A write carried the epoch of a shard lease its replica no longer holds."""
 
+    @classmethod
+    def of(cls, fence: Fence) -> LeaseLost:
+        return cls(f"shard {fence.shard} is no longer held by {fence.replica} at epoch {fence.epoch}")
+
 
 @dataclass(frozen=True, slots=True)
 class Fence:
