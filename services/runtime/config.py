@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -13,6 +16,7 @@ from services.common.settings import EnvReader, default_data_dir
 from services.common.tls import TlsSettings, read_tls
 from services.runtime.domain.endpoints import AllowedHosts
 from services.runtime.domain.etiquette import GroupPolicy
+from services.runtime.service_layer.leases import LeaseSettings
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,11 @@ class Settings:
     # doubling up to the most.
     archive_retry_seconds: float = 0.5
     archive_retry_max_seconds: float = 60.0
+    # Redis, for wakes and live events between replicas (REDIS_URL).
+    redis_url: str = field(default="", repr=False)
+    # On PostgreSQL with Redis, where several replicas may run: the leases
+    # that decide which replica runs which agents. None: this process runs them all.
+    leases: LeaseSettings | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -97,6 +106,8 @@ class Settings:
         except ValueError as malformed:
             env.problem(str(malformed))
             allowed = AllowedHosts(trusted_url=base_url)
+        redis_url = env.text("REDIS_URL", "")
+        leases = _read_leases(env) if redis_url and not database_url.startswith("sqlite") else None
         settings = cls(
             database_url=database_url,
             grpc_address=env.address("RUNTIME_GRPC_ADDRESS", "127.0.0.1:50052"),
@@ -149,6 +160,31 @@ class Settings:
             task_cancel_wait_seconds=env.number("RUNTIME_TASK_CANCEL_WAIT_SECONDS", 10.0, minimum=0.0),
             archive_retry_seconds=env.number("RUNTIME_ARCHIVE_RETRY_SECONDS", 0.5, minimum=0.001),
             archive_retry_max_seconds=env.number("RUNTIME_ARCHIVE_RETRY_MAX_SECONDS", 60.0, minimum=0.001),
+            redis_url=redis_url,
+            leases=leases,
         )
         env.finish()
         return settings
+
+
+def _read_leases(env: EnvReader) -> LeaseSettings | None:
+    """The lease settings of a replica among others; None (with the problem
+    noted) if they do not fit together."""
+    # Unique per process unless set: a restarted replica is a new one (its
+    # leases were the old process's, and expire or are released).
+    replica = (
+        env.text("RUNTIME_REPLICA_ID", "") or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+    )
+    try:
+        return LeaseSettings(
+            replica=replica,
+            address=env.text("RUNTIME_ADVERTISED_ADDRESS", ""),
+            shard_count=env.integer("RUNTIME_SHARDS", 1024, minimum=1),
+            ttl_seconds=env.number("RUNTIME_LEASE_TTL_SECONDS", 10.0, minimum=0.1),
+            renew_seconds=env.number("RUNTIME_LEASE_RENEW_SECONDS", 2.0, minimum=0.01),
+            margin_seconds=env.number("RUNTIME_LEASE_MARGIN_SECONDS", 2.0, minimum=0.0),
+            max_moves=env.integer("RUNTIME_SHARD_MOVES_PER_ROUND", 64, minimum=1),
+        )
+    except ValueError as unfit:
+        env.problem(f"RUNTIME_LEASE_*: {unfit}")
+        return None
