@@ -42,6 +42,7 @@ from services.runtime.service_layer.handlers import tasks as task_handlers
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
+from services.runtime.service_layer.leases import Fences, Unfenced
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.memory_port import MemoryPort
@@ -196,6 +197,7 @@ def build(
     clock: Callable[[], datetime] | None = None,
     memory: MemoryPort | None = None,
     runners: Runners | None = None,
+    fences: Fences | None = None,
     jitter: Callable[[], float] = random.random,
     serve: bool = True,
 ) -> RuntimeApp:
@@ -207,6 +209,8 @@ def build(
     Args:
         memory: long-term memory (the real client only if MEMORY_ADDRESS is set).
         runners: the agents' runners; None runs them here (`Supervisor`).
+        fences: what the runners' writes prove themselves with; None: nothing
+            (this process runs every agent).
         jitter: a source of numbers in [0, 1) for the tasks' retry backoff.
         serve: whether to build the gRPC server (which needs the real IM client,
             whose signing keys check the callers' tokens).
@@ -322,6 +326,7 @@ def build(
         memory=memory,
         run_ended=archiver.notify if archiver is not None else lambda: None,
         read_positions=read_positions,
+        fences=fences if fences is not None else Unfenced(),
     )
     supervisor: Supervisor | None = None
     if runners is None:

@@ -45,6 +45,7 @@ from services.runtime.domain.model import (
     TaskStatus,
 )
 from services.runtime.service_layer.im_port import IMEvent, IMGroup, IMMember, IMMessage, IMPort
+from services.runtime.service_layer.leases import Fence, LeaseLost
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.memory_port import Expanded, Memory, MemoryPort, RecallQuery, RunRecord
 from services.runtime.service_layer.runners import Runners
@@ -366,7 +367,16 @@ class InMemoryAgentStore(AgentStore):
         self.marks: dict[tuple[uuid.UUID, uuid.UUID], uuid.UUID] = {}  # (agent, group) -> message
         self.archived_runs: dict[uuid.UUID, datetime] = {}  # what the memory service has
         self.audit: list[AuditRecord] = []
+        # The lease table: shard -> (replica, epoch). A fenced write is
+        # refused unless its fence is the shard's lease, as the database does.
+        self.leases: dict[int, tuple[str, int]] = {}
+        self.refused_fenced_writes = 0
         self._history = _History()
+
+    def _fenced(self, fence: Fence | None) -> None:
+        if fence is not None and self.leases.get(fence.shard) != (fence.replica, fence.epoch):
+            self.refused_fenced_writes += 1
+            raise LeaseLost.of(fence)
 
     def _audited(self, record: AuditRecord | None) -> None:
         if record is not None:
@@ -623,7 +633,10 @@ class InMemoryAgentStore(AgentStore):
             default=None,
         )
 
-    async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+    async def update_task(
+        self, task: Task, *, expected: Collection[TaskStatus], fence: Fence | None = None
+    ) -> bool:
+        self._fenced(fence)
         stored = self.tasks.get(task.id)
         if stored is None or stored.status not in expected:
             return False
@@ -692,7 +705,11 @@ class InMemoryAgentStore(AgentStore):
     async def watch_cursors(self) -> dict[uuid.UUID, str]:
         return dict(self.cursors)
 
-    async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
+    async def save_watch_cursors(
+        self, cursors: dict[uuid.UUID, str], *, fences: Sequence[Fence] = ()
+    ) -> None:
+        for fence in fences:
+            self._fenced(fence)
         self.cursors.update(cursors)
 
     def _database(self, method: str) -> None:
@@ -700,8 +717,9 @@ class InMemoryAgentStore(AgentStore):
             self.outages[method] -= 1
             raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
 
-    async def save_progress(self, agent: Agent) -> None:
+    async def save_progress(self, agent: Agent, *, fence: Fence | None = None) -> None:
         self._database("save_progress")
+        self._fenced(fence)
         stored = self.agents[agent.id]
         self.agents[agent.id] = replace(
             stored,
@@ -732,8 +750,9 @@ class InMemoryAgentStore(AgentStore):
         )
         return found[:limit]
 
-    async def append_step(self, step: Step) -> None:
+    async def append_step(self, step: Step, *, fence: Fence | None = None) -> None:
         self._database("append_step")
+        self._fenced(fence)
         await self.append_input(step.agent_id, [step], {})
 
     async def begin_run(
@@ -743,15 +762,23 @@ class InMemoryAgentStore(AgentStore):
         steps: Sequence[Step],
         *,
         read_marks: Mapping[uuid.UUID, uuid.UUID] | None = None,
+        fence: Fence | None = None,
     ) -> None:
+        self._fenced(fence)
         self._check_new(steps)
         await self.add_run(run)
         await self.save_progress(agent)
         await self.append_input(agent.id, steps, read_marks or {})
 
     async def append_input(
-        self, agent_id: uuid.UUID, steps: Sequence[Step], read_marks: Mapping[uuid.UUID, uuid.UUID]
+        self,
+        agent_id: uuid.UUID,
+        steps: Sequence[Step],
+        read_marks: Mapping[uuid.UUID, uuid.UUID],
+        *,
+        fence: Fence | None = None,
     ) -> None:
+        self._fenced(fence)
         self._check_new(steps)
         for step in steps:
             self.steps.setdefault(step.session_id, []).append(step)

@@ -10,6 +10,7 @@ from typing import Any
 from services.runtime.bootstrap import RuntimeApp, build
 from services.runtime.config import Settings
 from services.runtime.service_layer.im_port import IMPort
+from services.runtime.service_layer.leases import Fences
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.memory_port import MemoryPort
 from services.runtime.service_layer.runners import Runners
@@ -42,6 +43,7 @@ def fake_runtime(
     clock: Callable[[], Any] | None = None,
     memory: MemoryPort | None = None,
     runners: Runners | None = None,
+    fences: Fences | None = None,
     jitter: Callable[[], float] = random.random,
 ) -> RuntimeApp:
     """The runtime over fakes (new ones for those not given), without a server."""
@@ -53,6 +55,7 @@ def fake_runtime(
         clock=clock if clock is not None else FakeClock(),
         memory=memory,
         runners=runners,
+        fences=fences,
         jitter=jitter,
         serve=False,
     )

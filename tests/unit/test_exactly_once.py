@@ -38,6 +38,7 @@ from services.runtime.domain.model import (
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMMessage
+from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.supervisor import Supervisor
@@ -416,11 +417,11 @@ class SettleFailsOnce(InMemoryAgentStore):
 
     failed = False
 
-    async def update_task(self, task: Task, *, expected: Any) -> bool:
+    async def update_task(self, task: Task, *, expected: Any, fence: Fence | None = None) -> bool:
         if task.status is TaskStatus.SUCCEEDED and not self.failed:
             self.failed = True
             raise errors.Unavailable("the database is unavailable")
-        return await super().update_task(task, expected=expected)
+        return await super().update_task(task, expected=expected, fence=fence)
 
 
 async def test_a_task_whose_end_could_not_be_stored_is_settled_once_the_runner_is_idle() -> None:
@@ -485,11 +486,11 @@ class EndFailsOnce(InMemoryAgentStore):
 
     failed = False
 
-    async def end_run(self, run: Run, agent: Agent) -> None:
+    async def end_run(self, run: Run, agent: Agent, *, fence: Fence | None = None) -> None:
         if run.status is not RunStatus.RUNNING and not self.failed:
             self.failed = True
             raise errors.Unavailable("the database is unavailable")
-        await super().end_run(run, agent)
+        await super().end_run(run, agent, fence=fence)
 
 
 async def test_a_run_whose_end_could_not_be_stored_is_ended_at_the_next_cycle() -> None:

@@ -31,6 +31,7 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
+from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.runner import AgentRunner
 from services.runtime.service_layer.tasks import WAITING, RetryPolicy, StoredTaskQueue, TaskViews
@@ -682,12 +683,14 @@ class OneTaskWriteFails:
         self.committed = committed
         self.failed = False
 
-    async def __call__(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+    async def __call__(
+        self, task: Task, *, expected: Collection[TaskStatus], fence: Fence | None = None
+    ) -> bool:
         if self.failed or task.status is not self.status:
-            return await self.real(task, expected=expected)
+            return await self.real(task, expected=expected, fence=fence)
         self.failed = True
         if self.committed:
-            await self.real(task, expected=expected)
+            await self.real(task, expected=expected, fence=fence)
         raise DependencyUnavailable(DATABASE, "connection lost", connection_lost=True)
 
 

@@ -201,9 +201,10 @@ class SqliteJournal(Journal):
         conn.execute("SAVEPOINT write")
         try:
             fence = write.fence
-            if fence is not None and not conn.execute(
-                _SQLITE_FENCE, (fence.shard, fence.epoch, fence.replica)
-            ).fetchone():
+            if (
+                fence is not None
+                and not conn.execute(_SQLITE_FENCE, (fence.shard, fence.epoch, fence.replica)).fetchone()
+            ):
                 return Refusal.LEASE_LOST
             refusal = _store_task_parts(conn, write)
             if refusal is not None:

@@ -10,15 +10,17 @@ shards (the replica's heartbeat rides in a CTE).
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from services.runtime.adapters.sql import Database
 from services.runtime.adapters.tables import replicas, shard_leases
 from services.runtime.service_layer.leases import Fence, LeaseLost, LeaseStore, LeaseView
+
+if TYPE_CHECKING:  # the store's module fences its own writes with `check_fence`
+    from services.runtime.adapters.sql import Database
 
 
 def database_now(dialect: str) -> sa.ColumnElement[float]:

@@ -32,6 +32,7 @@ from services.runtime.adapters.journal import (
     origin_of_record,
     origin_record,
 )
+from services.runtime.adapters.leases import check_fence
 from services.runtime.adapters.tables import (
     SCHEMA,
     agent_requests,
@@ -61,6 +62,7 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
+from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
 
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
@@ -378,8 +380,8 @@ class SqlAgentStore(AgentStore):
     async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
         await self._write(_update_agent(agent), audit=audit)
 
-    async def save_progress(self, agent: Agent) -> None:
-        await self._journal.write(Write(progress=agent))
+    async def save_progress(self, agent: Agent, *, fence: Fence | None = None) -> None:
+        await self._journal.write(Write(progress=agent, fence=fence))
 
     async def delete_agent(self, agent_id: uuid.UUID, *, audit: AuditRecord | None = None) -> None:
         await self._write(agents.update().where(agents.c.id == agent_id).values(deleted=True), audit=audit)
@@ -396,6 +398,7 @@ class SqlAgentStore(AgentStore):
         steps_: Sequence[Step],
         *,
         read_marks: Mapping[uuid.UUID, uuid.UUID] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         await self._journal.write(
             Write(
@@ -404,14 +407,15 @@ class SqlAgentStore(AgentStore):
                 steps=steps_,
                 marks_of=agent.id if read_marks else None,
                 read_marks=read_marks or {},
+                fence=fence,
             )
         )
 
     async def update_run(self, run: Run) -> None:
         await self._journal.write(Write(ended_run=run))
 
-    async def end_run(self, run: Run, agent: Agent) -> None:
-        await self._journal.write(Write(ended_run=run, progress=agent))
+    async def end_run(self, run: Run, agent: Agent, *, fence: Fence | None = None) -> None:
+        await self._journal.write(Write(ended_run=run, progress=agent, fence=fence))
 
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
         query = runs.select().where(runs.c.agent_id == agent_id).order_by(runs.c.id.desc()).limit(limit)
@@ -421,13 +425,18 @@ class SqlAgentStore(AgentStore):
 
     # Steps
 
-    async def append_step(self, step: Step) -> None:
-        await self._journal.write(Write(steps=(step,)))
+    async def append_step(self, step: Step, *, fence: Fence | None = None) -> None:
+        await self._journal.write(Write(steps=(step,), fence=fence))
 
     async def append_input(
-        self, agent_id: uuid.UUID, steps_: Sequence[Step], read_marks_: Mapping[uuid.UUID, uuid.UUID]
+        self,
+        agent_id: uuid.UUID,
+        steps_: Sequence[Step],
+        read_marks_: Mapping[uuid.UUID, uuid.UUID],
+        *,
+        fence: Fence | None = None,
     ) -> None:
-        await self._journal.write(Write(steps=steps_, marks_of=agent_id, read_marks=read_marks_))
+        await self._journal.write(Write(steps=steps_, marks_of=agent_id, read_marks=read_marks_, fence=fence))
 
     async def read_marks(self, agent_id: uuid.UUID) -> dict[uuid.UUID, uuid.UUID]:
         rows = await self._rows(
@@ -720,9 +729,11 @@ class SqlAgentStore(AgentStore):
         found: datetime | None = rows[0][0]
         return found
 
-    async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+    async def update_task(
+        self, task: Task, *, expected: Collection[TaskStatus], fence: Fence | None = None
+    ) -> bool:
         try:
-            await self._journal.write(Write(task=task, task_expected=tuple(expected)))
+            await self._journal.write(Write(task=task, task_expected=tuple(expected), fence=fence))
         except TaskMoved:
             return False
         return True
@@ -804,19 +815,24 @@ class SqlAgentStore(AgentStore):
         rows = await self._rows(sa.select(watch_cursors.c.workspace_id, watch_cursors.c.cursor))
         return {row.workspace_id: row.cursor for row in rows}
 
-    async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
+    async def save_watch_cursors(
+        self, cursors: dict[uuid.UUID, str], *, fences: Sequence[Fence] = ()
+    ) -> None:
         if not cursors:
             return
         at = datetime.now(UTC)
         statement = self._insert(watch_cursors).values(
             [{"workspace_id": w, "cursor": c, "updated_at": at} for w, c in cursors.items()]
         )
-        await self._write(
-            statement.on_conflict_do_update(
-                index_elements=[watch_cursors.c.workspace_id],
-                set_={"cursor": statement.excluded.cursor, "updated_at": statement.excluded.updated_at},
+        async with self._db.transaction() as conn:
+            for fence in fences:
+                await check_fence(conn, fence)
+            await conn.execute(
+                statement.on_conflict_do_update(
+                    index_elements=[watch_cursors.c.workspace_id],
+                    set_={"cursor": statement.excluded.cursor, "updated_at": statement.excluded.updated_at},
+                )
             )
-        )
 
     async def aclose(self) -> None:
         await self._journal.aclose()

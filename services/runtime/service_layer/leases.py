@@ -21,11 +21,12 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from services.common import errors
-from services.runtime.domain.shards import moves_for, target_owners
+from services.runtime.domain.shards import moves_for, shard_of, target_owners
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,26 @@ class LeaseStore(abc.ABC):
         """Releases every shard of `replica` and forgets it."""
 
 
+class Fences(abc.ABC):
+    """The fence each write of a runner carries, by its agent's workspace."""
+
+    @abc.abstractmethod
+    def fence_for(self, workspace_id: uuid.UUID) -> Fence | None:
+        """The fence of a write for an agent of `workspace_id`; None where no
+        other replica can run the agent (nothing to fence against).
+
+        Raises:
+            LeaseLost: this replica cannot prove it holds the agent's shard.
+        """
+
+
+class Unfenced(Fences):
+    """One process runs every agent: its writes need no fence."""
+
+    def fence_for(self, workspace_id: uuid.UUID) -> Fence | None:
+        return None
+
+
 ShardsChanged = Callable[[frozenset[int]], Awaitable[None]]
 
 
@@ -123,7 +144,7 @@ class LeaseCounters:
 
 
 @dataclass
-class LeaseKeeper:
+class LeaseKeeper(Fences):
     """One replica's leases: renewals, moves towards the target, and the
     runners told when shards come and go."""
 
@@ -153,6 +174,13 @@ class LeaseKeeper:
         if epoch is None or not self.proven():
             return None
         return Fence(shard, epoch, self.settings.replica)
+
+    def fence_for(self, workspace_id: uuid.UUID) -> Fence:
+        shard = shard_of(workspace_id, self.settings.shard_count)
+        fence = self.fence(shard)
+        if fence is None:
+            raise LeaseLost(f"shard {shard} is not held by {self.settings.replica}")
+        return fence
 
     async def start(self) -> None:
         await self.store.prepare(self.settings.shard_count)

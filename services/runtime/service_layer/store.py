@@ -14,6 +14,7 @@ from datetime import datetime
 
 from services.common.audit import AuditRecord
 from services.runtime.domain.model import Agent, AgentState, Checkpoint, Run, Session, Step, Task, TaskStatus
+from services.runtime.service_layer.leases import Fence
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +72,12 @@ class AgentStore(abc.ABC):
         """Replaces the stored agent's settings, state, error and token count."""
 
     @abc.abstractmethod
-    async def save_progress(self, agent: Agent) -> None:
+    async def save_progress(self, agent: Agent, *, fence: Fence | None = None) -> None:
         """Stores what the agent's runner owns: its state, last error and
-        tokens used (never its settings, which may change meanwhile)."""
+        tokens used (never its settings, which may change meanwhile).
+
+        A runner's writes carry its `fence` and raise `LeaseLost` when it is
+        no longer the lease of the agent's shard (then nothing is stored)."""
 
     @abc.abstractmethod
     async def delete_agent(self, agent_id: uuid.UUID, *, audit: AuditRecord | None = None) -> None:
@@ -92,6 +96,7 @@ class AgentStore(abc.ABC):
         steps: Sequence[Step],
         *,
         read_marks: Mapping[uuid.UUID, uuid.UUID] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         """Stores a new run, the agent's progress, the run's first steps and
         the read marks of the messages they came from, in one transaction.
@@ -103,13 +108,13 @@ class AgentStore(abc.ABC):
     @abc.abstractmethod
     async def update_run(self, run: Run) -> None: ...
 
-    async def end_run(self, run: Run, agent: Agent) -> None:
+    async def end_run(self, run: Run, agent: Agent, *, fence: Fence | None = None) -> None:
         """Stores how a run ended and the agent's progress, together.
 
         This default makes separate calls; an adapter may use one transaction.
         """
         await self.update_run(run)
-        await self.save_progress(agent)
+        await self.save_progress(agent, fence=fence)
 
     @abc.abstractmethod
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
@@ -118,7 +123,7 @@ class AgentStore(abc.ABC):
     # Steps
 
     @abc.abstractmethod
-    async def append_step(self, step: Step) -> None:
+    async def append_step(self, step: Step, *, fence: Fence | None = None) -> None:
         """Stores a completed step.
 
         Raises:
@@ -127,7 +132,12 @@ class AgentStore(abc.ABC):
 
     @abc.abstractmethod
     async def append_input(
-        self, agent_id: uuid.UUID, steps: Sequence[Step], read_marks: Mapping[uuid.UUID, uuid.UUID]
+        self,
+        agent_id: uuid.UUID,
+        steps: Sequence[Step],
+        read_marks: Mapping[uuid.UUID, uuid.UUID],
+        *,
+        fence: Fence | None = None,
     ) -> None:
         """Stores steps made of messages the agent read, and moves its read
         marks (group id -> message id) forward to them, in one transaction.
@@ -266,7 +276,9 @@ class AgentStore(abc.ABC):
         """The earliest retry_at of the agent's FAILED tasks (None: none)."""
 
     @abc.abstractmethod
-    async def update_task(self, task: Task, *, expected: Collection[TaskStatus]) -> bool:
+    async def update_task(
+        self, task: Task, *, expected: Collection[TaskStatus], fence: Fence | None = None
+    ) -> bool:
         """Stores the task's progress (status, attempts, last error, result,
         times, run) if its stored status is still one of `expected`: a
         compare-and-set, so that of two racing changes one wins. Returns
@@ -316,8 +328,11 @@ class AgentStore(abc.ABC):
         """The saved cursor of each workspace's IM watch."""
 
     @abc.abstractmethod
-    async def save_watch_cursors(self, cursors: dict[uuid.UUID, str]) -> None:
-        """Saves (replacing) the cursors of these workspaces' IM watches."""
+    async def save_watch_cursors(
+        self, cursors: dict[uuid.UUID, str], *, fences: Sequence[Fence] = ()
+    ) -> None:
+        """Saves (replacing) the cursors of these workspaces' IM watches,
+        unless one of `fences` (of the workspaces' shards) is lost (`LeaseLost`)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Releases connections. Idempotent."""

@@ -50,6 +50,7 @@ from services.runtime.domain.model import (
 )
 from services.runtime.service_layer.agents import AgentService
 from services.runtime.service_layer.hub import AgentHub
+from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
 from services.runtime.service_layer.work import TaskQueue
 
@@ -238,7 +239,9 @@ class StoredTaskQueue(TaskQueue):
         self._changed(agent_id)
         self._queues.pop(agent_id, None)
 
-    async def started(self, task: Task, *, run_id: uuid.UUID, at: datetime) -> Task:
+    async def started(
+        self, task: Task, *, run_id: uuid.UUID, at: datetime, fence: Fence | None = None
+    ) -> Task:
         """Marks it RUNNING (one more attempt). If it is no longer waiting (a
         person cancelled it since `next_task`), returns it as stored, not
         RUNNING: the runner must then not run it."""
@@ -254,7 +257,7 @@ class StoredTaskQueue(TaskQueue):
             )
             self._unsettled.add(task.agent_id)
             try:
-                stored = await self._store.update_task(running, expected=WAITING)
+                stored = await self._store.update_task(running, expected=WAITING, fence=fence)
             except errors.Unavailable:
                 self._forget(task.agent_id)  # the write may have committed all the same
                 raise
@@ -274,21 +277,21 @@ class StoredTaskQueue(TaskQueue):
             self._unsettled.add(agent_id)
         return found[-1] if found else None
 
-    async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
+    async def continued(self, task: Task, *, run_id: uuid.UUID, fence: Fence | None = None) -> Task:
         moved = replace(task, run_id=run_id)
         self._unsettled.add(task.agent_id)
         self._running.pop(task.id, None)  # unknown until this write is known stored
-        if await self._store.update_task(moved, expected=(TaskStatus.RUNNING,)):
+        if await self._store.update_task(moved, expected=(TaskStatus.RUNNING,), fence=fence):
             self._running[moved.id] = moved
             self._publish(moved)
             return moved
         return await self._reread(task)
 
-    async def settle_as_run_ended(self, found: TaskInFlight) -> bool:
+    async def settle_as_run_ended(self, found: TaskInFlight, *, fence: Fence | None = None) -> bool:
         run = found.run
         if run is not None and run.status is RunStatus.RUNNING:
             return False
-        if not await self._end(found.task, await self._orphan_outcome(run), quiet=True):
+        if not await self._end(found.task, await self._orphan_outcome(run), quiet=True, fence=fence):
             return False
         logger.info(
             "task %s was left running by a run that %s; now settled",
@@ -297,7 +300,9 @@ class StoredTaskQueue(TaskQueue):
         )
         return True
 
-    async def settle_orphans(self, agent_id: uuid.UUID | None = None) -> list[Task]:
+    async def settle_orphans(
+        self, agent_id: uuid.UUID | None = None, *, fence: Fence | None = None
+    ) -> list[Task]:
         if agent_id is not None and agent_id not in self._unsettled:
             return []
         settled: list[Task] = []
@@ -305,7 +310,7 @@ class StoredTaskQueue(TaskQueue):
         for found in await self._store.running_tasks(agent_id):
             if found.agent_state in (AgentState.RUNNING, AgentState.PAUSED):
                 kept = True  # its agent goes on with it, after a restart or when resumed
-            elif await self.settle_as_run_ended(found):
+            elif await self.settle_as_run_ended(found, fence=fence):
                 settled.append(found.task)
             else:
                 kept = True
@@ -332,11 +337,13 @@ class StoredTaskQueue(TaskQueue):
             return ""
         return said[-1].message.content or ""
 
-    async def succeeded(self, task: Task, *, result: str, at: datetime) -> None:
-        await self._end(task, lambda t: replace(t, status=TaskStatus.SUCCEEDED, result=result, ended_at=at))
+    async def succeeded(self, task: Task, *, result: str, at: datetime, fence: Fence | None = None) -> None:
+        await self._end(
+            task, lambda t: replace(t, status=TaskStatus.SUCCEEDED, result=result, ended_at=at), fence=fence
+        )
 
-    async def failed(self, task: Task, *, error: str, at: datetime) -> None:
-        await self._end(task, lambda t: self._failure_outcome(t, error, at))
+    async def failed(self, task: Task, *, error: str, at: datetime, fence: Fence | None = None) -> None:
+        await self._end(task, lambda t: self._failure_outcome(t, error, at), fence=fence)
 
     def _failure_outcome(self, t: Task, error: str, at: datetime) -> Task:
         if t.id in self._cancelling:
@@ -346,16 +353,18 @@ class StoredTaskQueue(TaskQueue):
         delay = self._retry.delay(t.attempts, self._jitter())
         return replace(t, status=TaskStatus.FAILED, last_error=error, retry_at=at + delay)
 
-    async def put_back(self, task: Task) -> None:
-        await self._end(task, self._put_back_outcome)
+    async def put_back(self, task: Task, *, fence: Fence | None = None) -> None:
+        await self._end(task, self._put_back_outcome, fence=fence)
 
     def _put_back_outcome(self, t: Task) -> Task:
         if t.id in self._cancelling:
             return replace(t, status=TaskStatus.CANCELLED, ended_at=self._clock())
         return replace(t, status=TaskStatus.QUEUED, attempts=max(0, t.attempts - 1), retry_at=None)
 
-    async def cancelled(self, task: Task, *, at: datetime) -> None:
-        await self._end(task, lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None))
+    async def cancelled(self, task: Task, *, at: datetime, fence: Fence | None = None) -> None:
+        await self._end(
+            task, lambda t: replace(t, status=TaskStatus.CANCELLED, ended_at=at, retry_at=None), fence=fence
+        )
 
     async def _reread(self, task: Task) -> Task:
         return await self._store.get_task(task.id) or task
@@ -366,6 +375,7 @@ class StoredTaskQueue(TaskQueue):
         outcome: Callable[[Task], Task],
         *,
         quiet: bool = False,
+        fence: Fence | None = None,
     ) -> bool:
         """Moves a running task on to `outcome(stored task)` (compare-and-set);
         False if it was no longer running."""
@@ -373,7 +383,7 @@ class StoredTaskQueue(TaskQueue):
         current = self._running.pop(task.id, None) or await self._reread(task)
         changed = outcome(current)
         try:
-            stored = await self._store.update_task(changed, expected=(TaskStatus.RUNNING,))
+            stored = await self._store.update_task(changed, expected=(TaskStatus.RUNNING,), fence=fence)
         except errors.Unavailable:
             if changed.status in WAITING:
                 self._forget(task.agent_id)  # the write may have committed all the same

@@ -1,5 +1,9 @@
 """What a runner asks of the task queue: the port between `AgentRunner` and
-`StoredTaskQueue`, so that the runner runs tasks in turn with its messages."""
+`StoredTaskQueue`, so that the runner runs tasks in turn with its messages.
+
+A runner's changes of its tasks carry its `fence` (see
+`services.runtime.service_layer.leases`): refused with `LeaseLost` once
+another replica runs the agent."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import uuid
 from datetime import datetime
 
 from services.runtime.domain.model import Task
+from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.store import TaskInFlight
 
 
@@ -25,20 +30,22 @@ class TaskQueue(abc.ABC):
         """When the agent's earliest pending retry is due (None: none)."""
 
     @abc.abstractmethod
-    async def started(self, task: Task, *, run_id: uuid.UUID, at: datetime) -> Task:
+    async def started(
+        self, task: Task, *, run_id: uuid.UUID, at: datetime, fence: Fence | None = None
+    ) -> Task:
         """Marks it RUNNING (one more attempt) and tells the watchers; returns it so."""
 
     @abc.abstractmethod
-    async def succeeded(self, task: Task, *, result: str, at: datetime) -> None:
+    async def succeeded(self, task: Task, *, result: str, at: datetime, fence: Fence | None = None) -> None:
         """Marks it SUCCEEDED with the agent's final answer."""
 
     @abc.abstractmethod
-    async def failed(self, task: Task, *, error: str, at: datetime) -> None:
+    async def failed(self, task: Task, *, error: str, at: datetime, fence: Fence | None = None) -> None:
         """Marks it FAILED with a retry due after a backoff, or DEAD once
         out of attempts; the runner wakes itself when the retry is due."""
 
     @abc.abstractmethod
-    async def put_back(self, task: Task) -> None:
+    async def put_back(self, task: Task, *, fence: Fence | None = None) -> None:
         """Its run was interrupted (pause, terminate, restart): QUEUED again,
         this attempt not counted, to run again when the agent resumes."""
 
@@ -49,13 +56,13 @@ class TaskQueue(abc.ABC):
         restart, a pause or an interrupt goes on with."""
 
     @abc.abstractmethod
-    async def continued(self, task: Task, *, run_id: uuid.UUID) -> Task:
+    async def continued(self, task: Task, *, run_id: uuid.UUID, fence: Fence | None = None) -> Task:
         """A RUNNING task goes on in another run (the one it was in was paused
         or interrupted), its attempt not counted again; returns it as stored
         (not RUNNING if a person cancelled it meanwhile: then it must not run)."""
 
     @abc.abstractmethod
-    async def settle_as_run_ended(self, found: TaskInFlight) -> bool:
+    async def settle_as_run_ended(self, found: TaskInFlight, *, fence: Fence | None = None) -> bool:
         """Ends a RUNNING task as the run it was in ended (SUCCEEDED with its
         answer, FAILED or DEAD with its error; back in the queue, its attempt
         not counted, if the run was never stored or was interrupted). False
@@ -63,7 +70,9 @@ class TaskQueue(abc.ABC):
         longer RUNNING."""
 
     @abc.abstractmethod
-    async def settle_orphans(self, agent_id: uuid.UUID | None = None) -> list[Task]:
+    async def settle_orphans(
+        self, agent_id: uuid.UUID | None = None, *, fence: Fence | None = None
+    ) -> list[Task]:
         """Settles (`settle_as_run_ended`) the RUNNING tasks of one agent, or
         of every agent, that nobody goes on with, as a crash between two
         writes leaves them: those of agents neither RUNNING (a restart goes on
@@ -72,5 +81,5 @@ class TaskQueue(abc.ABC):
         Returns those settled."""
 
     @abc.abstractmethod
-    async def cancelled(self, task: Task, *, at: datetime) -> None:
+    async def cancelled(self, task: Task, *, at: datetime, fence: Fence | None = None) -> None:
         """Its run was cut short because a person cancelled it: CANCELLED."""

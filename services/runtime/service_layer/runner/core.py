@@ -29,6 +29,7 @@ from services.runtime.domain.model import (
     storable_origin,
 )
 from services.runtime.service_layer.im_port import IMMessage
+from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.runner.env import RunnerEnv
 from services.runtime.service_layer.tools import ToolOutcome
 
@@ -178,9 +179,17 @@ class RunnerCore:
             kind=kind,
             summary_through=summary_through,
         )
-        await self._env.store.append_step(step)
+        await self._env.store.append_step(step, fence=self._fence())
         self._remember(step)
         return step
+
+    def _fence(self) -> Fence | None:
+        """What this runner's writes prove themselves with (see `Fences`).
+
+        Raises:
+            LeaseLost: this replica no longer holds the agent's shard.
+        """
+        return self._env.fences.fence_for(self.agent.workspace_id)
 
     async def _set_state(self, state: AgentState, error: str) -> None:
         """Moves the agent to a state (which ends any pending pause) and stores it."""
@@ -189,7 +198,7 @@ class RunnerCore:
         before = self.agent
         self.agent = self.agent.with_state(state, error)
         try:
-            await self._env.store.save_progress(self.agent)
+            await self._env.store.save_progress(self.agent, fence=self._fence())
         except BaseException:
             self.agent = self._restored_state(before)
             raise

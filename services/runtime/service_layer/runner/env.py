@@ -15,6 +15,7 @@ from services.runtime.domain.etiquette import ChatterGuard, GroupPolicy
 from services.runtime.domain.model import Step
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
+from services.runtime.service_layer.leases import Fences, Unfenced
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.memory_port import MemoryPort
 from services.runtime.service_layer.read_positions import ReadPositions
@@ -176,3 +177,6 @@ class RunnerEnv:
     # Where the IM's read positions of the agents are moved (in batches);
     # None moves each at once (tests that count the calls).
     read_positions: ReadPositions | None = None
+    # What the runners' writes prove themselves with: nothing, where this
+    # process runs every agent; the shard leases, among several replicas.
+    fences: Fences = field(default_factory=Unfenced)

@@ -204,7 +204,7 @@ class Inbox(RunnerCore):
         far they were read), then marks them read in the IM."""
         inputs = [await self._incoming(message) for message in taken.messages]
         steps = [self._step(run, message, StepMetrics(), origin=origin) for message, origin in inputs]
-        await self._env.store.append_input(self.agent.id, steps, taken.marks)
+        await self._env.store.append_input(self.agent.id, steps, taken.marks, fence=self._fence())
         self._advance_marks(taken.marks)
         for step in steps:
             self._remember(step)

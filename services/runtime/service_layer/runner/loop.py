@@ -27,6 +27,7 @@ from services.common import errors
 from services.runtime.domain.lifecycle import Next, resume_point
 from services.runtime.domain.model import Agent, AgentState, Run, RunStatus, Task, shown_to_model
 from services.runtime.service_layer.im_port import IMMessage
+from services.runtime.service_layer.leases import LeaseLost
 from services.runtime.service_layer.runner.core import _Cut, _is_answer, _Taken
 from services.runtime.service_layer.runner.run import OneRun
 
@@ -95,7 +96,7 @@ class AgentRunner(OneRun):
             return
         if not self.agent.pause_pending:
             self.agent = self.agent.with_state(self.agent.state, self.agent.last_error, pause_pending=True)
-            await self._env.store.save_progress(self.agent)
+            await self._env.store.save_progress(self.agent, fence=self._fence())
             self._emit_state()
         # Answer with the state the request leaves: a run that begins is
         # RUNNING until its boundary; work that does not start is PAUSED now.
@@ -130,7 +131,7 @@ class AgentRunner(OneRun):
             tasks = self._env.tasks
             found = await tasks.running_task(self.agent.id) if tasks is not None else None
             if found is not None and tasks is not None:
-                await tasks.put_back(found.task)
+                await tasks.put_back(found.task, fence=self._fence())
 
     async def start_again(self) -> None:
         await self._set_state(AgentState.IDLE, "")
@@ -164,6 +165,15 @@ class AgentRunner(OneRun):
     # -- the loop -------------------------------------------------------------
 
     async def _loop(self) -> None:
+        try:
+            await self._cycles()
+        except LeaseLost as lost:
+            # Another replica runs the agent now, or this one can no longer
+            # prove it may: what is stored stays for the owner to go on with.
+            logger.info("agent %s stops here: %s", self.agent.id, lost)
+            self.idle.set()
+
+    async def _cycles(self) -> None:
         while True:
             if not self._wake.is_set():
                 self.idle.set()
@@ -172,7 +182,7 @@ class AgentRunner(OneRun):
             try:
                 await self._cycle()
                 self._unreachable = 0
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, LeaseLost):
                 raise
             except errors.Unavailable as error:
                 # A dependency (the IM, the database) is away: not the agent's
@@ -236,7 +246,7 @@ class AgentRunner(OneRun):
             if self._env.tasks is not None and not self._paused():
                 # Idle now: a task this process left RUNNING (a write lost to
                 # a fault) is settled as its run ended.
-                await self._env.tasks.settle_orphans(self.agent.id)
+                await self._env.tasks.settle_orphans(self.agent.id, fence=self._fence())
         self._keep_history()
 
     def _keep_history(self) -> None:
@@ -304,12 +314,12 @@ class AgentRunner(OneRun):
                 task = found.task  # paused or interrupted: it goes on below
             else:
                 # Its run ended (or never began) and the task was not settled.
-                await tasks.settle_as_run_ended(found)
+                await tasks.settle_as_run_ended(found, fence=self._fence())
         if resume_point(self._steps) is Next.NOTHING:
             if self.agent.state is AgentState.RUNNING:
                 await self._set_state(AgentState.IDLE, "")
             if task is not None and tasks is not None:
-                await tasks.put_back(task)
+                await tasks.put_back(task, fence=self._fence())
             return
         await self._in_flight(self._run(_Taken(), task=task, resumed=True))
 

@@ -56,6 +56,7 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
+from services.runtime.service_layer.leases import LeaseLost
 from services.runtime.service_layer.runner.context import Context
 from services.runtime.service_layer.runner.core import (
     _last_assistant,
@@ -122,10 +123,11 @@ class OneRun(Inbox, Context):
         except LLMError as llm_failure:
             cause = llm_failure
             status, error = RunStatus.FAILED, str(llm_failure)
-        except errors.Unavailable:
+        except (errors.Unavailable, LeaseLost):
             # The database or the IM is away: nothing is wrong with the agent
             # or the run, which stays as stored (RUNNING) and goes on once the
-            # dependency is back (see `_loop`), with the same keys.
+            # dependency is back (see `_loop`), with the same keys. Or another
+            # replica took the agent: it goes on from what is stored.
             raise
         except Exception as other:
             # The IM refused or lost the answer, a tool's port broke...: the
@@ -205,7 +207,7 @@ class OneRun(Inbox, Context):
         except _NotStarted:
             self._pending_reads = {}  # what was read stays unread for later
             return None
-        except errors.Unavailable:
+        except (errors.Unavailable, LeaseLost):
             # Not begun (nothing stored): what was read stays unread for later,
             # and a task marked RUNNING meanwhile is settled once the runner is idle.
             self._pending_reads = {}
@@ -247,7 +249,7 @@ class OneRun(Inbox, Context):
             self._running_task = task
             if env.tasks is not None and not resumed:
                 inputs.append((ChatMessage(role=Role.USER, content=task.input), Origin(task_id=task.id)))
-                task = await env.tasks.started(task, run_id=run.id, at=env.clock())
+                task = await env.tasks.started(task, run_id=run.id, at=env.clock(), fence=self._fence())
                 if task.status is not TaskStatus.RUNNING:
                     self._running_task = None
                     raise _NotStarted
@@ -258,7 +260,7 @@ class OneRun(Inbox, Context):
         if self._held_back():
             # A person paused or terminated it while the work was being chosen.
             if task is not None and env.tasks is not None and not resumed:
-                await env.tasks.put_back(task)
+                await env.tasks.put_back(task, fence=self._fence())
             self._running_task = None
             raise _NotStarted
         # RUNNING here before the write (with nothing awaited since the check),
@@ -269,7 +271,7 @@ class OneRun(Inbox, Context):
         incoming = [self._step(run, m, StepMetrics(), kind=StepKind.RECALL) for m in recalled]
         incoming += [self._step(run, message, StepMetrics(), origin=origin) for message, origin in inputs]
         try:
-            await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks)
+            await env.store.begin_run(run, self.agent, incoming, read_marks=taken.marks, fence=self._fence())
         except BaseException:
             self.agent = self._restored_state(before)
             raise
@@ -282,7 +284,7 @@ class OneRun(Inbox, Context):
         if task is not None and resumed and env.tasks is not None:
             # Moved to this run only now that it is stored: a restart in
             # between still finds the task (the agent's RUNNING one) and goes on.
-            task = await env.tasks.continued(task, run_id=run.id)
+            task = await env.tasks.continued(task, run_id=run.id, fence=self._fence())
             if task.status is not TaskStatus.RUNNING:
                 self._running_task = None  # a person cancelled it meanwhile: `_run` ends here
         self._begun.set()
@@ -352,15 +354,15 @@ class OneRun(Inbox, Context):
             return
         at = self._env.clock()
         if run.status is RunStatus.COMPLETED:
-            await tasks.succeeded(task, result=answer, at=at)
+            await tasks.succeeded(task, result=answer, at=at, fence=self._fence())
         elif run.status is RunStatus.INTERRUPTED and self.agent.state is AgentState.PAUSED:
             pass  # it stays RUNNING: resuming goes on with it where it was cut
         elif run.status is RunStatus.INTERRUPTED and self.agent.state is AgentState.TERMINATED:
-            await tasks.put_back(task)
+            await tasks.put_back(task, fence=self._fence())
         elif run.status is RunStatus.INTERRUPTED:
-            await tasks.cancelled(task, at=at)
+            await tasks.cancelled(task, at=at, fence=self._fence())
         else:
-            await tasks.failed(task, error=run.error or run.status.value, at=at)
+            await tasks.failed(task, error=run.error or run.status.value, at=at, fence=self._fence())
 
     async def _end_run(self, run: Run, failure: Exception | None) -> None:
         agent, error = self.agent, run.error
@@ -391,7 +393,7 @@ class OneRun(Inbox, Context):
             state, error = AgentState.PAUSED, ""
         self.agent = agent.with_state(state, error)
         # One write for the run's end and the agent's new state.
-        await self._env.store.end_run(run, self.agent)
+        await self._env.store.end_run(run, self.agent, fence=self._fence())
         self._emit(RunEnded(run))
         if self.agent.state_version != agent.state_version:
             self._emit_state()
@@ -400,7 +402,7 @@ class OneRun(Inbox, Context):
         """Stores the end of a run that could not be stored when it ended."""
         assert self._unended is not None
         run, answer = self._unended
-        await self._env.store.end_run(run, self.agent)
+        await self._env.store.end_run(run, self.agent, fence=self._fence())
         self._unended = None
         self._emit(RunEnded(run))
         await self._settle_task(run, answer)
