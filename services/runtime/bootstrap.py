@@ -23,6 +23,7 @@ from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
 from services.common.tokens import Verifier
 from services.runtime.adapters.im_client import GrpcIM
+from services.runtime.adapters.leases import SqlLeases
 from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
 from services.runtime.adapters.llm.offline import OfflineModel
 from services.runtime.adapters.llm.openai_provider import OpenAIProvider
@@ -42,7 +43,7 @@ from services.runtime.service_layer.handlers import tasks as task_handlers
 from services.runtime.service_layer.history import HistoryService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
-from services.runtime.service_layer.leases import Fences, Unfenced
+from services.runtime.service_layer.leases import Fences, LeaseKeeper, Unfenced
 from services.runtime.service_layer.llm_port import LLM
 from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.memory_port import MemoryPort
@@ -57,7 +58,7 @@ from services.runtime.service_layer.runner import (
 )
 from services.runtime.service_layer.runners import Runners
 from services.runtime.service_layer.store import AgentStore
-from services.runtime.service_layer.supervisor import Supervisor
+from services.runtime.service_layer.supervisor import Sharding, Supervisor
 from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
 from services.runtime.service_layer.tools import ToolRegistry, default_registry
 
@@ -106,6 +107,8 @@ class RuntimeApp:
     database: Database | None = None
     archiver: Archiver | None = None
     audit_pruner: AuditPruner | None = None
+    # The shard leases of this replica, among several (None: it runs every agent).
+    leases: LeaseKeeper | None = None
     grpc_server: GrpcServer | None = None
     _owners: asyncio.Task[None] | None = None
     _stopped: bool = False
@@ -126,6 +129,9 @@ class RuntimeApp:
         (port, agents started), port 0 without a server."""
         port = await self.grpc_server.start() if self.grpc_server is not None else 0
         agents = await self.supervisor.start() if self.supervisor is not None else 0
+        if self.leases is not None:
+            await self.leases.start()  # the runners of the shards it takes start meanwhile
+            agents = self.supervisor.agent_count if self.supervisor is not None else 0
         if self.archiver is not None:
             self.archiver.start()
         if self.audit_pruner is not None:
@@ -276,14 +282,7 @@ def build(
         timeout_seconds=settings.tool_timeout_seconds,
         ask_human_timeout_seconds=settings.ask_human_timeout_seconds,
     )
-    # A delay of 0 moves each read position at once, in the agent's run.
-    read_positions = (
-        ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
-        if settings.read_position_delay_seconds > 0
-        else None
-    )
-    if read_positions is not None:
-        cleanups.insert(0, read_positions.aclose)
+    read_positions = _read_positions(settings, im, cleanups)
     factory = AgentFactory(store=store, im=im, tools=tools, clock=clock)
     queue = StoredTaskQueue(
         store=store,
@@ -296,6 +295,8 @@ def build(
         ),
         jitter=jitter,
     )
+    # Among several replicas, this one runs the agents of the shards it holds.
+    leases = _lease_keeper(settings, database, lambda: supervisor)
     env = RunnerEnv(
         store=store,
         im=im,
@@ -326,13 +327,20 @@ def build(
         memory=memory,
         run_ended=archiver.notify if archiver is not None else lambda: None,
         read_positions=read_positions,
-        fences=fences if fences is not None else Unfenced(),
+        fences=fences if fences is not None else (leases or Unfenced()),
     )
     supervisor: Supervisor | None = None
     if runners is None:
-        runners = supervisor = Supervisor(env, cursor_save_delay=settings.cursor_save_delay_seconds)
+        sharding = Sharding(leases.settings.shard_count, leases.holds) if leases is not None else None
+        runners = supervisor = Supervisor(
+            env, cursor_save_delay=settings.cursor_save_delay_seconds, sharding=sharding
+        )
         # Runners stop before what they use closes.
         cleanups.insert(0, supervisor.aclose)
+    if leases is not None:
+        # First of all: the runners stop, then the leases go, so that other
+        # replicas take the shards at once instead of after the leases' time.
+        cleanups.insert(0, leases.aclose)
     audit_log = SqlAuditLog(database, audit_events) if database is not None else None
     audit_pruner = AuditPruner(audit_log, settings.audit) if audit_log is not None else None
     if audit_pruner is not None:
@@ -390,12 +398,44 @@ def build(
         database=database,
         archiver=archiver,
         audit_pruner=audit_pruner,
+        leases=leases,
     )
     if serve:
         if grpc_im is None or database is None or audit_log is None:
             raise ValueError("serving needs the real IM client and store (serve=False with fakes)")
         app.grpc_server = _server(settings, app, grpc_im, database, audit_log)
     return app
+
+
+def _read_positions(
+    settings: Settings, im: IMPort, cleanups: list[Callable[[], Awaitable[None]]]
+) -> ReadPositions | None:
+    """Where the agents' read positions move in batches; None (a delay of 0)
+    moves each at once, in the agent's run."""
+    if settings.read_position_delay_seconds <= 0:
+        return None
+    positions = ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
+    cleanups.insert(0, positions.aclose)
+    return positions
+
+
+def _lease_keeper(
+    settings: Settings, database: Database | None, supervisor: Callable[[], Supervisor | None]
+) -> LeaseKeeper | None:
+    """The keeper of this replica's shard leases, which starts and stops the
+    `supervisor`'s runners as shards come and go; None for a lone runtime."""
+    if settings.leases is None or database is None:
+        return None
+
+    async def gained(shards: frozenset[int]) -> None:
+        if (runs := supervisor()) is not None:
+            await runs.shards_gained(shards)
+
+    async def lost(shards: frozenset[int]) -> None:
+        if (runs := supervisor()) is not None:
+            await runs.shards_lost(shards)
+
+    return LeaseKeeper(store=SqlLeases(database), settings=settings.leases, gained=gained, lost=lost)
 
 
 def _server(

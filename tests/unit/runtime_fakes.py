@@ -683,11 +683,15 @@ class InMemoryAgentStore(AgentStore):
         self._database("mark_archived")
         self.archived_runs[run_id] = at
 
-    async def end_stale_runs(self, *, error: str, at: datetime) -> int:
+    async def end_stale_runs(
+        self, *, error: str, at: datetime, agent_ids: Collection[uuid.UUID] | None = None
+    ) -> int:
         stale = [
             r
             for r in self.runs.values()
-            if r.status is RunStatus.RUNNING and self.agents[r.agent_id].state is not AgentState.RUNNING
+            if r.status is RunStatus.RUNNING
+            and self.agents[r.agent_id].state is not AgentState.RUNNING
+            and (agent_ids is None or r.agent_id in agent_ids)
         ]
         for run in stale:
             self.runs[run.id] = replace(run, status=RunStatus.INTERRUPTED, error=error, ended_at=at)

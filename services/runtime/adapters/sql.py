@@ -781,8 +781,12 @@ class SqlAgentStore(AgentStore):
     async def mark_archived(self, run_id: uuid.UUID, *, at: datetime) -> None:
         await self._write(runs.update().where(runs.c.id == run_id).values(archived_at=at))
 
-    async def end_stale_runs(self, *, error: str, at: datetime) -> int:
+    async def end_stale_runs(
+        self, *, error: str, at: datetime, agent_ids: Collection[uuid.UUID] | None = None
+    ) -> int:
         idle = sa.select(agents.c.id).where(agents.c.state != AgentState.RUNNING.value)
+        if agent_ids is not None:
+            idle = idle.where(agents.c.id.in_(list(agent_ids)))
         async with self._db.transaction() as conn:
             ended = await conn.execute(
                 runs.update()

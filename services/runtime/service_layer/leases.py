@@ -164,6 +164,10 @@ class LeaseKeeper(Fences):
         """The shards this replica holds (and can prove), with their epochs."""
         return dict(self._held) if self.proven() else {}
 
+    def holds(self, shard: int) -> bool:
+        """Whether this replica holds `shard` and can prove it."""
+        return shard in self._held and self.proven()
+
     def proven(self) -> bool:
         return self.monotonic() < self._proven_until
 

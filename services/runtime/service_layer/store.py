@@ -305,9 +305,12 @@ class AgentStore(abc.ABC):
         """Records that the memory service has the run as it is now."""
 
     @abc.abstractmethod
-    async def end_stale_runs(self, *, error: str, at: datetime) -> int:
+    async def end_stale_runs(
+        self, *, error: str, at: datetime, agent_ids: Collection[uuid.UUID] | None = None
+    ) -> int:
         """Ends INTERRUPTED (with `error`) every run still RUNNING whose agent
-        is not: nobody will go on with those. Returns how many."""
+        is not (of `agent_ids` only, if given): nobody will go on with those.
+        Returns how many."""
 
     @abc.abstractmethod
     async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:

@@ -6,15 +6,32 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 
 from services.runtime.domain.errors import AgentGone
 from services.runtime.domain.model import Agent, AgentState
+from services.runtime.domain.shards import shard_of
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import STOPPED_DURING_RUN, AgentRunner, RunnerEnv
 from services.runtime.service_layer.runners import Runners
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which agents this replica runs, among several: those of the shards it
+    holds (`holds`), a shard being a workspace's hash among `shard_count`."""
+
+    shard_count: int
+    holds: Callable[[int], bool]
+
+    def runs_here(self, workspace_id: uuid.UUID) -> bool:
+        return self.holds(self.shard(workspace_id))
+
+    def shard(self, workspace_id: uuid.UUID) -> int:
+        return shard_of(workspace_id, self.shard_count)
 
 
 class Supervisor(Runners):
@@ -36,11 +53,20 @@ class Supervisor(Runners):
     numbers show a gap (an event lost on the way). An event that comes
     again, or late, is not passed on twice.
 
+    Among several replicas (`sharding`), it runs the agents of the shards its
+    replica holds: their runners start as a shard is gained
+    (`shards_gained`) and stop, where they are, as it is lost (`shards_lost`);
+    the next owner goes on from what is stored.
+
     Args:
         cursor_save_delay: seconds of events gathered into one cursor write.
+        sharding: the shards this replica runs; None: every agent.
     """
 
-    def __init__(self, env: RunnerEnv, *, cursor_save_delay: float = 1.0) -> None:
+    def __init__(
+        self, env: RunnerEnv, *, cursor_save_delay: float = 1.0, sharding: Sharding | None = None
+    ) -> None:
+        self._sharding = sharding
         # An agent's create_sub_agent tool makes the child (`env.create_sub_agent`)
         # and the supervisor starts the child's runner.
         self._make_child = env.create_sub_agent
@@ -71,20 +97,80 @@ class Supervisor(Runners):
         runners' to go on with.
         """
         store = self._env.store
+        self._cursors = await store.watch_cursors()
+        if self._sharding is not None:
+            return 0  # the agents of each shard start as it is gained
         stale = await store.end_stale_runs(error=STOPPED_DURING_RUN, at=self._env.clock())
         orphans = await self._env.tasks.settle_orphans() if self._env.tasks is not None else []
         if stale or orphans:
             logger.info("settled %d runs and %d tasks left running by the last process", stale, len(orphans))
         agents = await store.all_agents()
-        self._cursors = await self._env.store.watch_cursors()
+        self._start_all(agents)
+        return len(agents)
+
+    def _start_all(self, agents: Iterable[Agent]) -> None:
+        started = []
         for agent in agents:
+            if agent.id in self._runners:
+                continue
             # An idle agent of a workspace with a saved cursor waits for the
             # replay to wake it; one that was busy or failing looks at once.
             replayed = agent.workspace_id in self._cursors and agent.state is AgentState.IDLE
             self._add(agent, look=not replayed)
-        for workspace_id in {a.workspace_id for a in agents}:
+            started.append(agent)
+        for workspace_id in {a.workspace_id for a in started}:
             self._restart_watch(workspace_id)
-        return len(agents)
+
+    async def shards_gained(self, shards: frozenset[int]) -> None:
+        """Starts the runners of the agents of `shards`, which this replica now holds.
+
+        Runs their last owner left RUNNING for agents that are not end (as
+        at a start); tasks it left RUNNING are settled by the runners.
+        """
+        sharding = self._sharding
+        assert sharding is not None
+        mine = [a for a in await self._env.store.all_agents() if sharding.shard(a.workspace_id) in shards]
+        if not mine:
+            return
+        ids = [a.id for a in mine]
+        await self._env.store.end_stale_runs(error=STOPPED_DURING_RUN, at=self._env.clock(), agent_ids=ids)
+        if self._env.tasks is not None:
+            self._env.tasks.adopt(ids)
+        # The cursors as the last owner saved them: its watches' replay starts there.
+        self._cursors.update(await self._env.store.watch_cursors())
+        self._start_all(mine)
+        logger.info("shards gained: %d, with %d agents", len(shards), len(mine))
+
+    async def shards_lost(self, shards: frozenset[int]) -> None:
+        """Stops, where they are, the runners of the agents of `shards`, which
+        another replica runs from now on (or this one can no longer prove it holds)."""
+        sharding = self._sharding
+        assert sharding is not None
+        leaving = [r for r in self._runners.values() if sharding.shard(r.agent.workspace_id) in shards]
+        for runner in leaving:
+            del self._runners[runner.agent.id]
+            self._by_member.pop(runner.agent.member_id, None)
+        workspaces = {r.agent.workspace_id for r in leaving}
+        for workspace_id in workspaces:
+            self._restart_watch(workspace_id)
+            saver = self._savers.pop(workspace_id, None)
+            if saver is not None:
+                saver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await saver
+            # The next owner starts from the cursor it finds saved.
+            self._cursors.pop(workspace_id, None)
+            self._sequences.pop(workspace_id, None)
+        await asyncio.gather(*[runner.stop() for runner in leaving])
+        if self._env.tasks is not None:
+            self._env.tasks.let_go([r.agent.id for r in leaving])
+        if leaving:
+            logger.info("shards lost: %d, with %d agents", len(shards), len(leaving))
+
+    @property
+    def agent_count(self) -> int:
+        """How many agents run here."""
+        return len(self._runners)
 
     def runner(self, agent_id: uuid.UUID) -> AgentRunner | None:
         """The agent's runner in this process (for tests and the runtime's own wiring)."""
@@ -99,6 +185,8 @@ class Supervisor(Runners):
     def start_agent(self, agent: Agent) -> None:
         if agent.id in self._runners:
             return
+        if self._sharding is not None and not self._sharding.runs_here(agent.workspace_id):
+            return  # its shard's owner runs it
         self._add(agent)
         self._restart_watch(agent.workspace_id)
 
@@ -260,7 +348,10 @@ class Supervisor(Runners):
         if cursor is None:
             return
         try:
-            await self._env.store.save_watch_cursors({workspace_id: cursor})
+            fence = self._env.fences.fence_for(workspace_id)
+            await self._env.store.save_watch_cursors(
+                {workspace_id: cursor}, fences=[fence] if fence is not None else []
+            )
         except Exception as error:
             # Only makes a restart replay more; the next event tries again.
             logger.warning("saving the IM cursor of workspace %s failed: %s", workspace_id, error)

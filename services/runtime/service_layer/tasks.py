@@ -23,7 +23,7 @@ import bisect
 import logging
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
@@ -233,6 +233,16 @@ class StoredTaskQueue(TaskQueue):
         queue = self._changed(task.agent_id)
         if queue is not None:
             queue.remove(task.id)
+
+    def adopt(self, agent_ids: Collection[uuid.UUID]) -> None:
+        for agent_id in agent_ids:
+            self._forget(agent_id)
+            self._unsettled.add(agent_id)
+
+    def let_go(self, agent_ids: Collection[uuid.UUID]) -> None:
+        for agent_id in agent_ids:
+            self._forget(agent_id)
+            self._unsettled.discard(agent_id)
 
     def _forget(self, agent_id: uuid.UUID) -> None:
         """The agent's queue may have changed unseen: it is read again when next needed."""

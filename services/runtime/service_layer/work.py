@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import uuid
+from collections.abc import Collection
 from datetime import datetime
 
 from services.runtime.domain.model import Task
@@ -79,6 +80,16 @@ class TaskQueue(abc.ABC):
         with their run) nor PAUSED (resuming goes on with it). For one agent
         this costs nothing unless this process may have left one behind.
         Returns those settled."""
+
+    @abc.abstractmethod
+    def adopt(self, agent_ids: Collection[uuid.UUID]) -> None:
+        """These agents' tasks are this process's to run from now on (another
+        replica ran them): what it knew of them is read again, and a task
+        left RUNNING is settled by their runners (`settle_orphans`)."""
+
+    @abc.abstractmethod
+    def let_go(self, agent_ids: Collection[uuid.UUID]) -> None:
+        """Another replica runs these agents' tasks from now on: forgets them."""
 
     @abc.abstractmethod
     async def cancelled(self, task: Task, *, at: datetime, fence: Fence | None = None) -> None:
