@@ -40,14 +40,7 @@ async def create_workspace(
     """A workspace and its owner, with the owner's account and tokens if a login is given."""
     login, password, creator_kind = command.creator_login, command.creator_password, command.creator_kind
     if not login and not password:
-        workspace, creator, _ = await open_workspace(
-            auth.im,
-            name=command.name,
-            creator_display_name=command.creator_display_name,
-            creator_kind=creator_kind,
-            creator_avatar=command.creator_avatar,
-            request_id=command.request_id,
-        )
+        workspace, creator, _ = await open_workspace(auth.im, command)
         return workspace, creator, None
     if not login or not password:
         raise InvalidRequest("creator_login and creator_password go together")
@@ -63,14 +56,7 @@ async def create_workspace(
         sessions.append(await new_session(auth, tx, creator))
 
     workspace, creator, created = await open_workspace(
-        auth.im,
-        name=command.name,
-        creator_display_name=command.creator_display_name,
-        creator_kind=creator_kind,
-        creator_avatar=command.creator_avatar,
-        request_id=command.request_id,
-        fingerprint_extra={"login": key},
-        within=add_account,
+        auth.im, command, fingerprint_extra={"login": key}, within=add_account
     )
     if not created:
         # A retry: the first response (with its tokens) may have been lost.
@@ -80,16 +66,13 @@ async def create_workspace(
 
 async def open_workspace(
     deps: Deps,
+    command: CreateWorkspace,
     *,
-    name: str,
-    creator_display_name: str,
-    creator_kind: MemberKind | None,
-    creator_avatar: str,
-    request_id: str,
     fingerprint_extra: Mapping[str, str] | None = None,
     within: CreationHook | None = None,
 ) -> tuple[Workspace, Member, bool]:
-    """Creates a workspace with its creator, who owns it.
+    """Creates the workspace a command asks for with its creator, who owns it
+    (the creator's login and password are `create_workspace`'s).
 
     Args:
         fingerprint_extra: more of the request that a retry with the
@@ -101,11 +84,11 @@ async def open_workspace(
         The workspace, its creator, and whether this call created them
         (False: an earlier call with the same request_id did).
     """
-    name = rules.check_name(name, "name", required=True)
-    display_name = rules.check_name(creator_display_name, "creator_display_name", required=True)
-    avatar = rules.check_avatar(creator_avatar)
-    kind = creator_kind or MemberKind.HUMAN
-    rid = rules.check_request_id(request_id)
+    name = rules.check_name(command.name, "name", required=True)
+    display_name = rules.check_name(command.creator_display_name, "creator_display_name", required=True)
+    avatar = rules.check_avatar(command.creator_avatar)
+    kind = command.creator_kind or MemberKind.HUMAN
+    rid = rules.check_request_id(command.request_id)
     fingerprint = rules.request_fingerprint(
         op="create_workspace",
         name=name,
