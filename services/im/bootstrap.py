@@ -20,6 +20,7 @@ from services.common.server import GrpcServer
 from services.common.settings import ConfigError
 from services.common.signals import InProcessSignal
 from services.common.tokens import KeyRing, KeyRingError, Verifier, has_signing_key, keyring_source
+from services.im.adapters.id_tokens import IdTokenVerifier
 from services.im.adapters.message_log import open_message_log
 from services.im.adapters.oidc_keys import HttpProviderKeys
 from services.im.adapters.passwords import Argon2Passwords
@@ -39,11 +40,20 @@ from services.im.entrypoints.grpc_servicer import IMServicer
 from services.im.entrypoints.policy import IM_POLICY
 from services.im.service_layer.auth_ports import Passwords, ProviderKeys
 from services.im.service_layer.events import EventFeed, EventHub
-from services.im.service_layer.handlers import groups, members, messages, read_state, workspaces
-from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers import (
+    groups,
+    invites,
+    machine_access,
+    members,
+    messages,
+    oidc,
+    read_state,
+    roles,
+    sessions,
+    workspaces,
+)
+from services.im.service_layer.handlers.auth_deps import AuthDeps
 from services.im.service_layer.handlers.deps import Clock, Deps, utc_now
-from services.im.service_layer.handlers.machine_access import MachineAccess
-from services.im.service_layer.handlers.oidc import IdTokenVerifier, OidcAccess
 from services.im.service_layer.messagebus import MessageBus
 from services.im.service_layer.ports import (
     EventLog,
@@ -156,10 +166,8 @@ class IMApp:
     hub: EventHub
     feed: EventFeed
     deps: Deps
+    auth: AuthDeps
     bus: MessageBus
-    accounts: AuthService
-    machines: MachineAccess
-    oidc: OidcAccess
     server: GrpcServer
     identity: Identity
     audit_log: AuditLog
@@ -276,29 +284,6 @@ def build(
     if passwords is None:
         argon2 = Argon2Passwords(memory_kib=settings.argon2_memory_kib, time_cost=settings.argon2_time_cost)
         passwords = argon2
-    accounts = AuthService(
-        open_workspace=partial(workspaces.open_workspace, deps),
-        member_quota=partial(members.check_member_quota, deps),
-        oidc_configured=settings.oidc is not None,
-        uow=store.transaction,
-        keys=identity.keys,
-        passwords=passwords,
-        limits=settings.auth_limits,
-        audit_log=audit_log,
-        audit_settings=settings.audit,
-        clock=now,
-    )
-    machines = MachineAccess(
-        services=lambda: identity.services,
-        page_limits=settings.limits,
-        uow=store.transaction,
-        keys=identity.keys,
-        passwords=passwords,
-        limits=settings.auth_limits,
-        audit_log=audit_log,
-        audit_settings=settings.audit,
-        clock=now,
-    )
     provider: ProviderClient | None = None
     id_tokens: IdTokenVerifier | None = None
     if settings.oidc is not None:
@@ -310,23 +295,22 @@ def build(
             IdTokenRules(issuer=settings.oidc.issuer, client_id=settings.oidc.client_id),
             clock=now,
         )
-    oidc = OidcAccess(
-        verifier=id_tokens,
-        member_quota=partial(members.check_member_quota, deps),
-        uow=store.transaction,
+    auth = AuthDeps(
+        im=deps,
         keys=identity.keys,
         passwords=passwords,
         limits=settings.auth_limits,
         audit_log=audit_log,
         audit_settings=settings.audit,
-        clock=now,
+        services=lambda: identity.services,
+        id_tokens=id_tokens,
     )
     # The IM checks its own tokens as every service will: through the JWKS
     # (read from its own key ring, so a reload counts at once).
     verifier = Verifier(keyring_source(identity.keys), refetch_seconds=0, max_age_seconds=5)
     bus = MessageBus(
         {
-            commands.CreateWorkspace: accounts.create_workspace,
+            commands.CreateWorkspace: partial(workspaces.create_workspace, auth),
             commands.CreateMember: partial(members.create_member, deps),
             commands.UpdateMember: partial(members.update_member, deps),
             commands.SetAgentOwners: partial(members.set_agent_owners, deps),
@@ -338,10 +322,24 @@ def build(
             commands.SendMessage: partial(messages.send_message, deps),
             commands.EditMessage: partial(messages.edit_message, deps),
             commands.MarkRead: partial(read_state.mark_read, deps),
+            commands.SignIn: partial(sessions.sign_in, auth),
+            commands.RefreshTokens: partial(sessions.refresh_tokens, auth),
+            commands.SignOut: partial(sessions.sign_out, auth),
+            commands.ChangePassword: partial(sessions.change_password, auth),
+            commands.CreateInvite: partial(invites.create_invite, auth),
+            commands.AcceptInvite: partial(invites.accept_invite, auth),
+            commands.SetMemberRole: partial(roles.set_member_role, auth),
+            commands.CreatePersonalToken: partial(machine_access.create_personal_token, auth),
+            commands.RevokePersonalToken: partial(machine_access.revoke_personal_token, auth),
+            commands.ExchangePersonalToken: partial(machine_access.exchange_personal_token, auth),
+            commands.IssueServiceToken: partial(machine_access.issue_service_token, auth),
+            commands.IssueAgentTokens: partial(machine_access.issue_agent_tokens, auth),
+            commands.SignInWithOidc: partial(oidc.sign_in_with_oidc, auth),
+            commands.LinkOidcAccount: partial(oidc.link_oidc_account, auth),
         }
     )
     servicer = IMServicer(bus, deps, feed)
-    auth_servicer = AuthServicer(accounts, machines, oidc)
+    auth_servicer = AuthServicer(bus, auth)
 
     server = GrpcServer(
         address=settings.grpc_address,
@@ -383,10 +381,8 @@ def build(
         hub=hub,
         feed=feed,
         deps=deps,
+        auth=auth,
         bus=bus,
-        accounts=accounts,
-        machines=machines,
-        oidc=oidc,
         server=server,
         identity=identity,
         audit_log=audit_log,

@@ -18,7 +18,7 @@ from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.common.settings import ConfigError, EnvReader
 from services.common.tokens import AccessClaims, PrincipalKind, Scope
-from services.im.domain.commands import CreateGroup, CreateMember, SetAgentOwners
+from services.im.domain.commands import CreateGroup, CreateInvite, CreateMember, SetAgentOwners, SetMemberRole
 from services.im.domain.errors import QuotaExceeded
 from services.im.domain.model import MemberKind, Role
 from services.im.domain.rules import Quotas, check_quota
@@ -203,14 +203,14 @@ async def test_a_role_change_records_each_member_it_changes_and_nothing_when_non
     owner = await world.as_caller(tokens)
     bea = (await world.invite_and_join(owner, "bea")).member
     before = len(world.store.state.audit)
-    await world.accounts.set_member_role(owner, member_id=str(bea.id), role=Role.ADMIN)
-    await world.accounts.set_member_role(owner, member_id=str(bea.id), role=Role.ADMIN)
+    await world.bus.handle(SetMemberRole(caller=owner, member_id=str(bea.id), role=Role.ADMIN))
+    await world.bus.handle(SetMemberRole(caller=owner, member_id=str(bea.id), role=Role.ADMIN))
     new = world.store.state.audit[before:]
     assert [(r.action, r.target.id, dict(r.details)) for r in new] == [
         ("SetMemberRole", str(bea.id), {"role": "admin"})
     ]
     # Handing over the workspace changes two members: two records.
-    await world.accounts.set_member_role(owner, member_id=str(bea.id), role=Role.OWNER)
+    await world.bus.handle(SetMemberRole(caller=owner, member_id=str(bea.id), role=Role.OWNER))
     handed = world.store.state.audit[before + 1 :]
     assert sorted((r.target.id, r.details["role"]) for r in handed) == sorted(
         [(str(bea.id), "owner"), (str(ada.id), "admin")]
@@ -223,7 +223,7 @@ async def test_a_refused_change_leaves_no_success_record(world: AuthWorld) -> No
     cy = await world.as_caller(await world.invite_and_join(owner, "cyd"))
     before = actions(world)
     with pytest.raises(PermissionDenied):
-        await world.accounts.set_member_role(cy, member_id=str(tokens.member.id), role=Role.MEMBER)
+        await world.bus.handle(SetMemberRole(caller=cy, member_id=str(tokens.member.id), role=Role.MEMBER))
     # The refusal is the boundary's to record (AuditInterceptor); the handler wrote nothing.
     assert actions(world) == before
 
@@ -233,7 +233,7 @@ async def test_a_member_over_its_quota_is_refused_before_anything_is_stored(worl
     workspace, _, tokens = await world.owner()
     owner = await world.as_caller(tokens)
     await world.invite_and_join(owner, "bea")
-    _, secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="")
+    _, secret = await world.bus.handle(CreateInvite(caller=owner, role=None, ttl=None, request_id=""))
     with pytest.raises(QuotaExceeded):
         await world.bus.handle(
             CreateMember(

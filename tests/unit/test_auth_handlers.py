@@ -1,4 +1,5 @@
-"""The identity handlers (AuthService, MachineAccess) against the in-memory fakes."""
+"""The identity handlers (sessions, invites, roles, tokens for programs) through
+the message bus of the IM built on the in-memory fakes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,22 @@ from services.im import bootstrap
 from services.im.adapters.service_credentials import ensure_embedded_credentials
 from services.im.config import Settings
 from services.im.domain.accounts import IssuedTokens, PersonalTokenScope
-from services.im.domain.commands import CreateMember, CreateWorkspace
+from services.im.domain.commands import (
+    AcceptInvite,
+    ChangePassword,
+    CreateInvite,
+    CreateMember,
+    CreatePersonalToken,
+    CreateWorkspace,
+    ExchangePersonalToken,
+    IssueAgentTokens,
+    IssueServiceToken,
+    RefreshTokens,
+    RevokePersonalToken,
+    SetMemberRole,
+    SignIn,
+    SignOut,
+)
 from services.im.domain.errors import (
     AlreadyTaken,
     InvalidRequest,
@@ -28,9 +44,9 @@ from services.im.domain.errors import (
 )
 from services.im.domain.model import Member, MemberKind, Role, Workspace
 from services.im.service_layer.auth_ports import ProviderKeys
-from services.im.service_layer.handlers.auth import AuthService
+from services.im.service_layer.handlers.auth_deps import AuthDeps
 from services.im.service_layer.handlers.deps import Deps
-from services.im.service_layer.handlers.machine_access import MachineAccess
+from services.im.service_layer.handlers.machine_access import list_personal_tokens
 from services.im.service_layer.messagebus import MessageBus
 from tests.identities import caller_of, service_caller
 from tests.unit.auth_fakes import FakePasswords
@@ -100,12 +116,8 @@ class AuthWorld:
         return self.app.bus
 
     @property
-    def accounts(self) -> AuthService:
-        return self.app.accounts
-
-    @property
-    def machines(self) -> MachineAccess:
-        return self.app.machines
+    def auth(self) -> AuthDeps:
+        return self.app.auth
 
     @property
     def keys(self) -> KeyRing:
@@ -139,9 +151,9 @@ class AuthWorld:
     async def invite_and_join(
         self, inviter: Caller, login: str, role: Role = Role.MEMBER, name: str = "Bea"
     ) -> IssuedTokens:
-        _, secret = await self.accounts.create_invite(inviter, role=role, ttl=None, request_id="")
-        return await self.accounts.accept_invite(
-            invite=secret, display_name=name, login=login, password=PASSWORD, request_id=""
+        _, secret = await self.bus.handle(CreateInvite(caller=inviter, role=role, ttl=None, request_id=""))
+        return await self.bus.handle(
+            AcceptInvite(invite=secret, display_name=name, login=login, password=PASSWORD, request_id="")
         )
 
     async def agent(self, workspace: Workspace, *, by_service: bool) -> Member:
@@ -193,8 +205,8 @@ async def test_a_creator_with_a_login_owns_the_workspace_and_is_signed_in(world:
     assert tokens.refresh_expires_at == world.clock.now + timedelta(days=30)
     account = world.store.state.auth.accounts[creator.id]
     assert account.login == "ada@example" and PASSWORD not in (account.password_hash or "")
-    again = await world.accounts.sign_in(
-        workspace_id=str(workspace.id), login="ADA@example", password=PASSWORD
+    again = await world.bus.handle(
+        SignIn(workspace_id=str(workspace.id), login="ADA@example", password=PASSWORD)
     )
     assert again.member.id == creator.id
 
@@ -267,7 +279,7 @@ async def test_a_wrong_login_and_a_wrong_password_get_the_same_answer(world: Aut
     messages = set()
     for login, password in [("ada", "wrong password"), ("nobody", PASSWORD), ("x", PASSWORD), ("ada", "")]:
         with pytest.raises(Unauthenticated) as caught:
-            await world.accounts.sign_in(workspace_id=str(workspace.id), login=login, password=password)
+            await world.bus.handle(SignIn(workspace_id=str(workspace.id), login=login, password=password))
         messages.add(caught.value.message)
     assert messages == {"the login or password is wrong"}
     assert world.passwords.wasted == 1  # the unknown login took as long as a check
@@ -278,22 +290,22 @@ async def test_sign_in_is_throttled_per_login_and_a_success_clears_it(world: Aut
     ws = str(workspace.id)
     for _ in range(5):
         with pytest.raises(Unauthenticated):
-            await world.accounts.sign_in(workspace_id=ws, login="ada", password="wrong password")
+            await world.bus.handle(SignIn(workspace_id=ws, login="ada", password="wrong password"))
     with pytest.raises(TooManyAttempts) as caught:
-        await world.accounts.sign_in(workspace_id=ws, login="ada", password=PASSWORD)
+        await world.bus.handle(SignIn(workspace_id=ws, login="ada", password=PASSWORD))
     assert caught.value.retry_after_seconds == pytest.approx(15 * 60)
     # Unknown logins are throttled alike (a refusal says nothing of whether one exists).
     for _ in range(5):
         with pytest.raises(Unauthenticated):
-            await world.accounts.sign_in(workspace_id=ws, login="ghost", password="whatever pass")
+            await world.bus.handle(SignIn(workspace_id=ws, login="ghost", password="whatever pass"))
     with pytest.raises(TooManyAttempts):
-        await world.accounts.sign_in(workspace_id=ws, login="ghost", password="whatever pass")
+        await world.bus.handle(SignIn(workspace_id=ws, login="ghost", password="whatever pass"))
     world.clock.advance(timedelta(minutes=15))
-    assert (await world.accounts.sign_in(workspace_id=ws, login="ada", password=PASSWORD)).member
+    assert (await world.bus.handle(SignIn(workspace_id=ws, login="ada", password=PASSWORD))).member
     # The success cleared the count: five more tries before a refusal.
     for _ in range(5):
         with pytest.raises(Unauthenticated):
-            await world.accounts.sign_in(workspace_id=ws, login="ada", password="wrong password")
+            await world.bus.handle(SignIn(workspace_id=ws, login="ada", password="wrong password"))
 
 
 # -- sessions ----------------------------------------------------------------------
@@ -301,15 +313,15 @@ async def test_sign_in_is_throttled_per_login_and_a_success_clears_it(world: Aut
 
 async def test_refresh_tokens_rotate_and_a_reused_one_signs_the_session_out(world: AuthWorld) -> None:
     _, _, first = await world.owner()
-    second = await world.accounts.refresh(first.refresh_token)
-    third = await world.accounts.refresh(second.refresh_token)
+    second = await world.bus.handle(RefreshTokens(refresh_token=first.refresh_token))
+    third = await world.bus.handle(RefreshTokens(refresh_token=second.refresh_token))
     assert len({first.refresh_token, second.refresh_token, third.refresh_token}) == 3
     with pytest.raises(Unauthenticated, match="used already") as caught:
-        await world.accounts.refresh(first.refresh_token)
+        await world.bus.handle(RefreshTokens(refresh_token=first.refresh_token))
     assert first.refresh_token not in caught.value.message
     # The whole family is gone, the newest token included.
     with pytest.raises(Unauthenticated):
-        await world.accounts.refresh(third.refresh_token)
+        await world.bus.handle(RefreshTokens(refresh_token=third.refresh_token))
     family = {t.family_id for t in world.store.state.auth.refresh_tokens.values()}
     assert len(family) == 1
     assert all(t.revoked_at is not None for t in world.store.state.auth.refresh_tokens.values())
@@ -319,57 +331,63 @@ async def test_other_sessions_survive_a_reuse_and_expired_or_unknown_tokens_are_
     world: AuthWorld,
 ) -> None:
     workspace, _, first = await world.owner()
-    other = await world.accounts.sign_in(workspace_id=str(workspace.id), login="ada", password=PASSWORD)
-    await world.accounts.refresh(first.refresh_token)
+    other = await world.bus.handle(SignIn(workspace_id=str(workspace.id), login="ada", password=PASSWORD))
+    await world.bus.handle(RefreshTokens(refresh_token=first.refresh_token))
     with pytest.raises(Unauthenticated):
-        await world.accounts.refresh(first.refresh_token)
-    renewed = await world.accounts.refresh(other.refresh_token)
+        await world.bus.handle(RefreshTokens(refresh_token=first.refresh_token))
+    renewed = await world.bus.handle(RefreshTokens(refresh_token=other.refresh_token))
     for bad in ["", "aim_rt_unknown", "not-a-token", "aim_rt_" + "x" * 500]:
         with pytest.raises(Unauthenticated, match="not valid"):
-            await world.accounts.refresh(bad)
+            await world.bus.handle(RefreshTokens(refresh_token=bad))
     world.clock.advance(timedelta(days=30))
     with pytest.raises(Unauthenticated, match="not valid"):
-        await world.accounts.refresh(renewed.refresh_token)
+        await world.bus.handle(RefreshTokens(refresh_token=renewed.refresh_token))
 
 
 async def test_sign_out_ends_the_session_and_says_nothing_of_unknown_tokens(world: AuthWorld) -> None:
     workspace, _, first = await world.owner()
-    other = await world.accounts.sign_in(workspace_id=str(workspace.id), login="ada", password=PASSWORD)
-    second = await world.accounts.refresh(first.refresh_token)
-    await world.accounts.sign_out(first.refresh_token)  # an old token of the session is enough
-    await world.accounts.sign_out(first.refresh_token)
-    await world.accounts.sign_out("aim_rt_nothing")
-    await world.accounts.sign_out("")
+    other = await world.bus.handle(SignIn(workspace_id=str(workspace.id), login="ada", password=PASSWORD))
+    second = await world.bus.handle(RefreshTokens(refresh_token=first.refresh_token))
+    await world.bus.handle(
+        SignOut(refresh_token=first.refresh_token)
+    )  # an old token of the session is enough
+    await world.bus.handle(SignOut(refresh_token=first.refresh_token))
+    await world.bus.handle(SignOut(refresh_token="aim_rt_nothing"))
+    await world.bus.handle(SignOut(refresh_token=""))
     with pytest.raises(Unauthenticated):
-        await world.accounts.refresh(second.refresh_token)
-    assert (await world.accounts.refresh(other.refresh_token)).member
+        await world.bus.handle(RefreshTokens(refresh_token=second.refresh_token))
+    assert (await world.bus.handle(RefreshTokens(refresh_token=other.refresh_token))).member
 
 
 async def test_changing_the_password_signs_out_every_other_session(world: AuthWorld) -> None:
     workspace, creator, tokens = await world.owner()
     caller = await world.as_caller(tokens)
     with pytest.raises(Unauthenticated, match="old_password"):
-        await world.accounts.change_password(
-            caller, old_password="not it at all", new_password="a new password"
+        await world.bus.handle(
+            ChangePassword(caller=caller, old_password="not it at all", new_password="a new password")
         )
     with pytest.raises(InvalidRequest, match="new_password"):
-        await world.accounts.change_password(caller, old_password=PASSWORD, new_password="short")
-    fresh = await world.accounts.change_password(caller, old_password=PASSWORD, new_password="a new password")
+        await world.bus.handle(ChangePassword(caller=caller, old_password=PASSWORD, new_password="short"))
+    fresh = await world.bus.handle(
+        ChangePassword(caller=caller, old_password=PASSWORD, new_password="a new password")
+    )
     with pytest.raises(Unauthenticated):
-        await world.accounts.refresh(tokens.refresh_token)
-    assert (await world.accounts.refresh(fresh.refresh_token)).member.id == creator.id
+        await world.bus.handle(RefreshTokens(refresh_token=tokens.refresh_token))
+    assert (await world.bus.handle(RefreshTokens(refresh_token=fresh.refresh_token))).member.id == creator.id
     with pytest.raises(Unauthenticated):
-        await world.accounts.sign_in(workspace_id=str(workspace.id), login="ada", password=PASSWORD)
-    await world.accounts.sign_in(workspace_id=str(workspace.id), login="ada", password="a new password")
+        await world.bus.handle(SignIn(workspace_id=str(workspace.id), login="ada", password=PASSWORD))
+    await world.bus.handle(SignIn(workspace_id=str(workspace.id), login="ada", password="a new password"))
     # Any token of the member's works; a member with no account has no password to change.
-    await world.accounts.change_password(
-        token_of(creator), old_password="a new password", new_password=PASSWORD
+    await world.bus.handle(
+        ChangePassword(caller=token_of(creator), old_password="a new password", new_password=PASSWORD)
     )
     agent = await world.agent(workspace, by_service=True)
     with pytest.raises(WrongState):
-        await world.accounts.change_password(token_of(agent), old_password="x", new_password=PASSWORD)
+        await world.bus.handle(
+            ChangePassword(caller=token_of(agent), old_password="x", new_password=PASSWORD)
+        )
     with pytest.raises(Unauthenticated):
-        await world.accounts.change_password(None, old_password=PASSWORD, new_password=PASSWORD)
+        await world.bus.handle(ChangePassword(caller=None, old_password=PASSWORD, new_password=PASSWORD))
 
 
 # -- invites and roles ---------------------------------------------------------------
@@ -378,11 +396,13 @@ async def test_changing_the_password_signs_out_every_other_session(world: AuthWo
 async def test_an_invite_works_once_and_gives_its_role(world: AuthWorld) -> None:
     workspace, _, tokens = await world.owner()
     owner = await world.as_caller(tokens)
-    invite, secret = await world.accounts.create_invite(owner, role=Role.ADMIN, ttl=None, request_id="")
+    invite, secret = await world.bus.handle(
+        CreateInvite(caller=owner, role=Role.ADMIN, ttl=None, request_id="")
+    )
     assert secret.startswith("aim_inv_") and invite.expires_at == world.clock.now + timedelta(days=7)
     assert secret not in repr(invite)
-    joined = await world.accounts.accept_invite(
-        invite=secret, display_name="Bea", login="bea", password=PASSWORD, request_id=""
+    joined = await world.bus.handle(
+        AcceptInvite(invite=secret, display_name="Bea", login="bea", password=PASSWORD, request_id="")
     )
     assert (joined.member.role, joined.member.kind, joined.member.workspace_id) == (
         Role.ADMIN,
@@ -391,34 +411,38 @@ async def test_an_invite_works_once_and_gives_its_role(world: AuthWorld) -> None
     )
     assert (await world.verifier.verify(joined.access.token)).roles == ("admin",)
     with pytest.raises(WrongState, match="used already"):
-        await world.accounts.accept_invite(
-            invite=secret, display_name="Eve", login="eve", password=PASSWORD, request_id=""
+        await world.bus.handle(
+            AcceptInvite(invite=secret, display_name="Eve", login="eve", password=PASSWORD, request_id="")
         )
     with pytest.raises(Unauthenticated, match="not valid"):
-        await world.accounts.accept_invite(
-            invite="aim_inv_guess", display_name="Eve", login="eve", password=PASSWORD, request_id=""
+        await world.bus.handle(
+            AcceptInvite(
+                invite="aim_inv_guess", display_name="Eve", login="eve", password=PASSWORD, request_id=""
+            )
         )
 
 
 async def test_an_expired_invite_or_a_taken_login_is_refused(world: AuthWorld) -> None:
     _, _, tokens = await world.owner()
     owner = await world.as_caller(tokens)
-    _, short = await world.accounts.create_invite(owner, role=None, ttl=timedelta(hours=1), request_id="")
-    _, other = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="")
+    _, short = await world.bus.handle(
+        CreateInvite(caller=owner, role=None, ttl=timedelta(hours=1), request_id="")
+    )
+    _, other = await world.bus.handle(CreateInvite(caller=owner, role=None, ttl=None, request_id=""))
     with pytest.raises(AlreadyTaken, match="taken"):
-        await world.accounts.accept_invite(
-            invite=other, display_name="Ada 2", login="ADA", password=PASSWORD, request_id=""
+        await world.bus.handle(
+            AcceptInvite(invite=other, display_name="Ada 2", login="ADA", password=PASSWORD, request_id="")
         )
     # The refused acceptance left the invite usable.
     assert (
-        await world.accounts.accept_invite(
-            invite=other, display_name="Cy", login="cyd", password=PASSWORD, request_id=""
+        await world.bus.handle(
+            AcceptInvite(invite=other, display_name="Cy", login="cyd", password=PASSWORD, request_id="")
         )
     ).member.role is Role.MEMBER
     world.clock.advance(timedelta(hours=1))
     with pytest.raises(WrongState, match="expired"):
-        await world.accounts.accept_invite(
-            invite=short, display_name="Bea", login="bea", password=PASSWORD, request_id=""
+        await world.bus.handle(
+            AcceptInvite(invite=short, display_name="Bea", login="bea", password=PASSWORD, request_id="")
         )
 
 
@@ -427,26 +451,36 @@ async def test_only_owners_and_admins_invite_and_a_retry_gets_a_new_secret(world
     owner = await world.as_caller(tokens)
     member = await world.as_caller(await world.invite_and_join(owner, "bea"))
     with pytest.raises(NotAllowed):
-        await world.accounts.create_invite(member, role=Role.MEMBER, ttl=None, request_id="")
+        await world.bus.handle(CreateInvite(caller=member, role=Role.MEMBER, ttl=None, request_id=""))
     with pytest.raises(InvalidRequest):
-        await world.accounts.create_invite(owner, role=Role.OWNER, ttl=None, request_id="")
-    first, first_secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="inv-1")
-    again, again_secret = await world.accounts.create_invite(owner, role=None, ttl=None, request_id="inv-1")
+        await world.bus.handle(CreateInvite(caller=owner, role=Role.OWNER, ttl=None, request_id=""))
+    first, first_secret = await world.bus.handle(
+        CreateInvite(caller=owner, role=None, ttl=None, request_id="inv-1")
+    )
+    again, again_secret = await world.bus.handle(
+        CreateInvite(caller=owner, role=None, ttl=None, request_id="inv-1")
+    )
     assert again.id == first.id and again_secret != first_secret
     with pytest.raises(Unauthenticated):
-        await world.accounts.accept_invite(
-            invite=first_secret, display_name="Cy", login="cyd", password=PASSWORD, request_id=""
+        await world.bus.handle(
+            AcceptInvite(
+                invite=first_secret, display_name="Cy", login="cyd", password=PASSWORD, request_id=""
+            )
         )
-    await world.accounts.accept_invite(
-        invite=again_secret, display_name="Cy", login="cyd", password=PASSWORD, request_id="join-1"
+    await world.bus.handle(
+        AcceptInvite(
+            invite=again_secret, display_name="Cy", login="cyd", password=PASSWORD, request_id="join-1"
+        )
     )
     # Accepting again with its request_id signs the new member in again.
-    retried = await world.accounts.accept_invite(
-        invite=again_secret, display_name="Cy", login="cyd", password=PASSWORD, request_id="join-1"
+    retried = await world.bus.handle(
+        AcceptInvite(
+            invite=again_secret, display_name="Cy", login="cyd", password=PASSWORD, request_id="join-1"
+        )
     )
     assert retried.member.display_name == "Cy"
     with pytest.raises(WrongState):
-        await world.accounts.create_invite(owner, role=None, ttl=None, request_id="inv-1")
+        await world.bus.handle(CreateInvite(caller=owner, role=None, ttl=None, request_id="inv-1"))
 
 
 async def test_roles_change_only_as_the_rules_say(world: AuthWorld) -> None:
@@ -456,19 +490,19 @@ async def test_roles_change_only_as_the_rules_say(world: AuthWorld) -> None:
     cy = await world.invite_and_join(owner, "cyd", name="Cy")
     bea_caller = await world.as_caller(bea)
     with pytest.raises(NotAllowed):
-        await world.accounts.set_member_role(bea_caller, member_id=str(cy.member.id), role=Role.ADMIN)
-    made = await world.accounts.set_member_role(owner, member_id=str(bea.member.id), role=Role.ADMIN)
+        await world.bus.handle(SetMemberRole(caller=bea_caller, member_id=str(cy.member.id), role=Role.ADMIN))
+    made = await world.bus.handle(SetMemberRole(caller=owner, member_id=str(bea.member.id), role=Role.ADMIN))
     assert made.role is Role.ADMIN
     # Roles are read from the store, not from the (older) token.
-    await world.accounts.set_member_role(bea_caller, member_id=str(cy.member.id), role=Role.ADMIN)
+    await world.bus.handle(SetMemberRole(caller=bea_caller, member_id=str(cy.member.id), role=Role.ADMIN))
     with pytest.raises(NotAllowed, match="only the owner"):
-        await world.accounts.set_member_role(bea_caller, member_id=str(cy.member.id), role=Role.OWNER)
+        await world.bus.handle(SetMemberRole(caller=bea_caller, member_id=str(cy.member.id), role=Role.OWNER))
     with pytest.raises(NotAllowed, match="taken away"):
-        await world.accounts.set_member_role(bea_caller, member_id=str(creator.id), role=Role.MEMBER)
+        await world.bus.handle(SetMemberRole(caller=bea_caller, member_id=str(creator.id), role=Role.MEMBER))
     agent = await world.agent(workspace, by_service=True)
     with pytest.raises(InvalidRequest, match="agent"):
-        await world.accounts.set_member_role(owner, member_id=str(agent.id), role=Role.ADMIN)
-    handed = await world.accounts.set_member_role(owner, member_id=str(cy.member.id), role=Role.OWNER)
+        await world.bus.handle(SetMemberRole(caller=owner, member_id=str(agent.id), role=Role.ADMIN))
+    handed = await world.bus.handle(SetMemberRole(caller=owner, member_id=str(cy.member.id), role=Role.OWNER))
     assert handed.role is Role.OWNER
     assert world.store.state.members[creator.id].role is Role.ADMIN
     owners = [
@@ -479,11 +513,13 @@ async def test_roles_change_only_as_the_rules_say(world: AuthWorld) -> None:
     assert [m.id for m in owners] == [cy.member.id]
     _, _, elsewhere = await world.owner(login="zed")
     with pytest.raises(NotFound):
-        await world.accounts.set_member_role(
-            await world.as_caller(elsewhere), member_id=str(bea.member.id), role=Role.MEMBER
+        await world.bus.handle(
+            SetMemberRole(
+                caller=await world.as_caller(elsewhere), member_id=str(bea.member.id), role=Role.MEMBER
+            )
         )
     with pytest.raises(InvalidRequest):
-        await world.accounts.set_member_role(owner, member_id=str(bea.member.id), role=None)
+        await world.bus.handle(SetMemberRole(caller=owner, member_id=str(bea.member.id), role=None))
 
 
 async def test_a_read_only_token_changes_nothing(world: AuthWorld) -> None:
@@ -497,16 +533,18 @@ async def test_a_read_only_token_changes_nothing(world: AuthWorld) -> None:
         )
     )
     with pytest.raises(NotAllowed, match="read-only"):
-        await world.accounts.create_invite(read_only, role=None, ttl=None, request_id="")
+        await world.bus.handle(CreateInvite(caller=read_only, role=None, ttl=None, request_id=""))
     with pytest.raises(NotAllowed, match="read-only"):
-        await world.accounts.set_member_role(read_only, member_id=str(creator.id), role=Role.OWNER)
+        await world.bus.handle(SetMemberRole(caller=read_only, member_id=str(creator.id), role=Role.OWNER))
     with pytest.raises(NotAllowed):
-        await world.machines.create_personal_token(
-            read_only, name="x", scope=PersonalTokenScope.READ, expire_time=None, request_id=""
+        await world.bus.handle(
+            CreatePersonalToken(
+                caller=read_only, name="x", scope=PersonalTokenScope.READ, expire_time=None, request_id=""
+            )
         )
     service = Caller(claims=AccessClaims(kind=PrincipalKind.SERVICE, service="runtime"))
     with pytest.raises(NotAllowed, match="service"):
-        await world.accounts.create_invite(service, role=None, ttl=None, request_id="")
+        await world.bus.handle(CreateInvite(caller=service, role=None, ttl=None, request_id=""))
     assert tokens.member.id == creator.id
 
 
@@ -516,17 +554,19 @@ async def test_a_read_only_token_changes_nothing(world: AuthWorld) -> None:
 async def test_personal_token_lifecycle(world: AuthWorld) -> None:
     _, creator, tokens = await world.owner()
     me = await world.as_caller(tokens)
-    token, secret = await world.machines.create_personal_token(
-        me,
-        name="ci",
-        scope=PersonalTokenScope.READ,
-        expire_time=world.clock.now + timedelta(minutes=5),
-        request_id="",
+    token, secret = await world.bus.handle(
+        CreatePersonalToken(
+            caller=me,
+            name="ci",
+            scope=PersonalTokenScope.READ,
+            expire_time=world.clock.now + timedelta(minutes=5),
+            request_id="",
+        )
     )
     assert secret.startswith("aim_pat_") and token.last_used_at is None
-    listed = await world.machines.list_personal_tokens(me, page_size=0, page_token="")
+    listed = await list_personal_tokens(world.auth, me, page_size=0, page_token="")
     assert [t.id for t in listed.items] == [token.id] and secret not in repr(listed.items)
-    issued = await world.machines.exchange_personal_token(secret)
+    issued = await world.bus.handle(ExchangePersonalToken(secret=secret))
     claims = await world.verifier.verify(issued.token)
     assert (claims.member_id, claims.scope, claims.personal_token_id) == (creator.id, Scope.READ, token.id)
     # Never beyond the personal token's own expiry.
@@ -534,14 +574,22 @@ async def test_personal_token_lifecycle(world: AuthWorld) -> None:
     assert world.store.state.auth.personal_tokens[token.id].last_used_at == world.clock.now
     # A token exchanged for a personal token makes no other one.
     with pytest.raises(NotAllowed, match="personal access token"):
-        await world.machines.create_personal_token(
-            Caller(claims=claims), name="x", scope=PersonalTokenScope.READ, expire_time=None, request_id=""
+        await world.bus.handle(
+            CreatePersonalToken(
+                caller=Caller(claims=claims),
+                name="x",
+                scope=PersonalTokenScope.READ,
+                expire_time=None,
+                request_id="",
+            )
         )
-    revoked = await world.machines.revoke_personal_token(me, personal_token_id=str(token.id))
+    revoked = await world.bus.handle(RevokePersonalToken(caller=me, personal_token_id=str(token.id)))
     assert revoked.revoked_at is not None
-    assert (await world.machines.revoke_personal_token(me, personal_token_id=str(token.id))).revoked_at
+    assert (
+        await world.bus.handle(RevokePersonalToken(caller=me, personal_token_id=str(token.id)))
+    ).revoked_at
     with pytest.raises(Unauthenticated, match="not valid"):
-        await world.machines.exchange_personal_token(secret)
+        await world.bus.handle(ExchangePersonalToken(secret=secret))
 
 
 async def test_personal_tokens_expire_page_and_belong_to_their_member(world: AuthWorld) -> None:
@@ -550,45 +598,57 @@ async def test_personal_tokens_expire_page_and_belong_to_their_member(world: Aut
     made = []
     for index in range(3):
         made.append(
-            await world.machines.create_personal_token(
-                me, name=f"t{index}", scope=PersonalTokenScope.WRITE, expire_time=None, request_id=""
+            await world.bus.handle(
+                CreatePersonalToken(
+                    caller=me,
+                    name=f"t{index}",
+                    scope=PersonalTokenScope.WRITE,
+                    expire_time=None,
+                    request_id="",
+                )
             )
         )
-    first = await world.machines.list_personal_tokens(me, page_size=2, page_token="")
-    rest = await world.machines.list_personal_tokens(me, page_size=2, page_token=first.next_token)
+    first = await list_personal_tokens(world.auth, me, page_size=2, page_token="")
+    rest = await list_personal_tokens(world.auth, me, page_size=2, page_token=first.next_token)
     assert [t.name for t in first.items + rest.items] == ["t2", "t1", "t0"] and rest.next_token == ""
-    write = await world.machines.exchange_personal_token(made[0][1])
+    write = await world.bus.handle(ExchangePersonalToken(secret=made[0][1]))
     assert (await world.verifier.verify(write.token)).scope is Scope.READ_WRITE
     other = await world.as_caller(await world.invite_and_join(me, "bea"))
     with pytest.raises(NotFound):
-        await world.machines.revoke_personal_token(other, personal_token_id=str(made[0][0].id))
+        await world.bus.handle(RevokePersonalToken(caller=other, personal_token_id=str(made[0][0].id)))
     world.clock.advance(timedelta(days=90))
     with pytest.raises(Unauthenticated):
-        await world.machines.exchange_personal_token(made[0][1])
+        await world.bus.handle(ExchangePersonalToken(secret=made[0][1]))
     with pytest.raises(InvalidRequest):
-        await world.machines.create_personal_token(me, name="x", scope=None, expire_time=None, request_id="")
+        await world.bus.handle(
+            CreatePersonalToken(caller=me, name="x", scope=None, expire_time=None, request_id="")
+        )
 
 
 async def test_a_retried_personal_token_creation_gets_a_new_secret(world: AuthWorld) -> None:
     _, _, tokens = await world.owner()
     me = await world.as_caller(tokens)
-    first, first_secret = await world.machines.create_personal_token(
-        me, name="ci", scope=PersonalTokenScope.READ, expire_time=None, request_id="pat-1"
+    first, first_secret = await world.bus.handle(
+        CreatePersonalToken(
+            caller=me, name="ci", scope=PersonalTokenScope.READ, expire_time=None, request_id="pat-1"
+        )
     )
-    again, again_secret = await world.machines.create_personal_token(
-        me, name="ci", scope=PersonalTokenScope.READ, expire_time=None, request_id="pat-1"
+    again, again_secret = await world.bus.handle(
+        CreatePersonalToken(
+            caller=me, name="ci", scope=PersonalTokenScope.READ, expire_time=None, request_id="pat-1"
+        )
     )
     assert again.id == first.id and again_secret != first_secret
     with pytest.raises(Unauthenticated):
-        await world.machines.exchange_personal_token(first_secret)
-    await world.machines.exchange_personal_token(again_secret)
+        await world.bus.handle(ExchangePersonalToken(secret=first_secret))
+    await world.bus.handle(ExchangePersonalToken(secret=again_secret))
 
 
 # -- services and agents -----------------------------------------------------------
 
 
 async def test_a_service_gets_a_token_for_its_secret_only(world: AuthWorld) -> None:
-    issued = await world.machines.issue_service_token(service="runtime", secret=world.runtime_secret)
+    issued = await world.bus.handle(IssueServiceToken(service="runtime", secret=world.runtime_secret))
     claims = await world.verifier.verify(issued.token)
     assert (claims.kind, claims.service, claims.member_id) == (PrincipalKind.SERVICE, "runtime", None)
     messages = set()
@@ -599,7 +659,7 @@ async def test_a_service_gets_a_token_for_its_secret_only(world: AuthWorld) -> N
         ("runtime", "x" * 5000),
     ]:
         with pytest.raises(Unauthenticated) as caught:
-            await world.machines.issue_service_token(service=service, secret=secret)
+            await world.bus.handle(IssueServiceToken(service=service, secret=secret))
         messages.add(caught.value.message)
     assert messages == {"the service name or secret is wrong"}
 
@@ -611,10 +671,10 @@ async def test_a_service_gets_tokens_only_for_the_agents_it_hosts(world: AuthWor
     assert (hosted.host, unhosted.host) == ("runtime", None)
     runtime = Caller(
         claims=await world.verifier.verify(
-            (await world.machines.issue_service_token(service="runtime", secret=world.runtime_secret)).token
+            (await world.bus.handle(IssueServiceToken(service="runtime", secret=world.runtime_secret))).token
         )
     )
-    issued = await world.machines.issue_agent_tokens(runtime, agent_member_ids=[str(hosted.id)])
+    issued = await world.bus.handle(IssueAgentTokens(caller=runtime, agent_member_ids=[str(hosted.id)]))
     claims = await world.verifier.verify(issued[0].token)
     assert (claims.kind, claims.member_id, claims.host, claims.workspace_id) == (
         PrincipalKind.AGENT,
@@ -632,9 +692,9 @@ async def test_a_service_gets_tokens_only_for_the_agents_it_hosts(world: AuthWor
         (token_of(creator), [hosted.id]),
     ]:
         with pytest.raises(ServiceError) as caught:
-            await world.machines.issue_agent_tokens(caller, agent_member_ids=[str(i) for i in ids])
+            await world.bus.handle(IssueAgentTokens(caller=caller, agent_member_ids=[str(i) for i in ids]))
         assert isinstance(caught.value, NotAllowed)
     with pytest.raises(Unauthenticated):
-        await world.machines.issue_agent_tokens(None, agent_member_ids=[str(hosted.id)])
+        await world.bus.handle(IssueAgentTokens(caller=None, agent_member_ids=[str(hosted.id)]))
     with pytest.raises(InvalidRequest):
-        await world.machines.issue_agent_tokens(runtime, agent_member_ids=[])
+        await world.bus.handle(IssueAgentTokens(caller=runtime, agent_member_ids=[]))

@@ -51,6 +51,27 @@ def test_a_password_is_not_in_the_repr_of_a_command() -> None:
     assert "hunter2" not in repr(command)
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        commands.SignIn(login="ada", password="hunter2-hunter2"),
+        commands.RefreshTokens(refresh_token="aim_rt_hunter2"),
+        commands.SignOut(refresh_token="aim_rt_hunter2"),
+        commands.ChangePassword(caller=None, old_password="hunter2-old", new_password="hunter2-new"),
+        commands.AcceptInvite(
+            invite="aim_inv_hunter2", display_name="Bea", login="bea", password="hunter2-hunter2"
+        ),
+        commands.ExchangePersonalToken(secret="aim_pat_hunter2"),
+        commands.IssueServiceToken(service="runtime", secret="hunter2"),
+        commands.SignInWithOidc(id_token="hunter2.jwt", nonce="hunter2-nonce", invite="aim_inv_hunter2"),
+        commands.LinkOidcAccount(caller=None, id_token="hunter2.jwt", nonce="hunter2-nonce"),
+    ],
+    ids=lambda command: type(command).__name__,
+)
+def test_no_secret_of_an_identity_command_is_in_its_repr(command: commands.Command[object]) -> None:
+    assert "hunter2" not in repr(command)
+
+
 async def test_the_app_is_an_async_context_manager_that_closes_its_store() -> None:
     store = InMemoryStore()
     async with build_on_fakes(unit_settings(), store=store) as app:

@@ -14,10 +14,10 @@ import jwt
 import pytest
 
 from services.common.errors import ServiceError
+from services.im.adapters.id_tokens import IdTokenVerifier
 from services.im.domain.errors import NotAllowed, ProviderUnavailable, Unauthenticated
 from services.im.domain.oidc import IdTokenRules
 from services.im.service_layer.auth_ports import ProviderKeys
-from services.im.service_layer.handlers.oidc import IdTokenVerifier
 from tests.oidc_support import TestIssuer
 
 ISSUER = "https://id.example.test"

@@ -2,8 +2,12 @@
 
 Each command names its result type (`Command[R]`) and has exactly one
 handler, which `services.im.service_layer.messagebus.MessageBus` dispatches
-to. Reads (get, list, the unread messages, the event watch) are not
-commands: they change nothing, so the servicer calls their handlers directly.
+to. Reads (get, list, the unread messages, the event watch, the signing
+keys, personal tokens and audit records) are not commands: they change
+nothing, so the servicers call their handlers directly.
+
+Secrets (passwords, refresh tokens, invites, ID tokens and their nonces)
+are left out of a command's repr, so that a logged command shows none.
 
 Field values are as the caller sent them (ids as text, empty for unset);
 the handlers check them, so that every client input gets a clear error.
@@ -13,10 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from services.im.domain.accounts import IssuedTokens
-from services.im.domain.model import ContentType, Group, Member, MemberKind, Message, ReadState, Workspace
+from services.im.domain.accounts import Invite, IssuedAccess, IssuedTokens, PersonalToken, PersonalTokenScope
+from services.im.domain.model import (
+    ContentType,
+    Group,
+    Member,
+    MemberKind,
+    Message,
+    ReadState,
+    Role,
+    Workspace,
+)
 
 if TYPE_CHECKING:
     from services.common.identity import Caller
@@ -164,3 +178,145 @@ class MarkRead(Command[ReadState]):
     caller: Caller | None
     group_id: str
     up_to_message_id: str
+
+
+# -- signing in and sessions ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignIn(Command[IssuedTokens]):
+    """Signs in with a login and password: in the workspace named, or (without
+    one) in the one workspace whose account the password fits."""
+
+    workspace_id: str = ""
+    login: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RefreshTokens(Command[IssuedTokens]):
+    """Exchanges a refresh token for the next one of its session and a new access token."""
+
+    refresh_token: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignOut(Command[None]):
+    """Ends the session of a refresh token (any token of it)."""
+
+    refresh_token: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChangePassword(Command[IssuedTokens]):
+    """Changes the caller's password, signing out every session; gives a new one."""
+
+    caller: Caller | None
+    old_password: str = field(repr=False)
+    new_password: str = field(repr=False)
+
+
+# -- invites and roles ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateInvite(Command[tuple[Invite, str]]):
+    """Makes an invite to the caller's workspace (bound to an email, if one is
+    given); gives it with its secret, shown this once."""
+
+    caller: Caller | None
+    role: Role | None = None
+    ttl: timedelta | None = None
+    request_id: str = ""
+    email: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AcceptInvite(Command[IssuedTokens]):
+    """Joins a workspace with an invite, as a person with a login and password."""
+
+    invite: str = field(repr=False)
+    display_name: str
+    login: str
+    password: str = field(repr=False)
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetMemberRole(Command[Member]):
+    """Gives a member of the caller's workspace a role (handing over the
+    workspace makes the caller an admin)."""
+
+    caller: Caller | None
+    member_id: str
+    role: Role | None
+
+
+# -- tokens for programs ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreatePersonalToken(Command[tuple[PersonalToken, str]]):
+    """Makes a personal access token of the caller's; gives it with its secret, shown this once."""
+
+    caller: Caller | None
+    name: str
+    scope: PersonalTokenScope | None
+    expire_time: datetime | None = None
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RevokePersonalToken(Command[PersonalToken]):
+    """Revokes one of the caller's personal access tokens (again: no change)."""
+
+    caller: Caller | None
+    personal_token_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExchangePersonalToken(Command[IssuedAccess]):
+    """Exchanges a personal access token for an access token of its scope."""
+
+    secret: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IssueServiceToken(Command[IssuedAccess]):
+    """Exchanges a service's credential for a service access token."""
+
+    service: str
+    secret: str = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IssueAgentTokens(Command[list[IssuedAccess]]):
+    """Access tokens for agents that the calling service hosts."""
+
+    caller: Caller | None
+    agent_member_ids: Sequence[str]
+
+
+# -- the organisation's OpenID Connect provider ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SignInWithOidc(Command[tuple[IssuedTokens, bool]]):
+    """Signs in with the provider's ID token (joining with the invite if the
+    email has no member yet); gives the tokens and whether the member was made now."""
+
+    id_token: str = field(repr=False)
+    nonce: str = field(repr=False)
+    workspace_id: str = ""
+    invite: str = field(default="", repr=False)
+    display_name: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkOidcAccount(Command[tuple[Member, str]]):
+    """Gives the signed-in caller's account the email the provider's ID token
+    verifies; gives the member and the email."""
+
+    caller: Caller | None
+    id_token: str = field(repr=False)
+    nonce: str = field(repr=False)

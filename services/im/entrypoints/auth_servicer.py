@@ -1,4 +1,4 @@
-"""The AuthService gRPC servicer: proto in, handler call, proto out."""
+"""The AuthService gRPC servicer: proto in, command or query, proto out."""
 
 from __future__ import annotations
 
@@ -8,29 +8,29 @@ from agentim.im.v1 import auth_pb2, auth_pb2_grpc
 from services.common.audit_proto import event_out, query_in
 from services.common.authn import current_caller
 from services.common.identity import Caller
+from services.im.domain import commands
 from services.im.entrypoints import auth_mappers as out
 from services.im.entrypoints import mappers
-from services.im.service_layer.handlers.auth import AuthService
-from services.im.service_layer.handlers.machine_access import MachineAccess
-from services.im.service_layer.handlers.oidc import OidcAccess
+from services.im.service_layer.handlers import audit_events, machine_access, sessions
+from services.im.service_layer.handlers.auth_deps import AuthDeps
+from services.im.service_layer.messagebus import MessageBus
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any
 
 
 class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
-    """Thin translation between the wire and the identity handlers.
+    """Thin translation between the wire and the identity handlers: commands
+    go through the message bus, queries are direct calls.
 
     Args:
-        accounts: sign-in, sessions, invites, roles.
-        machines: personal access tokens, service and agent tokens.
-        oidc: signing in with the organisation's OpenID Connect provider.
+        bus: the IM's message bus.
+        auth: what the identity queries read with.
     """
 
-    def __init__(self, accounts: AuthService, machines: MachineAccess, oidc: OidcAccess) -> None:
-        self._accounts = accounts
-        self._machines = machines
-        self._oidc = oidc
+    def __init__(self, bus: MessageBus, auth: AuthDeps) -> None:
+        self._bus = bus
+        self._auth = auth
 
     async def _caller(self, context: Context) -> Caller | None:
         # Verified by the AuthenticationInterceptor before this handler ran.
@@ -40,106 +40,125 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
         self, request: auth_pb2.GetSigningKeysRequest, context: Context
     ) -> auth_pb2.GetSigningKeysResponse:
         return auth_pb2.GetSigningKeysResponse(
-            keys=[out.signing_key(k) for k in self._accounts.signing_keys()]
+            keys=[out.signing_key(k) for k in sessions.signing_keys(self._auth)]
         )
 
     async def SignIn(self, request: auth_pb2.SignInRequest, context: Context) -> auth_pb2.SignInResponse:
-        issued = await self._accounts.sign_in(
-            workspace_id=request.workspace_id, login=request.login, password=request.password
+        issued = await self._bus.handle(
+            commands.SignIn(workspace_id=request.workspace_id, login=request.login, password=request.password)
         )
         return auth_pb2.SignInResponse(tokens=out.tokens(issued))
 
     async def SignInWithOidc(
         self, request: auth_pb2.SignInWithOidcRequest, context: Context
     ) -> auth_pb2.SignInWithOidcResponse:
-        issued, joined = await self._oidc.sign_in(
-            id_token=request.id_token,
-            nonce=request.nonce,
-            workspace_id=request.workspace_id,
-            invite=request.invite,
-            display_name=request.display_name,
+        issued, joined = await self._bus.handle(
+            commands.SignInWithOidc(
+                id_token=request.id_token,
+                nonce=request.nonce,
+                workspace_id=request.workspace_id,
+                invite=request.invite,
+                display_name=request.display_name,
+            )
         )
         return auth_pb2.SignInWithOidcResponse(tokens=out.tokens(issued), joined=joined)
 
     async def LinkOidcAccount(
         self, request: auth_pb2.LinkOidcAccountRequest, context: Context
     ) -> auth_pb2.LinkOidcAccountResponse:
-        member, email = await self._oidc.link(
-            await self._caller(context), id_token=request.id_token, nonce=request.nonce
+        member, email = await self._bus.handle(
+            commands.LinkOidcAccount(
+                caller=await self._caller(context), id_token=request.id_token, nonce=request.nonce
+            )
         )
         return auth_pb2.LinkOidcAccountResponse(member=mappers.member(member), email=email)
 
     async def RefreshTokens(
         self, request: auth_pb2.RefreshTokensRequest, context: Context
     ) -> auth_pb2.RefreshTokensResponse:
-        issued = await self._accounts.refresh(request.refresh_token)
+        issued = await self._bus.handle(commands.RefreshTokens(refresh_token=request.refresh_token))
         return auth_pb2.RefreshTokensResponse(tokens=out.tokens(issued))
 
     async def SignOut(self, request: auth_pb2.SignOutRequest, context: Context) -> auth_pb2.SignOutResponse:
-        await self._accounts.sign_out(request.refresh_token)
+        await self._bus.handle(commands.SignOut(refresh_token=request.refresh_token))
         return auth_pb2.SignOutResponse()
 
     async def ChangePassword(
         self, request: auth_pb2.ChangePasswordRequest, context: Context
     ) -> auth_pb2.ChangePasswordResponse:
-        issued = await self._accounts.change_password(
-            await self._caller(context),
-            old_password=request.old_password,
-            new_password=request.new_password,
+        issued = await self._bus.handle(
+            commands.ChangePassword(
+                caller=await self._caller(context),
+                old_password=request.old_password,
+                new_password=request.new_password,
+            )
         )
         return auth_pb2.ChangePasswordResponse(tokens=out.tokens(issued))
 
     async def CreateInvite(
         self, request: auth_pb2.CreateInviteRequest, context: Context
     ) -> auth_pb2.CreateInviteResponse:
-        invite, secret = await self._accounts.create_invite(
-            await self._caller(context),
-            role=mappers.role(request.role),
-            ttl=out.duration(request.ttl, "ttl") if request.HasField("ttl") else None,
-            request_id=request.request_id,
-            email=request.email,
+        invite, secret = await self._bus.handle(
+            commands.CreateInvite(
+                caller=await self._caller(context),
+                role=mappers.role(request.role),
+                ttl=out.duration(request.ttl, "ttl") if request.HasField("ttl") else None,
+                request_id=request.request_id,
+                email=request.email,
+            )
         )
         return auth_pb2.CreateInviteResponse(invite=out.invite(invite), secret=secret)
 
     async def AcceptInvite(
         self, request: auth_pb2.AcceptInviteRequest, context: Context
     ) -> auth_pb2.AcceptInviteResponse:
-        issued = await self._accounts.accept_invite(
-            invite=request.invite,
-            display_name=request.display_name,
-            login=request.login,
-            password=request.password,
-            request_id=request.request_id,
+        issued = await self._bus.handle(
+            commands.AcceptInvite(
+                invite=request.invite,
+                display_name=request.display_name,
+                login=request.login,
+                password=request.password,
+                request_id=request.request_id,
+            )
         )
         return auth_pb2.AcceptInviteResponse(tokens=out.tokens(issued))
 
     async def SetMemberRole(
         self, request: auth_pb2.SetMemberRoleRequest, context: Context
     ) -> auth_pb2.SetMemberRoleResponse:
-        changed = await self._accounts.set_member_role(
-            await self._caller(context), member_id=request.member_id, role=mappers.role(request.role)
+        changed = await self._bus.handle(
+            commands.SetMemberRole(
+                caller=await self._caller(context),
+                member_id=request.member_id,
+                role=mappers.role(request.role),
+            )
         )
         return auth_pb2.SetMemberRoleResponse(member=mappers.member(changed))
 
     async def CreatePersonalToken(
         self, request: auth_pb2.CreatePersonalTokenRequest, context: Context
     ) -> auth_pb2.CreatePersonalTokenResponse:
-        token, secret = await self._machines.create_personal_token(
-            await self._caller(context),
-            name=request.name,
-            scope=out.personal_token_scope(request.scope),
-            expire_time=out.time(request.expire_time, "expire_time")
-            if request.HasField("expire_time")
-            else None,
-            request_id=request.request_id,
+        token, secret = await self._bus.handle(
+            commands.CreatePersonalToken(
+                caller=await self._caller(context),
+                name=request.name,
+                scope=out.personal_token_scope(request.scope),
+                expire_time=out.time(request.expire_time, "expire_time")
+                if request.HasField("expire_time")
+                else None,
+                request_id=request.request_id,
+            )
         )
         return auth_pb2.CreatePersonalTokenResponse(personal_token=out.personal_token(token), secret=secret)
 
     async def ListPersonalTokens(
         self, request: auth_pb2.ListPersonalTokensRequest, context: Context
     ) -> auth_pb2.ListPersonalTokensResponse:
-        page = await self._machines.list_personal_tokens(
-            await self._caller(context), page_size=request.page_size, page_token=request.page_token
+        page = await machine_access.list_personal_tokens(
+            self._auth,
+            await self._caller(context),
+            page_size=request.page_size,
+            page_token=request.page_token,
         )
         return auth_pb2.ListPersonalTokensResponse(
             personal_tokens=[out.personal_token(t) for t in page.items], next_page_token=page.next_token
@@ -148,15 +167,17 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     async def RevokePersonalToken(
         self, request: auth_pb2.RevokePersonalTokenRequest, context: Context
     ) -> auth_pb2.RevokePersonalTokenResponse:
-        token = await self._machines.revoke_personal_token(
-            await self._caller(context), personal_token_id=request.personal_token_id
+        token = await self._bus.handle(
+            commands.RevokePersonalToken(
+                caller=await self._caller(context), personal_token_id=request.personal_token_id
+            )
         )
         return auth_pb2.RevokePersonalTokenResponse(personal_token=out.personal_token(token))
 
     async def ExchangePersonalToken(
         self, request: auth_pb2.ExchangePersonalTokenRequest, context: Context
     ) -> auth_pb2.ExchangePersonalTokenResponse:
-        issued = await self._machines.exchange_personal_token(request.secret)
+        issued = await self._bus.handle(commands.ExchangePersonalToken(secret=request.secret))
         assert issued.member is not None
         return auth_pb2.ExchangePersonalTokenResponse(
             access_token=issued.token,
@@ -167,7 +188,9 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     async def IssueServiceToken(
         self, request: auth_pb2.IssueServiceTokenRequest, context: Context
     ) -> auth_pb2.IssueServiceTokenResponse:
-        issued = await self._machines.issue_service_token(service=request.service, secret=request.secret)
+        issued = await self._bus.handle(
+            commands.IssueServiceToken(service=request.service, secret=request.secret)
+        )
         return auth_pb2.IssueServiceTokenResponse(
             access_token=issued.token, access_expire_time=out.access_expiry(issued)
         )
@@ -175,8 +198,10 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     async def IssueAgentTokens(
         self, request: auth_pb2.IssueAgentTokensRequest, context: Context
     ) -> auth_pb2.IssueAgentTokensResponse:
-        issued = await self._machines.issue_agent_tokens(
-            await self._caller(context), agent_member_ids=list(request.agent_member_ids)
+        issued = await self._bus.handle(
+            commands.IssueAgentTokens(
+                caller=await self._caller(context), agent_member_ids=list(request.agent_member_ids)
+            )
         )
         return auth_pb2.IssueAgentTokensResponse(
             agent_tokens=[
@@ -192,7 +217,8 @@ class AuthServicer(auth_pb2_grpc.AuthServiceServicer):
     async def ListAuditEvents(
         self, request: auth_pb2.ListAuditEventsRequest, context: Context
     ) -> auth_pb2.ListAuditEventsResponse:
-        records, token = await self._accounts.list_audit_events(
+        records, token = await audit_events.list_audit_events(
+            self._auth,
             await self._caller(context),
             query_in(request.query),
             page_size=request.page_size,

@@ -3,6 +3,8 @@
 `AuthRecords` is the part of the unit of work (`ports.Transaction`) that
 keeps accounts and credentials, so that a workspace, its owner and the
 owner's account commit together. `Passwords` hashes and checks passwords.
+`IdTokens` checks the OpenID Connect provider's ID tokens, with the keys
+`ProviderKeys` fetches.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from services.im.domain.accounts import Account, Invite, PersonalToken, RefreshToken, SignInFailures
 from services.im.domain.model import Role
+from services.im.domain.oidc import VerifiedIdentity
 
 
 class LoginTaken(Exception):
@@ -169,4 +172,19 @@ class ProviderKeys(abc.ABC):
 
         Raises:
             ProviderUnavailable: the provider cannot be reached or answers nonsense.
+        """
+
+
+class IdTokens(abc.ABC):
+    """Checks the ID tokens of the OpenID Connect provider."""
+
+    @abc.abstractmethod
+    async def verify(self, id_token: str, nonce: str) -> VerifiedIdentity:
+        """Who the token proves signed in, for the sign-in that sent `nonce`.
+
+        Raises:
+            InvalidRequest: no token or no nonce.
+            Unauthenticated: a token that is not the provider's, or not for us, or not now.
+            NotAllowed: genuine, but without a verified email.
+            ProviderUnavailable: the provider's keys cannot be had.
         """

@@ -1,6 +1,5 @@
-"""Workspaces: opening one with its owner, reading them. (The CreateWorkspace
-command is handled by `auth.AuthService.create_workspace`, which adds the
-owner's account.)"""
+"""Workspaces: creating one with its owner (and the owner's account, when a
+login is given), reading them."""
 
 from __future__ import annotations
 
@@ -11,9 +10,19 @@ from uuid_utils.compat import uuid7
 
 from services.common import audit
 from services.common.identity import Caller
-from services.im.domain import rules
-from services.im.domain.errors import NotFound
+from services.im.domain import access, rules
+from services.im.domain.accounts import IssuedTokens
+from services.im.domain.commands import CreateWorkspace
+from services.im.domain.errors import InvalidRequest, NotFound
 from services.im.domain.model import Member, MemberKind, Role, Workspace
+from services.im.service_layer.handlers.auth_deps import (
+    AuthDeps,
+    Session,
+    new_account,
+    new_session,
+    session_tokens,
+    signed_in_again,
+)
 from services.im.service_layer.handlers.deps import (
     CreationHook,
     Deps,
@@ -25,18 +34,45 @@ from services.im.service_layer.handlers.deps import (
 from services.im.service_layer.ports import DuplicateRequest, Transaction
 
 
+async def create_workspace(
+    auth: AuthDeps, command: CreateWorkspace
+) -> tuple[Workspace, Member, IssuedTokens | None]:
+    """A workspace and its owner, with the owner's account and tokens if a login is given."""
+    login, password, creator_kind = command.creator_login, command.creator_password, command.creator_kind
+    if not login and not password:
+        workspace, creator, _ = await open_workspace(auth.im, command)
+        return workspace, creator, None
+    if not login or not password:
+        raise InvalidRequest("creator_login and creator_password go together")
+    if creator_kind not in (None, MemberKind.HUMAN):
+        raise InvalidRequest("only a HUMAN creator can have an account")
+    key = access.normalize_login(login)
+    access.check_password(password, auth.limits, field="creator_password")
+    password_hash = await auth.passwords.hash(password)
+    sessions: list[Session] = []
+
+    async def add_account(tx: Transaction, workspace: Workspace, creator: Member) -> None:
+        await tx.add_account(new_account(creator, auth.now(), login=key, password_hash=password_hash))
+        sessions.append(await new_session(auth, tx, creator))
+
+    workspace, creator, created = await open_workspace(
+        auth.im, command, fingerprint_extra={"login": key}, within=add_account
+    )
+    if not created:
+        # A retry: the first response (with its tokens) may have been lost.
+        return workspace, creator, await signed_in_again(auth, creator, password)
+    return workspace, creator, session_tokens(auth, creator, sessions[0])
+
+
 async def open_workspace(
     deps: Deps,
+    command: CreateWorkspace,
     *,
-    name: str,
-    creator_display_name: str,
-    creator_kind: MemberKind | None,
-    creator_avatar: str,
-    request_id: str,
     fingerprint_extra: Mapping[str, str] | None = None,
     within: CreationHook | None = None,
 ) -> tuple[Workspace, Member, bool]:
-    """Creates a workspace with its creator, who owns it.
+    """Creates the workspace a command asks for with its creator, who owns it
+    (the creator's login and password are `create_workspace`'s).
 
     Args:
         fingerprint_extra: more of the request that a retry with the
@@ -48,11 +84,11 @@ async def open_workspace(
         The workspace, its creator, and whether this call created them
         (False: an earlier call with the same request_id did).
     """
-    name = rules.check_name(name, "name", required=True)
-    display_name = rules.check_name(creator_display_name, "creator_display_name", required=True)
-    avatar = rules.check_avatar(creator_avatar)
-    kind = creator_kind or MemberKind.HUMAN
-    rid = rules.check_request_id(request_id)
+    name = rules.check_name(command.name, "name", required=True)
+    display_name = rules.check_name(command.creator_display_name, "creator_display_name", required=True)
+    avatar = rules.check_avatar(command.creator_avatar)
+    kind = command.creator_kind or MemberKind.HUMAN
+    rid = rules.check_request_id(command.request_id)
     fingerprint = rules.request_fingerprint(
         op="create_workspace",
         name=name,
