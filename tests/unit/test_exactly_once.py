@@ -23,10 +23,17 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.runtime.bootstrap import RuntimeApp
-from services.runtime.domain.commands import PauseAgent, ResumeAgent, SubmitTask, TerminateAgent
+from services.runtime.domain.commands import (
+    CreateAgent,
+    PauseAgent,
+    ResumeAgent,
+    SubmitTask,
+    TerminateAgent,
+)
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
     Agent,
+    AgentDraft,
     AgentState,
     Run,
     RunStatus,
@@ -35,7 +42,6 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMMessage
 from services.runtime.service_layer.llm_port import LLM
@@ -131,10 +137,6 @@ class System:
         return self.app.supervisor
 
     @property
-    def agents(self) -> AgentService:
-        return self.app.service
-
-    @property
     def tasks(self) -> TaskViews:
         return self.app.tasks
 
@@ -152,7 +154,7 @@ class System:
         return caller_of(self.human, self.im.workspace, roles=("owner",))
 
     async def agent(self, name: str = "ada", **fields: Any) -> Agent:
-        return await self.agents.create_agent(self.me, AgentDraft(name=name, **fields))
+        return await self.bus.handle(CreateAgent(caller=self.me, draft=AgentDraft(name=name, **fields)))
 
     async def settle(self, agent: Agent) -> None:
         runner = self.supervisor.runner(agent.id)

@@ -420,7 +420,7 @@ async def test_every_state_change_has_a_higher_version_and_an_answer_is_never_ne
         assert answer.state_version < running.version, "the answer is older than the run's start"
         # What is stored (and read after a restart) has the last version.
         assert h.store.agents[ada.id].state_version == versions[-1]
-        assert (await h.service.get_agent(h.me, str(ada.id))).state_version == versions[-1]
+        assert (await h.app.agents.get_agent(h.me, str(ada.id))).state_version == versions[-1]
 
 
 async def test_terminating_an_agent_mid_answer_tells_the_chat_and_interrupting_does_not() -> None:

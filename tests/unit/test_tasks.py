@@ -17,9 +17,10 @@ from services.common import errors
 from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.bootstrap import RuntimeApp
-from services.runtime.domain.commands import CancelTask, SubmitTask
+from services.runtime.domain.commands import CancelTask, CreateAgent, SubmitTask
 from services.runtime.domain.model import (
     Agent,
+    AgentDraft,
     AgentState,
     Emitted,
     Placed,
@@ -29,7 +30,6 @@ from services.runtime.domain.model import (
     TaskChanged,
     TaskStatus,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.runner import AgentRunner
@@ -57,10 +57,6 @@ class Queue:
         return self.app.hub
 
     @property
-    def agents(self) -> AgentService:
-        return self.app.service
-
-    @property
     def tasks(self) -> TaskViews:
         return self.app.tasks
 
@@ -83,7 +79,7 @@ class Queue:
         return runner
 
     async def agent(self, name: str = "ada") -> Agent:
-        return await self.agents.create_agent(self.me, AgentDraft(name=name))
+        return await self.bus.handle(CreateAgent(caller=self.me, draft=AgentDraft(name=name)))
 
     async def submit(self, agent: Agent, text: str = "do it", **fields: object) -> Task:
         placed = await self.bus.handle(SubmitTask(self.me, str(agent.id), text=text, **fields))  # type: ignore[arg-type]

@@ -454,7 +454,7 @@ class SqlAgentStore(AgentStore):
         )
         return int(rows[0][0] or 0)
 
-    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+    # -- History: sessions, checkpoints, the step archive (the history handlers) --
 
     async def add_session(self, session: Session) -> None:
         await self._write(
@@ -823,7 +823,7 @@ class SqlAgentStore(AgentStore):
         await self._db.aclose()
 
 
-# -- History helpers (HistoryService) --
+# -- History helpers (the history handlers) --
 
 
 def _session_values(session: Session) -> dict[str, Any]:

@@ -12,13 +12,54 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from services.common.identity import Caller
-from services.runtime.domain.model import Agent, Placed
+from services.runtime.domain.llm import Role
+from services.runtime.domain.model import Agent, AgentDraft, Checkpoint, Placed, Session, Step
 
 R_co = TypeVar("R_co", covariant=True)
 
 
 class Command(Generic[R_co]):
     """A request to change something; handling it returns an `R_co`."""
+
+
+# -- agents --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateAgent(Command[Agent]):
+    """Makes an agent as `draft` says, in the caller's workspace (which
+    `workspace_id`, if given, must be), a child of `parent_id` if given, owned
+    by the caller; the same agent again for a repeated `request_id`."""
+
+    caller: Caller | None
+    draft: AgentDraft
+    workspace_id: str = ""
+    parent_id: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateAgent(Command[Agent]):
+    """Changes the agent's settings named in `fields` to `draft`'s."""
+
+    caller: Caller | None
+    agent_id: str
+    draft: AgentDraft
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeleteAgent(Command[None]):
+    """Stops the agent's runner and deletes the agent."""
+
+    caller: Caller | None
+    agent_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TellAgentOwners(Command[int]):
+    """The runtime tells the IM who owns each agent it hosts (for agents made
+    before the IM knew owners); returns how many the IM changed."""
 
 
 # -- the people's controls of an agent ------------------------------------------
@@ -97,3 +138,86 @@ class CancelTask(Command[Placed]):
 
     caller: Caller | None
     task_id: str
+
+
+# -- an agent's history ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateStep(Command[Step]):
+    """Replaces the content of step `sequence` of a paused agent's main session."""
+
+    caller: Caller | None
+    agent_id: str
+    sequence: int
+    content: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeleteStep(Command[list[int]]):
+    """Removes step `sequence` of a paused agent (with the results of its tool
+    calls); returns the sequence numbers removed."""
+
+    caller: Caller | None
+    agent_id: str
+    sequence: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AddNote(Command[Step]):
+    """Appends a system or user step to a paused agent's main session (`role`
+    None: the caller sent neither)."""
+
+    caller: Caller | None
+    agent_id: str
+    role: Role | None
+    content: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateCheckpoint(Command[Checkpoint]):
+    """Names the agent's main session up to its last step, and its settings."""
+
+    caller: Caller | None
+    agent_id: str
+    name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreCheckpoint(Command[Agent]):
+    """Brings back a checkpoint's settings and position."""
+
+    caller: Caller | None
+    agent_id: str
+    checkpoint_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetMainSession(Command[Agent]):
+    """Makes one of the agent's sessions its main one."""
+
+    caller: Caller | None
+    agent_id: str
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryFromStep(Command[Agent]):
+    """Removes step `sequence` and those after it, and continues from the step before."""
+
+    caller: Caller | None
+    agent_id: str
+    sequence: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ForkFromStep(Command[tuple[Session, Agent]]):
+    """Copies steps 1..`sequence` of the main session into a new main session
+    of the agent, or of a new agent (`new_agent`, named `name` if given), and
+    continues there; returns the session and the agent it is the main one of."""
+
+    caller: Caller | None
+    agent_id: str
+    sequence: int
+    new_agent: bool = False
+    name: str = ""
