@@ -68,7 +68,7 @@ class World:
 
     async def paused(self, agent: Agent) -> None:
         await self.h.settle(agent)
-        paused = await self.bus.handle(PauseAgent(self.me, str(agent.id)))
+        paused = await self.bus.handle(PauseAgent(caller=self.me, agent_id=str(agent.id)))
         assert paused.state is AgentState.PAUSED
 
     def live(self, agent: Agent) -> Agent:
@@ -181,7 +181,7 @@ async def test_edit_then_resume_uses_the_edited_context_and_keeps_the_original(w
     w.h.im.post(w.h.human, chat.id, "what was it?")
     await asyncio.sleep(0)
     assert len(w.h.llm.requests) == 1, "paused: the message waits"
-    await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
+    await w.bus.handle(ResumeAgent(caller=w.me, agent_id=str(ada.id)))
     await w.h.settle(ada)
     seen = [content for _, content in context(w)]
     assert seen[0] == "the password is [removed]" and not any("hunter2" in c for c in seen)
@@ -206,7 +206,7 @@ async def test_a_note_is_the_next_step_and_part_of_the_next_context(w: World) ->
             await w.bus.handle(AddNote(caller=w.me, agent_id=str(ada.id), role=role, content="x"))
     with pytest.raises(errors.InvalidArgument, match="content"):
         await w.bus.handle(AddNote(caller=w.me, agent_id=str(ada.id), role=Role.USER, content="  "))
-    await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
+    await w.bus.handle(ResumeAgent(caller=w.me, agent_id=str(ada.id)))
     await w.talk(ada, "and now?")
     assert context(w)[2:4] == [
         (Role.SYSTEM, "Answer in French from now on."),
@@ -230,7 +230,7 @@ async def test_a_tool_result_cannot_be_deleted_alone_but_goes_with_its_call() ->
         with pytest.raises(errors.NotFound):
             await w.bus.handle(DeleteStep(caller=w.me, agent_id=str(ada.id), sequence=2))
         # The next context has no call without its result.
-        await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
+        await w.bus.handle(ResumeAgent(caller=w.me, agent_id=str(ada.id)))
         await w.talk(ada, "thanks")
         assert [r for r, _ in context(w)] == [Role.USER, Role.ASSISTANT, Role.USER]
 
@@ -242,7 +242,7 @@ async def test_deleting_a_plain_step_keeps_the_later_numbers(w: World) -> None:
     await w.paused(ada)
     assert await w.bus.handle(DeleteStep(caller=w.me, agent_id=str(ada.id), sequence=3)) == [3]
     assert [s for s, _, _ in w.steps(ada)] == [1, 2, 4]
-    await w.bus.handle(ResumeAgent(w.me, str(ada.id)))
+    await w.bus.handle(ResumeAgent(caller=w.me, agent_id=str(ada.id)))
     await w.talk(ada, "three")
     assert [s for s, _, _ in w.steps(ada)] == [1, 2, 4, 5, 6]
     assert [r for r, _ in context(w)] == [Role.USER, Role.ASSISTANT, Role.ASSISTANT, Role.USER]
@@ -329,7 +329,7 @@ async def test_restore_is_refused_while_running_or_terminated() -> None:
             await w.bus.handle(ForkFromStep(caller=w.me, agent_id=str(ada.id), sequence=1, new_agent=False))
         gate.set()
         await w.h.settle(ada)
-        await w.bus.handle(TerminateAgent(w.me, str(ada.id), clear_queue=False))
+        await w.bus.handle(TerminateAgent(caller=w.me, agent_id=str(ada.id), clear_queue=False))
         with pytest.raises(errors.FailedPrecondition, match="TERMINATED"):
             await w.bus.handle(
                 RestoreCheckpoint(caller=w.me, agent_id=str(ada.id), checkpoint_id=str(checkpoint.id))

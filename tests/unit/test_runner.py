@@ -429,7 +429,7 @@ async def test_a_failing_endpoint_puts_the_agent_in_error_and_a_wake_recovers() 
                 "retry": "WakeAgent",
             }
         }
-        await h.app.bus.handle(WakeAgent(h.me, str(ada.id)))
+        await h.app.bus.handle(WakeAgent(caller=h.me, agent_id=str(ada.id)))
         await h.settle(ada)
         assert h.store.agents[ada.id].state is AgentState.IDLE
         assert [m.content for m in h.im.in_group(chat.id)] == ["hello?", notice.content, "back"]
@@ -461,7 +461,7 @@ async def test_a_run_failed_for_its_context_is_told_in_the_chat_and_a_wake_retri
             notice.content_type == "system" and "no longer fits my model's context window" in notice.content
         )
         assert "context too long" in notice.content
-        await h.app.bus.handle(WakeAgent(h.me, str(ada.id)))
+        await h.app.bus.handle(WakeAgent(caller=h.me, agent_id=str(ada.id)))
         await h.settle(ada)
         assert h.im.in_group(chat.id)[-1].content == "fits now"
         statuses = sorted(r.status.value for r in h.store.runs.values())

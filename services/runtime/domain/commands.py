@@ -65,7 +65,7 @@ class TellAgentOwners(Command[int]):
 # -- the people's controls of an agent ------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StartAgent(Command[Agent]):
     """A terminated agent works again."""
 
@@ -73,7 +73,7 @@ class StartAgent(Command[Agent]):
     agent_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PauseAgent(Command[Agent]):
     """PAUSED now if idle, else at the run's next step boundary."""
 
@@ -81,7 +81,7 @@ class PauseAgent(Command[Agent]):
     agent_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ResumeAgent(Command[Agent]):
     """Back to work: what was cut short goes on, then what waits."""
 
@@ -89,7 +89,7 @@ class ResumeAgent(Command[Agent]):
     agent_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class InterruptAgent(Command[Agent]):
     """Cuts the run in flight at once and pauses."""
 
@@ -97,7 +97,7 @@ class InterruptAgent(Command[Agent]):
     agent_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TerminateAgent(Command[Agent]):
     """Cuts the run in flight; nothing more until StartAgent. `clear_queue`
     also cancels the agent's waiting tasks."""
@@ -107,7 +107,7 @@ class TerminateAgent(Command[Agent]):
     clear_queue: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class WakeAgent(Command[Agent]):
     """The agent looks for work now, and retries a run that failed."""
 
@@ -118,7 +118,7 @@ class WakeAgent(Command[Agent]):
 # -- tasks ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SubmitTask(Command[Placed]):
     """Queues a task for the agent (the same one again for a repeated
     `request_id`), in its main session unless `session_id` names another;
@@ -132,7 +132,7 @@ class SubmitTask(Command[Placed]):
     priority: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CancelTask(Command[Placed]):
     """Cancels a waiting task at once; a running one is cut short by its runner."""
 

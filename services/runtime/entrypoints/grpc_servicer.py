@@ -124,7 +124,9 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return pb.DeleteAgentResponse()
 
     async def WakeAgent(self, request: pb.WakeAgentRequest, context: Context) -> pb.WakeAgentResponse:
-        woken = await self._bus.handle(WakeAgent(await self._caller(context), request.agent_id))
+        woken = await self._bus.handle(
+            WakeAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.WakeAgentResponse(agent=mappers.agent(woken))
 
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
@@ -179,21 +181,29 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     # -- lifecycle -----------------------------------------------------------
 
     async def StartAgent(self, request: pb.StartAgentRequest, context: Context) -> pb.StartAgentResponse:
-        agent = await self._bus.handle(StartAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            StartAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.StartAgentResponse(agent=mappers.agent(agent))
 
     async def PauseAgent(self, request: pb.PauseAgentRequest, context: Context) -> pb.PauseAgentResponse:
-        agent = await self._bus.handle(PauseAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            PauseAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.PauseAgentResponse(agent=mappers.agent(agent))
 
     async def ResumeAgent(self, request: pb.ResumeAgentRequest, context: Context) -> pb.ResumeAgentResponse:
-        agent = await self._bus.handle(ResumeAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            ResumeAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.ResumeAgentResponse(agent=mappers.agent(agent))
 
     async def InterruptAgent(
         self, request: pb.InterruptAgentRequest, context: Context
     ) -> pb.InterruptAgentResponse:
-        agent = await self._bus.handle(InterruptAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            InterruptAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.InterruptAgentResponse(agent=mappers.agent(agent))
 
     async def TerminateAgent(
@@ -201,8 +211,8 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     ) -> pb.TerminateAgentResponse:
         agent = await self._bus.handle(
             TerminateAgent(
-                await self._caller(context),
-                request.agent_id,
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
                 clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
             )
         )
