@@ -35,7 +35,8 @@ from services.runtime.service_layer.watches import AgentWatches
 Context: TypeAlias = Any
 
 
-def _draft(value: pb.Agent) -> AgentDraft:
+def _draft(value: pb.Agent | pb.CreateAgentRequest) -> AgentDraft:
+    """The settings a CreateAgent request or an UpdateAgent's agent asks for."""
     return AgentDraft(
         name=value.name,
         role=value.role,
@@ -71,19 +72,10 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return current_caller()
 
     async def CreateAgent(self, request: pb.CreateAgentRequest, context: Context) -> pb.CreateAgentResponse:
-        draft = AgentDraft(
-            name=request.name,
-            role=request.role,
-            system_prompt=request.system_prompt,
-            model=mappers.model_settings_in(request.model),
-            tools=tuple(request.tools),
-            token_budget=request.token_budget,
-            auto_recall=request.auto_recall if request.HasField("auto_recall") else None,
-        )
         created = await self._bus.handle(
             CreateAgent(
                 caller=await self._caller(context),
-                draft=draft,
+                draft=_draft(request),
                 workspace_id=request.workspace_id,
                 parent_id=request.parent_id,
                 request_id=request.request_id,

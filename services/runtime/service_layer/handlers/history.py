@@ -1,6 +1,6 @@
 """The history RPCs that change something (issue 5): steps edited, removed
 or added while the agent is paused, checkpoints made and restored, the main
-session chosen, retry from a step and fork. The reads are `history_views`'.
+session chosen, retry from a step and fork (the reads are in `history_views`).
 
 Nothing is destroyed: a step edited, deleted, retried from or restored past
 goes whole to the step archive, with why, in the same transaction as the
