@@ -32,15 +32,21 @@ from services.runtime.adapters.resolver import resolve
 from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.adapters.tables import audit_events
 from services.runtime.config import Settings
+from services.runtime.domain.commands import TellAgentOwners
 from services.runtime.domain.etiquette import ChatterGuard
 from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
 from services.runtime.entrypoints.policy import RUNTIME_POLICY
-from services.runtime.service_layer.agents import AgentFactory, AgentService
+from services.runtime.service_layer.access import AgentAccess
+from services.runtime.service_layer.agent_audit import AgentAudit
+from services.runtime.service_layer.agent_factory import AgentFactory
+from services.runtime.service_layer.agent_views import AgentViews
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.endpoint_guard import EndpointGuard
+from services.runtime.service_layer.handlers import agents as agent_handlers
 from services.runtime.service_layer.handlers import control
+from services.runtime.service_layer.handlers import history as history_handlers
 from services.runtime.service_layer.handlers import tasks as task_handlers
-from services.runtime.service_layer.history import HistoryService
+from services.runtime.service_layer.history_views import HistoryViews
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMPort
 from services.runtime.service_layer.leases import Fences, LeaseKeeper, Unfenced
@@ -61,6 +67,7 @@ from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.supervisor import Sharding, Supervisor
 from services.runtime.service_layer.tasks import RetryPolicy, StoredTaskQueue, TaskViews
 from services.runtime.service_layer.tools import ToolRegistry, default_registry
+from services.runtime.service_layer.watches import AgentWatches
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +102,9 @@ class RuntimeApp:
     runners: Runners
     # The runners of this process (None: the caller's `runners` stand in).
     supervisor: Supervisor | None
-    service: AgentService
-    history: HistoryService
+    agents: AgentViews
+    watches: AgentWatches
+    history: HistoryViews
     queue: StoredTaskQueue
     tasks: TaskViews
     bus: MessageBus
@@ -136,7 +144,7 @@ class RuntimeApp:
             self.archiver.start()
         if self.audit_pruner is not None:
             self.audit_pruner.start()
-        self._owners = asyncio.create_task(tell_owners(self.service), name="tell-owners")
+        self._owners = asyncio.create_task(tell_owners(self.bus), name="tell-owners")
         return port, agents
 
     async def stop(self) -> None:
@@ -168,12 +176,12 @@ class RuntimeApp:
         await self.stop()
 
 
-async def tell_owners(service: AgentService, *, attempts: int = 6) -> None:
+async def tell_owners(bus: MessageBus, *, attempts: int = 6) -> None:
     """Tells the IM the owners of the agents hosted here, at start-up: the IM
     may not be up yet, so a few tries, further apart each time."""
     for attempt in range(attempts):
         try:
-            changed = await service.tell_owners()
+            changed = await bus.handle(TellAgentOwners())
         except errors.Unavailable:
             await asyncio.sleep(2**attempt)
             continue
@@ -263,20 +271,7 @@ def build(
             agent_tokens=grpc_im.agent_tokens,
         )
         cleanups.insert(0, memory.aclose)
-    archiver = (
-        Archiver(
-            store,
-            memory,
-            im,
-            clock=clock,
-            retry_initial_seconds=settings.archive_retry_seconds,
-            retry_max_seconds=settings.archive_retry_max_seconds,
-        )
-        if memory is not None
-        else None
-    )
-    if archiver is not None:
-        cleanups.insert(0, archiver.stop)
+    archiver = _archiver(settings, store=store, memory=memory, im=im, clock=clock, cleanups=cleanups)
     hub = AgentHub()
     tools = default_registry(
         timeout_seconds=settings.tool_timeout_seconds,
@@ -345,39 +340,25 @@ def build(
     audit_pruner = AuditPruner(audit_log, settings.audit) if audit_log is not None else None
     if audit_pruner is not None:
         cleanups.insert(0, audit_pruner.aclose)
-    service = AgentService(
+    access = AgentAccess(store=store, runners=runners)
+    agents = AgentViews(store=store, runners=runners, access=access, tools=tools, audit_log=audit_log)
+    watches = AgentWatches(store=store, runners=runners, hub=hub, access=access)
+    history = HistoryViews(store=store, access=access)
+    tasks = TaskViews(store=store, queue=queue, access=access, clock=clock)
+    bus = _message_bus(
+        settings,
         store=store,
         im=im,
         factory=factory,
         runners=runners,
         hub=hub,
-        tools=tools,
+        queue=queue,
+        tasks=tasks,
+        access=access,
         clock=clock,
         endpoints=endpoints,
-        audit_log=audit_log,
     )
-    history = HistoryService(store=store, runners=runners, hub=hub, im=im, agents=service, clock=clock)
-    tasks = TaskViews(store=store, queue=queue, agents=service, clock=clock)
-    bus = MessageBus(
-        {
-            **control.handlers(
-                control.Control(agents=service, runners=runners, clear_queue=queue.clear_queue)
-            ),
-            **task_handlers.handlers(
-                task_handlers.Tasks(
-                    store=store,
-                    queue=queue,
-                    views=tasks,
-                    runners=runners,
-                    agents=service,
-                    clock=clock,
-                    max_input_bytes=settings.max_task_input_bytes,
-                    cancel_wait_seconds=settings.task_cancel_wait_seconds,
-                )
-            ),
-        }
-    )
-    servicer = RuntimeServicer(service, history=history, tasks=tasks, bus=bus)
+    servicer = RuntimeServicer(agents=agents, watches=watches, history=history, tasks=tasks, bus=bus)
     app = RuntimeApp(
         settings=settings,
         store=store,
@@ -388,7 +369,8 @@ def build(
         factory=factory,
         runners=runners,
         supervisor=supervisor,
-        service=service,
+        agents=agents,
+        watches=watches,
         history=history,
         queue=queue,
         tasks=tasks,
@@ -405,6 +387,30 @@ def build(
             raise ValueError("serving needs the real IM client and store (serve=False with fakes)")
         app.grpc_server = _server(settings, app, grpc_im, database, audit_log)
     return app
+
+
+def _archiver(
+    settings: Settings,
+    *,
+    store: AgentStore,
+    memory: MemoryPort | None,
+    im: IMPort,
+    clock: Callable[[], datetime],
+    cleanups: list[Callable[[], Awaitable[None]]],
+) -> Archiver | None:
+    """What sends each ended run to long-term memory; None without memory."""
+    if memory is None:
+        return None
+    archiver = Archiver(
+        store,
+        memory,
+        im,
+        clock=clock,
+        retry_initial_seconds=settings.archive_retry_seconds,
+        retry_max_seconds=settings.archive_retry_max_seconds,
+    )
+    cleanups.insert(0, archiver.stop)
+    return archiver
 
 
 def _read_positions(
@@ -436,6 +442,68 @@ def _lease_keeper(
             await runs.shards_lost(shards)
 
     return LeaseKeeper(store=SqlLeases(database), settings=settings.leases, gained=gained, lost=lost)
+
+
+def _message_bus(
+    settings: Settings,
+    *,
+    store: AgentStore,
+    im: IMPort,
+    factory: AgentFactory,
+    runners: Runners,
+    hub: AgentHub,
+    queue: StoredTaskQueue,
+    tasks: TaskViews,
+    access: AgentAccess,
+    clock: Callable[[], datetime],
+    endpoints: EndpointGuard,
+) -> MessageBus:
+    """The bus, with every command's handler bound to what it uses."""
+    agent_audit = AgentAudit(store=store, clock=clock)
+    agent_deps = agent_handlers.Agents(
+        store=store,
+        im=im,
+        factory=factory,
+        runners=runners,
+        access=access,
+        audit=agent_audit,
+        clock=clock,
+        endpoints=endpoints,
+    )
+    return MessageBus(
+        {
+            **agent_handlers.handlers(agent_deps),
+            **history_handlers.handlers(
+                history_handlers.History(
+                    store=store,
+                    runners=runners,
+                    hub=hub,
+                    access=access,
+                    audit=agent_audit,
+                    agents=agent_deps,
+                    clock=clock,
+                )
+            ),
+            **control.handlers(
+                control.Control(
+                    access=access, audit=agent_audit, runners=runners, clear_queue=queue.clear_queue
+                )
+            ),
+            **task_handlers.handlers(
+                task_handlers.Tasks(
+                    store=store,
+                    queue=queue,
+                    views=tasks,
+                    runners=runners,
+                    access=access,
+                    audit=agent_audit,
+                    clock=clock,
+                    max_input_bytes=settings.max_task_input_bytes,
+                    cancel_wait_seconds=settings.task_cancel_wait_seconds,
+                )
+            ),
+        }
+    )
 
 
 def _server(

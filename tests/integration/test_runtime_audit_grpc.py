@@ -21,6 +21,7 @@ from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.common.identity import VIEW_AS_KEY
 from services.im.adapters.tables import members
 from services.runtime.adapters.tables import audit_events
+from services.runtime.domain.commands import TellAgentOwners
 from tests.conftest import RunningIM
 from tests.integration.test_quotas_grpc import quota_failure
 from tests.integration.test_runtime_access import Team, make_team
@@ -336,7 +337,7 @@ async def test_the_runtime_tells_the_im_the_owners_of_older_agents_at_start(
         await asyncio.wait_for(owned(), WAIT)
         await im.stub.ListChats(im_pb2.ListChatsRequest(), metadata=as_agent)
         # Told once more (a restart), nothing changes.
-        assert await again.app.service.tell_owners() == 0
+        assert await again.app.bus.handle(TellAgentOwners()) == 0
     finally:
         await stop_runtime(again)
 

@@ -429,7 +429,7 @@ class InMemoryAgentStore(AgentStore):
         self._audited(audit)
         self.agents[agent.id] = agent
 
-    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+    # -- History: sessions, checkpoints, the step archive (the history handlers) --
 
     @property
     def sessions(self) -> dict[uuid.UUID, Session]:

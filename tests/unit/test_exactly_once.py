@@ -23,10 +23,17 @@ import pytest
 from services.common import errors
 from services.common.identity import Caller
 from services.runtime.bootstrap import RuntimeApp
-from services.runtime.domain.commands import PauseAgent, ResumeAgent, SubmitTask, TerminateAgent
+from services.runtime.domain.commands import (
+    CreateAgent,
+    PauseAgent,
+    ResumeAgent,
+    SubmitTask,
+    TerminateAgent,
+)
 from services.runtime.domain.llm import ChatMessage, Role
 from services.runtime.domain.model import (
     Agent,
+    AgentDraft,
     AgentState,
     Run,
     RunStatus,
@@ -35,7 +42,6 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMMessage
 from services.runtime.service_layer.leases import Fence
@@ -132,10 +138,6 @@ class System:
         return self.app.supervisor
 
     @property
-    def agents(self) -> AgentService:
-        return self.app.service
-
-    @property
     def tasks(self) -> TaskViews:
         return self.app.tasks
 
@@ -153,7 +155,7 @@ class System:
         return caller_of(self.human, self.im.workspace, roles=("owner",))
 
     async def agent(self, name: str = "ada", **fields: Any) -> Agent:
-        return await self.agents.create_agent(self.me, AgentDraft(name=name, **fields))
+        return await self.bus.handle(CreateAgent(caller=self.me, draft=AgentDraft(name=name, **fields)))
 
     async def settle(self, agent: Agent) -> None:
         runner = self.supervisor.runner(agent.id)
@@ -334,7 +336,7 @@ async def test_a_task_left_running_by_a_run_that_was_never_stored_goes_back_to_t
         ada = await s.agent()
         await s.crash()
         # The process died between marking the task RUNNING and storing its run.
-        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="do it"))
+        placed = await s.bus.handle(SubmitTask(caller=s.me, agent_id=str(ada.id), text="do it"))
         stranded = replace(placed.task, status=TaskStatus.RUNNING, attempts=1, run_id=uuid.uuid4())
         s.store.tasks[stranded.id] = stranded
         fresh = await crash_and_restart(s)
@@ -354,7 +356,7 @@ async def test_a_task_whose_run_ended_before_the_crash_ends_as_its_run_did(
     async with system(Script(content="never asked")) as s:
         ada = await s.agent()
         await s.crash()
-        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="do it"))
+        placed = await s.bus.handle(SubmitTask(caller=s.me, agent_id=str(ada.id), text="do it"))
         run = Run(
             id=uuid.uuid4(),
             agent_id=ada.id,
@@ -396,7 +398,9 @@ async def test_a_task_cut_by_a_crash_goes_on_in_its_run_and_sends_once() -> None
         bob = s.im.human("bob")
         s.im.hold_sends("task one", after=True)
         ada = await s.agent()
-        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="tell bob task one is done"))
+        placed = await s.bus.handle(
+            SubmitTask(caller=s.me, agent_id=str(ada.id), text="tell bob task one is done")
+        )
         dm = await s.im.get_or_create_direct_group(ada.member_id, bob.id)
         await until(lambda: len(s.im.in_group(dm.id)) == 1, "bob got the message")
         s.im.release()
@@ -430,7 +434,7 @@ async def test_a_task_whose_end_could_not_be_stored_is_settled_once_the_runner_i
         store = SettleFailsOnce()
         fresh = build(s.im, llm=s.llm, store=store, clock=s.clock, human=s.human, lineage=s.lineage)
         ada = await fresh.agent()
-        placed = await fresh.bus.handle(SubmitTask(fresh.me, str(ada.id), text="do it"))
+        placed = await fresh.bus.handle(SubmitTask(caller=fresh.me, agent_id=str(ada.id), text="do it"))
         await until(lambda: store.failed, "the first end was lost")
         fresh.app.runners.wake(ada.id)
         await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
@@ -449,7 +453,7 @@ async def test_a_pause_asked_during_the_last_completion_takes_effect_as_the_run_
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "finish it")
         await asyncio.wait_for(last.reached.wait(), WAIT)
-        answered = await s.bus.handle(PauseAgent(s.me, str(ada.id)))
+        answered = await s.bus.handle(PauseAgent(caller=s.me, agent_id=str(ada.id)))
         assert (answered.state, answered.pause_pending) == (AgentState.RUNNING, True)
         assert s.store.agents[ada.id].pause_pending, "a pending pause is stored"
         gate.set()
@@ -458,7 +462,7 @@ async def test_a_pause_asked_during_the_last_completion_takes_effect_as_the_run_
         assert not s.store.agents[ada.id].pause_pending
         (run,) = s.store.runs.values()
         assert run.status is RunStatus.COMPLETED, "the run ended as it would have"
-        await s.bus.handle(ResumeAgent(s.me, str(ada.id)))
+        await s.bus.handle(ResumeAgent(caller=s.me, agent_id=str(ada.id)))
         s.im.post(s.human, chat.id, "are you there?")
         await until(lambda: len(s.im.in_group(chat.id)) == 4, "the next message was answered")
         await s.settle(ada)
@@ -472,7 +476,7 @@ async def test_a_pause_pending_when_the_runtime_stopped_takes_effect_after_the_r
         chat = s.im.group("", s.human, ada.member_id, direct=True)
         s.im.post(s.human, chat.id, "go")
         await asyncio.wait_for(s.llm.scripts[0].reached.wait(), WAIT)
-        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
+        await s.bus.handle(PauseAgent(caller=s.me, agent_id=str(ada.id)))
         fresh = await crash_and_restart(s, Script(content="must not run"))
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it is paused")
         await fresh.settle(ada)
@@ -499,7 +503,7 @@ async def test_a_run_whose_end_could_not_be_stored_is_ended_at_the_next_cycle() 
         store = EndFailsOnce()
         fresh = build(s.im, llm=s.llm, store=store, clock=s.clock, human=s.human, lineage=s.lineage)
         ada = await fresh.agent()
-        placed = await fresh.bus.handle(SubmitTask(fresh.me, str(ada.id), text="do it"))
+        placed = await fresh.bus.handle(SubmitTask(caller=fresh.me, agent_id=str(ada.id), text="do it"))
         await until(lambda: store.failed, "the first end was lost")
         fresh.app.runners.wake(ada.id)
         await until(lambda: store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded")
@@ -519,14 +523,14 @@ async def test_a_task_paused_mid_run_goes_on_where_it_was_when_resumed() -> None
     async with system(tool_round, Script(content="reported")) as s:
         bob = s.im.human("bob")
         ada = await s.agent()
-        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="tell bob"))
+        placed = await s.bus.handle(SubmitTask(caller=s.me, agent_id=str(ada.id), text="tell bob"))
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
-        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
+        await s.bus.handle(PauseAgent(caller=s.me, agent_id=str(ada.id)))
         gate.set()
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it paused")
         paused = s.store.tasks[placed.task.id]
         assert paused.status is TaskStatus.RUNNING, "a paused task is neither done nor given up"
-        await s.bus.handle(ResumeAgent(s.me, str(ada.id)))
+        await s.bus.handle(ResumeAgent(caller=s.me, agent_id=str(ada.id)))
         await until(
             lambda: s.store.tasks[placed.task.id].status is TaskStatus.SUCCEEDED, "the task succeeded"
         )
@@ -546,11 +550,11 @@ async def test_terminating_an_agent_paused_mid_task_puts_the_task_back() -> None
     tool_round = Script(tool_calls=[("list_groups", "{}")], hold_after=1, gate=gate)
     async with system(tool_round, Script(content="done")) as s:
         ada = await s.agent()
-        placed = await s.bus.handle(SubmitTask(s.me, str(ada.id), text="look around"))
+        placed = await s.bus.handle(SubmitTask(caller=s.me, agent_id=str(ada.id), text="look around"))
         await asyncio.wait_for(tool_round.reached.wait(), WAIT)
-        await s.bus.handle(PauseAgent(s.me, str(ada.id)))
+        await s.bus.handle(PauseAgent(caller=s.me, agent_id=str(ada.id)))
         gate.set()
         await until(lambda: s.store.agents[ada.id].state is AgentState.PAUSED, "it paused")
-        await s.bus.handle(TerminateAgent(s.me, str(ada.id), clear_queue=False))
+        await s.bus.handle(TerminateAgent(caller=s.me, agent_id=str(ada.id), clear_queue=False))
         task = s.store.tasks[placed.task.id]
         assert (task.status, task.attempts) == (TaskStatus.QUEUED, 0)

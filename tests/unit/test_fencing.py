@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import CreateAgent
 from services.runtime.domain.llm import Role
-from services.runtime.domain.model import Agent, AgentState, RunStatus
+from services.runtime.domain.model import Agent, AgentDraft, AgentState, RunStatus
 from services.runtime.domain.shards import shard_of
-from services.runtime.service_layer.agents import AgentDraft
 from services.runtime.service_layer.leases import Fence, Fences
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Script, ScriptedLLM
@@ -48,7 +48,7 @@ class World:
 
     async def agent(self, app: RuntimeApp) -> Agent:
         owner = caller_of(self.human, self.im.workspace, roles=("owner",))
-        return await app.service.create_agent(owner, AgentDraft(name="ada"))
+        return await app.bus.handle(CreateAgent(caller=owner, draft=AgentDraft(name="ada")))
 
 
 async def idle(app: RuntimeApp, agent: Agent) -> None:

@@ -151,7 +151,7 @@ async def test_interrupt_mid_stream_keeps_the_partial_step_and_pauses() -> None:
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "hi")
         await asyncio.wait_for(script.reached.wait(), WAIT)
-        agent = await bus.handle(InterruptAgent(h.me, str(ada.id)))
+        agent = await bus.handle(InterruptAgent(caller=h.me, agent_id=str(ada.id)))
         assert agent.state is AgentState.PAUSED
         steps = h.store.steps[ada.session_id]
         assert [s.role for s in steps] == [Role.USER, Role.ASSISTANT]
@@ -168,7 +168,7 @@ async def test_interrupt_mid_stream_keeps_the_partial_step_and_pauses() -> None:
         await asyncio.sleep(0.01)
         assert [m.content for m in h.im.in_group(chat.id)] == ["hi", "still there?"]
         with pytest.raises(InvalidTransition):
-            await bus.handle(InterruptAgent(h.me, str(ada.id)))
+            await bus.handle(InterruptAgent(caller=h.me, agent_id=str(ada.id)))
 
 
 async def test_pause_takes_effect_at_the_next_step_boundary_and_resume_goes_on() -> None:
@@ -183,7 +183,7 @@ async def test_pause_takes_effect_at_the_next_step_boundary_and_resume_goes_on()
         collecting = asyncio.create_task(collect(watcher.events(), got))
         h.im.post(h.human, chat.id, "look around")
         await wait_for_state(h, ada.id, AgentState.RUNNING)
-        agent = await bus.handle(PauseAgent(h.me, str(ada.id)))
+        agent = await bus.handle(PauseAgent(caller=h.me, agent_id=str(ada.id)))
         assert agent.state is AgentState.RUNNING, "a run is paused at its next boundary, not at once"
         gate.set()
         await wait_for_state(h, ada.id, AgentState.PAUSED)
@@ -194,7 +194,7 @@ async def test_pause_takes_effect_at_the_next_step_boundary_and_resume_goes_on()
         await asyncio.sleep(0.01)
         assert len(h.llm.requests) == 1, "paused: the new message waits"
 
-        await bus.handle(ResumeAgent(h.me, str(ada.id)))
+        await bus.handle(ResumeAgent(caller=h.me, agent_id=str(ada.id)))
         await h.settle(ada)
         await asyncio.sleep(0)
         await h.settle(ada)
@@ -226,7 +226,7 @@ async def test_interrupting_tools_in_flight_answers_every_call_and_resume_contin
         chat = h.im.group("", h.human, ada.member_id, direct=True)
         h.im.post(h.human, chat.id, "probe")
         await asyncio.wait_for(both_started.wait(), WAIT)
-        await bus.handle(InterruptAgent(h.me, str(ada.id)))
+        await bus.handle(InterruptAgent(caller=h.me, agent_id=str(ada.id)))
         steps = h.store.steps[ada.session_id]
         assert [s.role for s in steps] == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.TOOL]
         results = {s.message.tool_call_id: s.message.content for s in steps[2:]}
@@ -235,7 +235,7 @@ async def test_interrupting_tools_in_flight_answers_every_call_and_resume_contin
         assert results[call_ids[1]] == CANCELLED_RESULT
         assert unanswered_calls(steps) == ()
 
-        await bus.handle(ResumeAgent(h.me, str(ada.id)))
+        await bus.handle(ResumeAgent(caller=h.me, agent_id=str(ada.id)))
         await h.settle(ada)
         await asyncio.sleep(0)
         await h.settle(ada)
@@ -250,7 +250,7 @@ async def test_terminate_then_start_handles_what_waited() -> None:
         ada = await h.agent()
         await h.settle(ada)
         chat = h.im.group("", h.human, ada.member_id, direct=True)
-        agent = await bus.handle(TerminateAgent(h.me, str(ada.id), clear_queue=False))
+        agent = await bus.handle(TerminateAgent(caller=h.me, agent_id=str(ada.id), clear_queue=False))
         assert agent.state is AgentState.TERMINATED
         assert h.store.agents[ada.id].state is AgentState.TERMINATED
         h.im.post(h.human, chat.id, "anyone?")
@@ -258,15 +258,15 @@ async def test_terminate_then_start_handles_what_waited() -> None:
         assert len(h.im.in_group(chat.id)) == 1
         for refused in (PauseAgent, ResumeAgent, InterruptAgent):
             with pytest.raises(InvalidTransition):
-                await bus.handle(refused(h.me, str(ada.id)))
+                await bus.handle(refused(caller=h.me, agent_id=str(ada.id)))
         with pytest.raises(InvalidTransition):
-            await bus.handle(TerminateAgent(h.me, str(ada.id), clear_queue=False))
-        await bus.handle(StartAgent(h.me, str(ada.id)))
+            await bus.handle(TerminateAgent(caller=h.me, agent_id=str(ada.id), clear_queue=False))
+        await bus.handle(StartAgent(caller=h.me, agent_id=str(ada.id)))
         await asyncio.sleep(0)
         await h.settle(ada)
         assert [m.content for m in h.im.in_group(chat.id)] == ["anyone?", "back"]
         with pytest.raises(InvalidTransition):
-            await bus.handle(StartAgent(h.me, str(ada.id)))
+            await bus.handle(StartAgent(caller=h.me, agent_id=str(ada.id)))
 
 
 async def test_pausing_an_idle_agent_is_immediate_and_a_resume_with_nothing_pending_runs_nothing() -> None:
@@ -276,8 +276,8 @@ async def test_pausing_an_idle_agent_is_immediate_and_a_resume_with_nothing_pend
         h.im.post(h.human, chat.id, "hi")
         await asyncio.sleep(0)
         await h.settle(ada)
-        assert (await bus.handle(PauseAgent(h.me, str(ada.id)))).state is AgentState.PAUSED
-        await bus.handle(ResumeAgent(h.me, str(ada.id)))
+        assert (await bus.handle(PauseAgent(caller=h.me, agent_id=str(ada.id)))).state is AgentState.PAUSED
+        await bus.handle(ResumeAgent(caller=h.me, agent_id=str(ada.id)))
         await asyncio.sleep(0)
         await h.settle(ada)
         assert len(h.llm.requests) == 1, "the last step was an answer: nothing to go on with"
@@ -289,7 +289,7 @@ async def test_a_control_of_an_agent_deleted_on_the_way_is_not_found() -> None:
         ada = await h.agent()
         await h.supervisor.stop_agent(ada.id)  # its runner is gone, as in a delete racing the control
         with pytest.raises(AgentGone) as refused:
-            await bus.handle(PauseAgent(h.me, str(ada.id)))
+            await bus.handle(PauseAgent(caller=h.me, agent_id=str(ada.id)))
         assert status_name(refused.value) == "NOT_FOUND"
         assert str(ada.id) in refused.value.message
 
@@ -401,12 +401,12 @@ async def test_every_state_change_has_a_higher_version_and_an_answer_is_never_ne
     async for h, bus in lifecycle_harness(script):
         ada = await h.agent()
         chat = h.im.group("", h.human, ada.member_id, direct=True)
-        paused = await bus.handle(PauseAgent(h.me, str(ada.id)))
+        paused = await bus.handle(PauseAgent(caller=h.me, agent_id=str(ada.id)))
         watcher, _ = h.hub.watch([ada.id])
         got: list[Emitted] = []
         collecting = asyncio.create_task(collect(watcher.events(), got))
         h.im.post(h.human, chat.id, "waiting for you")
-        answer = await bus.handle(ResumeAgent(h.me, str(ada.id)))
+        answer = await bus.handle(ResumeAgent(caller=h.me, agent_id=str(ada.id)))
         await asyncio.wait_for(script.reached.wait(), WAIT)
         gate.set()
         await h.settle(ada)
@@ -420,7 +420,7 @@ async def test_every_state_change_has_a_higher_version_and_an_answer_is_never_ne
         assert answer.state_version < running.version, "the answer is older than the run's start"
         # What is stored (and read after a restart) has the last version.
         assert h.store.agents[ada.id].state_version == versions[-1]
-        assert (await h.service.get_agent(h.me, str(ada.id))).state_version == versions[-1]
+        assert (await h.app.agents.get_agent(h.me, str(ada.id))).state_version == versions[-1]
 
 
 async def test_terminating_an_agent_mid_answer_tells_the_chat_and_interrupting_does_not() -> None:
@@ -432,9 +432,9 @@ async def test_terminating_an_agent_mid_answer_tells_the_chat_and_interrupting_d
             h.im.post(h.human, chat.id, "explain")
             await asyncio.wait_for(script.reached.wait(), WAIT)
             if control_name == "terminate":
-                await bus.handle(TerminateAgent(h.me, str(ada.id), clear_queue=False))
+                await bus.handle(TerminateAgent(caller=h.me, agent_id=str(ada.id), clear_queue=False))
             else:
-                await bus.handle(InterruptAgent(h.me, str(ada.id)))
+                await bus.handle(InterruptAgent(caller=h.me, agent_id=str(ada.id)))
             gate.set()
             said = h.im.in_group(chat.id)[1:]
             if told:

@@ -17,6 +17,7 @@ import pytest
 from agentim.runtime.v1 import runtime_pb2 as pb
 from services.runtime.adapters.memory_client import archived_run
 from services.runtime.bootstrap import RuntimeApp
+from services.runtime.domain.commands import CreateAgent, UpdateAgent
 from services.runtime.domain.conversations import (
     TASKS,
     conversation_of_input,
@@ -27,10 +28,18 @@ from services.runtime.domain.conversations import (
 from services.runtime.domain.errors import InvalidAgentRequest
 from services.runtime.domain.etiquette import GroupPolicy
 from services.runtime.domain.llm import ChatMessage, ModelSettings, Role, ToolCall
-from services.runtime.domain.model import Agent, Origin, Run, RunStatus, Step, StepKind, StepMetrics
+from services.runtime.domain.model import (
+    Agent,
+    AgentDraft,
+    Origin,
+    Run,
+    RunStatus,
+    Step,
+    StepKind,
+    StepMetrics,
+)
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.grpc_servicer import _draft
-from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.archiver import Archiver
 from services.runtime.service_layer.memory_port import Memory, RunRecord
 from services.runtime.service_layer.supervisor import Supervisor
@@ -61,10 +70,6 @@ class World:
     bob: uuid.UUID
 
     @property
-    def service(self) -> AgentService:
-        return self.app.service
-
-    @property
     def archiver(self) -> Archiver:
         assert self.app.archiver is not None
         return self.app.archiver
@@ -75,9 +80,8 @@ class World:
         return self.app.supervisor
 
     async def agent(self) -> Agent:
-        return await self.service.create_agent(
-            caller_of(self.alice, self.im.workspace, roles=("owner",)), AgentDraft(name="ada")
-        )
+        alice = caller_of(self.alice, self.im.workspace, roles=("owner",))
+        return await self.app.bus.handle(CreateAgent(caller=alice, draft=AgentDraft(name="ada")))
 
     async def settle(self, agent: Agent) -> None:
         runner = self.supervisor.runner(agent.id)
@@ -429,7 +433,7 @@ def test_a_recalled_memory_reads_with_its_ref_type_and_time() -> None:
 
 async def test_how_much_an_agent_recalls_is_its_own_setting(world: World) -> None:
     me = caller_of(world.alice, world.im.workspace, roles=("owner",))
-    quiet = await world.service.create_agent(me, AgentDraft(name="quiet", auto_recall=0))
+    quiet = await world.app.bus.handle(CreateAgent(caller=me, draft=AgentDraft(name="quiet", auto_recall=0)))
     assert quiet.auto_recall == 0
     direct = world.im.group("", world.alice, quiet.member_id, direct=True)
     for text in (f"the vault code is {SECRET}", "which vault code was it?"):
@@ -440,15 +444,22 @@ async def test_how_much_an_agent_recalls_is_its_own_setting(world: World) -> Non
     assert not any(
         (s.message.content or "").startswith(RECALLED_HEADER) for s in world.store.steps[quiet.session_id]
     )
-    updated = await world.service.update_agent(
-        me, str(quiet.id), AgentDraft(name="", auto_recall=5), ["auto_recall"]
+    updated = await world.app.bus.handle(
+        UpdateAgent(
+            caller=me,
+            agent_id=str(quiet.id),
+            draft=AgentDraft(name="", auto_recall=5),
+            fields=("auto_recall",),
+        )
     )
     assert updated.auto_recall == 5
-    cleared = await world.service.update_agent(me, str(quiet.id), AgentDraft(name=""), ["auto_recall"])
+    cleared = await world.app.bus.handle(
+        UpdateAgent(caller=me, agent_id=str(quiet.id), draft=AgentDraft(name=""), fields=("auto_recall",))
+    )
     assert cleared.auto_recall is None  # back to the runtime's default
     for wrong in (-1, 21):
         with pytest.raises(InvalidAgentRequest, match="auto_recall must be from 0 to 20"):
-            await world.service.create_agent(me, AgentDraft(name="x", auto_recall=wrong))
+            await world.app.bus.handle(CreateAgent(caller=me, draft=AgentDraft(name="x", auto_recall=wrong)))
 
 
 def test_auto_recall_crosses_the_wire_unset_or_set() -> None:

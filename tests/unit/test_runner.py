@@ -15,7 +15,7 @@ import pytest
 
 from services.common.identity import Caller
 from services.runtime.bootstrap import RuntimeApp
-from services.runtime.domain.commands import WakeAgent
+from services.runtime.domain.commands import CreateAgent, UpdateAgent, WakeAgent
 from services.runtime.domain.errors import (
     ContextTooLong,
     IMUnavailable,
@@ -27,6 +27,7 @@ from services.runtime.domain.etiquette import GroupPolicy
 from services.runtime.domain.llm import ContentDelta, ModelSettings, ReasoningDelta, Role
 from services.runtime.domain.model import (
     Agent,
+    AgentDraft,
     AgentState,
     Emitted,
     RunEnded,
@@ -37,12 +38,12 @@ from services.runtime.domain.model import (
     StepKind,
     StepStarted,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import HistoryCache
 from services.runtime.service_layer.supervisor import Supervisor
 from services.runtime.service_layer.tools import Tool, ToolRegistry
+from services.runtime.service_layer.watches import AgentWatches
 from tests.identities import caller_of
 from tests.unit.runtime_fakes import FakeClock, FakeIM, InMemoryAgentStore, Refused, Script, ScriptedLLM
 from tests.unit.runtime_support import fake_runtime, unit_settings
@@ -66,8 +67,8 @@ class Harness:
         return self.app.hub
 
     @property
-    def service(self) -> AgentService:
-        return self.app.service
+    def watches(self) -> AgentWatches:
+        return self.app.watches
 
     @property
     def tools(self) -> ToolRegistry:
@@ -84,7 +85,8 @@ class Harness:
         return caller_of(self.human, self.im.workspace, roles=("owner",))
 
     async def agent(self, name: str = "ada", **fields: object) -> Agent:
-        return await self.service.create_agent(self.me, AgentDraft(name=name, **fields))  # type: ignore[arg-type]
+        draft = AgentDraft(name=name, **fields)  # type: ignore[arg-type]
+        return await self.app.bus.handle(CreateAgent(caller=self.me, draft=draft))
 
     async def settle(self, *agents: Agent) -> None:
         """Waits until the agents' runners are idle."""
@@ -427,7 +429,7 @@ async def test_a_failing_endpoint_puts_the_agent_in_error_and_a_wake_recovers() 
                 "retry": "WakeAgent",
             }
         }
-        await h.app.bus.handle(WakeAgent(h.me, str(ada.id)))
+        await h.app.bus.handle(WakeAgent(caller=h.me, agent_id=str(ada.id)))
         await h.settle(ada)
         assert h.store.agents[ada.id].state is AgentState.IDLE
         assert [m.content for m in h.im.in_group(chat.id)] == ["hello?", notice.content, "back"]
@@ -459,7 +461,7 @@ async def test_a_run_failed_for_its_context_is_told_in_the_chat_and_a_wake_retri
             notice.content_type == "system" and "no longer fits my model's context window" in notice.content
         )
         assert "context too long" in notice.content
-        await h.app.bus.handle(WakeAgent(h.me, str(ada.id)))
+        await h.app.bus.handle(WakeAgent(caller=h.me, agent_id=str(ada.id)))
         await h.settle(ada)
         assert h.im.in_group(chat.id)[-1].content == "fits now"
         statuses = sorted(r.status.value for r in h.store.runs.values())
@@ -504,7 +506,7 @@ async def test_watching_mid_run_gives_missed_steps_then_live_deltas() -> None:
         h.llm.scripts[0].before = pause
         h.im.post(h.human, chat.id, "question")
         await asyncio.wait_for(gate.wait(), WAIT)
-        stream = await h.service.watch_agent(h.me, str(ada.id), after_sequence=0, live_only=False)
+        stream = await h.watches.watch_agent(h.me, str(ada.id), after_sequence=0, live_only=False)
         release.set()
         got: list[Emitted] = []
         async for emitted in stream:
@@ -588,8 +590,13 @@ async def test_the_token_budget_stops_an_agent() -> None:
         await asyncio.sleep(0)
         await h.settle(ada)
         assert len(h.llm.requests) == 2
-        await h.service.update_agent(
-            h.me, str(ada.id), AgentDraft(name="ada", token_budget=100), ["token_budget"]
+        await h.app.bus.handle(
+            UpdateAgent(
+                caller=h.me,
+                agent_id=str(ada.id),
+                draft=AgentDraft(name="ada", token_budget=100),
+                fields=("token_budget",),
+            )
         )
         h.im.post(h.human, chat.id, "now go on")
         await asyncio.sleep(0)
@@ -616,8 +623,13 @@ async def test_without_usage_from_the_endpoint_tokens_are_estimated_and_the_budg
         used = h.store.agents[ada.id].tokens_used
         assert used == sum(m.input_tokens + m.output_tokens for m in (first, second))
         # And the budget is enforced on the estimate.
-        await h.service.update_agent(
-            h.me, str(ada.id), AgentDraft(name="ada", token_budget=used), ["token_budget"]
+        await h.app.bus.handle(
+            UpdateAgent(
+                caller=h.me,
+                agent_id=str(ada.id),
+                draft=AgentDraft(name="ada", token_budget=used),
+                fields=("token_budget",),
+            )
         )
         h.im.post(h.human, chat.id, "more")
         await asyncio.sleep(0)
@@ -628,8 +640,8 @@ async def test_without_usage_from_the_endpoint_tokens_are_estimated_and_the_budg
 async def test_watching_several_agents_and_the_workspace(h: Harness) -> None:
     ada = await h.agent("ada")
     bea = await h.agent("bea")
-    both = await h.service.watch_agents(h.me, agent_ids=[str(ada.id)], workspace_id="")
-    everyone = await h.service.watch_agents(h.me, agent_ids=[], workspace_id="")
+    both = await h.watches.watch_agents(h.me, agent_ids=[str(ada.id)], workspace_id="")
+    everyone = await h.watches.watch_agents(h.me, agent_ids=[], workspace_id="")
     for agent in (ada, bea):
         chat = h.im.group("", h.human, agent.member_id, direct=True)
         h.im.post(h.human, chat.id, "hi")

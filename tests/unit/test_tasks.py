@@ -17,9 +17,10 @@ from services.common import errors
 from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.bootstrap import RuntimeApp
-from services.runtime.domain.commands import CancelTask, SubmitTask
+from services.runtime.domain.commands import CancelTask, CreateAgent, SubmitTask
 from services.runtime.domain.model import (
     Agent,
+    AgentDraft,
     AgentState,
     Emitted,
     Placed,
@@ -29,7 +30,6 @@ from services.runtime.domain.model import (
     TaskChanged,
     TaskStatus,
 )
-from services.runtime.service_layer.agents import AgentDraft, AgentService
 from services.runtime.service_layer.hub import AgentHub, Watcher
 from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.messagebus import MessageBus
@@ -58,10 +58,6 @@ class Queue:
         return self.app.hub
 
     @property
-    def agents(self) -> AgentService:
-        return self.app.service
-
-    @property
     def tasks(self) -> TaskViews:
         return self.app.tasks
 
@@ -84,10 +80,11 @@ class Queue:
         return runner
 
     async def agent(self, name: str = "ada") -> Agent:
-        return await self.agents.create_agent(self.me, AgentDraft(name=name))
+        return await self.bus.handle(CreateAgent(caller=self.me, draft=AgentDraft(name=name)))
 
     async def submit(self, agent: Agent, text: str = "do it", **fields: object) -> Task:
-        placed = await self.bus.handle(SubmitTask(self.me, str(agent.id), text=text, **fields))  # type: ignore[arg-type]
+        submitted = SubmitTask(caller=self.me, agent_id=str(agent.id), text=text, **fields)  # type: ignore[arg-type]
+        placed = await self.bus.handle(submitted)
         return placed.task
 
     async def run_next(self, agent: Agent) -> Task:
@@ -140,7 +137,9 @@ def drain(watcher: Watcher) -> list[tuple[TaskStatus, uuid.UUID]]:
 async def test_a_submitted_task_is_queued_announced_and_wakes_the_agent(q: Queue) -> None:
     ada = await q.agent()
     watcher, _ = q.hub.watch([ada.id])
-    placed = await q.bus.handle(SubmitTask(q.me, str(ada.id), text="summarise the week", priority=2))
+    placed = await q.bus.handle(
+        SubmitTask(caller=q.me, agent_id=str(ada.id), text="summarise the week", priority=2)
+    )
     assert q.runners.woken == [ada.id]
     task = placed.task
     assert task.status is TaskStatus.QUEUED and placed.position == 0
@@ -180,7 +179,7 @@ async def test_a_request_id_reused_for_something_else_is_refused(q: Queue, field
         value = str(other.id)
     fields: dict[str, object] = {"text": "report", "priority": 1, field: value}
     with pytest.raises(errors.AlreadyExists, match="r-1"):
-        await q.bus.handle(SubmitTask(q.me, str(ada.id), request_id="r-1", **fields))  # type: ignore[arg-type]
+        await q.bus.handle(SubmitTask(caller=q.me, agent_id=str(ada.id), request_id="r-1", **fields))  # type: ignore[arg-type]
     assert len(q.store.tasks) == 1
 
 
@@ -188,7 +187,7 @@ async def test_fifty_concurrent_submissions_are_each_queued_once(q: Queue) -> No
     ada = await q.agent()
     placed = await asyncio.gather(
         *(
-            q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"task {i}", request_id=f"r-{i}"))
+            q.bus.handle(SubmitTask(caller=q.me, agent_id=str(ada.id), text=f"task {i}", request_id=f"r-{i}"))
             for i in range(50)
         )
     )
@@ -208,7 +207,10 @@ async def test_fifty_concurrent_submissions_with_one_request_id_make_one_task(q:
     ada = await q.agent()
     watcher, _ = q.hub.watch([ada.id])
     placed = await asyncio.gather(
-        *(q.bus.handle(SubmitTask(q.me, str(ada.id), text="once", request_id="same")) for _ in range(50))
+        *(
+            q.bus.handle(SubmitTask(caller=q.me, agent_id=str(ada.id), text="once", request_id="same"))
+            for _ in range(50)
+        )
     )
     assert {p.task.id for p in placed} == {placed[0].task.id}
     assert len(q.store.tasks) == 1
@@ -233,7 +235,7 @@ async def test_submissions_are_checked(q: Queue) -> None:
     for error, principal, agent_id, fields in cases:
         arguments: dict[str, object] = {"text": "do it", **fields}
         with pytest.raises(error):
-            await q.bus.handle(SubmitTask(principal, agent_id, **arguments))  # type: ignore[arg-type]
+            await q.bus.handle(SubmitTask(caller=principal, agent_id=agent_id, **arguments))  # type: ignore[arg-type]
     # Another agent's session is not this one's.
     bea = await q.agent("bea")
     with pytest.raises(errors.NotFound, match="session"):
@@ -281,11 +283,13 @@ async def test_higher_priority_first_then_arrival(q: Queue) -> None:
 async def test_the_position_of_a_new_task_counts_the_tasks_ahead(q: Queue) -> None:
     ada = await q.agent()
     for i in range(3):
-        assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"t{i}"))).position == i
+        assert (await q.bus.handle(SubmitTask(caller=q.me, agent_id=str(ada.id), text=f"t{i}"))).position == i
     # Higher priority goes ahead of them all; the running one is not in the queue.
-    assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="vip", priority=1))).position == 0
+    assert (
+        await q.bus.handle(SubmitTask(caller=q.me, agent_id=str(ada.id), text="vip", priority=1))
+    ).position == 0
     await q.run_next(ada)
-    assert (await q.bus.handle(SubmitTask(q.me, str(ada.id), text="t3"))).position == 3
+    assert (await q.bus.handle(SubmitTask(caller=q.me, agent_id=str(ada.id), text="t3"))).position == 3
 
 
 async def test_the_queue_kept_in_memory_serves_and_places_as_the_store_would() -> None:
@@ -312,7 +316,7 @@ async def test_the_queue_kept_in_memory_serves_and_places_as_the_store_would() -
             elif move < 0.85:
                 waiting = [t for t in q.store.tasks.values() if t.status in WAITING]
                 if waiting:
-                    await q.bus.handle(CancelTask(q.me, str(rng.choice(waiting).id)))
+                    await q.bus.handle(CancelTask(caller=q.me, task_id=str(rng.choice(waiting).id)))
             else:
                 q.clock.now += timedelta(seconds=rng.uniform(0, 30))
             now = q.clock.now
@@ -410,12 +414,12 @@ async def test_cancelling_a_waiting_task_is_immediate(q: Queue) -> None:
     watcher, _ = q.hub.watch([ada.id])
     queued = await q.submit(ada, "queued")
     failing = await q.submit(ada, "failing")
-    await q.bus.handle(CancelTask(q.me, str(queued.id)))
+    await q.bus.handle(CancelTask(caller=q.me, task_id=str(queued.id)))
     # A FAILED task waiting for its retry is cancelled too.
     running = await q.run_next(ada)
     assert running.id == failing.id
     await q.queue.failed(running, error="boom", at=q.clock())
-    cancelled = (await q.bus.handle(CancelTask(q.me, str(failing.id)))).task
+    cancelled = (await q.bus.handle(CancelTask(caller=q.me, task_id=str(failing.id)))).task
     assert cancelled.status is TaskStatus.CANCELLED and cancelled.ended_at is not None
     assert cancelled.retry_at is None
     assert [s for s, _ in drain(watcher)] == [
@@ -429,7 +433,7 @@ async def test_cancelling_a_waiting_task_is_immediate(q: Queue) -> None:
     assert await q.queue.next_task(ada.id, now=q.clock.now + timedelta(days=1)) is None
     # An ended task cannot be cancelled.
     with pytest.raises(errors.FailedPrecondition, match="cancelled"):
-        await q.bus.handle(CancelTask(q.me, str(queued.id)))
+        await q.bus.handle(CancelTask(caller=q.me, task_id=str(queued.id)))
 
 
 async def test_a_task_cancelled_before_it_starts_is_not_started(q: Queue) -> None:
@@ -437,7 +441,7 @@ async def test_a_task_cancelled_before_it_starts_is_not_started(q: Queue) -> Non
     await q.submit(ada)
     head = await q.queue.next_task(ada.id, now=q.clock.now)
     assert head is not None
-    await q.bus.handle(CancelTask(q.me, str(head.id)))
+    await q.bus.handle(CancelTask(caller=q.me, task_id=str(head.id)))
     started = await q.queue.started(head, run_id=uuid.uuid4(), at=q.clock())
     assert started.status is TaskStatus.CANCELLED and started.attempts == 0
 
@@ -453,7 +457,7 @@ async def test_cancelling_a_running_task_asks_its_runner_to_cut_it_short(q: Queu
         await q.queue.cancelled(running, at=q.clock())
 
     q.runners.on_cancel = cut_short
-    cancelled = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
+    cancelled = (await q.bus.handle(CancelTask(caller=q.me, task_id=str(running.id)))).task
     assert q.runners.cancels == [running.id] and cancelled.status is TaskStatus.CANCELLED
 
 
@@ -464,7 +468,7 @@ async def test_a_cancelled_running_task_that_then_fails_is_not_retried() -> None
         await q.submit(ada)
         running = await q.run_next(ada)
         q.runners.running.add(running.id)  # the runner will report later
-        still = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
+        still = (await q.bus.handle(CancelTask(caller=q.me, task_id=str(running.id)))).task
         assert still.status is TaskStatus.RUNNING
         await q.queue.failed(running, error="cut", at=q.clock())
         assert q.store.tasks[running.id].status is TaskStatus.CANCELLED
@@ -475,7 +479,7 @@ async def test_a_running_task_nobody_runs_is_cancelled_at_once(q: Queue) -> None
     await q.submit(ada)
     running = await q.run_next(ada)
     await q.runners.stop_agent(ada.id)  # its runner is gone (the agent stays)
-    cancelled = (await q.bus.handle(CancelTask(q.me, str(running.id)))).task
+    cancelled = (await q.bus.handle(CancelTask(caller=q.me, task_id=str(running.id)))).task
     assert cancelled.status is TaskStatus.CANCELLED
 
 
@@ -531,7 +535,7 @@ async def test_tasks_of_other_workspaces_are_not_found(q: Queue) -> None:
     them = caller_of(stranger.id, uuid.uuid4())
 
     async def cancel(caller: Caller | None, task_id: str) -> Placed:
-        return await q.bus.handle(CancelTask(caller, task_id))
+        return await q.bus.handle(CancelTask(caller=caller, task_id=task_id))
 
     for call in (q.tasks.get_task, cancel):
         with pytest.raises(errors.NotFound):
@@ -577,7 +581,9 @@ async def test_the_runner_runs_queued_tasks_one_at_a_time_in_order() -> None:
         watcher, _ = q.hub.watch([ada.id])
         submitted = await asyncio.gather(
             *(
-                q.bus.handle(SubmitTask(q.me, str(ada.id), text=f"task {i}", request_id=f"r{i}"))
+                q.bus.handle(
+                    SubmitTask(caller=q.me, agent_id=str(ada.id), text=f"task {i}", request_id=f"r{i}")
+                )
                 for i in range(50)
             )
         )

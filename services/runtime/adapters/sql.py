@@ -463,7 +463,7 @@ class SqlAgentStore(AgentStore):
         )
         return int(rows[0][0] or 0)
 
-    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+    # -- History: sessions, checkpoints, the step archive (the history handlers) --
 
     async def add_session(self, session: Session) -> None:
         await self._write(
@@ -843,7 +843,7 @@ class SqlAgentStore(AgentStore):
         await self._db.aclose()
 
 
-# -- History helpers (HistoryService) --
+# -- History helpers (the history handlers) --
 
 
 def _session_values(session: Session) -> dict[str, Any]:

@@ -83,6 +83,32 @@ class Agent:
 
 
 @dataclass(frozen=True, slots=True)
+class AgentDraft:
+    """What a caller asks an agent to be: its settings, unchecked."""
+
+    name: str
+    role: str = ""
+    system_prompt: str = ""
+    model: ModelSettings = field(default_factory=ModelSettings)
+    tools: tuple[str, ...] = ()
+    token_budget: int = 0
+    auto_recall: int | None = None
+
+    @classmethod
+    def of(cls, agent: Agent) -> AgentDraft:
+        """The settings `agent` has."""
+        return cls(
+            name=agent.name,
+            role=agent.role,
+            system_prompt=agent.system_prompt,
+            model=agent.model,
+            tools=agent.tools,
+            token_budget=agent.token_budget,
+            auto_recall=agent.auto_recall,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class StepMetrics:
     duration_ms: float = 0.0
     first_token_ms: float = 0.0

@@ -11,26 +11,32 @@ from services.common.audit_proto import event_out, query_in
 from services.common.authn import current_caller
 from services.common.identity import Caller
 from services.runtime.domain.commands import (
+    CreateAgent,
+    DeleteAgent,
     InterruptAgent,
     PauseAgent,
     ResumeAgent,
     StartAgent,
     TerminateAgent,
+    UpdateAgent,
     WakeAgent,
 )
+from services.runtime.domain.model import AgentDraft
 from services.runtime.entrypoints import mappers
 from services.runtime.entrypoints.history_rpcs import HistoryRpcs
 from services.runtime.entrypoints.task_rpcs import TaskRpcs
-from services.runtime.service_layer.agents import AgentDraft, AgentService
-from services.runtime.service_layer.history import HistoryService
+from services.runtime.service_layer.agent_views import AgentViews
+from services.runtime.service_layer.history_views import HistoryViews
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.tasks import TaskViews
+from services.runtime.service_layer.watches import AgentWatches
 
 # grpc.aio.ServicerContext; grpc has no type information.
 Context: TypeAlias = Any
 
 
-def _draft(value: pb.Agent) -> AgentDraft:
+def _draft(value: pb.Agent | pb.CreateAgentRequest) -> AgentDraft:
+    """The settings a CreateAgent request or an UpdateAgent's agent asks for."""
     return AgentDraft(
         name=value.name,
         role=value.role,
@@ -48,13 +54,15 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
 
     def __init__(
         self,
-        service: AgentService,
         *,
-        history: HistoryService,
+        agents: AgentViews,
+        watches: AgentWatches,
+        history: HistoryViews,
         tasks: TaskViews,
         bus: MessageBus,
     ) -> None:
-        self._service = service
+        self._agents = agents
+        self._watches = watches
         self._bus = bus
         self._history = history
         self._tasks = tasks
@@ -64,34 +72,27 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return current_caller()
 
     async def CreateAgent(self, request: pb.CreateAgentRequest, context: Context) -> pb.CreateAgentResponse:
-        draft = AgentDraft(
-            name=request.name,
-            role=request.role,
-            system_prompt=request.system_prompt,
-            model=mappers.model_settings_in(request.model),
-            tools=tuple(request.tools),
-            token_budget=request.token_budget,
-            auto_recall=request.auto_recall if request.HasField("auto_recall") else None,
-        )
-        created = await self._service.create_agent(
-            await self._caller(context),
-            draft,
-            workspace_id=request.workspace_id,
-            parent_id=request.parent_id,
-            request_id=request.request_id,
+        created = await self._bus.handle(
+            CreateAgent(
+                caller=await self._caller(context),
+                draft=_draft(request),
+                workspace_id=request.workspace_id,
+                parent_id=request.parent_id,
+                request_id=request.request_id,
+            )
         )
         return pb.CreateAgentResponse(agent=mappers.agent(created))
 
     async def GetAgent(self, request: pb.GetAgentRequest, context: Context) -> pb.GetAgentResponse:
-        found = await self._service.get_agent(await self._caller(context), request.agent_id)
+        found = await self._agents.get_agent(await self._caller(context), request.agent_id)
         return pb.GetAgentResponse(agent=mappers.agent(found))
 
     async def ListTools(self, request: pb.ListToolsRequest, context: Context) -> pb.ListToolsResponse:
-        specs = await self._service.list_tools(await self._caller(context))
+        specs = await self._agents.list_tools(await self._caller(context))
         return pb.ListToolsResponse(tools=[pb.Tool(name=t.name, description=t.description) for t in specs])
 
     async def ListAgents(self, request: pb.ListAgentsRequest, context: Context) -> pb.ListAgentsResponse:
-        agents, token = await self._service.list_agents(
+        agents, token = await self._agents.list_agents(
             await self._caller(context),
             page_size=request.page_size,
             page_token=request.page_token,
@@ -100,24 +101,28 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return pb.ListAgentsResponse(agents=[mappers.agent(a) for a in agents], next_page_token=token)
 
     async def UpdateAgent(self, request: pb.UpdateAgentRequest, context: Context) -> pb.UpdateAgentResponse:
-        updated = await self._service.update_agent(
-            await self._caller(context),
-            request.agent.id,
-            _draft(request.agent),
-            list(request.update_mask.paths),
+        updated = await self._bus.handle(
+            UpdateAgent(
+                caller=await self._caller(context),
+                agent_id=request.agent.id,
+                draft=_draft(request.agent),
+                fields=tuple(request.update_mask.paths),
+            )
         )
         return pb.UpdateAgentResponse(agent=mappers.agent(updated))
 
     async def DeleteAgent(self, request: pb.DeleteAgentRequest, context: Context) -> pb.DeleteAgentResponse:
-        await self._service.delete_agent(await self._caller(context), request.agent_id)
+        await self._bus.handle(DeleteAgent(caller=await self._caller(context), agent_id=request.agent_id))
         return pb.DeleteAgentResponse()
 
     async def WakeAgent(self, request: pb.WakeAgentRequest, context: Context) -> pb.WakeAgentResponse:
-        woken = await self._bus.handle(WakeAgent(await self._caller(context), request.agent_id))
+        woken = await self._bus.handle(
+            WakeAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.WakeAgentResponse(agent=mappers.agent(woken))
 
     async def ListRuns(self, request: pb.ListRunsRequest, context: Context) -> pb.ListRunsResponse:
-        runs, token = await self._service.list_runs(
+        runs, token = await self._agents.list_runs(
             await self._caller(context),
             request.agent_id,
             page_size=request.page_size,
@@ -126,7 +131,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         return pb.ListRunsResponse(runs=[mappers.run(r) for r in runs], next_page_token=token)
 
     async def ListSteps(self, request: pb.ListStepsRequest, context: Context) -> pb.ListStepsResponse:
-        steps, more = await self._service.list_steps(
+        steps, more = await self._agents.list_steps(
             await self._caller(context),
             request.agent_id,
             after_sequence=request.after_sequence,
@@ -139,7 +144,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     async def WatchAgent(
         self, request: pb.WatchAgentRequest, context: Context
     ) -> AsyncIterator[pb.WatchAgentResponse]:
-        events = await self._service.watch_agent(
+        events = await self._watches.watch_agent(
             await self._caller(context),
             request.agent_id,
             after_sequence=request.after_sequence,
@@ -155,7 +160,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     async def WatchAgents(
         self, request: pb.WatchAgentsRequest, context: Context
     ) -> AsyncIterator[pb.WatchAgentsResponse]:
-        events = await self._service.watch_agents(
+        events = await self._watches.watch_agents(
             await self._caller(context), agent_ids=list(request.agent_ids), workspace_id=request.workspace_id
         )
         try:
@@ -168,21 +173,29 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     # -- lifecycle -----------------------------------------------------------
 
     async def StartAgent(self, request: pb.StartAgentRequest, context: Context) -> pb.StartAgentResponse:
-        agent = await self._bus.handle(StartAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            StartAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.StartAgentResponse(agent=mappers.agent(agent))
 
     async def PauseAgent(self, request: pb.PauseAgentRequest, context: Context) -> pb.PauseAgentResponse:
-        agent = await self._bus.handle(PauseAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            PauseAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.PauseAgentResponse(agent=mappers.agent(agent))
 
     async def ResumeAgent(self, request: pb.ResumeAgentRequest, context: Context) -> pb.ResumeAgentResponse:
-        agent = await self._bus.handle(ResumeAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            ResumeAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.ResumeAgentResponse(agent=mappers.agent(agent))
 
     async def InterruptAgent(
         self, request: pb.InterruptAgentRequest, context: Context
     ) -> pb.InterruptAgentResponse:
-        agent = await self._bus.handle(InterruptAgent(await self._caller(context), request.agent_id))
+        agent = await self._bus.handle(
+            InterruptAgent(caller=await self._caller(context), agent_id=request.agent_id)
+        )
         return pb.InterruptAgentResponse(agent=mappers.agent(agent))
 
     async def TerminateAgent(
@@ -190,8 +203,8 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     ) -> pb.TerminateAgentResponse:
         agent = await self._bus.handle(
             TerminateAgent(
-                await self._caller(context),
-                request.agent_id,
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
                 clear_queue=request.queue_policy == pb.QUEUE_POLICY_CLEAR,
             )
         )
@@ -200,7 +213,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     async def ListAuditEvents(
         self, request: pb.ListAuditEventsRequest, context: Context
     ) -> pb.ListAuditEventsResponse:
-        records, token = await self._service.list_audit_events(
+        records, token = await self._agents.list_audit_events(
             await self._caller(context),
             query_in(request.query),
             page_size=request.page_size,

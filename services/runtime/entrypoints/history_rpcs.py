@@ -1,4 +1,4 @@
-"""RuntimeService RPCs of `HistoryService`: a mixin of `RuntimeServicer`."""
+"""RuntimeService RPCs of an agent's history: a mixin of `RuntimeServicer`."""
 
 from __future__ import annotations
 
@@ -6,9 +6,20 @@ from typing import Any, TypeAlias
 
 from agentim.runtime.v1 import runtime_pb2 as pb
 from services.common.identity import Caller
+from services.runtime.domain.commands import (
+    AddNote,
+    CreateCheckpoint,
+    DeleteStep,
+    ForkFromStep,
+    RestoreCheckpoint,
+    RetryFromStep,
+    SetMainSession,
+    UpdateStep,
+)
 from services.runtime.domain.llm import Role
 from services.runtime.entrypoints import mappers
-from services.runtime.service_layer.history import HistoryService
+from services.runtime.service_layer.history_views import HistoryViews
+from services.runtime.service_layer.messagebus import MessageBus
 
 Context: TypeAlias = Any
 
@@ -18,32 +29,47 @@ _NOTE_ROLES = {pb.STEP_ROLE_SYSTEM: Role.SYSTEM, pb.STEP_ROLE_USER: Role.USER}
 class HistoryRpcs:
     """UpdateStep, DeleteStep, AddNote, checkpoints, sessions, RetryFromStep, ForkFromStep."""
 
-    _history: HistoryService
+    _history: HistoryViews
+    _bus: MessageBus
 
     async def _caller(self, context: Context) -> Caller | None:
         raise NotImplementedError  # RuntimeServicer's
 
     async def UpdateStep(self, request: pb.UpdateStepRequest, context: Context) -> pb.UpdateStepResponse:
-        step = await self._history.update_step(
-            await self._caller(context), request.agent_id, request.sequence, request.content
+        step = await self._bus.handle(
+            UpdateStep(
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
+                sequence=request.sequence,
+                content=request.content,
+            )
         )
         return pb.UpdateStepResponse(step=mappers.step(step))
 
     async def DeleteStep(self, request: pb.DeleteStepRequest, context: Context) -> pb.DeleteStepResponse:
-        await self._history.delete_step(await self._caller(context), request.agent_id, request.sequence)
+        await self._bus.handle(
+            DeleteStep(
+                caller=await self._caller(context), agent_id=request.agent_id, sequence=request.sequence
+            )
+        )
         return pb.DeleteStepResponse()
 
     async def AddNote(self, request: pb.AddNoteRequest, context: Context) -> pb.AddNoteResponse:
-        step = await self._history.add_note(
-            await self._caller(context), request.agent_id, _NOTE_ROLES.get(request.role), request.content
+        step = await self._bus.handle(
+            AddNote(
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
+                role=_NOTE_ROLES.get(request.role),
+                content=request.content,
+            )
         )
         return pb.AddNoteResponse(step=mappers.step(step))
 
     async def CreateCheckpoint(
         self, request: pb.CreateCheckpointRequest, context: Context
     ) -> pb.CreateCheckpointResponse:
-        checkpoint = await self._history.create_checkpoint(
-            await self._caller(context), request.agent_id, request.name
+        checkpoint = await self._bus.handle(
+            CreateCheckpoint(caller=await self._caller(context), agent_id=request.agent_id, name=request.name)
         )
         return pb.CreateCheckpointResponse(checkpoint=mappers.checkpoint(checkpoint))
 
@@ -63,8 +89,12 @@ class HistoryRpcs:
     async def RestoreCheckpoint(
         self, request: pb.RestoreCheckpointRequest, context: Context
     ) -> pb.RestoreCheckpointResponse:
-        agent = await self._history.restore_checkpoint(
-            await self._caller(context), request.agent_id, request.checkpoint_id
+        agent = await self._bus.handle(
+            RestoreCheckpoint(
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
+                checkpoint_id=request.checkpoint_id,
+            )
         )
         return pb.RestoreCheckpointResponse(agent=mappers.agent(agent))
 
@@ -81,28 +111,34 @@ class HistoryRpcs:
     async def SetMainSession(
         self, request: pb.SetMainSessionRequest, context: Context
     ) -> pb.SetMainSessionResponse:
-        agent = await self._history.set_main_session(
-            await self._caller(context), request.agent_id, request.session_id
+        agent = await self._bus.handle(
+            SetMainSession(
+                caller=await self._caller(context), agent_id=request.agent_id, session_id=request.session_id
+            )
         )
         return pb.SetMainSessionResponse(agent=mappers.agent(agent))
 
     async def RetryFromStep(
         self, request: pb.RetryFromStepRequest, context: Context
     ) -> pb.RetryFromStepResponse:
-        agent = await self._history.retry_from_step(
-            await self._caller(context), request.agent_id, request.sequence
+        agent = await self._bus.handle(
+            RetryFromStep(
+                caller=await self._caller(context), agent_id=request.agent_id, sequence=request.sequence
+            )
         )
         return pb.RetryFromStepResponse(agent=mappers.agent(agent))
 
     async def ForkFromStep(
         self, request: pb.ForkFromStepRequest, context: Context
     ) -> pb.ForkFromStepResponse:
-        session, agent = await self._history.fork_from_step(
-            await self._caller(context),
-            request.agent_id,
-            request.sequence,
-            new_agent=request.new_agent,
-            name=request.name,
+        session, agent = await self._bus.handle(
+            ForkFromStep(
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
+                sequence=request.sequence,
+                new_agent=request.new_agent,
+                name=request.name,
+            )
         )
         return pb.ForkFromStepResponse(
             session=mappers.session(session, main=True), agent=mappers.agent(agent)

@@ -31,8 +31,8 @@ class TaskRpcs:
     async def SubmitTask(self, request: pb.SubmitTaskRequest, context: Context) -> pb.SubmitTaskResponse:
         placed = await self._bus.handle(
             SubmitTask(
-                await self._caller(context),
-                request.agent_id,
+                caller=await self._caller(context),
+                agent_id=request.agent_id,
                 text=request.input,
                 request_id=request.request_id,
                 session_id=request.session_id,
@@ -55,7 +55,9 @@ class TaskRpcs:
         return pb.ListTasksResponse(tasks=[_task(p) for p in page], next_page_token=token)
 
     async def CancelTask(self, request: pb.CancelTaskRequest, context: Context) -> pb.CancelTaskResponse:
-        placed = await self._bus.handle(CancelTask(await self._caller(context), request.task_id))
+        placed = await self._bus.handle(
+            CancelTask(caller=await self._caller(context), task_id=request.task_id)
+        )
         return pb.CancelTaskResponse(task=_task(placed))
 
     async def GetQueueStats(

@@ -23,6 +23,11 @@ class MessageBus:
     def __init__(self, handlers: Mapping[type[Command[Any]], Handler]) -> None:
         self._handlers = dict(handlers)
 
+    @property
+    def commands(self) -> frozenset[type[Command[Any]]]:
+        """The command types this bus has a handler for."""
+        return frozenset(self._handlers)
+
     async def handle(self, command: Command[R]) -> R:
         """Handles `command`; returns what its handler returns.
 

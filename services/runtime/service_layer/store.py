@@ -160,7 +160,7 @@ class AgentStore(abc.ABC):
     async def last_sequence(self, session_id: uuid.UUID) -> int:
         """The sequence number of the session's last step (0 if none)."""
 
-    # -- History: sessions, checkpoints, the step archive (HistoryService) --
+    # -- History: sessions, checkpoints, the step archive (the history handlers) --
 
     @abc.abstractmethod
     async def add_session(self, session: Session) -> None:

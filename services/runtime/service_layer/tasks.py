@@ -48,7 +48,7 @@ from services.runtime.domain.model import (
     TaskStatus,
     shown_to_model,
 )
-from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.access import AgentAccess
 from services.runtime.service_layer.hub import AgentHub
 from services.runtime.service_layer.leases import Fence
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
@@ -430,13 +430,13 @@ class TaskViews:
         *,
         store: AgentStore,
         queue: StoredTaskQueue,
-        agents: AgentService,
+        access: AgentAccess,
         clock: Callable[[], datetime],
         max_page_size: int = 200,
     ) -> None:
         self._store = store
         self._queue = queue
-        self._agents = agents
+        self._access = access
         self._clock = clock
         self._max_page = max_page_size
 
@@ -447,7 +447,7 @@ class TaskViews:
         self, principal: Caller | None, agent_id: str, *, page_size: int, page_token: str
     ) -> tuple[list[Placed], str]:
         """An agent's tasks, newest first, and the token of the next page ("" at the end)."""
-        agent = await self._agents.controlled(principal, agent_id)
+        agent = await self._access.controlled(principal, agent_id)
         if page_size < 0:
             raise InvalidTaskRequest("page_size must not be negative")
         limit = min(page_size or 50, self._max_page)
@@ -457,7 +457,7 @@ class TaskViews:
         return page, str(tasks[limit - 1].id) if len(tasks) > limit else ""
 
     async def queue_stats(self, principal: Caller | None, agent_id: str) -> QueueStats:
-        agent = await self._agents.controlled(principal, agent_id)
+        agent = await self._access.controlled(principal, agent_id)
         waiting, running, average = await self._store.queue_stats(agent.id)
         return QueueStats(queued=waiting, running=running > 0, average_wait_ms=average)
 
@@ -469,7 +469,7 @@ class TaskViews:
         task = await self._store.get_task(wanted)
         try:
             # Asked even for a missing task: an unauthenticated caller learns nothing.
-            await self._agents.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
+            await self._access.controlled(principal, str(task.agent_id if task else uuid.UUID(int=0)))
         except AgentNotFound:
             task = None
         if task is None:

@@ -33,7 +33,8 @@ from services.runtime.domain.errors import AgentGone
 from services.runtime.domain.lifecycle import Control as Transition
 from services.runtime.domain.lifecycle import check_control
 from services.runtime.domain.model import Agent
-from services.runtime.service_layer.agents import AgentService
+from services.runtime.service_layer.access import AgentAccess
+from services.runtime.service_layer.agent_audit import AgentAudit
 from services.runtime.service_layer.messagebus import Handler
 from services.runtime.service_layer.runners import Runners
 
@@ -45,7 +46,8 @@ QueueClearer = Callable[[uuid.UUID], Awaitable[int]]
 class Control:
     """What the control handlers use."""
 
-    agents: AgentService
+    access: AgentAccess
+    audit: AgentAudit
     runners: Runners
     clear_queue: QueueClearer
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -53,7 +55,7 @@ class Control:
 
 async def _checked(deps: Control, caller: Caller | None, agent_id: str, transition: Transition) -> Agent:
     """The live agent, if the caller may control it and `transition` may be applied now."""
-    agent = await deps.agents.controlled(caller, agent_id)
+    agent = await deps.access.controlled(caller, agent_id)
     live = deps.runners.live(agent.id)
     if live is None:
         raise AgentGone(f"agent {agent.id} was deleted")
@@ -71,7 +73,7 @@ async def _apply(
     async with deps.lock:
         agent = await _checked(deps, command.caller, command.agent_id, transition)
         agent = await act(agent.id)
-        await deps.agents.recorded(command.caller, agent, type(command).__name__)
+        await deps.audit.write(command.caller, agent, type(command).__name__)
         return agent
 
 
@@ -96,7 +98,7 @@ async def terminate_agent(command: TerminateAgent, deps: Control) -> Agent:
         agent = await _checked(deps, command.caller, command.agent_id, Transition.TERMINATE)
         agent = await deps.runners.terminate(agent.id)
         cleared = await deps.clear_queue(agent.id) if command.clear_queue else 0
-        await deps.agents.recorded(
+        await deps.audit.write(
             command.caller,
             agent,
             "TerminateAgent",
@@ -107,7 +109,7 @@ async def terminate_agent(command: TerminateAgent, deps: Control) -> Agent:
 
 async def wake_agent(command: WakeAgent, deps: Control) -> Agent:
     """Wakes the agent's runner (a person's wake also retries a failed run)."""
-    agent = await deps.agents.controlled(command.caller, command.agent_id)
+    agent = await deps.access.controlled(command.caller, command.agent_id)
     deps.runners.wake(agent.id, retry=True)
     return agent
 

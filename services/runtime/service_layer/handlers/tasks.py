@@ -23,7 +23,9 @@ from services.common.identity import Caller
 from services.runtime.domain.commands import CancelTask, SubmitTask
 from services.runtime.domain.errors import InvalidTaskRequest, TaskAlreadyEnded, TaskRequestReused
 from services.runtime.domain.model import Placed, Task, TaskStatus
-from services.runtime.service_layer.agents import MAX_REQUEST_ID_CHARS, AgentService
+from services.runtime.service_layer.access import AgentAccess
+from services.runtime.service_layer.agent_audit import AgentAudit
+from services.runtime.service_layer.agent_factory import MAX_REQUEST_ID_CHARS
 from services.runtime.service_layer.messagebus import Handler
 from services.runtime.service_layer.runners import Runners
 from services.runtime.service_layer.store import AgentStore
@@ -44,7 +46,8 @@ class Tasks:
     queue: StoredTaskQueue
     views: TaskViews
     runners: Runners
-    agents: AgentService
+    access: AgentAccess
+    audit: AgentAudit
     clock: Callable[[], datetime]
     max_input_bytes: int = 64 * 1024
     cancel_wait_seconds: float = 10.0
@@ -54,7 +57,7 @@ async def submit_task(command: SubmitTask, deps: Tasks) -> Placed:
     """Queues a task (or returns the one submitted with the same request_id) and wakes the agent."""
     principal, text, request_id = command.caller, command.text, command.request_id
     session_id, priority = command.session_id, command.priority
-    agent = await deps.agents.controlled(principal, command.agent_id)
+    agent = await deps.access.controlled(principal, command.agent_id)
     if not text.strip():
         raise InvalidTaskRequest("input is required")
     size = len(text.encode())
@@ -75,7 +78,7 @@ async def submit_task(command: SubmitTask, deps: Tasks) -> Placed:
         priority=priority,
         request_id=request_id,
     )
-    record = deps.agents.audit_record(
+    record = deps.audit.record(
         principal,
         agent,
         "SubmitTask",
@@ -132,7 +135,7 @@ async def cancel_task(command: CancelTask, deps: Tasks) -> Placed:
 async def _cancelled_by(principal: Caller | None, task: Task, deps: Tasks) -> None:
     agent = await deps.store.get_agent(task.agent_id)
     if agent is not None:
-        await deps.agents.recorded(
+        await deps.audit.write(
             principal,
             agent,
             "CancelTask",
