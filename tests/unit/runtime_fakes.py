@@ -14,12 +14,14 @@ from typing import Any
 from services.common.audit import AuditRecord
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.domain.errors import (
+    AgentGone,
     DuplicateAgentRequest,
     DuplicateStep,
     IMError,
     MemoryRefused,
     MemoryUnavailable,
 )
+from services.runtime.domain.lifecycle import Control, check_control
 from services.runtime.domain.llm import (
     ChatMessage,
     Completion,
@@ -934,28 +936,24 @@ class FakeRunners(Runners):
     def forget_history(self, agent_id: uuid.UUID) -> None:
         pass
 
-    def continue_from_history(self, agent_id: uuid.UUID) -> None:
+    async def go_on(self, agent_id: uuid.UUID) -> None:
         self.woken.append(agent_id)
 
-    async def _to(self, agent_id: uuid.UUID, state: AgentState) -> Agent:
-        agent = self.agents[agent_id].with_state(state, "")
+    async def apply(self, agent_id: uuid.UUID, control: Control) -> Agent:
+        agent = self.agents.get(agent_id)
+        if agent is None:
+            raise AgentGone(f"agent {agent_id} was deleted")
+        check_control(control, agent.state)
+        state = {
+            Control.START: AgentState.IDLE,
+            Control.PAUSE: AgentState.PAUSED,
+            Control.RESUME: AgentState.IDLE,
+            Control.INTERRUPT: AgentState.PAUSED,
+            Control.TERMINATE: AgentState.TERMINATED,
+        }[control]
+        agent = agent.with_state(state, "")
         self.agents[agent_id] = agent
         return agent
-
-    async def pause(self, agent_id: uuid.UUID) -> Agent:
-        return await self._to(agent_id, AgentState.PAUSED)
-
-    async def resume(self, agent_id: uuid.UUID) -> Agent:
-        return await self._to(agent_id, AgentState.IDLE)
-
-    async def interrupt(self, agent_id: uuid.UUID) -> Agent:
-        return await self._to(agent_id, AgentState.PAUSED)
-
-    async def terminate(self, agent_id: uuid.UUID) -> Agent:
-        return await self._to(agent_id, AgentState.TERMINATED)
-
-    async def start_again(self, agent_id: uuid.UUID) -> Agent:
-        return await self._to(agent_id, AgentState.IDLE)
 
     async def cancel_task(self, agent_id: uuid.UUID, task_id: uuid.UUID) -> bool:
         self.cancels.append(task_id)

@@ -18,6 +18,7 @@ from services.common.identity import Caller
 from services.common.outages import DATABASE, DependencyUnavailable
 from services.runtime.bootstrap import RuntimeApp
 from services.runtime.domain.commands import CancelTask, CreateAgent, SubmitTask
+from services.runtime.domain.lifecycle import Control
 from services.runtime.domain.model import (
     Agent,
     AgentDraft,
@@ -761,13 +762,13 @@ async def test_a_task_waiting_behind_an_older_message_runs_after_it() -> None:
     must not then wait for some later wake."""
     async for q in make_queue(run_tasks=True):
         ada = await q.agent()
-        await q.app.runners.pause(ada.id)
+        await q.app.runners.apply(ada.id, Control.PAUSE)
         chat = q.im.group("", q.me.member_id, ada.member_id, direct=True)  # type: ignore[arg-type]
         q.im.clock = q.clock  # one clock: the message is older than the task
         q.im.post(q.me.member_id, chat.id, "first, a question")  # type: ignore[arg-type]
         watcher, _ = q.hub.watch([ada.id])
         task = await q.submit(ada, "then, a task")
-        await q.app.runners.resume(ada.id)
+        await q.app.runners.apply(ada.id, Control.RESUME)
         async with asyncio.timeout(WAIT):
             async for emitted in watcher.events():
                 event = emitted.event

@@ -1,9 +1,9 @@
 """The agents' runners, as the rest of the service layer reaches them.
 
 The port is narrow and by agent id: nothing outside the runners holds a
-runner. Today one process hosts every runner (`Supervisor`); an
-implementation across replicas forwards each call to the replica that runs
-the agent.
+runner. One process may host every runner (`Supervisor`); among replicas,
+each call is forwarded to the replica that runs the agent
+(`ReplicaRunners`).
 """
 
 from __future__ import annotations
@@ -11,16 +11,12 @@ from __future__ import annotations
 import abc
 import uuid
 
+from services.runtime.domain.lifecycle import Control
 from services.runtime.domain.model import Agent
 
 
 class Runners(abc.ABC):
-    """Starts, stops, wakes and controls agents' runners, by agent id.
-
-    The controls (`pause` ... `start_again`) do not check the transition
-    (`services.runtime.domain.lifecycle.check_control` does), and raise
-    `AgentGone` when no runner runs the agent (it was deleted meanwhile).
-    """
+    """Starts, stops, wakes and controls agents' runners, by agent id."""
 
     @abc.abstractmethod
     def live(self, agent_id: uuid.UUID) -> Agent | None:
@@ -50,28 +46,25 @@ class Runners(abc.ABC):
         them): its next run reads them again."""
 
     @abc.abstractmethod
-    def continue_from_history(self, agent_id: uuid.UUID) -> None:
-        """Makes the runner go on from the agent's last step."""
+    async def go_on(self, agent_id: uuid.UUID) -> None:
+        """Makes the runner go on from the agent's last step (a PAUSED agent
+        is resumed to do so)."""
 
     @abc.abstractmethod
-    async def pause(self, agent_id: uuid.UUID) -> Agent:
-        """PAUSED now if idle, else at the run's next step boundary; returns the agent."""
+    async def apply(self, agent_id: uuid.UUID, control: Control) -> Agent:
+        """A person's control, checked against the agent's live state and
+        applied by its runner, one control at a time per agent; returns the
+        agent as the control leaves it.
 
-    @abc.abstractmethod
-    async def resume(self, agent_id: uuid.UUID) -> Agent:
-        """Back to work: what was cut short goes on, then what waits."""
+        START: a terminated agent works again. PAUSE: PAUSED now if idle,
+        else at the run's next step boundary. RESUME: what was cut short goes
+        on, then what waits. INTERRUPT: cuts the run in flight at once and
+        pauses. TERMINATE: cuts the run in flight; nothing more until START.
 
-    @abc.abstractmethod
-    async def interrupt(self, agent_id: uuid.UUID) -> Agent:
-        """Cuts the run in flight at once and pauses."""
-
-    @abc.abstractmethod
-    async def terminate(self, agent_id: uuid.UUID) -> Agent:
-        """Cuts the run in flight; nothing more until `start_again`."""
-
-    @abc.abstractmethod
-    async def start_again(self, agent_id: uuid.UUID) -> Agent:
-        """A terminated agent works again."""
+        Raises:
+            InvalidTransition: the live state does not allow the control.
+            AgentGone: no runner runs the agent (it was deleted meanwhile).
+        """
 
     @abc.abstractmethod
     async def cancel_task(self, agent_id: uuid.UUID, task_id: uuid.UUID) -> bool:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from services.runtime.domain.errors import AgentGone
+from services.runtime.domain.lifecycle import Control, check_control
 from services.runtime.domain.model import Agent, AgentState
 from services.runtime.domain.shards import shard_of
 from services.runtime.service_layer.im_port import IMEvent
@@ -79,6 +80,7 @@ class Supervisor(Runners):
         self._sequences: dict[uuid.UUID, int] = {}
         self._save_delay = cursor_save_delay
         self._savers: dict[uuid.UUID, asyncio.Task[None]] = {}
+        self._controls = asyncio.Lock()
 
     async def _create_sub_agent(
         self, parent: Agent, name: str, role: str, system_prompt: str, request_id: str
@@ -228,35 +230,30 @@ class Supervisor(Runners):
         if runner is not None:
             runner.forget_history()
 
-    def continue_from_history(self, agent_id: uuid.UUID) -> None:
+    async def go_on(self, agent_id: uuid.UUID) -> None:
         runner = self._runners.get(agent_id)
-        if runner is not None:
+        if runner is None:
+            return
+        if runner.agent.state is AgentState.PAUSED:
+            await self.apply(agent_id, Control.RESUME)
+        else:
             runner.continue_from_history()
 
-    async def pause(self, agent_id: uuid.UUID) -> Agent:
-        runner = self._running(agent_id)
-        await runner.pause()
-        return runner.agent
-
-    async def resume(self, agent_id: uuid.UUID) -> Agent:
-        runner = self._running(agent_id)
-        await runner.resume()
-        return runner.agent
-
-    async def interrupt(self, agent_id: uuid.UUID) -> Agent:
-        runner = self._running(agent_id)
-        await runner.interrupt()
-        return runner.agent
-
-    async def terminate(self, agent_id: uuid.UUID) -> Agent:
-        runner = self._running(agent_id)
-        await runner.terminate()
-        return runner.agent
-
-    async def start_again(self, agent_id: uuid.UUID) -> Agent:
-        runner = self._running(agent_id)
-        await runner.start_again()
-        return runner.agent
+    async def apply(self, agent_id: uuid.UUID, control: Control) -> Agent:
+        # One control at a time, so that two people pausing and terminating
+        # at once see a consistent order.
+        async with self._controls:
+            runner = self._running(agent_id)
+            check_control(control, runner.agent.state)
+            act = {
+                Control.START: runner.start_again,
+                Control.PAUSE: runner.pause,
+                Control.RESUME: runner.resume,
+                Control.INTERRUPT: runner.interrupt,
+                Control.TERMINATE: runner.terminate,
+            }[control]
+            await act()
+            return runner.agent
 
     async def cancel_task(self, agent_id: uuid.UUID, task_id: uuid.UUID) -> bool:
         runner = self._runners.get(agent_id)

@@ -260,7 +260,7 @@ async def restore_checkpoint(command: RestoreCheckpoint, deps: History) -> Agent
     )
     await deps.store.restore_checkpoint(checkpoint, at=deps.clock())
     session = await _session(deps, agent, checkpoint.session_id)
-    _adopt(deps, agent.id, session.id)
+    await _adopt(deps, agent.id, session.id)
     _rewritten(deps, agent, session.id, checkpoint.sequence)
     if session.id != agent.session_id:
         _emit(deps, agent.id, MainSessionChanged(session))
@@ -423,27 +423,21 @@ async def _session(deps: History, agent: Agent, session_id: uuid.UUID) -> Sessio
 async def _switch(deps: History, agent: Agent, session: Session, *, audit: AuditRecord | None = None) -> None:
     """Makes `session` the agent's main one, in the store and its runner."""
     await deps.store.set_main_session(agent.id, session.id, audit=audit)
-    _adopt(deps, agent.id, session.id)
+    await _adopt(deps, agent.id, session.id)
     _emit(deps, agent.id, MainSessionChanged(session))
 
 
-def _adopt(deps: History, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
+async def _adopt(deps: History, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
     """The runner works in `session_id` from its next run (its cached history is another's)."""
-    live = deps.runners.live(agent_id)
-    if live is not None and live.session_id != session_id:
+    live = deps.runners.live(agent_id) or await deps.store.get_agent(agent_id)
+    if live is not None:
         deps.runners.update(replace(live, session_id=session_id))
         deps.runners.forget_history(agent_id)
 
 
 async def _continue(deps: History, agent_id: uuid.UUID) -> None:
     """Goes on from the last step; a PAUSED agent is resumed to do so."""
-    live = deps.runners.live(agent_id)
-    if live is None:
-        return
-    if live.state is AgentState.PAUSED:
-        await deps.runners.resume(agent_id)
-    else:
-        deps.runners.continue_from_history(agent_id)
+    await deps.runners.go_on(agent_id)
 
 
 def _rewritten(deps: History, agent: Agent, session_id: uuid.UUID, after_sequence: int) -> None:
