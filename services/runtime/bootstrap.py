@@ -28,6 +28,7 @@ from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
 from services.runtime.adapters.llm.offline import OfflineModel
 from services.runtime.adapters.llm.openai_provider import OpenAIProvider
 from services.runtime.adapters.memory_client import GrpcMemory
+from services.runtime.adapters.replica_link import RedisReplicaLink
 from services.runtime.adapters.resolver import resolve
 from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.adapters.tables import audit_events
@@ -55,6 +56,7 @@ from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.memory_port import MemoryPort
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.read_positions import ReadPositions
+from services.runtime.service_layer.replicas import ReplicaLink, ReplicaRunners
 from services.runtime.service_layer.runner import (
     AgentRunner,
     Directory,
@@ -117,6 +119,8 @@ class RuntimeApp:
     audit_pruner: AuditPruner | None = None
     # The shard leases of this replica, among several (None: it runs every agent).
     leases: LeaseKeeper | None = None
+    # The link to the other replicas (None: there are none).
+    link: ReplicaLink | None = None
     grpc_server: GrpcServer | None = None
     _owners: asyncio.Task[None] | None = None
     _stopped: bool = False
@@ -137,6 +141,8 @@ class RuntimeApp:
         (port, agents started), port 0 without a server."""
         port = await self.grpc_server.start() if self.grpc_server is not None else 0
         agents = await self.supervisor.start() if self.supervisor is not None else 0
+        if self.link is not None:
+            await self.link.start()
         if self.leases is not None:
             await self.leases.start()  # the runners of the shards it takes start meanwhile
             agents = self.supervisor.agent_count if self.supervisor is not None else 0
@@ -325,17 +331,9 @@ def build(
         fences=fences if fences is not None else (leases or Unfenced()),
     )
     supervisor: Supervisor | None = None
+    link: ReplicaLink | None = None
     if runners is None:
-        sharding = Sharding(leases.settings.shard_count, leases.holds) if leases is not None else None
-        runners = supervisor = Supervisor(
-            env, cursor_save_delay=settings.cursor_save_delay_seconds, sharding=sharding
-        )
-        # Runners stop before what they use closes.
-        cleanups.insert(0, supervisor.aclose)
-    if leases is not None:
-        # First of all: the runners stop, then the leases go, so that other
-        # replicas take the shards at once instead of after the leases' time.
-        cleanups.insert(0, leases.aclose)
+        runners, supervisor, link = _runners(settings, env, leases, store, cleanups)
     audit_log = SqlAuditLog(database, audit_events) if database is not None else None
     audit_pruner = AuditPruner(audit_log, settings.audit) if audit_log is not None else None
     if audit_pruner is not None:
@@ -381,6 +379,7 @@ def build(
         archiver=archiver,
         audit_pruner=audit_pruner,
         leases=leases,
+        link=link,
     )
     if serve:
         if grpc_im is None or database is None or audit_log is None:
@@ -423,6 +422,41 @@ def _read_positions(
     positions = ReadPositions(im, delay_seconds=settings.read_position_delay_seconds)
     cleanups.insert(0, positions.aclose)
     return positions
+
+
+def _runners(
+    settings: Settings,
+    env: RunnerEnv,
+    leases: LeaseKeeper | None,
+    store: AgentStore,
+    cleanups: list[Callable[[], Awaitable[None]]],
+) -> tuple[Runners, Supervisor, ReplicaLink | None]:
+    """This process's runners, and (among replicas) the way to the others'."""
+    sharding = Sharding(leases.settings.shard_count, leases.holds) if leases is not None else None
+    supervisor = Supervisor(env, cursor_save_delay=settings.cursor_save_delay_seconds, sharding=sharding)
+    # Runners stop before what they use closes.
+    cleanups.insert(0, supervisor.aclose)
+    if leases is None:
+        return supervisor, supervisor, None
+    link = RedisReplicaLink(
+        settings.redis_url,
+        replica=leases.settings.replica,
+        reconcile_seconds=leases.settings.reconcile_seconds,
+    )
+    runners = ReplicaRunners(
+        supervisor, link, owner_of=leases.owner_of, replica=leases.settings.replica, store=store
+    )
+
+    async def close_link() -> None:
+        await runners.aclose()
+        await link.aclose()
+
+    # First of all: the runners stop, then the leases go, so that other
+    # replicas take the shards at once instead of after the leases' time;
+    # then the link closes.
+    cleanups.insert(1, close_link)
+    cleanups.insert(0, leases.aclose)
+    return runners, supervisor, link
 
 
 def _lease_keeper(

@@ -184,6 +184,7 @@ def _read_leases(env: EnvReader) -> LeaseSettings | None:
             renew_seconds=env.number("RUNTIME_LEASE_RENEW_SECONDS", 2.0, minimum=0.01),
             margin_seconds=env.number("RUNTIME_LEASE_MARGIN_SECONDS", 2.0, minimum=0.0),
             max_moves=env.integer("RUNTIME_SHARD_MOVES_PER_ROUND", 64, minimum=1),
+            reconcile_seconds=env.number("RUNTIME_RECONCILE_SECONDS", 5.0, minimum=0.01),
         )
     except ValueError as unfit:
         env.problem(f"RUNTIME_LEASE_*: {unfit}")

@@ -8,6 +8,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import grpc
 import pytest
 
 from agentim.im.v1 import im_pb2
@@ -17,6 +18,7 @@ from services.runtime import bootstrap
 from services.runtime.config import Settings
 from tests.auth_support import service_environment
 from tests.conftest import RunningIM, World, make_world
+from tests.faults.harness import RedisProcess
 from tests.identities import learning_channel
 from tests.integration.test_runtime_grpc import RunningRuntime, direct_chat, stop_runtime, wait_for_messages
 
@@ -24,18 +26,20 @@ WAIT = 15.0
 SHARDS = 16
 
 
+Replicas = Callable[..., Awaitable[RunningRuntime]]
+
+
 @pytest.fixture
-async def replicas(
-    im: RunningIM, own_runtime_url: str, redis_url: str
-) -> AsyncIterator[Callable[[str], Awaitable[RunningRuntime]]]:
+async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> AsyncIterator[Replicas]:
     if own_runtime_url.startswith("sqlite"):
         pytest.skip("replicas share a PostgreSQL database; SQLite is one process's")
     started: list[RunningRuntime] = []
 
-    async def start(name: str) -> RunningRuntime:
+    async def start(name: str, *, redis: str = redis_url) -> RunningRuntime:
         environ = {
             "RUNTIME_DATABASE_URL": own_runtime_url,
-            "REDIS_URL": redis_url,
+            "REDIS_URL": redis,
+            "RUNTIME_RECONCILE_SECONDS": "0.5",
             "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
             "IM_ADDRESS": im.address,
             "LOG_LEVEL": "WARNING",
@@ -98,7 +102,7 @@ async def ask_and_count(im: RunningIM, worlds: list[World], agents: list[rpb.Age
 
 
 async def test_two_replicas_split_the_agents_and_each_agent_runs_once(
-    im: RunningIM, replicas: Callable[[str], Awaitable[RunningRuntime]]
+    im: RunningIM, replicas: Replicas
 ) -> None:
     first = await replicas("r1")
     worlds = [await make_world(im.stub, people=1) for _ in range(8)]
@@ -119,9 +123,7 @@ async def test_two_replicas_split_the_agents_and_each_agent_runs_once(
     await ask_and_count(im, worlds, agents, "hello")
 
 
-async def test_a_replica_that_stops_hands_its_agents_over_at_once(
-    im: RunningIM, replicas: Callable[[str], Awaitable[RunningRuntime]]
-) -> None:
+async def test_a_replica_that_stops_hands_its_agents_over_at_once(im: RunningIM, replicas: Replicas) -> None:
     first = await replicas("r1")
     worlds = [await make_world(im.stub, people=1) for _ in range(6)]
     agents = [
@@ -133,3 +135,78 @@ async def test_a_replica_that_stops_hands_its_agents_over_at_once(
     await first.app.stop()  # releases its leases: no waiting for them to expire
     await until(lambda: all(hosts([second], a) == ["r2"] for a in agents))
     await ask_and_count(im, worlds, agents, "still there?")
+
+
+async def split(
+    im: RunningIM, replicas: Replicas, count: int, **options: str
+) -> tuple[list[RunningRuntime], list[World], list[rpb.Agent]]:
+    """Two replicas with `count` agents (one per workspace) spread over both."""
+    first = await replicas("r1", **options)
+    second = await replicas("r2", **options)
+    both = [first, second]
+    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    worlds = [await make_world(im.stub, people=1) for _ in range(count)]
+    agents = [
+        (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=w.md(0))).agent
+        for w in worlds
+    ]
+    await until(lambda: all(len(hosts(both, a)) == 1 for a in agents))
+    return both, worlds, agents
+
+
+def elsewhere(replicas: list[RunningRuntime], agent: rpb.Agent) -> RunningRuntime:
+    """A replica that does not run the agent."""
+    (other,) = [r for r in replicas if r.app.runner(uuid.UUID(agent.id)) is None]
+    return other
+
+
+async def task_done(runtime: RunningRuntime, world: World, task_id: str) -> rpb.Task:
+    async with asyncio.timeout(WAIT):
+        while True:
+            got = await runtime.stub.GetTask(rpb.GetTaskRequest(task_id=task_id), metadata=world.md(0))
+            if got.task.status == rpb.TASK_STATUS_SUCCEEDED:
+                return got.task
+            await asyncio.sleep(0.05)
+
+
+async def test_any_replica_answers_for_any_agent(im: RunningIM, replicas: Replicas) -> None:
+    both, worlds, agents = await split(im, replicas, 6)
+    assert {hosts(both, a)[0] for a in agents} == {"r1", "r2"}, "the agents are spread (else retry with more)"
+    for world, agent in zip(worlds, agents, strict=True):
+        other, md = elsewhere(both, agent), world.md(0)
+        paused = await other.stub.PauseAgent(rpb.PauseAgentRequest(agent_id=agent.id), metadata=md)
+        assert paused.agent.state == rpb.AGENT_STATE_PAUSED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await other.stub.InterruptAgent(rpb.InterruptAgentRequest(agent_id=agent.id), metadata=md)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, "checked by the owner"
+        resumed = await other.stub.ResumeAgent(rpb.ResumeAgentRequest(agent_id=agent.id), metadata=md)
+        assert resumed.agent.state == rpb.AGENT_STATE_IDLE
+        submitted = await other.stub.SubmitTask(
+            rpb.SubmitTaskRequest(agent_id=agent.id, input="say hello", request_id="t1"), metadata=md
+        )
+        done = await task_done(other, world, submitted.task.id)
+        assert done.result
+    # An agent created through a replica that does not hold its shard runs on the one that does.
+    late = await make_world(im.stub, people=1)
+    owner_of_late = both[0].app.leases.owner_of(uuid.UUID(late.workspace.id))  # type: ignore[union-attr]
+    via = next(
+        r
+        for r in both
+        if r.app.settings.leases is not None and r.app.settings.leases.replica != owner_of_late
+    )
+    created = (await via.stub.CreateAgent(rpb.CreateAgentRequest(name="bea"), metadata=late.md(0))).agent
+    await until(lambda: hosts(both, created) == [owner_of_late])
+    await ask_and_count(im, [late], [created], "hello bea")
+
+
+async def test_with_redis_away_work_reaches_its_owner_within_the_reconcile_interval(
+    im: RunningIM, replicas: Replicas, private_redis: RedisProcess
+) -> None:
+    both, worlds, agents = await split(im, replicas, 4, redis=private_redis.url)
+    private_redis.kill()
+    for world, agent in zip(worlds, agents, strict=True):
+        other = elsewhere(both, agent)
+        submitted = await other.stub.SubmitTask(
+            rpb.SubmitTaskRequest(agent_id=agent.id, input="say hello", request_id="t1"), metadata=world.md(0)
+        )
+        await task_done(other, world, submitted.task.id)

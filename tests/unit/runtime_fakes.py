@@ -618,6 +618,10 @@ class InMemoryAgentStore(AgentStore):
         waiting = self._waiting_tasks(agent_id, now)
         return waiting[0] if waiting else None
 
+    async def agents_with_waiting_tasks(self) -> set[uuid.UUID]:
+        waiting = (TaskStatus.QUEUED, TaskStatus.FAILED)
+        return {t.agent_id for t in self.tasks.values() if t.status in waiting}
+
     async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
         waiting = (TaskStatus.QUEUED, TaskStatus.FAILED)
         return [t for t in self.tasks.values() if t.agent_id == agent_id and t.status in waiting]

@@ -691,6 +691,10 @@ class SqlAgentStore(AgentStore):
             heads = [_task(r) for q in (queued, due) for r in (await conn.execute(q)).all()]
         return min(heads, key=_queue_order, default=None)
 
+    async def agents_with_waiting_tasks(self) -> set[uuid.UUID]:
+        query = sa.select(tasks.c.agent_id).where(tasks.c.status.in_(_WAITING)).distinct()
+        return {row.agent_id for row in await self._rows(query)}
+
     async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
         query = tasks.select().where(tasks.c.agent_id == agent_id, tasks.c.status.in_(_WAITING))
         return [_task(r) for r in await self._rows(query)]

@@ -123,6 +123,9 @@ class LeaseSettings:
     margin_seconds: float = 2.0
     max_moves: int = 64
     load_cap: float = 1.0
+    # While messages between replicas may be lost (Redis is away), how often
+    # each replica reads the database again for what they would have said.
+    reconcile_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.replica:
@@ -155,6 +158,8 @@ class LeaseKeeper(Fences):
     monotonic: Callable[[], float] = time.monotonic
     counters: LeaseCounters = field(default_factory=LeaseCounters)
     _held: dict[int, int] = field(default_factory=dict)
+    # Every shard's owner as the last round saw them.
+    _owners: dict[int, str] = field(default_factory=dict)
     _proven_until: float = 0.0
     _task: asyncio.Task[None] | None = None
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -163,6 +168,14 @@ class LeaseKeeper(Fences):
     def held(self) -> Mapping[int, int]:
         """The shards this replica holds (and can prove), with their epochs."""
         return dict(self._held) if self.proven() else {}
+
+    def owner_of(self, workspace_id: uuid.UUID) -> str | None:
+        """The replica that runs a workspace's agents, as last seen (None: nobody now)."""
+        shard = shard_of(workspace_id, self.settings.shard_count)
+        if self.holds(shard):
+            return self.settings.replica
+        owner = self._owners.get(shard)
+        return owner if owner != self.settings.replica else None
 
     def holds(self, shard: int) -> bool:
         """Whether this replica holds `shard` and can prove it."""
@@ -227,6 +240,7 @@ class LeaseKeeper(Fences):
             await self.gained(frozenset(adopted))
 
         view = await self.store.view()
+        self._owners = dict(view.owners)
         target = target_owners(settings.shard_count, view.replicas, view.owners, load_cap=settings.load_cap)
         moves = moves_for(settings.replica, target, view.owners, max_moves=settings.max_moves)
         if moves.release:
@@ -234,9 +248,12 @@ class LeaseKeeper(Fences):
             await self._lose(set(moves.release), given_up=True)
             await self.store.release(settings.replica, moves.release)
             self.counters.released += len(moves.release)
+            for shard in moves.release:
+                self._owners.pop(shard, None)
         if moves.take:
             taken = await self.store.take(settings.replica, moves.take, settings.ttl_seconds)
             self._held.update(taken)
+            self._owners.update(dict.fromkeys(taken, settings.replica))
             self.counters.taken += len(taken)
             if taken:
                 await self.gained(frozenset(taken))

@@ -264,6 +264,10 @@ class AgentStore(abc.ABC):
         (by created_at, then id)."""
 
     @abc.abstractmethod
+    async def agents_with_waiting_tasks(self) -> set[uuid.UUID]:
+        """The agents with a QUEUED or FAILED task."""
+
+    @abc.abstractmethod
     async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
         """The agent's QUEUED and FAILED tasks (those awaiting a retry too)."""
 

@@ -225,6 +225,29 @@ class Supervisor(Runners):
         if runner is not None:
             runner.wake(retry=retry)
 
+    def look_again(self, agent_id: uuid.UUID, *, retry: bool = False) -> None:
+        """Wakes the runner after a change made elsewhere (another replica
+        queued a task): what it knows of the agent's tasks is read again."""
+        if self._env.tasks is not None:
+            self._env.tasks.may_have_changed(agent_id)
+        self.wake(agent_id, retry=retry)
+
+    async def reconcile(self) -> None:
+        """Reads again what other replicas may have changed while their word
+        could not reach this one: agents created or deleted in the shards it
+        holds, and tasks queued for its agents."""
+        sharding = self._sharding
+        if sharding is None:
+            return
+        agents = [a for a in await self._env.store.all_agents() if sharding.runs_here(a.workspace_id)]
+        present = {a.id for a in agents}
+        for agent_id in [a for a in self._runners if a not in present]:
+            await self.stop_agent(agent_id)  # deleted meanwhile
+        self._start_all(agents)
+        for agent_id in await self._env.store.agents_with_waiting_tasks():
+            if agent_id in self._runners:
+                self.look_again(agent_id)
+
     def forget_history(self, agent_id: uuid.UUID) -> None:
         runner = self._runners.get(agent_id)
         if runner is not None:

@@ -82,6 +82,11 @@ class TaskQueue(abc.ABC):
         Returns those settled."""
 
     @abc.abstractmethod
+    def may_have_changed(self, agent_id: uuid.UUID) -> None:
+        """The agent's tasks may have changed unseen (elsewhere, or by a
+        write whose answer was lost): they are read again when next needed."""
+
+    @abc.abstractmethod
     def adopt(self, agent_ids: Collection[uuid.UUID]) -> None:
         """These agents' tasks are this process's to run from now on (another
         replica ran them): what it knew of them is read again, and a task
