@@ -456,6 +456,12 @@ def _runners(
     # then the link closes.
     cleanups.insert(1, close_link)
     cleanups.insert(0, leases.aclose)
+
+    async def drain() -> None:
+        await supervisor.drain(settings.shutdown_grace_seconds)
+
+    # Before the leases go: the runs in flight end first, where they can.
+    cleanups.insert(0, drain)
     return runners, supervisor, link
 
 

@@ -19,7 +19,8 @@ from services.runtime.config import Settings
 from tests.auth_support import service_environment
 from tests.conftest import RunningIM, World, make_world
 from tests.faults.harness import RedisProcess
-from tests.identities import learning_channel
+from tests.faults.llm import DecidingLLM, instruction
+from tests.identities import as_member, learning_channel
 from tests.integration.test_runtime_grpc import RunningRuntime, direct_chat, stop_runtime, wait_for_messages
 
 WAIT = 15.0
@@ -35,8 +36,9 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
         pytest.skip("replicas share a PostgreSQL database; SQLite is one process's")
     started: list[RunningRuntime] = []
 
-    async def start(name: str, *, redis: str = redis_url) -> RunningRuntime:
+    async def start(name: str, *, redis: str = redis_url, **settings: str) -> RunningRuntime:
         environ = {
+            **settings,
             "RUNTIME_DATABASE_URL": own_runtime_url,
             "REDIS_URL": redis,
             "RUNTIME_RECONCILE_SECONDS": "0.5",
@@ -210,3 +212,44 @@ async def test_with_redis_away_work_reaches_its_owner_within_the_reconcile_inter
             rpb.SubmitTaskRequest(agent_id=agent.id, input="say hello", request_id="t1"), metadata=world.md(0)
         )
         await task_done(other, world, submitted.task.id)
+
+
+async def test_a_replica_stopping_lets_the_run_in_flight_end_before_it_hands_over(
+    im: RunningIM, replicas: Replicas
+) -> None:
+    llm = DecidingLLM(delay=0.1)
+    await llm.start()
+    try:
+        model = {"OPENAI_BASE_URL": llm.url, "OPENAI_MODEL": "fake", "SHUTDOWN_GRACE_SECONDS": "10"}
+        first = await replicas("r1", **model)
+        second = await replicas("r2", **model)
+        both = [first, second]
+        await until(
+            lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both)
+        )
+        assert first.app.leases is not None
+        world = await make_world(im.stub, people=2)
+        while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != "r1":
+            world = await make_world(im.stub, people=2)
+        agent = (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0))).agent
+        chat = await direct_chat(im, world, agent.member_id)
+        bea = world.members[1]
+        request = im_pb2.SendMessageRequest(group_id=chat.id, content=instruction("tok", bea.display_name))
+        await im.stub.SendMessage(request, metadata=world.md(0))
+        await until(lambda: first.app.runner(uuid.UUID(agent.id)) is not None)
+        runner = first.app.runner(uuid.UUID(agent.id))
+        assert runner is not None
+        await until(lambda: not runner.idle.is_set())
+        await first.app.stop()  # drains: the run ends here, then the shards go
+        runs = await second.stub.ListRuns(rpb.ListRunsRequest(agent_id=agent.id), metadata=world.md(0))
+        assert [r.status for r in runs.runs] == [rpb.RUN_STATUS_COMPLETED], "not cut by the handover"
+        to_bea = await im.stub.GetOrCreateDirectGroup(
+            im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=agent.member_id), metadata=as_member(bea.id)
+        )
+        page = await im.stub.ListMessages(
+            im_pb2.ListMessagesRequest(group_id=to_bea.group.id, page_size=10), metadata=as_member(bea.id)
+        )
+        assert [m.content for m in page.messages] == ["tok"]
+        await until(lambda: hosts([second], agent) == ["r2"])
+    finally:
+        await llm.stop()

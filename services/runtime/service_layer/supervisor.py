@@ -376,6 +376,27 @@ class Supervisor(Runners):
             # Only makes a restart replay more; the next event tries again.
             logger.warning("saving the IM cursor of workspace %s failed: %s", workspace_id, error)
 
+    async def drain(self, seconds: float) -> None:
+        """Takes no more messages and gives the runs in flight up to
+        `seconds` to end, so that a replica stopping on purpose hands its
+        agents over idle (what is still running then is cut, and its next
+        owner goes on from the last stored step)."""
+        for task in self._watches.values():
+            task.cancel()
+        await asyncio.gather(*self._watches.values(), return_exceptions=True)
+        self._watches.clear()
+        busy = [r.idle.wait() for r in self._runners.values() if not r.idle.is_set()]
+        if not busy:
+            return
+        try:
+            async with asyncio.timeout(seconds):
+                await asyncio.gather(*busy)
+        except TimeoutError:
+            left = sum(not r.idle.is_set() for r in self._runners.values())
+            logger.info(
+                "%d runs were still going after %.1f s of draining; their next owner goes on", left, seconds
+            )
+
     async def aclose(self) -> None:
         """Stops every watch and runner."""
         for task in self._watches.values():
