@@ -25,6 +25,7 @@ from tests.integration.test_runtime_grpc import RunningRuntime, direct_chat, sto
 
 WAIT = 15.0
 SHARDS = 16
+TAG = uuid.uuid4().hex[:8]
 
 
 Replicas = Callable[..., Awaitable[RunningRuntime]]
@@ -45,7 +46,8 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
             "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
             "IM_ADDRESS": im.address,
             "LOG_LEVEL": "WARNING",
-            "RUNTIME_REPLICA_ID": name,
+            # Unique on the shared Redis (other tests' replicas listen there too).
+            "RUNTIME_REPLICA_ID": f"{name}-{TAG}",
             "RUNTIME_SHARDS": str(SHARDS),
             "RUNTIME_LEASE_TTL_SECONDS": "3",
             "RUNTIME_LEASE_RENEW_SECONDS": "0.2",
@@ -67,7 +69,7 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
 def hosts(replicas: list[RunningRuntime], agent: rpb.Agent) -> list[str]:
     """The replicas running the agent."""
     return [
-        r.app.settings.leases.replica
+        r.app.settings.leases.replica.removesuffix(f"-{TAG}")
         for r in replicas
         if r.app.settings.leases is not None and r.app.runner(uuid.UUID(agent.id)) is not None
     ]
@@ -190,11 +192,11 @@ async def test_any_replica_answers_for_any_agent(im: RunningIM, replicas: Replic
         assert done.result
     # An agent created through a replica that does not hold its shard runs on the one that does.
     late = await make_world(im.stub, people=1)
-    owner_of_late = both[0].app.leases.owner_of(uuid.UUID(late.workspace.id))  # type: ignore[union-attr]
+    owner_of_late = both[0].app.leases.owner_of(uuid.UUID(late.workspace.id)).removesuffix(f"-{TAG}")  # type: ignore[union-attr]
     via = next(
         r
         for r in both
-        if r.app.settings.leases is not None and r.app.settings.leases.replica != owner_of_late
+        if r.app.settings.leases is not None and not r.app.settings.leases.replica.startswith(owner_of_late)
     )
     created = (await via.stub.CreateAgent(rpb.CreateAgentRequest(name="bea"), metadata=late.md(0))).agent
     await until(lambda: hosts(both, created) == [owner_of_late])
@@ -229,7 +231,7 @@ async def test_a_replica_stopping_lets_the_run_in_flight_end_before_it_hands_ove
         )
         assert first.app.leases is not None
         world = await make_world(im.stub, people=2)
-        while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != "r1":
+        while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != f"r1-{TAG}":
             world = await make_world(im.stub, people=2)
         agent = (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0))).agent
         chat = await direct_chat(im, world, agent.member_id)
