@@ -1,0 +1,254 @@
+"""Replica fault 1: `kill -9` of runtime replicas mid-stream, among three.
+
+Three runtime processes share one PostgreSQL database and one Redis; agents
+live in workspaces of their own, so their shards spread over the replicas.
+People ask the agents (in their direct chats and as queued tasks, through a
+replica that is never killed, so most calls cross to the owner) to send a
+token to Bea: a tool call, then an answer. Meanwhile the two other replicas
+are killed with SIGKILL at random moments and started again. When all is
+done: every token reached Bea exactly once (the ledger of tool effects),
+every task ended, every tool call has exactly one result, no run is left
+RUNNING and no agent is in ERROR.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agentim.im.v1 import im_pb2
+from agentim.runtime.v1 import runtime_pb2 as rpb
+from agentim.runtime.v1 import runtime_pb2_grpc
+from tests.conftest import RunningIM, World, make_world
+from tests.faults.harness import ServiceProcess, clean_environment, migrate, scaled
+from tests.faults.llm import DecidingLLM, instruction
+from tests.faults.test_im_kill import FAST_RECONNECT, RETRYABLE
+from tests.identities import as_member, learning_channel
+
+REPLICAS = 3
+AGENTS = 6
+SETTLE_SECONDS = 90.0
+TTL_SECONDS = 3.0
+TERMINAL = {rpb.TASK_STATUS_SUCCEEDED, rpb.TASK_STATUS_DEAD, rpb.TASK_STATUS_CANCELLED}
+
+
+@pytest.fixture
+async def llm() -> AsyncIterator[DecidingLLM]:
+    server = DecidingLLM(delay=0.03)
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@dataclass
+class Desk:
+    """One agent, its workspace (Ada asks, Bea receives) and what was asked of it."""
+
+    world: World
+    agent: rpb.Agent
+    chat: im_pb2.Group
+    tokens: list[str] = field(default_factory=list)
+
+    @property
+    def bea(self) -> im_pb2.Member:
+        return self.world.members[1]
+
+
+async def call(method: object, request: object, metadata: object) -> object:
+    """A call to the runtime, made again while it is away or its shard moves."""
+    while True:
+        try:
+            return await method(request, metadata=metadata, timeout=10, wait_for_ready=True)  # type: ignore[operator]
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in RETRYABLE:
+                raise
+            await asyncio.sleep(0.05)
+
+
+async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
+    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+) -> None:
+    if own_runtime_url.startswith("sqlite"):
+        pytest.skip("replicas share a PostgreSQL database")
+    kills = scaled(4, long=20)
+    tag = uuid.uuid4().hex[:6]
+    env = clean_environment(
+        RUNTIME_DATABASE_URL=own_runtime_url,
+        REDIS_URL=redis_url,
+        RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
+        IM_ADDRESS=im.address,
+        OPENAI_BASE_URL=llm.url,
+        OPENAI_MODEL="fake",
+        LLM_MAX_RETRIES="2",
+        IM_CALL_TIMEOUT_SECONDS="5",
+        RUNTIME_SHARDS="32",
+        RUNTIME_LEASE_TTL_SECONDS=str(TTL_SECONDS),
+        RUNTIME_LEASE_RENEW_SECONDS="0.5",
+        RUNTIME_LEASE_MARGIN_SECONDS="1",
+        RUNTIME_RECONCILE_SECONDS="1",
+    )
+    migrate("services.runtime", env)
+    processes = [
+        ServiceProcess(
+            "services.runtime", {**env, "RUNTIME_REPLICA_ID": f"r{i}-{tag}"}, tmp_path / f"r{i}.log"
+        )
+        for i in range(REPLICAS)
+    ]
+    try:
+        for process in processes:
+            process.start()
+            process.pin_address("RUNTIME_GRPC_ADDRESS")
+        # The client talks to r0, which is never killed: most calls cross to the owner.
+        channel = learning_channel(processes[0].address, options=FAST_RECONNECT)
+        runtime = runtime_pb2_grpc.RuntimeServiceStub(channel)
+        desks = []
+        for index in range(AGENTS):
+            world = await make_world(im.stub, people=2)
+            created = await call(
+                runtime.CreateAgent,
+                rpb.CreateAgentRequest(
+                    name=f"agent-{index}", tools=["send_direct_message"], request_id=f"a{index}"
+                ),
+                world.md(0),
+            )
+            agent = created.agent  # type: ignore[attr-defined]
+            chat = (
+                await im.stub.GetOrCreateDirectGroup(
+                    im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=agent.member_id), metadata=world.md(0)
+                )
+            ).group
+            desks.append(Desk(world, agent, chat))
+        asking = asyncio.create_task(ask(runtime, im, desks))
+        rng = random.Random(uuid.uuid4().int)
+        try:
+            for _ in range(kills):
+                await asyncio.sleep(rng.uniform(0.5, 1.5))
+                victim = rng.choice(processes[1:])
+                victim.kill()
+                await asyncio.sleep(rng.uniform(0.0, 0.5))
+                victim.start()
+        finally:
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+        started = time.monotonic()
+        counters = await settle(runtime, im, desks)
+        settled_in = time.monotonic() - started
+        await channel.close()
+    finally:
+        for process in processes:
+            process.kill()
+
+    summary = (
+        f"replica kill: {kills} kills of {REPLICAS} replicas, {counters.tokens} tokens,"
+        f" {counters.delivered} delivered, {len(counters.duplicated)} duplicated, {len(counters.lost)} lost,"
+        f" {counters.stuck} tasks stuck RUNNING, {counters.dead} dead,"
+        f" {counters.unpaired} unpaired tool calls,"
+        f" {counters.runs_running} runs RUNNING, {counters.errored} agents in ERROR,"
+        f" settled {settled_in:.1f}s after the last restart"
+    )
+    print(summary)
+    assert counters.duplicated == [], summary
+    assert counters.lost == [], summary
+    assert (counters.stuck, counters.dead, counters.unpaired, counters.errored) == (0, 0, 0, 0), summary
+    assert counters.runs_running == 0, summary
+
+
+async def ask(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, desks: list[Desk]) -> None:
+    """Ada asks, at random moments, by chat or by task, through r0."""
+    rng = random.Random(uuid.uuid4().int)
+    number = 0
+    while True:
+        await asyncio.sleep(rng.uniform(0.1, 0.3))
+        desk = rng.choice(desks)
+        number += 1
+        token = f"k{number}"
+        content = instruction(token, desk.bea.display_name)
+        desk.tokens.append(token)
+        if rng.random() < 0.5:
+            request = im_pb2.SendMessageRequest(group_id=desk.chat.id, content=content)
+            await im.stub.SendMessage(request, metadata=desk.world.md(0))
+        else:
+            task = rpb.SubmitTaskRequest(agent_id=desk.agent.id, input=content, request_id=token)
+            await call(runtime.SubmitTask, task, desk.world.md(0))
+
+
+@dataclass
+class Counters:
+    tokens: int = 0
+    delivered: int = 0
+    lost: list[str] = field(default_factory=list)
+    duplicated: list[str] = field(default_factory=list)
+    stuck: int = 0
+    dead: int = 0
+    unpaired: int = 0
+    errored: int = 0
+    runs_running: int = 0
+    unfinished: int = 0
+
+
+async def settle(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, desks: list[Desk]) -> Counters:
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while True:
+        counters = await count(runtime, im, desks)
+        done = (
+            not counters.lost
+            and counters.stuck == 0
+            and counters.runs_running == 0
+            and not counters.unfinished
+        )
+        if done or time.monotonic() > deadline:
+            return counters
+        await asyncio.sleep(0.5)
+
+
+async def count(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, desks: list[Desk]) -> Counters:
+    counters = Counters()
+    for desk in desks:
+        md, agent = desk.world.md(0), desk.agent
+        counters.tokens += len(desk.tokens)
+        direct = await im.stub.GetOrCreateDirectGroup(
+            im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=agent.member_id),
+            metadata=as_member(desk.bea.id),
+        )
+        page = await im.stub.ListMessages(
+            im_pb2.ListMessagesRequest(group_id=direct.group.id, page_size=1000),
+            metadata=as_member(desk.bea.id),
+        )
+        ledger = Counter(m.content for m in page.messages)
+        counters.delivered += sum(1 for t in desk.tokens if ledger[t])
+        counters.lost += [t for t in desk.tokens if not ledger[t]]
+        counters.duplicated += [c for c, n in ledger.items() if n > 1]
+        steps: list[rpb.Step] = []
+        while True:
+            after = steps[-1].sequence if steps else 0
+            listed = await call(
+                runtime.ListSteps,
+                rpb.ListStepsRequest(agent_id=agent.id, page_size=500, after_sequence=after),
+                md,
+            )
+            steps += listed.steps  # type: ignore[attr-defined]
+            if len(listed.steps) < 500:  # type: ignore[attr-defined]
+                break
+        calls = Counter(c.id for s in steps for c in s.tool_calls)
+        results = Counter(s.tool_call_id for s in steps if s.role == rpb.STEP_ROLE_TOOL)
+        counters.unpaired += sum((calls - results).values()) + sum((results - calls).values())
+        counters.unpaired += sum(n - 1 for n in results.values() if n > 1)
+        tasks = await call(runtime.ListTasks, rpb.ListTasksRequest(agent_id=agent.id, page_size=500), md)
+        statuses = [t.status for t in tasks.tasks]  # type: ignore[attr-defined]
+        counters.stuck += statuses.count(rpb.TASK_STATUS_RUNNING)
+        counters.dead += statuses.count(rpb.TASK_STATUS_DEAD)
+        counters.unfinished += sum(s not in TERMINAL for s in statuses)
+        got = await call(runtime.GetAgent, rpb.GetAgentRequest(agent_id=agent.id), md)
+        counters.errored += got.agent.state == rpb.AGENT_STATE_ERROR  # type: ignore[attr-defined]
+        runs = await call(runtime.ListRuns, rpb.ListRunsRequest(agent_id=agent.id, page_size=500), md)
+        counters.runs_running += sum(r.status == rpb.RUN_STATUS_RUNNING for r in runs.runs)  # type: ignore[attr-defined]
+    return counters
