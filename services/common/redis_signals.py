@@ -16,6 +16,19 @@ from services.common.signals import InProcessSignal, Receiver, Signal
 logger = logging.getLogger(__name__)
 
 
+def fail_fast_client(url: str) -> redis.Redis:
+    """A Redis client that notices a lost connection at once: no retries
+    inside redis-py (by default up to ten, over seconds); its users pace
+    their own reconnection and fall back to the database meanwhile."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=5,
+        socket_connect_timeout=2,
+        socket_keepalive=True,
+        retry=Retry(NoBackoff(), 0),
+    )
+
+
 class RedisSignal(Signal):
     """Publishes signals on Redis and listens for every replica's.
 
@@ -50,16 +63,7 @@ class RedisSignal(Signal):
         fallback_interval_seconds: float = 0.25,
         name: str = "im",
     ) -> None:
-        # No retries inside redis-py (by default up to ten, over seconds): a
-        # lost connection must be noticed at once, to fall back to the
-        # database, and reconnecting is paced here.
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            socket_keepalive=True,
-            retry=Retry(NoBackoff(), 0),
-        )
+        self._client = fail_fast_client(url)
         self._prefix = channel_prefix
         self._name = name
         self._reconnect_max = reconnect_max_seconds

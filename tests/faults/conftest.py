@@ -4,15 +4,27 @@ the services started here have none."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from tests.conftest import RunningIM
 from tests.faults.harness import UNLIMITED
+from tests.faults.llm import DecidingLLM
 
 
 @pytest.fixture
 async def im(im_factory: Any) -> RunningIM:
     running: RunningIM = await im_factory(**UNLIMITED)
     return running
+
+
+@pytest.fixture
+async def llm() -> AsyncIterator[DecidingLLM]:
+    """The model that decides from the conversation, streaming with a delay
+    between chunks so that faults land mid-stream."""
+    server = DecidingLLM(delay=0.03)
+    await server.start()
+    yield server
+    await server.stop()

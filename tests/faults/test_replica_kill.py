@@ -18,7 +18,6 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,14 +40,6 @@ TTL_SECONDS = 3.0
 TERMINAL = {rpb.TASK_STATUS_SUCCEEDED, rpb.TASK_STATUS_DEAD, rpb.TASK_STATUS_CANCELLED}
 
 
-@pytest.fixture
-async def llm() -> AsyncIterator[DecidingLLM]:
-    server = DecidingLLM(delay=0.03)
-    await server.start()
-    yield server
-    await server.stop()
-
-
 @dataclass
 class Desk:
     """One agent, its workspace (Ada asks, Bea receives) and what was asked of it."""
@@ -64,7 +55,8 @@ class Desk:
 
 
 async def call(method: object, request: object, metadata: object) -> object:
-    """A call to the runtime, made again while it is away or its shard moves."""
+    """A call that changes nothing (or is idempotent), made again while its
+    server is away or the agent's shard moves."""
     while True:
         try:
             return await method(request, metadata=metadata, timeout=10, wait_for_ready=True)  # type: ignore[operator]
@@ -74,6 +66,8 @@ async def call(method: object, request: object, metadata: object) -> object:
             await asyncio.sleep(0.05)
 
 
+# Three processes started, up to 20 kills and restarts, then the settling.
+@pytest.mark.timeout(scaled(120, long=400))
 async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
     im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
@@ -215,15 +209,18 @@ async def count(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, des
     for desk in desks:
         md, agent = desk.world.md(0), desk.agent
         counters.tokens += len(desk.tokens)
-        direct = await im.stub.GetOrCreateDirectGroup(
+        as_bea = as_member(desk.bea.id)
+        direct = await call(
+            im.stub.GetOrCreateDirectGroup,
             im_pb2.GetOrCreateDirectGroupRequest(peer_member_id=agent.member_id),
-            metadata=as_member(desk.bea.id),
+            as_bea,
         )
-        page = await im.stub.ListMessages(
-            im_pb2.ListMessagesRequest(group_id=direct.group.id, page_size=1000),
-            metadata=as_member(desk.bea.id),
+        page = await call(
+            im.stub.ListMessages,
+            im_pb2.ListMessagesRequest(group_id=direct.group.id, page_size=1000),  # type: ignore[attr-defined]
+            as_bea,
         )
-        ledger = Counter(m.content for m in page.messages)
+        ledger = Counter(m.content for m in page.messages)  # type: ignore[attr-defined]
         counters.delivered += sum(1 for t in desk.tokens if ledger[t])
         counters.lost += [t for t in desk.tokens if not ledger[t]]
         counters.duplicated += [c for c, n in ledger.items() if n > 1]

@@ -15,13 +15,12 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
-import pytest
 
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
@@ -35,14 +34,6 @@ from tests.identities import as_member, learning_channel
 AGENTS = 4
 SETTLE_SECONDS = 90.0
 TERMINAL = {rpb.TASK_STATUS_SUCCEEDED, rpb.TASK_STATUS_DEAD, rpb.TASK_STATUS_CANCELLED}
-
-
-@pytest.fixture
-async def llm() -> AsyncIterator[DecidingLLM]:
-    server = DecidingLLM(delay=0.03)
-    await server.start()
-    yield server
-    await server.stop()
 
 
 T = TypeVar("T")

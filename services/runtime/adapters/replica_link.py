@@ -21,10 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from services.common import errors
+from services.common.redis_signals import fail_fast_client
 from services.runtime.service_layer.replicas import Inbox, Message, ReplicaLink
 
 logger = logging.getLogger(__name__)
@@ -51,14 +50,7 @@ class RedisReplicaLink(ReplicaLink):
         reconcile_seconds: float = 5.0,
         reconnect_max_seconds: float = 2.0,
     ) -> None:
-        # No retries inside redis-py: a lost connection is noticed at once.
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            socket_keepalive=True,
-            retry=Retry(NoBackoff(), 0),
-        )
+        self._client = fail_fast_client(url)
         self._replica = replica
         self._prefix = channel_prefix
         self._reconcile = reconcile_seconds
