@@ -42,6 +42,7 @@ SERVICE = entrypoint.Service(
     build=bootstrap.build,
     listening=_listening,
     migrate=_migrate,
+    start_errors=(OSError, bootstrap.BesideReplicas),
 )
 
 

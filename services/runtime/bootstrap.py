@@ -139,6 +139,8 @@ class RuntimeApp:
     async def start(self) -> tuple[int, int]:
         """Starts serving (if it serves) and every agent's runner; returns
         (port, agents started), port 0 without a server."""
+        if self.leases is None and self.database is not None and not self.database.is_sqlite:
+            await refuse_beside_replicas(self.database)
         port = await self.grpc_server.start() if self.grpc_server is not None else 0
         agents = await self.supervisor.start() if self.supervisor is not None else 0
         if self.link is not None:
@@ -198,6 +200,26 @@ async def tell_owners(bus: MessageBus, *, attempts: int = 6) -> None:
             logger.info("told the IM the owners of %d agents", changed)
         return
     logger.warning("could not tell the IM the agents' owners (it stayed unavailable); next start tries again")
+
+
+class BesideReplicas(Exception):
+    """A runtime that runs every agent itself would share them with live replicas."""
+
+
+async def refuse_beside_replicas(database: Database) -> None:
+    """Refuses to start a runtime that runs every agent (no REDIS_URL) on a
+    database where replicas run them: each agent would run twice.
+
+    Raises:
+        BesideReplicas: replicas are live on the database.
+    """
+    live = (await SqlLeases(database).view()).replicas
+    if live:
+        raise BesideReplicas(
+            f"runtime replicas {', '.join(live)} are live on this database; a runtime without"
+            " REDIS_URL runs every agent itself and would run theirs a second time: give it REDIS_URL"
+            " to join them"
+        )
 
 
 def open_database(settings: Settings) -> Database:

@@ -255,3 +255,21 @@ async def test_a_replica_stopping_lets_the_run_in_flight_end_before_it_hands_ove
         await until(lambda: hosts([second], agent) == ["r2"])
     finally:
         await llm.stop()
+
+
+async def test_a_runtime_without_redis_refuses_to_start_beside_replicas(
+    im: RunningIM, own_runtime_url: str, replicas: Replicas
+) -> None:
+    await replicas("r1")
+    environ = {
+        "RUNTIME_DATABASE_URL": own_runtime_url,
+        "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
+        "IM_ADDRESS": im.address,
+        **service_environment(),
+    }
+    lone = bootstrap.build(Settings.from_env(environ))
+    try:
+        with pytest.raises(bootstrap.BesideReplicas, match=f"r1-{TAG}"):
+            await lone.start()
+    finally:
+        await lone.stop()
