@@ -346,7 +346,7 @@ def build(
     link: ReplicaLink | None = None
     if runners is None:
         runners, supervisor, link = _runners(settings, env, leases, store, cleanups)
-    monitor = _monitor(leases, supervisor, link, cleanups)
+    monitor = _monitor(leases, supervisor, link, store, cleanups)
     audit_log = SqlAuditLog(database, audit_events) if database is not None else None
     audit_pruner = AuditPruner(audit_log, settings.audit) if audit_log is not None else None
     if audit_pruner is not None:
@@ -483,12 +483,13 @@ def _monitor(
     leases: LeaseKeeper | None,
     supervisor: Supervisor | None,
     link: ReplicaLink | None,
+    store: AgentStore,
     cleanups: list[Callable[[], Awaitable[None]]],
 ) -> ReplicaMonitor | None:
     """What reports this replica's status among the others; None for a lone runtime."""
     if leases is None or supervisor is None or link is None:
         return None
-    monitor = ReplicaMonitor(leases, supervisor, link)
+    monitor = ReplicaMonitor(leases, supervisor, link, store)
     cleanups.insert(0, monitor.aclose)
     return monitor
 

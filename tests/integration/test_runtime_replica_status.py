@@ -1,7 +1,8 @@
 """What runtime replicas on one PostgreSQL database (with Redis) show of
 themselves: GetAgent and ListAgents through any replica name the one that
 runs the agent, the health service reports each replica's leases and link,
-and each replica's status counts its shards and agents."""
+and each replica's status counts its shards and agents (and its store the
+fenced writes it refuses)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
 from services.runtime import bootstrap
+from services.runtime.adapters.leases import SqlLeases
+from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.bootstrap import LEASES_HEALTH_NAME, REPLICAS_HEALTH_NAME, SERVICE_NAME
 from services.runtime.config import Settings
+from services.runtime.service_layer.leases import Fence, LeaseLost
 from tests.auth_support import service_environment
 from tests.conftest import RunningIM, make_world
 from tests.faults.harness import RedisProcess
 from tests.identities import learning_channel
 from tests.integration.test_runtime_grpc import RunningRuntime, create_agent, start_runtime, stop_runtime
 from tests.integration.test_runtime_replicas import SHARDS, Replicas, hosts, split, until
+from tests.integration.test_runtime_store import make_agent, make_run, make_step
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -86,6 +91,7 @@ async def test_get_agent_through_either_replica_names_the_one_that_runs_it(
     assert sum(s.shards for s in statuses) == SHARDS
     assert sum(s.agents for s in statuses) == len(agents)
     assert all(s.leases_proven and not s.link_degraded and s.renewals > 0 for s in statuses)
+    assert all(s.refused_fenced_writes == 0 for s in statuses), "no shard moved under a runner"
     assert sum(s.shards_taken for s in statuses) >= SHARDS
 
 
@@ -129,3 +135,27 @@ async def test_a_lone_runtime_names_no_replica_and_has_no_replica_health(
         assert lone.app.monitor is None
     finally:
         await stop_runtime(lone)
+
+
+async def test_the_store_counts_the_fenced_writes_it_refuses(own_runtime_url: str) -> None:
+    database = Database(own_runtime_url)
+    store = SqlAgentStore(database)
+    try:
+        leases = SqlLeases(database)
+        await leases.prepare(SHARDS)
+        agent = make_agent()
+        await store.add_agent(agent)
+        run = make_run(agent)
+        await store.add_run(run)
+        fence = Fence(3, (await leases.take("r1", [3], 30))[3], "r1")
+        await store.append_step(make_step(run, 1), fence=fence)
+        await store.save_watch_cursors({agent.workspace_id: "c1"}, fences=[fence])
+        assert store.refused_fenced_writes == 0
+        await leases.release("r1", [3])  # another replica's from now on
+        with pytest.raises(LeaseLost):
+            await store.append_step(make_step(run, 2), fence=fence)
+        with pytest.raises(LeaseLost):
+            await store.save_watch_cursors({agent.workspace_id: "c2"}, fences=[fence])
+        assert store.refused_fenced_writes == 2
+    finally:
+        await store.aclose()

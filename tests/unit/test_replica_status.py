@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import pytest
 
 from services.common import errors
 from services.runtime.domain.commands import CreateAgent
 from services.runtime.domain.model import AgentDraft
-from services.runtime.service_layer.leases import LeaseKeeper, LeaseSettings
+from services.runtime.service_layer.leases import Fence, LeaseKeeper, LeaseLost, LeaseSettings
 from services.runtime.service_layer.replica_status import ReplicaMonitor, ReplicaStatus
 from services.runtime.service_layer.replicas import Inbox, Message, ReplicaLink, ReplicaRunners
 from tests.identities import caller_of
@@ -66,7 +67,7 @@ async def test_the_status_follows_the_leases_and_the_link() -> None:
     app = fake_runtime()
     assert app.supervisor is not None
     link = QuietLink()
-    monitor = ReplicaMonitor(keeper, app.supervisor, link)
+    monitor = ReplicaMonitor(keeper, app.supervisor, link, app.store)
     assert monitor.status() == ReplicaStatus(
         replica="r1",
         shards=0,
@@ -79,6 +80,7 @@ async def test_the_status_follows_the_leases_and_the_link() -> None:
         shards_taken=0,
         shards_released=0,
         shards_lost=0,
+        refused_fenced_writes=0,
     ), "before its first round it proves nothing"
 
     await keeper.round()
@@ -100,6 +102,11 @@ async def test_the_status_follows_the_leases_and_the_link() -> None:
     assert status.link_degraded
     assert "0 shards" in status.summary() and "NOT PROVEN" in status.summary()
 
+    # A write under a lease the store does not know (another replica's now) is refused, and counted.
+    with pytest.raises(LeaseLost):
+        await app.store.save_watch_cursors({uuid.uuid4(): "c1"}, fences=[Fence(0, 1, "r1")])
+    assert monitor.status().refused_fenced_writes == 1
+
 
 async def test_the_status_counts_the_agents_and_their_runs_in_flight() -> None:
     gate = asyncio.Event()
@@ -109,7 +116,7 @@ async def test_the_status_counts_the_agents_and_their_runs_in_flight() -> None:
     app = fake_runtime(im=im, llm=ScriptedLLM(script))
     assert app.supervisor is not None
     clock = Clock()
-    monitor = ReplicaMonitor(keeper_of(InMemoryLeases(clock), clock), app.supervisor, QuietLink())
+    monitor = ReplicaMonitor(keeper_of(InMemoryLeases(clock), clock), app.supervisor, QuietLink(), app.store)
     await app.start()
     try:
         ada = await app.bus.handle(
@@ -135,7 +142,7 @@ async def test_the_monitor_logs_the_status_until_closed(caplog: pytest.LogCaptur
     app = fake_runtime()
     assert app.supervisor is not None
     monitor = ReplicaMonitor(
-        keeper_of(InMemoryLeases(clock), clock), app.supervisor, QuietLink(), log_seconds=0.01
+        keeper_of(InMemoryLeases(clock), clock), app.supervisor, QuietLink(), app.store, log_seconds=0.01
     )
     with caplog.at_level(logging.INFO, logger="services.runtime.service_layer.replica_status"):
         monitor.start()

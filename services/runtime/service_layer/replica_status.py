@@ -2,11 +2,12 @@
 
 `ReplicaStatus` is a snapshot read from the replica's own parts (no I/O):
 the shards its `LeaseKeeper` holds and the keeper's counters, the agents its
-`Supervisor` runs and their runs in flight, and whether its `ReplicaLink`
-may be losing messages. `ReplicaMonitor` gives it on demand (tests, and
-whatever exposes it next) and logs it at INFO once a minute, which is where
-an operator sees it until the project has a metrics endpoint; the health
-service reports the two parts that can fail (`leases`, `replicas`).
+`Supervisor` runs and their runs in flight, whether its `ReplicaLink` may be
+losing messages, and how many of its writes its store refused as fenced.
+`ReplicaMonitor` gives it on demand (tests, and whatever exposes it next)
+and logs it at INFO once a minute, which is where an operator sees it until
+the project has a metrics endpoint; the health service reports the two parts
+that can fail (`leases`, `replicas`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from services.runtime.service_layer.leases import LeaseKeeper
 from services.runtime.service_layer.replicas import ReplicaLink
+from services.runtime.service_layer.store import AgentStore
 from services.runtime.service_layer.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,8 @@ class ReplicaStatus:
     shards_released: int
     # Shards whose lease was lost (expired, taken, or unprovable), not given up.
     shards_lost: int
+    # Writes of this replica's runners refused as their lease was gone (none stored).
+    refused_fenced_writes: int
 
     def summary(self) -> str:
         """The status as one log line."""
@@ -53,7 +57,8 @@ class ReplicaStatus:
             f"leases {'proven' if self.leases_proven else 'NOT PROVEN'}, "
             f"link {'DEGRADED' if self.link_degraded else 'up'}; "
             f"renewals {self.renewals} (failed {self.renewal_failures}), "
-            f"shards taken {self.shards_taken}, released {self.shards_released}, lost {self.shards_lost}"
+            f"shards taken {self.shards_taken}, released {self.shards_released}, lost {self.shards_lost}; "
+            f"fenced writes refused {self.refused_fenced_writes}"
         )
 
 
@@ -69,12 +74,14 @@ class ReplicaMonitor:
         keeper: LeaseKeeper,
         supervisor: Supervisor,
         link: ReplicaLink,
+        store: AgentStore,
         *,
         log_seconds: float = 60.0,
     ) -> None:
         self._keeper = keeper
         self._supervisor = supervisor
         self._link = link
+        self._store = store
         self._log_seconds = log_seconds
         self._task: asyncio.Task[None] | None = None
 
@@ -92,6 +99,7 @@ class ReplicaMonitor:
             shards_taken=counters.taken,
             shards_released=counters.released,
             shards_lost=counters.lost,
+            refused_fenced_writes=self._store.refused_fenced_writes,
         )
 
     def start(self) -> None:
