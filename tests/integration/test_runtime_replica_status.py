@@ -25,7 +25,7 @@ from tests.conftest import RunningIM, make_world
 from tests.faults.harness import RedisProcess
 from tests.identities import learning_channel
 from tests.integration.test_runtime_grpc import RunningRuntime, create_agent, start_runtime, stop_runtime
-from tests.integration.test_runtime_replicas import SHARDS, Replicas, hosts, split, until
+from tests.integration.test_runtime_replicas import SHARDS, TAG, Replicas, hosts, split, until
 from tests.integration.test_runtime_store import make_agent, make_run, make_step
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -47,7 +47,8 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
             "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
             "IM_ADDRESS": im.address,
             "LOG_LEVEL": "WARNING",
-            "RUNTIME_REPLICA_ID": name,
+            # Unique on the shared Redis (other tests' replicas listen there too).
+            "RUNTIME_REPLICA_ID": f"{name}-{TAG}",
             "RUNTIME_SHARDS": str(SHARDS),
             "RUNTIME_LEASE_TTL_SECONDS": "3",
             "RUNTIME_LEASE_RENEW_SECONDS": "0.2",
@@ -82,12 +83,12 @@ async def test_get_agent_through_either_replica_names_the_one_that_runs_it(
         (runs_it,) = hosts(both, agent)
         for via in both:
             got = await via.stub.GetAgent(rpb.GetAgentRequest(agent_id=agent.id), metadata=world.md(0))
-            assert got.agent.replica == runs_it
+            assert got.agent.replica == f"{runs_it}-{TAG}"
             listed = await via.stub.ListAgents(rpb.ListAgentsRequest(), metadata=world.md(0))
-            assert [a.replica for a in listed.agents] == [runs_it]
+            assert [a.replica for a in listed.agents] == [f"{runs_it}-{TAG}"]
 
     statuses = [r.app.monitor.status() for r in both if r.app.monitor is not None]
-    assert [s.replica for s in statuses] == ["r1", "r2"]
+    assert [s.replica for s in statuses] == [f"r1-{TAG}", f"r2-{TAG}"]
     assert sum(s.shards for s in statuses) == SHARDS
     assert sum(s.agents for s in statuses) == len(agents)
     assert all(s.leases_proven and not s.link_degraded and s.renewals > 0 for s in statuses)
