@@ -56,6 +56,7 @@ from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.memory_port import MemoryPort
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.read_positions import ReadPositions
+from services.runtime.service_layer.replica_status import ReplicaMonitor
 from services.runtime.service_layer.replicas import ReplicaLink, ReplicaRunners
 from services.runtime.service_layer.runner import (
     AgentRunner,
@@ -74,6 +75,13 @@ from services.runtime.service_layer.watches import AgentWatches
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_name
+# Among replicas, the health of the parts that can fail while the service
+# still serves: SERVING while the replica can prove its shard leases (its
+# last renewal reached the database within their time to live, less the
+# margin; holding none is fine), and while its link to the other replicas
+# (Redis) loses no messages.
+LEASES_HEALTH_NAME = f"{SERVICE_NAME}/leases"
+REPLICAS_HEALTH_NAME = f"{SERVICE_NAME}/replicas"
 # The calls each member may make only so often (see services.common.ratelimit).
 RATE_LIMITED = {
     f"/{SERVICE_NAME}/{m}": "create"
@@ -121,6 +129,8 @@ class RuntimeApp:
     leases: LeaseKeeper | None = None
     # The link to the other replicas (None: there are none).
     link: ReplicaLink | None = None
+    # This replica's status among the others (None: there are none).
+    monitor: ReplicaMonitor | None = None
     grpc_server: GrpcServer | None = None
     _owners: asyncio.Task[None] | None = None
     _stopped: bool = False
@@ -148,6 +158,8 @@ class RuntimeApp:
         if self.leases is not None:
             await self.leases.start()  # the runners of the shards it takes start meanwhile
             agents = self.supervisor.agent_count if self.supervisor is not None else 0
+        if self.monitor is not None:
+            self.monitor.start()
         if self.archiver is not None:
             self.archiver.start()
         if self.audit_pruner is not None:
@@ -356,6 +368,7 @@ def build(
     link: ReplicaLink | None = None
     if runners is None:
         runners, supervisor, link = _runners(settings, env, leases, store, cleanups)
+    monitor = _monitor(leases, supervisor, link, store, cleanups)
     audit_log = SqlAuditLog(database, audit_events) if database is not None else None
     audit_pruner = AuditPruner(audit_log, settings.audit) if audit_log is not None else None
     if audit_pruner is not None:
@@ -402,6 +415,7 @@ def build(
         audit_pruner=audit_pruner,
         leases=leases,
         link=link,
+        monitor=monitor,
     )
     if serve:
         if grpc_im is None or database is None or audit_log is None:
@@ -485,6 +499,21 @@ def _runners(
     # Before the leases go: the runs in flight end first, where they can.
     cleanups.insert(0, drain)
     return runners, supervisor, link
+
+
+def _monitor(
+    leases: LeaseKeeper | None,
+    supervisor: Supervisor | None,
+    link: ReplicaLink | None,
+    store: AgentStore,
+    cleanups: list[Callable[[], Awaitable[None]]],
+) -> ReplicaMonitor | None:
+    """What reports this replica's status among the others; None for a lone runtime."""
+    if leases is None or supervisor is None or link is None:
+        return None
+    monitor = ReplicaMonitor(leases, supervisor, link, store)
+    cleanups.insert(0, monitor.aclose)
+    return monitor
 
 
 def _lease_keeper(
@@ -579,6 +608,12 @@ def _server(
     async def close_hub() -> None:
         app.hub.close()
 
+    components: dict[str, Callable[[], bool]] = {}
+    if app.leases is not None:
+        components[LEASES_HEALTH_NAME] = app.leases.proven
+    if (link := app.link) is not None:
+        components[REPLICAS_HEALTH_NAME] = lambda: not link.degraded
+
     return GrpcServer(
         address=settings.grpc_address,
         registrars=[lambda s: runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(app.servicer, s)],
@@ -594,6 +629,7 @@ def _server(
         ],
         service_names=[SERVICE_NAME],
         readiness=ready,
+        components=components,
         reflection=settings.reflection,
         max_message_bytes=settings.max_message_bytes,
         grace_seconds=settings.shutdown_grace_seconds,

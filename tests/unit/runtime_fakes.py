@@ -372,12 +372,16 @@ class InMemoryAgentStore(AgentStore):
         # The lease table: shard -> (replica, epoch). A fenced write is
         # refused unless its fence is the shard's lease, as the database does.
         self.leases: dict[int, tuple[str, int]] = {}
-        self.refused_fenced_writes = 0
+        self._refused_fenced_writes = 0
         self._history = _History()
+
+    @property
+    def refused_fenced_writes(self) -> int:
+        return self._refused_fenced_writes
 
     def _fenced(self, fence: Fence | None) -> None:
         if fence is not None and self.leases.get(fence.shard) != (fence.replica, fence.epoch):
-            self.refused_fenced_writes += 1
+            self._refused_fenced_writes += 1
             raise LeaseLost.of(fence)
 
     def _audited(self, record: AuditRecord | None) -> None:

@@ -93,6 +93,8 @@ class Journal(abc.ABC):
         self._batcher: NaturalBatcher[Write, Refusal | None] = NaturalBatcher(
             self._apply, max_batch=max_batch, not_about_items=database_unavailable
         )
+        # Writes refused as their fence was no longer their shard's lease.
+        self.refused_fenced_writes = 0
 
     async def write(self, write: Write) -> None:
         """Stores the write, all of it or (raising) none of it.
@@ -106,6 +108,7 @@ class Journal(abc.ABC):
         refusal = await self._batcher.submit(write)
         if refusal is Refusal.LEASE_LOST:
             assert write.fence is not None
+            self.refused_fenced_writes += 1
             raise LeaseLost.of(write.fence)
         if refusal is Refusal.STEP_TAKEN:
             sequences = [s.sequence for s in write.steps]

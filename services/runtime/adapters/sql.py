@@ -62,7 +62,7 @@ from services.runtime.domain.model import (
     Task,
     TaskStatus,
 )
-from services.runtime.service_layer.leases import Fence
+from services.runtime.service_layer.leases import Fence, LeaseLost
 from services.runtime.service_layer.store import AgentStore, TaskInFlight
 
 # The execution option that marks a writer's connection (BEGIN IMMEDIATE on SQLite).
@@ -293,6 +293,7 @@ class SqlAgentStore(AgentStore):
     def __init__(self, database: Database) -> None:
         self._db = database
         self._journal = open_journal(database)
+        self._refused_cursor_saves = 0
 
     def _insert(self, table: sa.Table) -> sqlite.Insert | postgresql.Insert:
         """The backend's INSERT, which knows ON CONFLICT DO NOTHING: a conflict
@@ -832,15 +833,26 @@ class SqlAgentStore(AgentStore):
         statement = self._insert(watch_cursors).values(
             [{"workspace_id": w, "cursor": c, "updated_at": at} for w, c in cursors.items()]
         )
-        async with self._db.transaction() as conn:
-            for fence in fences:
-                await check_fence(conn, fence)
-            await conn.execute(
-                statement.on_conflict_do_update(
-                    index_elements=[watch_cursors.c.workspace_id],
-                    set_={"cursor": statement.excluded.cursor, "updated_at": statement.excluded.updated_at},
+        try:
+            async with self._db.transaction() as conn:
+                for fence in fences:
+                    await check_fence(conn, fence)
+                await conn.execute(
+                    statement.on_conflict_do_update(
+                        index_elements=[watch_cursors.c.workspace_id],
+                        set_={
+                            "cursor": statement.excluded.cursor,
+                            "updated_at": statement.excluded.updated_at,
+                        },
+                    )
                 )
-            )
+        except LeaseLost:
+            self._refused_cursor_saves += 1
+            raise
+
+    @property
+    def refused_fenced_writes(self) -> int:
+        return self._journal.refused_fenced_writes + self._refused_cursor_saves
 
     async def aclose(self) -> None:
         await self._journal.aclose()

@@ -85,7 +85,7 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
 
     async def GetAgent(self, request: pb.GetAgentRequest, context: Context) -> pb.GetAgentResponse:
         found = await self._agents.get_agent(await self._caller(context), request.agent_id)
-        return pb.GetAgentResponse(agent=mappers.agent(found))
+        return pb.GetAgentResponse(agent=mappers.agent(found, replica=self._agents.replica_of(found)))
 
     async def ListTools(self, request: pb.ListToolsRequest, context: Context) -> pb.ListToolsResponse:
         specs = await self._agents.list_tools(await self._caller(context))
@@ -98,7 +98,10 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
             page_token=request.page_token,
             parent_id=request.parent_id,
         )
-        return pb.ListAgentsResponse(agents=[mappers.agent(a) for a in agents], next_page_token=token)
+        return pb.ListAgentsResponse(
+            agents=[mappers.agent(a, replica=self._agents.replica_of(a)) for a in agents],
+            next_page_token=token,
+        )
 
     async def UpdateAgent(self, request: pb.UpdateAgentRequest, context: Context) -> pb.UpdateAgentResponse:
         updated = await self._bus.handle(

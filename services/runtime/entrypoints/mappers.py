@@ -83,7 +83,7 @@ def model_settings(value: llm.ModelSettings) -> pb.ModelSettings:
     return out
 
 
-def agent(a: Agent) -> pb.Agent:
+def agent(a: Agent, *, replica: str = "") -> pb.Agent:
     return pb.Agent(
         id=str(a.id),
         workspace_id=str(a.workspace_id),
@@ -105,6 +105,7 @@ def agent(a: Agent) -> pb.Agent:
         auto_recall=a.auto_recall,
         state_version=a.state_version,
         owner_id=str(a.owner_id) if a.owner_id else "",
+        replica=replica,
     )
 
 

@@ -43,6 +43,12 @@ class AgentViews:
     async def get_agent(self, principal: Caller | None, agent_id: str) -> Agent:
         return await self._access.visible(principal, agent_id)
 
+    def replica_of(self, agent: Agent) -> str:
+        """The runtime replica that runs the agent now, as this one last saw
+        the leases; empty where one runtime runs every agent, or while the
+        agent's shard is moving."""
+        return self._runners.replica_of(agent)
+
     async def list_tools(self, principal: Caller | None) -> list[ToolSpec]:
         """Every tool an agent may be given, for a member choosing them."""
         self._access.viewer(principal)

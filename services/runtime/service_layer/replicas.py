@@ -61,6 +61,12 @@ class ReplicaLink(abc.ABC):
             Unavailable: the link cannot send it now.
         """
 
+    @property
+    def degraded(self) -> bool:
+        """Whether messages to this replica may be lost now (it reads the
+        database again meanwhile: see `serve`'s `missed`)."""
+        return False
+
     async def start(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Starts listening."""
 
@@ -114,6 +120,9 @@ class ReplicaRunners(Runners):
         link.serve(self._serve, missed=self._missed)
 
     # -- the port ------------------------------------------------------------------
+
+    def replica_of(self, agent: Agent) -> str:
+        return self._owner_of(agent.workspace_id) or ""
 
     def live(self, agent_id: uuid.UUID) -> Agent | None:
         return self._local.live(agent_id)

@@ -18,6 +18,11 @@ from services.runtime.domain.model import Agent
 class Runners(abc.ABC):
     """Starts, stops, wakes and controls agents' runners, by agent id."""
 
+    def replica_of(self, agent: Agent) -> str:
+        """The replica that runs the agent now; empty where one process runs
+        every agent (or, among replicas, while nobody holds its shard)."""
+        return ""
+
     @abc.abstractmethod
     def live(self, agent_id: uuid.UUID) -> Agent | None:
         """The agent as its runner holds it (its live state and token use);

@@ -341,5 +341,11 @@ class AgentStore(abc.ABC):
         """Saves (replacing) the cursors of these workspaces' IM watches,
         unless one of `fences` (of the workspaces' shards) is lost (`LeaseLost`)."""
 
+    @property
+    def refused_fenced_writes(self) -> int:
+        """How many writes carrying a fence were refused (`LeaseLost`) since
+        the store opened: attempts of a stale owner, none of them stored."""
+        return 0
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Releases connections. Idempotent."""

@@ -174,6 +174,11 @@ class Supervisor(Runners):
         """How many agents run here."""
         return len(self._runners)
 
+    @property
+    def runs_in_flight(self) -> int:
+        """How many of the agents that run here are in a run now."""
+        return sum(1 for runner in self._runners.values() if runner.in_run)
+
     def runner(self, agent_id: uuid.UUID) -> AgentRunner | None:
         """The agent's runner in this process (for tests and the runtime's own wiring)."""
         return self._runners.get(agent_id)

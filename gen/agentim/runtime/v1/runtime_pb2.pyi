@@ -322,6 +322,7 @@ class Agent(_message.Message):
     AUTO_RECALL_FIELD_NUMBER: _builtins.int
     STATE_VERSION_FIELD_NUMBER: _builtins.int
     OWNER_ID_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Service-generated id (UUID)."""
     workspace_id: _builtins.str
@@ -368,6 +369,13 @@ class Agent(_message.Message):
     owners were recorded: only admins and the owner of the workspace
     control those.
     """
+    replica: _builtins.str
+    """Output only. The runtime replica (its RUNTIME_REPLICA_ID) that runs the
+    agent now, as the replica answering last saw the shard leases; given by
+    GetAgent and ListAgents. Empty when one runtime runs every agent, when
+    no replica holds the agent's shard at the moment (it is moving), and in
+    the answers of other calls.
+    """
     @_builtins.property
     def model(self) -> Global___ModelSettings:
         """Model settings."""
@@ -407,10 +415,11 @@ class Agent(_message.Message):
         auto_recall: _builtins.int | None = ...,
         state_version: _builtins.int = ...,
         owner_id: _builtins.str = ...,
+        replica: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "model", b"model", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "owner_id", b"owner_id", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "role", b"role", "state", b"state", "state_version", b"state_version", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall", "auto_recall", b"auto_recall", "create_time", b"create_time", "id", b"id", "last_error", b"last_error", "main_session_id", b"main_session_id", "member_id", b"member_id", "model", b"model", "name", b"name", "owner_id", b"owner_id", "parent_id", b"parent_id", "pause_pending", b"pause_pending", "replica", b"replica", "role", b"role", "state", b"state", "state_version", b"state_version", "system_prompt", b"system_prompt", "token_budget", b"token_budget", "tokens_used", b"tokens_used", "tools", b"tools", "update_time", b"update_time", "workspace_id", b"workspace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__auto_recall: _TypeAlias = _typing.Literal["auto_recall"]  # noqa: Y015
     _WhichOneofArgType__auto_recall: _TypeAlias = _typing.Literal["_auto_recall", b"_auto_recall"]  # noqa: Y015

@@ -51,6 +51,11 @@ class AgentRunner(OneRun):
             if look:
                 self.catch_up()
 
+    @property
+    def in_run(self) -> bool:
+        """Whether a run is in flight (from its start until it has ended)."""
+        return self._current is not None
+
     def update(self, agent: Agent) -> None:
         """New settings (or a new main session) take effect from the next completion."""
         self.agent = replace(
