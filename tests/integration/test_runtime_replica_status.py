@@ -6,65 +6,25 @@ fenced writes it refuses)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agentim.runtime.v1 import runtime_pb2 as rpb
-from agentim.runtime.v1 import runtime_pb2_grpc
-from services.runtime import bootstrap
 from services.runtime.adapters.leases import SqlLeases
 from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.bootstrap import LEASES_HEALTH_NAME, REPLICAS_HEALTH_NAME, SERVICE_NAME
-from services.runtime.config import Settings
 from services.runtime.service_layer.leases import Fence, LeaseLost
-from tests.auth_support import service_environment
 from tests.conftest import RunningIM, make_world
 from tests.faults.harness import RedisProcess
-from tests.identities import learning_channel
+from tests.integration.replicas import SHARDS, TAG, Replicas
 from tests.integration.test_runtime_grpc import RunningRuntime, create_agent, start_runtime, stop_runtime
-from tests.integration.test_runtime_replicas import SHARDS, TAG, Replicas, hosts, split, until
+from tests.integration.test_runtime_replicas import hosts, split, until
 from tests.integration.test_runtime_store import make_agent, make_run, make_step
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-@pytest.fixture
-async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> AsyncIterator[Replicas]:
-    """Starts replicas as test_runtime_replicas' own fixture does."""
-    if own_runtime_url.startswith("sqlite"):
-        pytest.skip("replicas share a PostgreSQL database; SQLite is one process's")
-    started: list[RunningRuntime] = []
-
-    async def start(name: str, *, redis: str = redis_url) -> RunningRuntime:
-        environ = {
-            "RUNTIME_DATABASE_URL": own_runtime_url,
-            "REDIS_URL": redis,
-            "RUNTIME_RECONCILE_SECONDS": "0.5",
-            "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
-            "IM_ADDRESS": im.address,
-            "LOG_LEVEL": "WARNING",
-            # Unique on the shared Redis (other tests' replicas listen there too).
-            "RUNTIME_REPLICA_ID": f"{name}-{TAG}",
-            "RUNTIME_SHARDS": str(SHARDS),
-            "RUNTIME_LEASE_TTL_SECONDS": "3",
-            "RUNTIME_LEASE_RENEW_SECONDS": "0.2",
-            "RUNTIME_LEASE_MARGIN_SECONDS": "1",
-            **service_environment(),
-        }
-        app = bootstrap.build(Settings.from_env(environ))
-        port, _ = await app.start()
-        channel = learning_channel(f"127.0.0.1:{port}")
-        running = RunningRuntime(app, channel, runtime_pb2_grpc.RuntimeServiceStub(channel))
-        started.append(running)
-        return running
-
-    yield start
-    for running in reversed(started):
-        await stop_runtime(running)
 
 
 async def health(runtime: RunningRuntime) -> dict[str, int]:

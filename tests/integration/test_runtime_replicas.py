@@ -6,64 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 
 import grpc
 import pytest
 
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
-from agentim.runtime.v1 import runtime_pb2_grpc
 from services.runtime import bootstrap
 from services.runtime.config import Settings
 from tests.auth_support import service_environment
 from tests.conftest import RunningIM, World, make_world
 from tests.faults.harness import RedisProcess
 from tests.faults.llm import DecidingLLM, instruction
-from tests.identities import as_member, learning_channel
-from tests.integration.test_runtime_grpc import RunningRuntime, direct_chat, stop_runtime, wait_for_messages
-
-WAIT = 15.0
-SHARDS = 16
-TAG = uuid.uuid4().hex[:8]
-
-
-Replicas = Callable[..., Awaitable[RunningRuntime]]
-
-
-@pytest.fixture
-async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> AsyncIterator[Replicas]:
-    if own_runtime_url.startswith("sqlite"):
-        pytest.skip("replicas share a PostgreSQL database; SQLite is one process's")
-    started: list[RunningRuntime] = []
-
-    async def start(name: str, *, redis: str = redis_url, **settings: str) -> RunningRuntime:
-        environ = {
-            **settings,
-            "RUNTIME_DATABASE_URL": own_runtime_url,
-            "REDIS_URL": redis,
-            "RUNTIME_RECONCILE_SECONDS": "0.5",
-            "RUNTIME_GRPC_ADDRESS": "127.0.0.1:0",
-            "IM_ADDRESS": im.address,
-            "LOG_LEVEL": "WARNING",
-            # Unique on the shared Redis (other tests' replicas listen there too).
-            "RUNTIME_REPLICA_ID": f"{name}-{TAG}",
-            "RUNTIME_SHARDS": str(SHARDS),
-            "RUNTIME_LEASE_TTL_SECONDS": "3",
-            "RUNTIME_LEASE_RENEW_SECONDS": "0.2",
-            "RUNTIME_LEASE_MARGIN_SECONDS": "1",
-            **service_environment(),
-        }
-        app = bootstrap.build(Settings.from_env(environ))
-        port, _ = await app.start()
-        channel = learning_channel(f"127.0.0.1:{port}")
-        running = RunningRuntime(app, channel, runtime_pb2_grpc.RuntimeServiceStub(channel))
-        started.append(running)
-        return running
-
-    yield start
-    for running in reversed(started):
-        await stop_runtime(running)
+from tests.identities import as_member
+from tests.integration.replicas import SHARDS, TAG, WAIT, Replicas
+from tests.integration.test_runtime_grpc import RunningRuntime, direct_chat, wait_for_messages
 
 
 def hosts(replicas: list[RunningRuntime], agent: rpb.Agent) -> list[str]:
