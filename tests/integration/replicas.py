@@ -43,9 +43,12 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
             # Unique on the shared Redis (other tests' replicas listen there too).
             "RUNTIME_REPLICA_ID": f"{name}-{TAG}",
             "RUNTIME_SHARDS": str(SHARDS),
-            "RUNTIME_LEASE_TTL_SECONDS": "3",
+            # Renewed often, so that shards move within a second; long-lived
+            # (as by default), so that a busy test process (every replica
+            # shares its event loop) does not lose them to a late renewal.
+            "RUNTIME_LEASE_TTL_SECONDS": "10",
             "RUNTIME_LEASE_RENEW_SECONDS": "0.2",
-            "RUNTIME_LEASE_MARGIN_SECONDS": "1",
+            "RUNTIME_LEASE_MARGIN_SECONDS": "2",
             **service_environment(),
         }
         app = bootstrap.build(Settings.from_env(environ))

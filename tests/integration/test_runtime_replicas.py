@@ -102,12 +102,21 @@ async def test_a_replica_that_stops_hands_its_agents_over_at_once(im: RunningIM,
 async def split(
     im: RunningIM, replicas: Replicas, count: int, **options: str
 ) -> tuple[list[RunningRuntime], list[World], list[rpb.Agent]]:
-    """Two replicas with `count` agents (one per workspace) spread over both."""
+    """Two replicas with `count` agents (one per workspace), half in the shards of each."""
     first = await replicas("r1", **options)
     second = await replicas("r2", **options)
     both = [first, second]
     await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
-    worlds = [await make_world(im.stub, people=1) for _ in range(count)]
+    keeper = first.app.leases
+    assert keeper is not None
+    wanted = {f"r1-{TAG}": count // 2, f"r2-{TAG}": count - count // 2}
+    worlds = []
+    while any(wanted.values()):
+        world = await make_world(im.stub, people=1)
+        owner = keeper.owner_of(uuid.UUID(world.workspace.id)) or ""
+        if wanted.get(owner, 0) > 0:
+            wanted[owner] -= 1
+            worlds.append(world)
     agents = [
         (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=w.md(0))).agent
         for w in worlds
