@@ -1,4 +1,5 @@
-"""Replica fault 1: `kill -9` of runtime replicas mid-stream, among three.
+"""Replica faults 1 and 2: `kill -9` of runtime replicas mid-stream, and
+SIGSTOP of one past its leases, among three.
 
 Three runtime processes share one PostgreSQL database and one Redis; agents
 live in workspaces of their own, so their shards spread over the replicas.
@@ -14,11 +15,14 @@ RUNNING and no agent is in ERROR.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import grpc
@@ -66,17 +70,25 @@ async def call(method: object, request: object, metadata: object) -> object:
             await asyncio.sleep(0.05)
 
 
-# Three processes started, up to 20 kills and restarts, then the settling.
-@pytest.mark.timeout(scaled(120, long=400))
-async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
-    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
-) -> None:
-    if own_runtime_url.startswith("sqlite"):
+@dataclass
+class Cluster:
+    """Runtime replica processes, a client of r0 and the agents' desks."""
+
+    processes: list[ServiceProcess]
+    runtime: runtime_pb2_grpc.RuntimeServiceStub
+    desks: list[Desk]
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    im: RunningIM, database_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path, **settings: str
+) -> AsyncIterator[Cluster]:
+    """Three replicas on the test's database, six agents each in a workspace of its own."""
+    if database_url.startswith("sqlite"):
         pytest.skip("replicas share a PostgreSQL database")
-    kills = scaled(4, long=20)
     tag = uuid.uuid4().hex[:6]
     env = clean_environment(
-        RUNTIME_DATABASE_URL=own_runtime_url,
+        RUNTIME_DATABASE_URL=database_url,
         REDIS_URL=redis_url,
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
         IM_ADDRESS=im.address,
@@ -89,6 +101,7 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
         RUNTIME_LEASE_RENEW_SECONDS="0.5",
         RUNTIME_LEASE_MARGIN_SECONDS="1",
         RUNTIME_RECONCILE_SECONDS="1",
+        **settings,
     )
     migrate("services.runtime", env)
     processes = [
@@ -101,7 +114,7 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
         for process in processes:
             process.start()
             process.pin_address("RUNTIME_GRPC_ADDRESS")
-        # The client talks to r0, which is never killed: most calls cross to the owner.
+        # The client talks to r0, never faulted: most calls cross to the owner.
         channel = learning_channel(processes[0].address, options=FAST_RECONNECT)
         runtime = runtime_pb2_grpc.RuntimeServiceStub(channel)
         desks = []
@@ -121,12 +134,44 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
                 )
             ).group
             desks.append(Desk(world, agent, chat))
-        asking = asyncio.create_task(ask(runtime, im, desks))
+        yield Cluster(processes, runtime, desks)
+        await channel.close()
+    finally:
+        for process in processes:
+            process.kill()
+
+
+def summary(name: str, faults: str, counters: Counters, settled_in: float) -> str:
+    return (
+        f"{name}: {faults}, {counters.tokens} tokens,"
+        f" {counters.delivered} delivered, {len(counters.duplicated)} duplicated, {len(counters.lost)} lost,"
+        f" {counters.stuck} tasks stuck RUNNING, {counters.dead} dead,"
+        f" {counters.unpaired} unpaired tool calls,"
+        f" {counters.runs_running} runs RUNNING, {counters.errored} agents in ERROR,"
+        f" settled {settled_in:.1f}s after the last fault"
+    )
+
+
+def assert_nothing_lost_or_doubled(counters: Counters, said: str) -> None:
+    assert counters.duplicated == [], said
+    assert counters.lost == [], said
+    assert (counters.stuck, counters.dead, counters.unpaired, counters.errored) == (0, 0, 0, 0), said
+    assert counters.runs_running == 0, said
+
+
+# Three processes started, up to 20 kills and restarts, then the settling.
+@pytest.mark.timeout(scaled(120, long=400))
+async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
+    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+) -> None:
+    kills = scaled(4, long=20)
+    async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
+        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
         rng = random.Random(uuid.uuid4().int)
         try:
             for _ in range(kills):
                 await asyncio.sleep(rng.uniform(0.5, 1.5))
-                victim = rng.choice(processes[1:])
+                victim = rng.choice(replicas.processes[1:])
                 victim.kill()
                 await asyncio.sleep(rng.uniform(0.0, 0.5))
                 victim.start()
@@ -134,26 +179,11 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
             asking.cancel()
             await asyncio.gather(asking, return_exceptions=True)
         started = time.monotonic()
-        counters = await settle(runtime, im, desks)
+        counters = await settle(replicas.runtime, im, replicas.desks)
         settled_in = time.monotonic() - started
-        await channel.close()
-    finally:
-        for process in processes:
-            process.kill()
-
-    summary = (
-        f"replica kill: {kills} kills of {REPLICAS} replicas, {counters.tokens} tokens,"
-        f" {counters.delivered} delivered, {len(counters.duplicated)} duplicated, {len(counters.lost)} lost,"
-        f" {counters.stuck} tasks stuck RUNNING, {counters.dead} dead,"
-        f" {counters.unpaired} unpaired tool calls,"
-        f" {counters.runs_running} runs RUNNING, {counters.errored} agents in ERROR,"
-        f" settled {settled_in:.1f}s after the last restart"
-    )
-    print(summary)
-    assert counters.duplicated == [], summary
-    assert counters.lost == [], summary
-    assert (counters.stuck, counters.dead, counters.unpaired, counters.errored) == (0, 0, 0, 0), summary
-    assert counters.runs_running == 0, summary
+    said = summary("replica kill", f"{kills} kills of {REPLICAS} replicas", counters, settled_in)
+    print(said)
+    assert_nothing_lost_or_doubled(counters, said)
 
 
 async def ask(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, desks: list[Desk]) -> None:
@@ -249,3 +279,83 @@ async def count(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, des
         runs = await call(runtime.ListRuns, rpb.ListRunsRequest(agent_id=agent.id, page_size=500), md)
         counters.runs_running += sum(r.status == rpb.RUN_STATUS_RUNNING for r in runs.runs)  # type: ignore[attr-defined]
     return counters
+
+
+# Replica fault 2: SIGSTOP past the lease, then SIGCONT.
+
+_STOPPED_BY_PROOF = "stops here: shard"  # a runner's write refused before it left the replica
+_PROOF_GONE = "can no longer be proven"  # the woken keeper stopping its runners
+
+
+@pytest.mark.timeout(scaled(150, long=400))
+async def test_a_replica_frozen_past_its_lease_is_refused_and_stops(
+    im: RunningIM, own_runtime_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Frozen mid-run for longer than its leases live, a replica wakes to
+    find its shards taken: whatever its runners then try to write is refused,
+    they stop, and every token still reaches Bea exactly once."""
+    freezes = scaled(2, long=8)
+    slow = DecidingLLM(delay=0.15)  # runs long enough to freeze one mid-stream
+    await slow.start()
+    stopped_after: list[float] = []
+    try:
+        async with cluster(im, own_runtime_url, redis_url, slow, tmp_path, LOG_LEVEL="INFO") as replicas:
+            asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
+            try:
+                for _ in range(freezes):
+                    victim, thawed_at = await freeze_mid_run(replicas)
+                    stopped_after.append(await noticed(victim, thawed_at))
+            finally:
+                asking.cancel()
+                await asyncio.gather(asking, return_exceptions=True)
+            started = time.monotonic()
+            counters = await settle(replicas.runtime, im, replicas.desks)
+            settled_in = time.monotonic() - started
+            logs = "".join(p.log() for p in replicas.processes[1:])
+    finally:
+        await slow.stop()
+    refused = logs.count(_STOPPED_BY_PROOF)
+    said = summary(
+        "replica freeze",
+        f"{freezes} freezes of {TTL_SECONDS + 2:.0f} s (leases live {TTL_SECONDS:.0f} s),"
+        f" {refused} stale writes refused, 0 accepted (the ledger below),"
+        f" runners stopped {max(stopped_after):.2f} s at most after waking",
+        counters,
+        settled_in,
+    )
+    print(said)
+    assert refused > 0, said
+    assert max(stopped_after) < 2.0, said
+    assert_nothing_lost_or_doubled(counters, said)
+
+
+async def freeze_mid_run(replicas: Cluster) -> tuple[ServiceProcess, float]:
+    """Asks an agent that r1 or r2 runs, freezes that replica once the agent
+    is RUNNING, thaws it after its leases have expired; returns it and when it was thawed."""
+    ids = {p.env["RUNTIME_REPLICA_ID"]: p for p in replicas.processes[1:]}
+    async with asyncio.timeout(30):
+        while True:
+            for desk in replicas.desks:
+                got = await call(
+                    replicas.runtime.GetAgent, rpb.GetAgentRequest(agent_id=desk.agent.id), desk.world.md(0)
+                )
+                agent = got.agent  # type: ignore[attr-defined]
+                if agent.replica in ids and agent.state == rpb.AGENT_STATE_RUNNING:
+                    victim = ids[agent.replica]
+                    victim.freeze()
+                    await asyncio.sleep(TTL_SECONDS + 2)
+                    victim.thaw()
+                    return victim, time.time()
+            await asyncio.sleep(0.05)
+
+
+async def noticed(victim: ServiceProcess, thawed_at: float) -> float:
+    """Seconds from the thaw to the woken keeper's word that its leases are gone."""
+    async with asyncio.timeout(10):
+        while True:
+            for line in victim.log().splitlines():
+                if _PROOF_GONE in line:
+                    at = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                    if at >= thawed_at - 0.5:
+                        return max(0.0, at - thawed_at)
+            await asyncio.sleep(0.05)
