@@ -155,6 +155,8 @@ class RuntimeApp:
         agents = await self.supervisor.start() if self.supervisor is not None else 0
         if self.link is not None:
             await self.link.start()
+        if isinstance(self.runners, ReplicaRunners):
+            self.runners.start()
         if self.leases is not None:
             await self.leases.start()  # the runners of the shards it takes start meanwhile
             agents = self.supervisor.agent_count if self.supervisor is not None else 0
@@ -480,7 +482,12 @@ def _runners(
         reconcile_seconds=leases.settings.reconcile_seconds,
     )
     runners = ReplicaRunners(
-        supervisor, link, owner_of=leases.owner_of, replica=leases.settings.replica, store=store
+        supervisor,
+        link,
+        owner_of=leases.owner_of,
+        replica=leases.settings.replica,
+        store=store,
+        reconcile_seconds=leases.settings.reconcile_seconds,
     )
 
     async def close_link() -> None:

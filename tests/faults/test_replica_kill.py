@@ -1,5 +1,5 @@
-"""Replica faults 1 and 2: `kill -9` of runtime replicas mid-stream, and
-SIGSTOP of one past its leases, among three.
+"""Replica faults among three runtime replicas: `kill -9` mid-stream (1),
+SIGSTOP of one past its leases (2), Redis stopped (6).
 
 Three runtime processes share one PostgreSQL database and one Redis; agents
 live in workspaces of their own, so their shards spread over the replicas.
@@ -32,7 +32,7 @@ from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
 from tests.conftest import RunningIM, World, make_world
-from tests.faults.harness import ServiceProcess, clean_environment, migrate, scaled
+from tests.faults.harness import RedisProcess, ServiceProcess, clean_environment, migrate, scaled
 from tests.faults.llm import DecidingLLM, instruction
 from tests.faults.test_im_kill import FAST_RECONNECT, RETRYABLE
 from tests.identities import as_member, learning_channel
@@ -88,6 +88,7 @@ async def cluster(
         pytest.skip("replicas share a PostgreSQL database")
     tag = uuid.uuid4().hex[:6]
     env = clean_environment(
+        **{"RUNTIME_RECONCILE_SECONDS": "1", **settings},
         RUNTIME_DATABASE_URL=database_url,
         REDIS_URL=redis_url,
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
@@ -100,8 +101,6 @@ async def cluster(
         RUNTIME_LEASE_TTL_SECONDS=str(TTL_SECONDS),
         RUNTIME_LEASE_RENEW_SECONDS="0.5",
         RUNTIME_LEASE_MARGIN_SECONDS="1",
-        RUNTIME_RECONCILE_SECONDS="1",
-        **settings,
     )
     migrate("services.runtime", env)
     processes = [
@@ -149,6 +148,7 @@ def summary(name: str, faults: str, counters: Counters, settled_in: float) -> st
         f" {counters.unpaired} unpaired tool calls,"
         f" {counters.runs_running} runs RUNNING, {counters.errored} agents in ERROR,"
         f" settled {settled_in:.1f}s after the last fault"
+        + (f"; lost: {counters.what_became}" if counters.what_became else "")
     )
 
 
@@ -217,6 +217,8 @@ class Counters:
     errored: int = 0
     runs_running: int = 0
     unfinished: int = 0
+    # Each lost token: "chat", or its task's status.
+    what_became: dict[str, str] = field(default_factory=dict)
 
 
 async def settle(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, desks: list[Desk]) -> Counters:
@@ -271,6 +273,13 @@ async def count(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, des
         counters.unpaired += sum(n - 1 for n in results.values() if n > 1)
         tasks = await call(runtime.ListTasks, rpb.ListTasksRequest(agent_id=agent.id, page_size=500), md)
         statuses = [t.status for t in tasks.tasks]  # type: ignore[attr-defined]
+        by_token = {t.request_id: t for t in tasks.tasks}  # type: ignore[attr-defined]
+        for token in desk.tokens:
+            if not ledger[token]:
+                task = by_token.get(token)
+                counters.what_became[token] = (
+                    "chat" if task is None else f"task {rpb.TaskStatus.Name(task.status)} {task.result!r}"
+                )
         counters.stuck += statuses.count(rpb.TASK_STATUS_RUNNING)
         counters.dead += statuses.count(rpb.TASK_STATUS_DEAD)
         counters.unfinished += sum(s not in TERMINAL for s in statuses)
@@ -359,3 +368,77 @@ async def noticed(victim: ServiceProcess, thawed_at: float) -> float:
                     if at >= thawed_at - 0.5:
                         return max(0.0, at - thawed_at)
             await asyncio.sleep(0.05)
+
+
+# Replica fault 6: Redis stopped.
+
+
+@pytest.mark.timeout(scaled(120, long=400))
+async def test_with_redis_stopped_every_task_reaches_its_owner_within_the_reconcile_interval(
+    im: RunningIM, own_runtime_url: str, private_redis: RedisProcess, llm: DecidingLLM, tmp_path: Path
+) -> None:
+    """Redis is killed under load: tasks submitted through r0 for agents that
+    r1 and r2 run cannot be told to them, and reach them by the owners'
+    reads of the database, within the reconcile interval; nothing is lost
+    or doubled, and all goes on once Redis is back."""
+    outages = scaled(1, long=4)
+    reconcile = 1.0
+    delays: list[float] = []
+    async with cluster(
+        im, own_runtime_url, private_redis.url, llm, tmp_path, RUNTIME_RECONCILE_SECONDS=str(reconcile)
+    ) as replicas:
+        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
+        try:
+            for outage in range(outages):
+                await asyncio.sleep(1.0)
+                private_redis.kill()
+                delays += await tasks_while_away(replicas, f"o{outage}")
+                private_redis.start()
+        finally:
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+        started = time.monotonic()
+        counters = await settle(replicas.runtime, im, replicas.desks)
+        settled_in = time.monotonic() - started
+    delays.sort()
+    p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
+    said = summary(
+        "redis stopped",
+        f"{outages} outages, {len(delays)} tasks submitted meanwhile started after p50"
+        f" {delays[len(delays) // 2]:.2f} s, p99 {p99:.2f} s (reconcile interval {reconcile:g} s)",
+        counters,
+        settled_in,
+    )
+    print(said)
+    # A task waits for the next read of the database (at most the interval),
+    # then for the run before it, if its agent is busy (a model's few chunks).
+    assert p99 < reconcile + 2.0, said
+    assert_nothing_lost_or_doubled(counters, said)
+
+
+async def tasks_while_away(replicas: Cluster, name: str) -> list[float]:
+    """One task for each agent while Redis is away; how long each waited to start."""
+    submitted = []
+    for desk in replicas.desks:
+        token = f"{name}-{desk.agent.id[-6:]}"
+        desk.tokens.append(token)
+        request = rpb.SubmitTaskRequest(
+            agent_id=desk.agent.id, input=instruction(token, desk.bea.display_name), request_id=token
+        )
+        got = await call(replicas.runtime.SubmitTask, request, desk.world.md(0))
+        submitted.append((desk, got.task.id))  # type: ignore[attr-defined]
+    delays = []
+    async with asyncio.timeout(30):
+        for desk, task_id in submitted:
+            while True:
+                got = await call(
+                    replicas.runtime.GetTask, rpb.GetTaskRequest(task_id=task_id), desk.world.md(0)
+                )
+                task = got.task  # type: ignore[attr-defined]
+                if task.HasField("start_time"):
+                    delays.append(
+                        (task.start_time.ToDatetime() - task.create_time.ToDatetime()).total_seconds()
+                    )
+                    break
+                await asyncio.sleep(0.05)
+    return delays

@@ -8,7 +8,9 @@ change of settings is told and not awaited (`tell`). What such a call
 decides is already in the database (a task, new settings, an edited
 history), so a message that is lost only delays its effect: the owner reads
 the database again (`Supervisor.reconcile`) whenever its link may have
-missed messages, and when it gains a shard.
+missed messages, when it gains a shard, and every `reconcile_seconds` all
+the same (a message told to a replica that had just given the agent's shard
+away is lost without any outage).
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class ReplicaRunners(Runners):
         replica: this replica's id.
         store: where an agent's workspace (and state) is read.
         ask_timeout_seconds: how long a forwarded control waits for the owner.
+        reconcile_seconds: how often the database is read for what messages
+            may have missed (`start` begins).
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class ReplicaRunners(Runners):
         replica: str,
         store: AgentStore,
         ask_timeout_seconds: float = 10.0,
+        reconcile_seconds: float = 5.0,
     ) -> None:
         self._local = local
         self._link = link
@@ -117,7 +122,22 @@ class ReplicaRunners(Runners):
         self._timeout = ask_timeout_seconds
         self._workspaces: dict[uuid.UUID, uuid.UUID] = {}
         self._telling: set[asyncio.Task[None]] = set()
+        self._reconcile_every = reconcile_seconds
+        self._reconciler: asyncio.Task[None] | None = None
         link.serve(self._serve, missed=self._missed)
+
+    def start(self) -> None:
+        """Starts reading the database for missed work every `reconcile_seconds`."""
+        if self._reconciler is None:
+            self._reconciler = asyncio.create_task(self._reconcile(), name="replica-reconcile")
+
+    async def _reconcile(self) -> None:
+        while True:
+            await asyncio.sleep(self._reconcile_every)
+            try:
+                await self._local.reconcile()
+            except errors.ServiceError as error:
+                logger.warning("reading the database for missed work failed: %s", error)
 
     # -- the port ------------------------------------------------------------------
 
@@ -191,9 +211,11 @@ class ReplicaRunners(Runners):
         return bool(answer.get("cut"))
 
     async def aclose(self) -> None:
-        for task in self._telling:
+        tasks = [*self._telling, *([self._reconciler] if self._reconciler is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._telling, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._reconciler = None
 
     # -- reaching the owner --------------------------------------------------------------
 
