@@ -1,5 +1,5 @@
 """Replica faults among three runtime replicas: `kill -9` mid-stream (1),
-SIGSTOP of one past its leases (2), Redis stopped (6).
+SIGSTOP of one past its leases (2), a rolling SIGTERM (4), Redis stopped (6).
 
 Three runtime processes share one PostgreSQL database and one Redis; agents
 live in workspaces of their own, so their shards spread over the replicas.
@@ -87,20 +87,23 @@ async def cluster(
     if database_url.startswith("sqlite"):
         pytest.skip("replicas share a PostgreSQL database")
     tag = uuid.uuid4().hex[:6]
+    tunables = {
+        "RUNTIME_SHARDS": "32",
+        "RUNTIME_LEASE_TTL_SECONDS": str(TTL_SECONDS),
+        "RUNTIME_LEASE_RENEW_SECONDS": "0.5",
+        "RUNTIME_LEASE_MARGIN_SECONDS": "1",
+        "RUNTIME_RECONCILE_SECONDS": "1",
+        "LLM_MAX_RETRIES": "2",
+        "IM_CALL_TIMEOUT_SECONDS": "5",
+    }
     env = clean_environment(
-        **{"RUNTIME_RECONCILE_SECONDS": "1", **settings},
+        **{**tunables, **settings},
         RUNTIME_DATABASE_URL=database_url,
         REDIS_URL=redis_url,
         RUNTIME_GRPC_ADDRESS="127.0.0.1:0",
         IM_ADDRESS=im.address,
         OPENAI_BASE_URL=llm.url,
         OPENAI_MODEL="fake",
-        LLM_MAX_RETRIES="2",
-        IM_CALL_TIMEOUT_SECONDS="5",
-        RUNTIME_SHARDS="32",
-        RUNTIME_LEASE_TTL_SECONDS=str(TTL_SECONDS),
-        RUNTIME_LEASE_RENEW_SECONDS="0.5",
-        RUNTIME_LEASE_MARGIN_SECONDS="1",
     )
     migrate("services.runtime", env)
     processes = [
@@ -442,3 +445,79 @@ async def tasks_while_away(replicas: Cluster, name: str) -> list[float]:
                     break
                 await asyncio.sleep(0.05)
     return delays
+
+
+# Replica fault 4: rolling SIGTERM under load.
+
+
+@pytest.mark.timeout(scaled(150, long=400))
+async def test_a_rolling_restart_fails_no_call_and_hands_over_without_waiting_for_leases(
+    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+) -> None:
+    """Every replica in turn gets SIGTERM (as a rollout does) and comes back:
+    clients that retry UNAVAILABLE see no failed call, each stopping replica
+    hands its agents over at once (long before its leases would expire), and
+    nothing is lost or doubled."""
+    rounds = scaled(1, long=3)
+    ttl = 10.0
+    handoffs: list[float] = []
+    codes: list[int] = []
+    failed: list[BaseException] = []
+    async with cluster(
+        im,
+        own_runtime_url,
+        redis_url,
+        llm,
+        tmp_path,
+        RUNTIME_LEASE_TTL_SECONDS=str(ttl),
+        RUNTIME_LEASE_MARGIN_SECONDS="2",
+    ) as replicas:
+        channels = [learning_channel(p.address, options=FAST_RECONNECT) for p in replicas.processes]
+        stubs = [runtime_pb2_grpc.RuntimeServiceStub(c) for c in channels]
+        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
+        try:
+            for _ in range(rounds):
+                for index, victim in enumerate(replicas.processes):
+                    await asyncio.sleep(1.0)
+                    name = victim.env["RUNTIME_REPLICA_ID"]
+                    other = stubs[(index + 1) % len(stubs)]
+                    ran = [d for d in replicas.desks if await owner(other, d) == name]
+                    stopped_at = time.monotonic()
+                    codes.append(await asyncio.to_thread(victim.terminate))
+                    for desk in ran:
+                        # A client asking, as an operator's would.
+                        while await owner(other, desk) in ("", name):  # noqa: ASYNC110
+                            await asyncio.sleep(0.05)
+                    if ran:
+                        handoffs.append(time.monotonic() - stopped_at)
+                    victim.start()
+        finally:
+            asking.cancel()
+            outcome = await asyncio.gather(asking, return_exceptions=True)
+            failed += [
+                e
+                for e in outcome
+                if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)
+            ]
+        started = time.monotonic()
+        counters = await settle(replicas.runtime, im, replicas.desks)
+        settled_in = time.monotonic() - started
+        for channel in channels:
+            await channel.close()
+    said = summary(
+        "rolling restart",
+        f"{len(codes)} SIGTERMs (exit codes {sorted(set(codes))}), {len(failed)} failed calls,"
+        f" agents owned again after max {max(handoffs, default=0):.2f} s (leases live {ttl:g} s)",
+        counters,
+        settled_in,
+    )
+    print(said)
+    assert failed == [] and set(codes) == {0}, said
+    assert max(handoffs, default=0) < ttl / 2, said
+    assert_nothing_lost_or_doubled(counters, said)
+
+
+async def owner(stub: runtime_pb2_grpc.RuntimeServiceStub, desk: Desk) -> str:
+    """The replica that runs the desk's agent, as the replica behind `stub` sees it."""
+    got = await call(stub.GetAgent, rpb.GetAgentRequest(agent_id=desk.agent.id), desk.world.md(0))
+    return str(got.agent.replica)  # type: ignore[attr-defined]
