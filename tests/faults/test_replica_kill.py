@@ -1,5 +1,6 @@
 """Replica faults among three runtime replicas: `kill -9` mid-stream (1),
-SIGSTOP of one past its leases (2), a rolling SIGTERM (4), Redis stopped (6).
+SIGSTOP of one past its leases (2), a rolling SIGTERM (4), a fourth replica
+joining (5), Redis stopped (6).
 
 Three runtime processes share one PostgreSQL database and one Redis; agents
 live in workspaces of their own, so their shards spread over the replicas.
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import asyncpg
 import grpc
 import pytest
 
@@ -77,6 +79,20 @@ class Cluster:
     processes: list[ServiceProcess]
     runtime: runtime_pb2_grpc.RuntimeServiceStub
     desks: list[Desk]
+    env: dict[str, str] = field(default_factory=dict)
+    tag: str = ""
+    logs: Path = Path()
+
+    def add(self) -> ServiceProcess:
+        """Starts one more replica (stopped with the others)."""
+        index = len(self.processes)
+        process = ServiceProcess(
+            "services.runtime",
+            {**self.env, "RUNTIME_REPLICA_ID": f"r{index}-{self.tag}"},
+            self.logs / f"r{index}.log",
+        )
+        self.processes.append(process)
+        return process.start()
 
 
 @contextlib.asynccontextmanager
@@ -136,7 +152,7 @@ async def cluster(
                 )
             ).group
             desks.append(Desk(world, agent, chat))
-        yield Cluster(processes, runtime, desks)
+        yield Cluster(processes, runtime, desks, env=env, tag=tag, logs=tmp_path)
         await channel.close()
     finally:
         for process in processes:
@@ -521,3 +537,67 @@ async def owner(stub: runtime_pb2_grpc.RuntimeServiceStub, desk: Desk) -> str:
     """The replica that runs the desk's agent, as the replica behind `stub` sees it."""
     got = await call(stub.GetAgent, rpb.GetAgentRequest(agent_id=desk.agent.id), desk.world.md(0))
     return str(got.agent.replica)  # type: ignore[attr-defined]
+
+
+# Replica fault 5: scaling from three replicas to four.
+
+
+@pytest.mark.timeout(scaled(120, long=400))
+async def test_a_fourth_replica_takes_a_quarter_of_the_shards_and_nothing_else_moves(
+    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+) -> None:
+    """Under load, a fourth replica joins three: it takes a quarter of the
+    shards (moves within 10% of that), no other shard changes hands, the
+    most loaded replica holds at most 1.25 times the average, and nothing is
+    lost or doubled."""
+    async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
+        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
+        try:
+            before = await settled_owners(own_runtime_url, 3)
+            replicas.add()
+            after = await settled_owners(own_runtime_url, 4)
+        finally:
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+        started = time.monotonic()
+        counters = await settle(replicas.runtime, im, replicas.desks)
+        settled_in = time.monotonic() - started
+    shards = len(after)
+    moved = sum(before.get(shard) != owner for shard, owner in after.items())
+    load = Counter(after.values())
+    most = max(load.values()) / (shards / len(load))
+    said = summary(
+        "scale 3 to 4",
+        f"{moved} of {shards} shards moved (a quarter is {shards / 4:g}), loads {sorted(load.values())},"
+        f" the most loaded {most:.2f}x the average",
+        counters,
+        settled_in,
+    )
+    print(said)
+    assert abs(moved - shards / 4) <= shards / 4 * 0.1, said
+    assert most <= 1.25, said
+    assert_nothing_lost_or_doubled(counters, said)
+
+
+async def settled_owners(database_url: str, replicas: int) -> dict[int, str]:
+    """Each shard's owner once `replicas` replicas hold every shard and
+    nothing has moved for a few renewals."""
+    url = database_url.replace("postgresql+asyncpg://", "postgresql://")
+    connection = await asyncpg.connect(url)
+    try:
+        last: dict[int, str] = {}
+        steady = 0
+        async with asyncio.timeout(60):
+            while steady < 4:
+                rows = await connection.fetch(
+                    "SELECT shard, owner FROM runtime.shard_leases WHERE owner IS NOT NULL"
+                    " AND expires_at > extract(epoch FROM clock_timestamp())"
+                )
+                owners = {int(r["shard"]): str(r["owner"]) for r in rows}
+                complete = len(set(owners.values())) == replicas and len(owners) == 32
+                steady = steady + 1 if complete and owners == last else 0
+                last = owners
+                await asyncio.sleep(0.5)
+        return last
+    finally:
+        await connection.close()
