@@ -159,6 +159,29 @@ async def cluster(
             process.kill()
 
 
+@contextlib.asynccontextmanager
+async def asking(im: RunningIM, replicas: Cluster) -> AsyncIterator[list[BaseException]]:
+    """Ada keeps asking (`ask`) while the block injects its faults; yields
+    the calls that failed, known once the block ends."""
+    task = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
+    failed: list[BaseException] = []
+    try:
+        yield failed
+    finally:
+        task.cancel()
+        outcome = await asyncio.gather(task, return_exceptions=True)
+        failed += [
+            e for e in outcome if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)
+        ]
+
+
+async def settled(im: RunningIM, replicas: Cluster) -> tuple[Counters, float]:
+    """The counters once the work is done (or the time is up), and how long that took."""
+    started = time.monotonic()
+    counters = await settle(replicas.runtime, im, replicas.desks)
+    return counters, time.monotonic() - started
+
+
 def summary(name: str, faults: str, counters: Counters, settled_in: float) -> str:
     return (
         f"{name}: {faults}, {counters.tokens} tokens,"
@@ -196,21 +219,15 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
 ) -> None:
     kills = scaled(4, long=20)
     async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
-        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
         rng = random.Random(uuid.uuid4().int)
-        try:
+        async with asking(im, replicas):
             for _ in range(kills):
                 await asyncio.sleep(rng.uniform(0.5, 1.5))
                 victim = rng.choice(replicas.processes[1:])
                 victim.kill()
                 await asyncio.sleep(rng.uniform(0.0, 0.5))
                 victim.start()
-        finally:
-            asking.cancel()
-            await asyncio.gather(asking, return_exceptions=True)
-        started = time.monotonic()
-        counters = await settle(replicas.runtime, im, replicas.desks)
-        settled_in = time.monotonic() - started
+        counters, settled_in = await settled(im, replicas)
     said = summary("replica kill", f"{kills} kills of {REPLICAS} replicas", counters, settled_in)
     print(said)
     assert_nothing_lost_or_doubled(counters, said)
@@ -340,17 +357,11 @@ async def test_a_replica_frozen_past_its_lease_is_refused_and_stops(
     stopped_after: list[float] = []
     try:
         async with cluster(im, own_runtime_url, redis_url, slow, tmp_path, LOG_LEVEL="INFO") as replicas:
-            asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
-            try:
+            async with asking(im, replicas):
                 for _ in range(freezes):
                     victim, thawed_at = await freeze_mid_run(replicas)
                     stopped_after.append(await noticed(victim, thawed_at))
-            finally:
-                asking.cancel()
-                await asyncio.gather(asking, return_exceptions=True)
-            started = time.monotonic()
-            counters = await settle(replicas.runtime, im, replicas.desks)
-            settled_in = time.monotonic() - started
+            counters, settled_in = await settled(im, replicas)
             logs = "".join(p.log() for p in replicas.processes[1:])
     finally:
         await slow.stop()
@@ -418,19 +429,13 @@ async def test_with_redis_stopped_every_task_reaches_its_owner_within_the_reconc
     async with cluster(
         im, own_runtime_url, private_redis.url, llm, tmp_path, RUNTIME_RECONCILE_SECONDS=str(reconcile)
     ) as replicas:
-        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
-        try:
+        async with asking(im, replicas):
             for outage in range(outages):
                 await asyncio.sleep(1.0)
                 private_redis.kill()
                 delays += await tasks_while_away(replicas, f"o{outage}")
                 private_redis.start()
-        finally:
-            asking.cancel()
-            await asyncio.gather(asking, return_exceptions=True)
-        started = time.monotonic()
-        counters = await settle(replicas.runtime, im, replicas.desks)
-        settled_in = time.monotonic() - started
+        counters, settled_in = await settled(im, replicas)
     delays.sort()
     p99 = delays[min(len(delays) - 1, int(len(delays) * 0.99))]
     said = summary(
@@ -490,7 +495,6 @@ async def test_a_rolling_restart_fails_no_call_and_hands_over_without_waiting_fo
     ttl = 10.0
     handoffs: list[float] = []
     codes: list[int] = []
-    failed: list[BaseException] = []
     async with cluster(
         im,
         own_runtime_url,
@@ -502,8 +506,7 @@ async def test_a_rolling_restart_fails_no_call_and_hands_over_without_waiting_fo
     ) as replicas:
         channels = [learning_channel(p.address, options=FAST_RECONNECT) for p in replicas.processes]
         stubs = [runtime_pb2_grpc.RuntimeServiceStub(c) for c in channels]
-        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
-        try:
+        async with asking(im, replicas) as failed:
             for _ in range(rounds):
                 for index, victim in enumerate(replicas.processes):
                     await asyncio.sleep(1.0)
@@ -519,17 +522,7 @@ async def test_a_rolling_restart_fails_no_call_and_hands_over_without_waiting_fo
                     if ran:
                         handoffs.append(time.monotonic() - stopped_at)
                     victim.start()
-        finally:
-            asking.cancel()
-            outcome = await asyncio.gather(asking, return_exceptions=True)
-            failed += [
-                e
-                for e in outcome
-                if isinstance(e, BaseException) and not isinstance(e, asyncio.CancelledError)
-            ]
-        started = time.monotonic()
-        counters = await settle(replicas.runtime, im, replicas.desks)
-        settled_in = time.monotonic() - started
+        counters, settled_in = await settled(im, replicas)
         for channel in channels:
             await channel.close()
     said = summary(
@@ -563,17 +556,11 @@ async def test_a_fourth_replica_takes_a_quarter_of_the_shards_and_nothing_else_m
     most loaded replica holds at most 1.25 times the average, and nothing is
     lost or doubled."""
     async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
-        asking = asyncio.create_task(ask(replicas.runtime, im, replicas.desks))
-        try:
+        async with asking(im, replicas):
             before = await settled_owners(own_runtime_url, 3)
             replicas.add()
             after = await settled_owners(own_runtime_url, 4)
-        finally:
-            asking.cancel()
-            await asyncio.gather(asking, return_exceptions=True)
-        started = time.monotonic()
-        counters = await settle(replicas.runtime, im, replicas.desks)
-        settled_in = time.monotonic() - started
+        counters, settled_in = await settled(im, replicas)
     shards = len(after)
     moved = sum(before.get(shard) != owner for shard, owner in after.items())
     load = Counter(after.values())
