@@ -30,6 +30,7 @@ const AGENT_EVENTS = [
   "task_changed",
   "main_session_changed",
   "steps_rewritten",
+  "step_aborted",
 ];
 const TABS = [
   ["activity", "Activity"],
@@ -347,6 +348,13 @@ function onEvent(event) {
     }
     applyDelta(step, event.stepDelta);
     schedule(seq);
+  } else if (event.stepAborted) {
+    // Cut short (its runner stopped or moved): what streamed of it is void; it starts again.
+    const seq = Number(event.stepAborted.sequence);
+    if (p.steps.has(seq)) return;
+    p.live.delete(seq);
+    p.stepEls.get(seq)?.remove();
+    p.stepEls.delete(seq);
   } else if (event.stepCompleted) {
     const step = event.stepCompleted;
     const seq = Number(step.sequence);

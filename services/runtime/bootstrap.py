@@ -22,6 +22,7 @@ from services.common.authn import AuthenticationInterceptor, im_signing_keys
 from services.common.ratelimit import RateLimitInterceptor
 from services.common.server import GrpcServer
 from services.common.tokens import Verifier
+from services.runtime.adapters.event_relay import RedisEventRelay
 from services.runtime.adapters.im_client import GrpcIM
 from services.runtime.adapters.leases import SqlLeases
 from services.runtime.adapters.llm.offline import MODEL_NAME as OFFLINE_MODEL
@@ -35,6 +36,7 @@ from services.runtime.adapters.tables import audit_events
 from services.runtime.config import Settings
 from services.runtime.domain.commands import TellAgentOwners
 from services.runtime.domain.etiquette import ChatterGuard
+from services.runtime.domain.model import Agent
 from services.runtime.entrypoints.grpc_servicer import RuntimeServicer
 from services.runtime.entrypoints.policy import RUNTIME_POLICY
 from services.runtime.service_layer.access import AgentAccess
@@ -56,6 +58,7 @@ from services.runtime.service_layer.llm_router import ModelRouter
 from services.runtime.service_layer.memory_port import MemoryPort
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.read_positions import ReadPositions
+from services.runtime.service_layer.relay import EventRelay, RelayedHub
 from services.runtime.service_layer.replica_status import ReplicaMonitor
 from services.runtime.service_layer.replicas import ReplicaLink, ReplicaRunners
 from services.runtime.service_layer.runner import (
@@ -129,6 +132,8 @@ class RuntimeApp:
     leases: LeaseKeeper | None = None
     # The link to the other replicas (None: there are none).
     link: ReplicaLink | None = None
+    # Agents' events between replicas (None: there are none).
+    relay: EventRelay | None = None
     # This replica's status among the others (None: there are none).
     monitor: ReplicaMonitor | None = None
     grpc_server: GrpcServer | None = None
@@ -153,6 +158,8 @@ class RuntimeApp:
             await refuse_beside_replicas(self.database)
         port = await self.grpc_server.start() if self.grpc_server is not None else 0
         agents = await self.supervisor.start() if self.supervisor is not None else 0
+        if self.relay is not None:
+            await self.relay.start()
         if self.link is not None:
             await self.link.start()
         if isinstance(self.runners, ReplicaRunners):
@@ -314,13 +321,15 @@ def build(
         )
         cleanups.insert(0, memory.aclose)
     archiver = _archiver(settings, store=store, memory=memory, im=im, clock=clock, cleanups=cleanups)
-    hub = AgentHub()
     tools = default_registry(
         timeout_seconds=settings.tool_timeout_seconds,
         ask_human_timeout_seconds=settings.ask_human_timeout_seconds,
     )
     read_positions = _read_positions(settings, im, cleanups)
     factory = AgentFactory(store=store, im=im, tools=tools, clock=clock)
+    # Among several replicas, this one runs the agents of the shards it holds.
+    leases = _lease_keeper(settings, database, lambda: supervisor)
+    hub, relay = _hub(settings, leases, lambda: supervisor, cleanups)
     queue = StoredTaskQueue(
         store=store,
         hub=hub,
@@ -332,8 +341,6 @@ def build(
         ),
         jitter=jitter,
     )
-    # Among several replicas, this one runs the agents of the shards it holds.
-    leases = _lease_keeper(settings, database, lambda: supervisor)
     env = RunnerEnv(
         store=store,
         im=im,
@@ -417,6 +424,7 @@ def build(
         audit_pruner=audit_pruner,
         leases=leases,
         link=link,
+        relay=relay,
         monitor=monitor,
     )
     if serve:
@@ -521,6 +529,32 @@ def _monitor(
     monitor = ReplicaMonitor(leases, supervisor, link, store)
     cleanups.insert(0, monitor.aclose)
     return monitor
+
+
+def _hub(
+    settings: Settings,
+    leases: LeaseKeeper | None,
+    supervisor: Callable[[], Supervisor | None],
+    cleanups: list[Callable[[], Awaitable[None]]],
+) -> tuple[AgentHub, EventRelay | None]:
+    """Where watchers hear agents' events: this process's, and among replicas every replica's."""
+    if leases is None:
+        return AgentHub(), None
+    relay = RedisEventRelay(settings.redis_url, replica=leases.settings.replica)
+
+    def live(agent_id: uuid.UUID) -> Agent | None:
+        runs = supervisor()
+        return runs.live(agent_id) if runs is not None else None
+
+    hub = RelayedHub(
+        relay,
+        replica=leases.settings.replica,
+        shard_count=leases.settings.shard_count,
+        fence=leases.fence,
+        live=live,
+    )
+    cleanups.append(relay.aclose)  # last: what the runners said as they stopped goes out first
+    return hub, relay
 
 
 def _lease_keeper(

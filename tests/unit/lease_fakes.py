@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from services.common import errors
 from services.runtime.service_layer.leases import LeaseStore, LeaseView
+from services.runtime.service_layer.relay import Deliver, EventRelay, Relayed
 
 
 @dataclass
@@ -81,3 +83,46 @@ class InMemoryLeases(LeaseStore):
     async def leave(self, replica: str) -> None:
         await self.release(replica, [s for s, row in self.rows.items() if row.owner == replica])
         self.replicas.pop(replica, None)
+
+
+class LoopbackRelays:
+    """Replicas' `EventRelay`s in one process: what one sends reaches, at
+    once and in order, every relay following the shard (its sender too, as
+    Redis does). `losing` drops what matches it, as an outage would."""
+
+    def __init__(self) -> None:
+        self.relays: list[LoopbackRelay] = []
+        self.losing: Callable[[Relayed], bool] = lambda _: False
+
+    def relay(self) -> LoopbackRelay:
+        relay = LoopbackRelay(self)
+        self.relays.append(relay)
+        return relay
+
+    def carry(self, relayed: Relayed) -> None:
+        if self.losing(relayed):
+            return
+        for relay in self.relays:
+            if relay.following[relayed.shard] > 0:
+                relay.deliver(relayed)
+
+
+class LoopbackRelay(EventRelay):
+    def __init__(self, relays: LoopbackRelays) -> None:
+        self._relays = relays
+        self.deliver: Deliver = lambda _: None
+        self.following: Counter[int] = Counter()
+        self.sent: list[Relayed] = []
+
+    def serve(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+
+    def send(self, relayed: Relayed) -> None:
+        self.sent.append(relayed)
+        self._relays.carry(relayed)
+
+    async def follow(self, shard: int) -> None:
+        self.following[shard] += 1
+
+    def unfollow(self, shard: int) -> None:
+        self.following[shard] -= 1

@@ -286,6 +286,17 @@ class StepCompleted:
 
 
 @dataclass(frozen=True, slots=True)
+class StepAborted:
+    """The step in flight will not complete: the replica running it stopped
+    (or lost its lease) mid-step. What streamed of it is void; the runner
+    that goes on with the agent starts it again with the same sequence."""
+
+    run_id: uuid.UUID
+    sequence: int
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class StateChanged:
     state: AgentState
     error: str = ""
@@ -318,6 +329,7 @@ AgentEvent = (
     | StepStarted
     | StepDelta
     | StepCompleted
+    | StepAborted
     | StateChanged
     | TaskChanged
     | MainSessionChanged

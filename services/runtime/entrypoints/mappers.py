@@ -23,6 +23,7 @@ from services.runtime.domain.model import (
     Session,
     StateChanged,
     Step,
+    StepAborted,
     StepCompleted,
     StepDelta,
     StepKind,
@@ -204,6 +205,8 @@ def event(e: Emitted) -> pb.AgentEvent:
                     )
         case StepCompleted(step=s):
             out.step_completed.CopyFrom(step(s))
+        case StepAborted(run_id=run_id, sequence=sequence, reason=reason):
+            out.step_aborted.CopyFrom(pb.StepAborted(run_id=str(run_id), sequence=sequence, reason=reason))
         case StateChanged(state=state, error=error, pause_pending=pending, version=version):
             out.state_changed.CopyFrom(
                 pb.AgentStateChanged(

@@ -9,9 +9,10 @@ missed of it before the live deltas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -19,6 +20,7 @@ from services.runtime.domain.errors import HubClosed, WatcherFellBehind
 from services.runtime.domain.model import (
     Emitted,
     RunEnded,
+    StepAborted,
     StepCompleted,
     StepDelta,
     StepStarted,
@@ -163,7 +165,21 @@ class AgentHub:
         self._max_backlog = max_backlog
         self._closed = False
 
-    def publish(self, emitted: Emitted) -> None:
+    def publish(self, emitted: Emitted, *, workspace_id: uuid.UUID | None = None) -> None:
+        """Tells the watchers of an event of this process. `workspace_id` is
+        the agent's, for the replicas that may watch it elsewhere (see
+        `relay.RelayedHub`); where it is not given and the agent's runner is
+        not here, the event stays in this process."""
+        self._fan_out(emitted)
+
+    @contextlib.asynccontextmanager
+    async def following(self, workspace_ids: Iterable[uuid.UUID]) -> AsyncIterator[None]:
+        """While open, the events of these workspaces' agents that happen in
+        other processes come to this hub's watchers too (when it opens, from
+        then on). One process runs every agent here: nothing to follow."""
+        yield
+
+    def _fan_out(self, emitted: Emitted) -> None:
         event = emitted.event
         if isinstance(event, StepStarted):
             self._in_flight[emitted.agent_id] = InFlight(emitted)
@@ -171,7 +187,7 @@ class AgentHub:
             flight = self._in_flight.get(emitted.agent_id)
             if flight is not None:
                 flight.deltas.append(emitted)
-        elif isinstance(event, StepCompleted | RunEnded):
+        elif isinstance(event, StepCompleted | StepAborted | RunEnded):
             self._in_flight.pop(emitted.agent_id, None)
         for watcher in list(self._watchers):
             if watcher.wants(emitted.agent_id):

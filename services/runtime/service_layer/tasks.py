@@ -154,9 +154,9 @@ class StoredTaskQueue(TaskQueue):
         """How many tasks the agent's runner would take before `task`."""
         return (await self._queue(task.agent_id)).ahead_of(task, now=self._clock())
 
-    def publish(self, task: Task) -> None:
-        """Tells the agent's watchers the task's new status."""
-        self._publish(task)
+    def publish(self, task: Task, *, workspace_id: uuid.UUID | None = None) -> None:
+        """Tells the agent's watchers (of `workspace_id`, wherever they watch) the task's new status."""
+        self._publish(task, workspace_id=workspace_id)
 
     def cancelling(self, task: Task) -> asyncio.Event:
         """A person cancels the RUNNING task: however its run ends (short of
@@ -413,8 +413,8 @@ class StoredTaskQueue(TaskQueue):
         self._publish(changed)
         return True
 
-    def _publish(self, task: Task) -> None:
-        self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)))
+    def _publish(self, task: Task, *, workspace_id: uuid.UUID | None = None) -> None:
+        self._hub.publish(Emitted(task.agent_id, self._clock(), TaskChanged(task)), workspace_id=workspace_id)
 
 
 class TaskViews:

@@ -3,6 +3,7 @@ step, then what happens, each event shown to those who may see it."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from services.common.identity import Caller
@@ -12,7 +13,9 @@ from services.runtime.domain.model import (
     Agent,
     Emitted,
     MainSessionChanged,
+    RunEnded,
     StateChanged,
+    StepAborted,
     StepCompleted,
     StepDelta,
     StepsRewritten,
@@ -47,49 +50,36 @@ class AgentWatches:
     async def _replay_then_live(
         self, agent: Agent, watcher: Watcher, flights: list[InFlight], after_sequence: int, live_only: bool
     ) -> AsyncGenerator[Emitted, None]:
-        sent = after_sequence
-        # The last step this watch delivered whole: where its client resumes.
-        whole = after_sequence
         events = watcher.events()
-        try:
-            if not live_only:
-                while True:
-                    page = await self._store.list_steps(agent.session_id, after_sequence=sent, limit=500)
-                    for step in page:
-                        yield Emitted(agent.id, step.created_at, StepCompleted(step))
-                        sent = whole = step.sequence
-                    if len(page) < 500:
-                        break
-            for flight in flights:
-                started = flight.started.event
-                assert isinstance(started, StepStarted)
-                if started.sequence > sent:
-                    yield flight.started
+        # The agent's runner may be in another replica, or move to one: its
+        # events come from there once this follows them, before the replay
+        # below, so that nothing falls between the two.
+        feed = _Feed(self._store, agent, after=after_sequence, live_only=live_only)
+        async with self._hub.following([agent.workspace_id]):
+            try:
+                if not live_only:
+                    async for emitted in feed.stored_after():
+                        yield emitted
+                for flight in flights:
+                    for emitted in feed.live(flight.started):
+                        yield emitted
                     for delta in merge_deltas(flight.deltas):
-                        yield delta
-            async for emitted in events:
-                event = emitted.event
-                # Steps rewritten (retry, restore) or another main session:
-                # the steps to come are numbered from there, not after `sent`.
-                if isinstance(event, StepsRewritten):
-                    sent = min(sent, event.after_sequence)
-                    whole = min(whole, event.after_sequence)
-                elif isinstance(event, MainSessionChanged):
-                    sent = whole = event.session.forked_at_sequence
-                if isinstance(event, StepCompleted) and event.step.sequence <= sent:
-                    continue
-                if isinstance(event, StepDelta | StepStarted) and event.sequence <= sent:
-                    continue
-                yield emitted
-                if isinstance(event, StepCompleted):
-                    whole = event.step.sequence
-        except HubClosed:
-            raise HubClosed(
-                f"the runtime is shutting down; watch again with after_sequence={whole} to resume"
-                " with nothing missed"
-            ) from None
-        finally:
-            await events.aclose()
+                        for emitted in feed.live(delta):
+                            yield emitted
+                async for live in events:
+                    # Steps this watch missed (their events were lost between
+                    # replicas) come from the store first.
+                    async for emitted in feed.missed_before(live):
+                        yield emitted
+                    for emitted in feed.live(live):
+                        yield emitted
+            except HubClosed:
+                raise HubClosed(
+                    f"the runtime is shutting down; watch again with after_sequence={feed.whole} to resume"
+                    " with nothing missed"
+                ) from None
+            finally:
+                await events.aclose()
 
     async def watch_agents(
         self, principal: Caller | None, *, agent_ids: Sequence[str], workspace_id: str
@@ -98,28 +88,134 @@ class AgentWatches:
         the agents the caller controls, the changes of state for the others."""
         viewer = self._access.workspace(principal, workspace_id)
         if agent_ids:
-            ids = [(await self._access.visible(principal, a)).id for a in agent_ids]
-            watcher, _ = self._hub.watch(ids)
+            agents = [await self._access.visible(principal, a) for a in agent_ids]
+            watcher, _ = self._hub.watch([a.id for a in agents])
+            workspaces = {a.workspace_id for a in agents}
         else:
             watcher, _ = self._hub.watch(None)
-        return self._filtered(watcher.events(), viewer)
+            workspaces = {viewer.workspace_id}
+        return self._filtered(watcher.events(), viewer, workspaces)
 
     async def _filtered(
-        self, events: AsyncIterator[Emitted], viewer: Viewer
+        self, events: AsyncIterator[Emitted], viewer: Viewer, workspaces: set[uuid.UUID]
     ) -> AsyncGenerator[Emitted, None]:
+        # Agents whose runners are in other replicas, as read once: their
+        # workspace never changes (nor, for this watch, their owner).
+        elsewhere: dict[uuid.UUID, Agent | None] = {}
         try:
-            async for emitted in events:
-                agent = self._runners.live(emitted.agent_id)
-                if agent is None:
-                    continue
-                verdict = decide(
-                    viewer, Action.CONTROL, workspace_id=agent.workspace_id, owner_id=agent.owner_id
-                )
-                if verdict is Verdict.ALLOWED or (
-                    verdict is Verdict.DENIED and isinstance(emitted.event, StateChanged)
-                ):
-                    yield emitted
+            async with self._hub.following(workspaces):
+                async for emitted in events:
+                    agent = self._runners.live(emitted.agent_id)
+                    if agent is None:
+                        if emitted.agent_id not in elsewhere:
+                            elsewhere[emitted.agent_id] = await self._store.get_agent(emitted.agent_id)
+                        agent = elsewhere[emitted.agent_id]
+                    if agent is None:
+                        continue
+                    verdict = decide(
+                        viewer, Action.CONTROL, workspace_id=agent.workspace_id, owner_id=agent.owner_id
+                    )
+                    if verdict is Verdict.ALLOWED or (
+                        verdict is Verdict.DENIED and isinstance(emitted.event, StateChanged)
+                    ):
+                        yield emitted
         finally:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+_NEVER_COMPLETED = (
+    "the step stopped before it completed (its runner stopped, or its agent moved to another replica);"
+    " it starts again"
+)
+
+
+class _Feed:
+    """What one WatchAgent sends of one agent: each step once, in order.
+
+    `whole` is the last step sent whole: where the client resumes. Live
+    events may repeat what the replay sent, come from two replicas across a
+    handoff, or miss some (lost between replicas): a repeat is dropped, a
+    completed step after a gap brings the missing ones from the store first,
+    and a step started again before it completed (cut by a handoff) is said
+    aborted first.
+    """
+
+    def __init__(self, store: AgentStore, agent: Agent, *, after: int, live_only: bool) -> None:
+        self._store = store
+        self._agent_id = agent.id
+        self._session_id = agent.session_id
+        self.whole = after
+        # The step sequence a gap is measured from; unknown at the live end
+        # and after a rewrite, until a step comes.
+        self._known: int | None = None if live_only else after
+        self._streaming: StepStarted | None = None
+
+    async def stored_after(self, before: int | None = None) -> AsyncGenerator[Emitted, None]:
+        """The stored steps after the last sent whole (and before `before`)."""
+        while True:
+            page = await self._store.list_steps(self._session_id, after_sequence=self.whole, limit=500)
+            for step in page:
+                if before is not None and step.sequence >= before:
+                    return
+                yield Emitted(self._agent_id, step.created_at, StepCompleted(step))
+                self.whole = self._known = step.sequence
+                self._streaming = None
+            if len(page) < 500:
+                return
+
+    async def missed_before(self, emitted: Emitted) -> AsyncGenerator[Emitted, None]:
+        """The stored steps a live completed step shows this watch missed."""
+        event = emitted.event
+        known = self._known
+        if (
+            known is not None
+            and isinstance(event, StepCompleted)
+            and event.step.session_id == self._session_id
+            and event.step.sequence > known + 1
+        ):
+            async for missed in self.stored_after(event.step.sequence):
+                yield missed
+
+    def live(self, emitted: Emitted) -> list[Emitted]:
+        """What to send of a live event: nothing, it, or an abort and it."""
+        event = emitted.event
+        sequence: int | None = None
+        if isinstance(event, StepsRewritten):
+            # Retried or restored: the steps to come are numbered from there.
+            self.whole = min(self.whole, event.after_sequence)
+            self._known = None
+        elif isinstance(event, MainSessionChanged):
+            self.whole = event.session.forked_at_sequence
+            self._session_id = event.session.id
+            self._known = None
+            self._streaming = None
+        elif isinstance(event, StepCompleted):
+            sequence = event.step.sequence
+            if sequence <= self.whole:
+                return []
+            self.whole = sequence
+            self._streaming = None
+        elif isinstance(event, StepStarted):
+            sequence = event.sequence
+            if sequence <= self.whole:
+                return []
+            cut, self._streaming = self._streaming, event
+            if cut is not None:
+                aborted = StepAborted(cut.run_id, cut.sequence, _NEVER_COMPLETED)
+                return [Emitted(emitted.agent_id, emitted.at, aborted), emitted]
+        elif isinstance(event, StepDelta):
+            streaming = self._streaming
+            if streaming is None or event.sequence != streaming.sequence:
+                return []  # a step this watch did not see start: it will come whole
+        elif isinstance(event, StepAborted):
+            streaming = self._streaming
+            if streaming is None or event.sequence != streaming.sequence:
+                return []  # said already
+            self._streaming = None
+        elif isinstance(event, RunEnded):
+            self._streaming = None
+        if sequence is not None:
+            self._known = sequence if self._known is None else max(self._known, sequence)
+        return [emitted]

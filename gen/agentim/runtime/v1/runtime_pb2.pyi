@@ -1222,6 +1222,7 @@ class AgentEvent(_message.Message):
     TASK_CHANGED_FIELD_NUMBER: _builtins.int
     MAIN_SESSION_CHANGED_FIELD_NUMBER: _builtins.int
     STEPS_REWRITTEN_FIELD_NUMBER: _builtins.int
+    STEP_ABORTED_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """The agent."""
     @_builtins.property
@@ -1266,6 +1267,14 @@ class AgentEvent(_message.Message):
         restored: a watcher should reload them after this sequence number.
         """
 
+    @_builtins.property
+    def step_aborted(self) -> Global___StepAborted:
+        """The step in flight will not complete: the replica running it stopped
+        or lost the agent mid-step (a handoff). What streamed of it is void;
+        the step is started again, with the same sequence, where the agent
+        runs next.
+        """
+
     def __init__(
         self,
         *,
@@ -1280,16 +1289,47 @@ class AgentEvent(_message.Message):
         task_changed: Global___Task | None = ...,
         main_session_changed: Global___Session | None = ...,
         steps_rewritten: Global___StepsRewritten | None = ...,
+        step_aborted: Global___StepAborted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "main_session_changed", b"main_session_changed", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started", "steps_rewritten", b"steps_rewritten", "task_changed", b"task_changed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "event_time", b"event_time", "main_session_changed", b"main_session_changed", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_aborted", b"step_aborted", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started", "steps_rewritten", b"steps_rewritten", "task_changed", b"task_changed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "event", b"event", "event_time", b"event_time", "main_session_changed", b"main_session_changed", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started", "steps_rewritten", b"steps_rewritten", "task_changed", b"task_changed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "event", b"event", "event_time", b"event_time", "main_session_changed", b"main_session_changed", "run_ended", b"run_ended", "run_started", b"run_started", "state_changed", b"state_changed", "step_aborted", b"step_aborted", "step_completed", b"step_completed", "step_delta", b"step_delta", "step_started", b"step_started", "steps_rewritten", b"steps_rewritten", "task_changed", b"task_changed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["run_started", "run_ended", "step_started", "step_delta", "step_completed", "state_changed", "task_changed", "main_session_changed", "steps_rewritten"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["run_started", "run_ended", "step_started", "step_delta", "step_completed", "state_changed", "task_changed", "main_session_changed", "steps_rewritten", "step_aborted"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___AgentEvent: _TypeAlias = AgentEvent  # noqa: Y015
+
+@_typing.final
+class StepAborted(_message.Message):
+    """A step that was streaming and will not complete."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    """Its run."""
+    sequence: _builtins.int
+    """Its sequence number."""
+    reason: _builtins.str
+    """Why, for people."""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        sequence: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "run_id", b"run_id", "sequence", b"sequence"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepAborted: _TypeAlias = StepAborted  # noqa: Y015
 
 @_typing.final
 class StepsRewritten(_message.Message):

@@ -263,7 +263,7 @@ async def restore_checkpoint(command: RestoreCheckpoint, deps: History) -> Agent
     await _adopt(deps, agent.id, session.id)
     _rewritten(deps, agent, session.id, checkpoint.sequence)
     if session.id != agent.session_id:
-        _emit(deps, agent.id, MainSessionChanged(session))
+        _emit(deps, agent, MainSessionChanged(session))
     return await deps.access.visible(principal, str(agent.id))
 
 
@@ -424,7 +424,7 @@ async def _switch(deps: History, agent: Agent, session: Session, *, audit: Audit
     """Makes `session` the agent's main one, in the store and its runner."""
     await deps.store.set_main_session(agent.id, session.id, audit=audit)
     await _adopt(deps, agent.id, session.id)
-    _emit(deps, agent.id, MainSessionChanged(session))
+    _emit(deps, agent, MainSessionChanged(session))
 
 
 async def _adopt(deps: History, agent_id: uuid.UUID, session_id: uuid.UUID) -> None:
@@ -442,11 +442,11 @@ async def _continue(deps: History, agent_id: uuid.UUID) -> None:
 
 def _rewritten(deps: History, agent: Agent, session_id: uuid.UUID, after_sequence: int) -> None:
     deps.runners.forget_history(agent.id)
-    _emit(deps, agent.id, StepsRewritten(session_id, max(after_sequence, 0)))
+    _emit(deps, agent, StepsRewritten(session_id, max(after_sequence, 0)))
 
 
-def _emit(deps: History, agent_id: uuid.UUID, event: AgentEvent) -> None:
-    deps.hub.publish(Emitted(agent_id, deps.clock(), event))
+def _emit(deps: History, agent: Agent, event: AgentEvent) -> None:
+    deps.hub.publish(Emitted(agent.id, deps.clock(), event), workspace_id=agent.workspace_id)
 
 
 def _find(history: list[Step], sequence: int) -> Step:

@@ -98,7 +98,7 @@ async def submit_task(command: SubmitTask, deps: Tasks) -> Placed:
     if stored.id != task.id:  # a call with the request_id got there first
         return await deps.views.placed(_replayed(stored, asked))
     deps.queue.added(stored)
-    deps.queue.publish(stored)
+    deps.queue.publish(stored, workspace_id=agent.workspace_id)
     deps.runners.wake(agent.id)
     return await deps.views.placed(stored)
 
@@ -116,7 +116,8 @@ async def cancel_task(command: CancelTask, deps: Tasks) -> Placed:
             ended = replace(task, status=TaskStatus.CANCELLED, ended_at=deps.clock(), retry_at=None)
             if await deps.store.update_task(ended, expected=WAITING):
                 deps.queue.left(ended)
-                deps.queue.publish(ended)
+                # The agent is in the caller's workspace (or `visible` refused).
+                deps.queue.publish(ended, workspace_id=deps.access.viewer(principal).workspace_id)
                 await _cancelled_by(principal, task, deps)
                 return Placed(ended)
         elif task.status is TaskStatus.RUNNING:

@@ -44,6 +44,7 @@ from services.runtime.domain.model import (
     Origin,
     Run,
     Step,
+    StepAborted,
     StepDelta,
     StepKind,
     StepMetrics,
@@ -187,9 +188,11 @@ class Context(RunnerCore):
                     self._emit(StepDelta(sequence, delta))
         except LLMError as error:
             logger.warning("agent %s: no summary of the runs leaving its context: %s", self.agent.id, error)
+            self._emit(StepAborted(run.id, sequence, "the summary could not be written"))
             return False
         text = assembler.content.strip()
         if not text:
+            self._emit(StepAborted(run.id, sequence, "the model wrote no summary"))
             return False
         if usage is None:
             prompt = self._calibration.tokens(sum(map(estimate_message, request.messages)))

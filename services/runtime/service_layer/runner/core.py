@@ -21,6 +21,7 @@ from services.runtime.domain.model import (
     Run,
     StateChanged,
     Step,
+    StepAborted,
     StepCompleted,
     StepKind,
     StepMetrics,
@@ -75,7 +76,8 @@ class RunnerCore:
         self._current: asyncio.Task[None] | None = None
         self._cut: _Cut | None = None
         self._running_task: Task | None = None
-        self._streaming: tuple[int, CompletionAssembler] | None = None
+        # The step being streamed: its run, sequence and what came so far.
+        self._streaming: tuple[uuid.UUID, int, CompletionAssembler] | None = None
         self._tool_outcomes: dict[str, ToolOutcome] = {}
         self._retry_timer: asyncio.TimerHandle | None = None
         self._begun = asyncio.Event()
@@ -226,8 +228,17 @@ class RunnerCore:
             )
         )
 
+    def _abort_streaming(self, reason: str) -> None:
+        """Tells watchers the step being streamed will not complete (it is started again later)."""
+        streaming, self._streaming = self._streaming, None
+        if streaming is not None:
+            run_id, sequence, _ = streaming
+            self._emit(StepAborted(run_id, sequence, reason))
+
     def _emit(self, event: AgentEvent) -> None:
-        self._env.hub.publish(Emitted(self.agent.id, self._env.clock(), event))
+        self._env.hub.publish(
+            Emitted(self.agent.id, self._env.clock(), event), workspace_id=self.agent.workspace_id
+        )
 
     def _count_tokens(self, usage: Usage) -> None:
         """Adds a call's tokens to what the agent has used (its budget's measure)."""

@@ -88,6 +88,7 @@ class AgentRunner(OneRun):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._abort_streaming("the runner stopped mid-step; the step starts again where the agent runs next")
         self._env.history.take(self.agent.id)
 
     # -- the people's controls (the caller checks the transition) --------------

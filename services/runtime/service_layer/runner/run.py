@@ -128,6 +128,7 @@ class OneRun(Inbox, Context):
             # or the run, which stays as stored (RUNNING) and goes on once the
             # dependency is back (see `_loop`), with the same keys. Or another
             # replica took the agent: it goes on from what is stored.
+            self._abort_streaming("the step could not be stored; it starts again when the run goes on")
             raise
         except Exception as other:
             # The IM refused or lost the answer, a tool's port broke...: the
@@ -329,7 +330,7 @@ class OneRun(Inbox, Context):
         self._unstored = 0
         streaming, self._streaming = self._streaming, None
         if streaming is not None:
-            sequence, assembler = streaming
+            _, sequence, assembler = streaming
             if not self._steps or self._steps[-1].sequence < sequence:
                 partial = interrupted_message(assembler.message())
                 await self._append(run, partial, StepMetrics(), interrupted=True)
@@ -485,7 +486,7 @@ class OneRun(Inbox, Context):
         completion: Completion | None = None
         # What has streamed so far, kept should a person cut the step short.
         assembler = CompletionAssembler()
-        self._streaming = (sequence, assembler)
+        self._streaming = (run.id, sequence, assembler)
         try:
             async for item in env.llm.stream(request):
                 if isinstance(item, Completion):
