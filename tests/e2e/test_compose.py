@@ -3,14 +3,16 @@
 No Docker engine runs here, so the compose file is validated with
 `docker-compose config` and its commands and environments are checked
 against the real code: every command of our image must be accepted by the
-module it names, and every environment must load as that service's
-settings.
+module it names, every environment must load as that service's
+settings, and the services run as replicas must be set up for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
+import re
 import shutil
 import socket
 import subprocess
@@ -104,6 +106,17 @@ def _settings_class(module: str) -> Any:
     return getattr(importlib.import_module(f"{package}.config"), "Settings", None)
 
 
+def _drain_seconds(settings: Any) -> float:
+    """The longest shutdown grace or drain the service's settings hold."""
+    found = [
+        float(getattr(settings, field.name))
+        for field in dataclasses.fields(settings)
+        if field.name.endswith("_seconds") and ("grace" in field.name or "drain" in field.name)
+    ]
+    assert found, f"no shutdown grace in {type(settings).__qualname__}"
+    return max(found)
+
+
 def _healthcheck_test(service: dict[str, Any]) -> list[str]:
     test = service.get("healthcheck", {}).get("test")
     assert isinstance(test, list) and test, f"no healthcheck test in {service!r}"
@@ -135,7 +148,10 @@ CERTS_MOUNT = "/certs/"
 SECRETS_MOUNT = "/var/lib/agentim/secrets/"
 
 
-def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path: Path) -> None:
+def _load_settings(compose: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """Each service's settings (of those whose module has any) as it loads
+    them in its container, from the files the one-shot services write to
+    the volumes it mounts."""
     # The files the `certs` service writes to its volume, as it writes them.
     certs = tmp_path / "certs"
     command = _services(compose)["certs"]["command"]
@@ -146,7 +162,7 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path
     assert _services(compose)["service-credentials"]["command"][2:] == ["services.im", "credentials"]
     secrets = tmp_path / "secrets"
     ensure_embedded_credentials(secrets / "service-credentials")
-    checked = []
+    loaded = {}
     for name, service in _services(compose).items():
         if not _our_image(service):
             continue
@@ -169,11 +185,15 @@ def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path
             volumes = [str(v).split(":")[:2] for v in service.get("volumes", [])]
             assert ["certs", "/certs"] in volumes, f"{name} reads /certs but does not mount the certs volume"
         try:
-            settings_class.from_env(mounted)
+            loaded[name] = settings_class.from_env(mounted)
         except ConfigError as error:
             pytest.fail(f"{name}: {error}")
-        checked.append(name)
-    assert {"im", "im-migrate", "gateway", "memory", "memory-migrate"} <= set(checked)
+    return loaded
+
+
+def test_compose_environments_load_as_settings(compose: dict[str, Any], tmp_path: Path) -> None:
+    checked = _load_settings(compose, tmp_path)
+    assert {"im", "im-migrate", "runtime", "gateway", "memory", "memory-migrate"} <= set(checked)
 
 
 def test_compose_im_listens_where_it_is_published_and_probed(compose: dict[str, Any]) -> None:
@@ -270,6 +290,62 @@ def test_compose_gateway_is_published_probed_untrusted_and_waits_for_its_upstrea
         assert gateway["depends_on"][upstream]["condition"] == "service_healthy"
         listen = services[upstream]["environment"][f"{upstream.upper()}_GRPC_ADDRESS"].rpartition(":")[2]
         assert environment[variable] == f"{upstream}:{listen}"
+
+
+# Docker's default wait between SIGTERM and SIGKILL.
+DEFAULT_STOP_GRACE_SECONDS = 10.0
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)")
+_DURATION_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _duration_seconds(duration: str) -> float:
+    """A compose duration (`30s`, `1m30s`, `500ms`) in seconds."""
+    parts = _DURATION_PART.findall(duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a duration: {duration!r}"
+    return sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+
+
+def test_compose_runs_the_im_and_the_runtime_as_replicas(compose: dict[str, Any], tmp_path: Path) -> None:
+    services = _services(compose)
+    for name in ("im", "runtime"):
+        service = services[name]
+        assert service.get("deploy", {}).get("replicas", 1) == 2, f"{name}: two replicas"
+        # Several containers of one service: no fixed name, no fixed host port.
+        assert "container_name" not in service and "hostname" not in service, name
+        for port in service.get("ports", []):
+            host = str(port).split("/")[0].split(":")[:-1]
+            assert host in ([], ["127.0.0.1", ""]), f"{name} publishes a fixed host port: {port}"
+    # Replicas of the runtime meet through the Redis the IM replicas use, and wait for it.
+    runtime = services["runtime"]
+    assert runtime["environment"].get("REDIS_URL") == services["im"]["environment"]["REDIS_URL"], (
+        "the runtime's replicas need the IM's Redis (REDIS_URL)"
+    )
+    assert runtime["depends_on"]["redis"]["condition"] == "service_healthy"
+    # Loaded as each container loads it: a replica among others, with a name
+    # of its own (two containers of one environment never share one).
+    loaded = _load_settings(compose, tmp_path)
+    first = loaded["runtime"]
+    second = _load_settings(compose, tmp_path / "second")["runtime"]
+    assert first.leases is not None, "the runtime would run every agent itself: no leases"
+    assert second.leases is not None
+    assert first.leases.replica != second.leases.replica, "two runtime containers share one replica id"
+    assert loaded["im"].redis_url
+
+
+def test_compose_stop_grace_outlasts_each_services_drain(compose: dict[str, Any], tmp_path: Path) -> None:
+    loaded = _load_settings(compose, tmp_path)
+    checked = []
+    for name, service in _services(compose).items():
+        if name not in loaded or _python_module_command(service["command"])[1][:1] != ["serve"]:
+            continue
+        grace = _duration_seconds(str(service.get("stop_grace_period", f"{DEFAULT_STOP_GRACE_SECONDS}s")))
+        drain = _drain_seconds(loaded[name])
+        # SIGKILL must not cut the drain short, nor what follows it (the
+        # runtime releases its leases after the drain).
+        assert grace > drain, f"{name}: stop_grace_period {grace} s, drain {drain} s"
+        checked.append(name)
+    assert {"im", "runtime", "memory", "gateway"} <= set(checked)
+    assert _drain_seconds(loaded["runtime"]) > 5.0, "the runtime's steps in flight get more than the default"
 
 
 # -- the health probe: python -m services.common.healthcheck ----------------

@@ -16,7 +16,6 @@ user to make them, so that its documented steps are checked too.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import importlib
 import re
 import shutil
@@ -38,7 +37,7 @@ from services.im.bootstrap import prepare_identity
 from services.im.config import Settings as IMSettings
 
 from . import ROOT, in_ci
-from .test_compose import _python_module_command, _settings_class
+from .test_compose import _drain_seconds, _python_module_command, _settings_class
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 # An older release with every field used (gRPC probes are GA since 1.27)
@@ -63,6 +62,8 @@ SECRET_PATH = re.compile(r"((SECRET|KEYS|CREDENTIALS)_(FILE|DIR)|^GRPC_TLS_KEY)$
 # Variables holding a secret itself: only ever from a secretKeyRef.
 SECRET_VALUE = re.compile(r"(SECRET|PASSWORD|TOKEN|_KEY|DATABASE_URL|REDIS_URL)$")
 CREDENTIALS_IN_URL = re.compile(r"://[^/@\s]+:[^/@\s]*@")
+# The pod's fields a container may read (the Downward API): only its name.
+POD_FIELDS = {"metadata.name"}
 
 Manifest = dict[str, Any]
 
@@ -207,10 +208,17 @@ def _out_of_band_secret(tree: Path, name: str) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in directory.iterdir()}
 
 
-def _materialize(workload: Manifest, manifests: list[Manifest], tree: Path, scratch: Path) -> dict[str, str]:
-    """The container's environment as the kubelet would give it, with each
-    Secret volume written to a directory of `scratch` and paths into the
-    volumes pointing there."""
+def _pod_name(workload: Manifest, suffix: str = "5d8f7c6b9-x7k2p") -> str:
+    """A name the ReplicaSet of a Deployment could give one of its pods."""
+    return f"{workload['metadata']['name']}-{suffix}"
+
+
+def _materialize(
+    workload: Manifest, manifests: list[Manifest], tree: Path, scratch: Path, *, pod_name: str | None = None
+) -> dict[str, str]:
+    """The container's environment as the kubelet would give it in the pod
+    named `pod_name`, with each Secret volume written to a directory of
+    `scratch` and paths into the volumes pointing there."""
     pod, container = _pod(workload), _container(workload)
     volumes = {volume["name"]: volume for volume in pod.get("volumes", [])}
     mounts: dict[str, Path] = {}
@@ -239,6 +247,11 @@ def _materialize(workload: Manifest, manifests: list[Manifest], tree: Path, scra
                 if value == path or value.startswith(f"{path}/"):
                     value = str(directory) + value[len(path) :]
             environment[variable] = value
+            continue
+        if "fieldRef" in entry["valueFrom"]:
+            field_path = entry["valueFrom"]["fieldRef"]["fieldPath"]
+            assert field_path in POD_FIELDS, f"{_name(workload)}: {variable} from {field_path}"
+            environment[variable] = pod_name or _pod_name(workload)
             continue
         reference = entry["valueFrom"]["secretKeyRef"]
         data = _secret_data(manifests, reference["name"])
@@ -269,17 +282,6 @@ def _assert_command_accepted(command: Any) -> None:
     with pytest.raises(SystemExit) as exited:
         main([*arguments, "--help"])
     assert exited.value.code in (0, None), f"{command!r} is refused by {module}"
-
-
-def _drain_seconds(settings: Any) -> float:
-    """The longest shutdown grace or drain the service's settings hold."""
-    found = [
-        float(getattr(settings, field.name))
-        for field in dataclasses.fields(settings)
-        if field.name.endswith("_seconds") and ("grace" in field.name or "drain" in field.name)
-    ]
-    assert found, f"no shutdown grace in {type(settings).__qualname__}"
-    return max(found)
 
 
 def _pre_stop_seconds(container: Manifest) -> float:
@@ -325,24 +327,41 @@ def test_the_base_runs_each_service_with_its_promised_replicas(base: list[Manife
         "memory": "services.memory",
         "gateway": "gateway",
     }
-    # The IM already runs as replicas behind Redis; so do the memory and the gateway.
-    for name in ("im", "memory", "gateway"):
-        assert deployments[name]["spec"]["replicas"] >= 2, name
-        assert deployments[name]["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, name
-    # Two runtimes would run the same agents twice until fenced leases (issue
-    # 13): one replica, and never two during a rollout.
-    assert deployments["runtime"]["spec"]["replicas"] == 1
-    assert deployments["runtime"]["spec"]["strategy"] == {"type": "Recreate"}
+    # Every service runs as replicas (the runtime's own agents by shard
+    # leases), and a rollout starts a new pod before an old one stops.
+    for name, deployment in deployments.items():
+        assert deployment["spec"]["replicas"] >= 2, name
+        assert deployment["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+        }, name
     assert not _of_kind(base, "HorizontalPodAutoscaler")
     assert not _of_kind(base, "Secret"), "the base holds no secret: an overlay makes them"
 
 
-def test_no_overlay_scales_the_runtime_before_fenced_leases() -> None:
-    for path in (KUBERNETES / "overlays").rglob("kustomization.yaml"):
-        components = yaml.safe_load(path.read_text()).get("components") or []
-        assert not [c for c in components if AUTOSCALING in c], (
-            f"{path} scales the runtime: only once the runtime owns its agents through fenced leases"
-        )
+@pytest.mark.parametrize("render", OVERLAYS)
+def test_runtime_pods_are_replicas_each_named_by_its_pod(
+    rendered: dict[str, list[Manifest]], render: str, tree: Path, tmp_path: Path
+) -> None:
+    manifests = rendered[render]
+    runtime, im = _of_kind(manifests, "Deployment")["runtime"], _of_kind(manifests, "Deployment")["im"]
+    # The Redis the IM replicas meet through, from the same Secret.
+    redis = _env(_container(runtime)).get("REDIS_URL", {}).get("valueFrom")
+    assert redis == _env(_container(im))["REDIS_URL"]["valueFrom"], "the runtime needs the IM's REDIS_URL"
+    replicas = set()
+    for suffix in ("5d8f7c6b9-x7k2p", "5d8f7c6b9-q4m9z"):
+        pod = _pod_name(runtime, suffix)
+        environment = _materialize(runtime, manifests, tree, tmp_path / suffix, pod_name=pod)
+        leases = _settings_class(_module(runtime)).from_env(environment).leases
+        assert leases is not None, "the runtime pods would each run every agent: no leases"
+        assert leases.replica == pod
+        replicas.add(leases.replica)
+    assert len(replicas) == 2
+    # At most one pod away at a time, for voluntary disruptions.
+    assert _of_kind(manifests, "PodDisruptionBudget")["runtime"]["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"app.kubernetes.io/name": "runtime"}},
+    }
 
 
 def test_the_autoscaling_example_scales_the_runtime_on_an_external_queue_metric(
@@ -357,6 +376,8 @@ def test_the_autoscaling_example_scales_the_runtime_on_an_external_queue_metric(
     # Else each apply would reset the autoscaler's replica count.
     assert "replicas" not in runtime["spec"]
     assert runtime["spec"]["strategy"]["type"] == "RollingUpdate"
+    # Never fewer than two: one pod can stop while the other runs every agent.
+    assert 2 <= autoscaler["spec"]["minReplicas"] < autoscaler["spec"]["maxReplicas"]
     assert autoscaler["metadata"]["namespace"] == EXAMPLE_NAMESPACE
 
 
@@ -413,7 +434,7 @@ def test_secrets_come_only_from_secrets(rendered: dict[str, list[Manifest]], ren
             if value is not None:
                 assert not CREDENTIALS_IN_URL.search(value), f"{name}: {variable} holds a password"
             if "valueFrom" in entry:
-                assert set(entry["valueFrom"]) == {"secretKeyRef"}, f"{name}: {variable}"
+                assert set(entry["valueFrom"]) in ({"secretKeyRef"}, {"fieldRef"}), f"{name}: {variable}"
             if SECRET_VALUE.search(variable) and not SECRET_PATH.search(variable):
                 assert "secretKeyRef" in entry.get("valueFrom", {}), (
                     f"{name}: {variable} is a secret: set it with a secretKeyRef"
