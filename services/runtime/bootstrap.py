@@ -59,7 +59,7 @@ from services.runtime.service_layer.memory_port import MemoryPort
 from services.runtime.service_layer.messagebus import MessageBus
 from services.runtime.service_layer.read_positions import ReadPositions
 from services.runtime.service_layer.relay import EventRelay, RelayedHub
-from services.runtime.service_layer.replica_status import ReplicaMonitor
+from services.runtime.service_layer.replica_status import ReplicaMonitor, ReplicaViews
 from services.runtime.service_layer.replicas import ReplicaLink, ReplicaRunners
 from services.runtime.service_layer.runner import (
     AgentRunner,
@@ -248,7 +248,7 @@ def open_database(settings: Settings) -> Database:
     url = make_url(settings.database_url)
     if url.get_backend_name() == "sqlite" and url.database:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
-    return Database(settings.database_url)
+    return Database(settings.database_url, pool_size=settings.db_pool_size)
 
 
 def build(
@@ -400,7 +400,10 @@ def build(
         clock=clock,
         endpoints=endpoints,
     )
-    servicer = RuntimeServicer(agents=agents, watches=watches, history=history, tasks=tasks, bus=bus)
+    replicas = ReplicaViews(access=access, supervisor=supervisor, keeper=leases, monitor=monitor)
+    servicer = RuntimeServicer(
+        agents=agents, watches=watches, history=history, tasks=tasks, bus=bus, replicas=replicas
+    )
     app = RuntimeApp(
         settings=settings,
         store=store,
@@ -527,6 +530,8 @@ def _monitor(
     if leases is None or supervisor is None or link is None:
         return None
     monitor = ReplicaMonitor(leases, supervisor, link, store)
+    # Each renewal writes this replica's report, which any replica answers ListReplicas with.
+    leases.report = lambda: monitor.status().as_json()
     cleanups.insert(0, monitor.aclose)
     return monitor
 

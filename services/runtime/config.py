@@ -23,6 +23,7 @@ from services.runtime.service_layer.leases import LeaseSettings
 class Settings:
     # Not in the repr: a URL may hold a password.
     database_url: str = field(repr=False)
+    db_pool_size: int
     grpc_address: str
     im_address: str
     log_level: str
@@ -110,6 +111,7 @@ class Settings:
         leases = _read_leases(env) if redis_url and not database_url.startswith("sqlite") else None
         settings = cls(
             database_url=database_url,
+            db_pool_size=env.integer("RUNTIME_DB_POOL_SIZE", 16, minimum=1),
             grpc_address=env.address("RUNTIME_GRPC_ADDRESS", "127.0.0.1:50052"),
             im_address=env.address("IM_ADDRESS", "127.0.0.1:50051"),
             log_level=env.choice("LOG_LEVEL", "INFO", LOG_LEVELS),

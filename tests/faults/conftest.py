@@ -21,6 +21,14 @@ async def im(im_factory: Any) -> RunningIM:
 
 
 @pytest.fixture
+async def ims(im_factory: Any, redis_url: str) -> tuple[RunningIM, RunningIM]:
+    """Two IM replicas on the test's database, signalling through Redis (as deployed)."""
+    first: RunningIM = await im_factory(**UNLIMITED, REDIS_URL=redis_url, IM_DB_POOL_SIZE="8")
+    second: RunningIM = await im_factory(**UNLIMITED, REDIS_URL=redis_url, IM_DB_POOL_SIZE="8")
+    return first, second
+
+
+@pytest.fixture
 async def llm() -> AsyncIterator[DecidingLLM]:
     """The model that decides from the conversation, streaming with a delay
     between chunks so that faults land mid-stream."""

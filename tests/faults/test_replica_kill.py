@@ -2,7 +2,8 @@
 SIGSTOP of one past its leases (2), a rolling SIGTERM (4), a fourth replica
 joining (5), Redis stopped (6).
 
-Three runtime processes share one PostgreSQL database and one Redis; agents
+Three runtime processes share one PostgreSQL database and one Redis (r0
+talks to one IM replica, r1 and r2 to another, as deployed); agents
 live in workspaces of their own, so their shards spread over the replicas.
 People ask the agents (in their direct chats and as queued tasks, through a
 replica that is never killed, so most calls cross to the owner) to send a
@@ -85,24 +86,39 @@ class Cluster:
     env: dict[str, str] = field(default_factory=dict)
     tag: str = ""
     logs: Path = Path()
+    # The IM replica the replicas other than r0 talk to (r0's is the client's).
+    second_im: str = ""
 
     def add(self) -> ServiceProcess:
         """Starts one more replica (stopped with the others)."""
         index = len(self.processes)
         process = ServiceProcess(
             "services.runtime",
-            {**self.env, "RUNTIME_REPLICA_ID": f"r{index}-{self.tag}"},
+            {**self.env, **_im_of(index, self.second_im), "RUNTIME_REPLICA_ID": f"r{index}-{self.tag}"},
             self.logs / f"r{index}.log",
         )
         self.processes.append(process)
         return process.start()
 
 
+def _im_of(index: int, second_im: str) -> dict[str, str]:
+    return {"IM_ADDRESS": second_im} if second_im and index > 0 else {}
+
+
 @contextlib.asynccontextmanager
 async def cluster(
-    im: RunningIM, database_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path, **settings: str
+    im: RunningIM | tuple[RunningIM, RunningIM],
+    database_url: str,
+    redis_url: str,
+    llm: DecidingLLM,
+    tmp_path: Path,
+    **settings: str,
 ) -> AsyncIterator[Cluster]:
-    """Three replicas on the test's database, six agents each in a workspace of its own."""
+    """Three replicas on the test's database, six agents each in a workspace of its own.
+
+    Given two IM replicas (`ims`), r0 and the client talk to the first and
+    the other runtime replicas to the second, as a deployment spreads them."""
+    im, second_im = (im[0], im[1].address) if isinstance(im, tuple) else (im, "")
     if database_url.startswith("sqlite"):
         pytest.skip("replicas share a PostgreSQL database")
     tag = uuid.uuid4().hex[:6]
@@ -114,6 +130,9 @@ async def cluster(
         "RUNTIME_RECONCILE_SECONDS": "1",
         "LLM_MAX_RETRIES": "2",
         "IM_CALL_TIMEOUT_SECONDS": "5",
+        # Five processes and the test's own on one PostgreSQL (beside another
+        # test session's): each keeps fewer connections than a deployment's.
+        "RUNTIME_DB_POOL_SIZE": "6",
     }
     env = clean_environment(
         **{**tunables, **settings},
@@ -127,7 +146,9 @@ async def cluster(
     migrate("services.runtime", env)
     processes = [
         ServiceProcess(
-            "services.runtime", {**env, "RUNTIME_REPLICA_ID": f"r{i}-{tag}"}, tmp_path / f"r{i}.log"
+            "services.runtime",
+            {**env, **_im_of(i, second_im), "RUNTIME_REPLICA_ID": f"r{i}-{tag}"},
+            tmp_path / f"r{i}.log",
         )
         for i in range(REPLICAS)
     ]
@@ -155,7 +176,7 @@ async def cluster(
                 )
             ).group
             desks.append(Desk(world, agent, chat))
-        yield Cluster(processes, runtime, desks, env=env, tag=tag, logs=tmp_path)
+        yield Cluster(processes, runtime, desks, env=env, tag=tag, logs=tmp_path, second_im=second_im)
         await channel.close()
     finally:
         for process in processes:
@@ -208,10 +229,11 @@ def assert_nothing_lost_or_doubled(counters: Counters, said: str) -> None:
 # Three processes started, up to 20 kills and restarts, then the settling.
 @pytest.mark.timeout(scaled(120, long=400))
 async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
-    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+    ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
+    im = ims[0]
     kills = scaled(4, long=20)
-    async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
+    async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path) as replicas:
         rng = random.Random(uuid.uuid4().int)
         async with asking(im, replicas):
             for _ in range(kills):
@@ -364,17 +386,18 @@ _PROOF_GONE = "can no longer be proven"  # the woken keeper stopping its runners
 
 @pytest.mark.timeout(scaled(150, long=400))
 async def test_a_replica_frozen_past_its_lease_is_refused_and_stops(
-    im: RunningIM, own_runtime_url: str, redis_url: str, tmp_path: Path
+    ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, tmp_path: Path
 ) -> None:
     """Frozen mid-run for longer than its leases live, a replica wakes to
     find its shards taken: whatever its runners then try to write is refused,
     they stop, and every token still reaches Bea exactly once."""
+    im = ims[0]
     freezes = scaled(2, long=8)
     slow = DecidingLLM(delay=0.15)  # runs long enough to freeze one mid-stream
     await slow.start()
     stopped_after: list[float] = []
     try:
-        async with cluster(im, own_runtime_url, redis_url, slow, tmp_path, LOG_LEVEL="INFO") as replicas:
+        async with cluster(ims, own_runtime_url, redis_url, slow, tmp_path, LOG_LEVEL="INFO") as replicas:
             async with asking(im, replicas):
                 for _ in range(freezes):
                     victim, thawed_at = await freeze_mid_run(replicas)
@@ -435,17 +458,22 @@ async def noticed(victim: ServiceProcess, thawed_at: float) -> float:
 
 @pytest.mark.timeout(scaled(120, long=400))
 async def test_with_redis_stopped_every_task_reaches_its_owner_within_the_reconcile_interval(
-    im: RunningIM, own_runtime_url: str, private_redis: RedisProcess, llm: DecidingLLM, tmp_path: Path
+    ims: tuple[RunningIM, RunningIM],
+    own_runtime_url: str,
+    private_redis: RedisProcess,
+    llm: DecidingLLM,
+    tmp_path: Path,
 ) -> None:
     """Redis is killed under load: tasks submitted through r0 for agents that
     r1 and r2 run cannot be told to them, and reach them by the owners'
     reads of the database, within the reconcile interval; nothing is lost
     or doubled, and all goes on once Redis is back."""
+    im = ims[0]
     outages = scaled(1, long=4)
     reconcile = 1.0
     delays: list[float] = []
     async with cluster(
-        im, own_runtime_url, private_redis.url, llm, tmp_path, RUNTIME_RECONCILE_SECONDS=str(reconcile)
+        ims, own_runtime_url, private_redis.url, llm, tmp_path, RUNTIME_RECONCILE_SECONDS=str(reconcile)
     ) as replicas:
         async with asking(im, replicas):
             for outage in range(outages):
@@ -503,18 +531,19 @@ async def tasks_while_away(replicas: Cluster, name: str) -> list[float]:
 
 @pytest.mark.timeout(scaled(150, long=400))
 async def test_a_rolling_restart_fails_no_call_and_hands_over_without_waiting_for_leases(
-    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+    ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
     """Every replica in turn gets SIGTERM (as a rollout does) and comes back:
     clients that retry UNAVAILABLE see no failed call, each stopping replica
     hands its agents over at once (long before its leases would expire), and
     nothing is lost or doubled."""
+    im = ims[0]
     rounds = scaled(1, long=3)
     ttl = 10.0
     handoffs: list[float] = []
     codes: list[int] = []
     async with cluster(
-        im,
+        ims,
         own_runtime_url,
         redis_url,
         llm,
@@ -567,13 +596,14 @@ async def owner(stub: runtime_pb2_grpc.RuntimeServiceStub, desk: Desk) -> str:
 
 @pytest.mark.timeout(scaled(120, long=400))
 async def test_a_fourth_replica_takes_a_quarter_of_the_shards_and_nothing_else_moves(
-    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+    ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
     """Under load, a fourth replica joins three: it takes a quarter of the
     shards (moves within 10% of that), no other shard changes hands, the
     most loaded replica holds at most 1.25 times the average, and nothing is
     lost or doubled."""
-    async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
+    im = ims[0]
+    async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path) as replicas:
         async with asking(im, replicas):
             before = await settled_owners(own_runtime_url, 3)
             replicas.add()

@@ -139,10 +139,11 @@ async def stored_steps(runtime: runtime_pb2_grpc.RuntimeServiceStub, desk: Desk)
 
 @pytest.mark.timeout(scaled(150, long=400))
 async def test_watches_and_controls_through_a_non_owner_across_handoffs_miss_and_repeat_nothing(
-    im: RunningIM, own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
+    ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
+    im = ims[0]
     faults = scaled(4, long=16)
-    async with cluster(im, own_runtime_url, redis_url, llm, tmp_path) as replicas:
+    async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path) as replicas:
         runtime = replicas.runtime
         # The last agent is only paused and resumed; the others work.
         working, controlled = replicas.desks[:-1], Controlled(replicas.desks[-1])

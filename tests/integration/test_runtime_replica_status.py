@@ -6,8 +6,10 @@ fenced writes it refuses)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -120,3 +122,41 @@ async def test_the_store_counts_the_fenced_writes_it_refuses(own_runtime_url: st
         assert store.refused_fenced_writes == 2
     finally:
         await store.aclose()
+
+
+async def listed_by(via: RunningRuntime, md: object) -> list[rpb.RuntimeReplica]:
+    response = await via.stub.ListReplicas(rpb.ListReplicasRequest(), metadata=md)
+    return list(response.replicas)
+
+
+async def test_any_replica_lists_every_replica_with_what_it_runs(im: RunningIM, replicas: Replicas) -> None:
+    both, worlds, agents = await split(im, replicas, 4)
+    owner = worlds[0].md(0)
+    # Each report comes with its replica's next renewal (every 0.2 s here).
+    async with asyncio.timeout(15):
+        while sum(r.agents for r in await listed_by(both[0], owner)) != len(agents):  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    for via, name in zip(both, ("r1", "r2"), strict=True):
+        listed = await listed_by(via, owner)
+        assert [r.id for r in listed] == [f"r1-{TAG}", f"r2-{TAG}"]
+        assert [r.answering for r in listed] == [r.id == f"{name}-{TAG}" for r in listed]
+        assert sum(r.shards for r in listed) == SHARDS
+        assert sum(r.agents for r in listed) == len(agents)
+        assert all(r.leases_proven and not r.link_degraded and r.renewals > 0 for r in listed)
+        assert all(r.start_time.seconds > 0 and r.report_time.seconds >= r.start_time.seconds for r in listed)
+    member = await make_world(im.stub, people=2)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await listed_by(both[0], member.md(1))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "owners and admins" in (refused.value.details() or "")
+
+
+async def test_one_runtime_lists_itself_as_the_only_replica(im: RunningIM, tmp_path: Path) -> None:
+    lone = await start_runtime(im.address, tmp_path / "runtime.db")
+    try:
+        world = await make_world(im.stub, people=1)
+        await create_agent(lone, world, "ada")
+        (alone,) = await listed_by(lone, world.md(0))
+        assert (alone.id, alone.shards, alone.agents, alone.answering) == ("", 0, 1, True)
+    finally:
+        await stop_runtime(lone)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from services.common import errors
-from services.runtime.service_layer.leases import LeaseStore, LeaseView
+from services.runtime.service_layer.leases import LeaseStore, LeaseView, ReplicaReport
 from services.runtime.service_layer.relay import Deliver, EventRelay, Relayed
 
 
@@ -31,6 +31,7 @@ class InMemoryLeases(LeaseStore):
     clock: Clock
     rows: dict[int, Row] = field(default_factory=dict)
     replicas: dict[str, float] = field(default_factory=dict)
+    reports: dict[str, ReplicaReport] = field(default_factory=dict)
     down: bool = False
 
     def _check(self) -> None:
@@ -42,15 +43,25 @@ class InMemoryLeases(LeaseStore):
         for shard in range(shard_count):
             self.rows.setdefault(shard, Row())
 
-    async def renew(self, replica: str, address: str, ttl_seconds: float) -> dict[int, int]:
+    async def renew(self, replica: str, address: str, ttl_seconds: float, report: str = "") -> dict[int, int]:
         self._check()
         self.replicas[replica] = self.clock.now + ttl_seconds
+        earlier = self.reports.get(replica)
+        started = earlier.started_at if earlier is not None else self.clock.now
+        self.reports[replica] = ReplicaReport(replica, address, started, self.clock.now, report)
         held = {}
         for shard, row in self.rows.items():
             if row.owner == replica:
                 row.expires_at = self.clock.now + ttl_seconds
                 held[shard] = row.epoch
         return held
+
+    async def live_replicas(self) -> list[ReplicaReport]:
+        self._check()
+        now = self.clock.now
+        return [
+            self.reports[r] for r, until in sorted(self.replicas.items()) if until > now and r in self.reports
+        ]
 
     async def view(self) -> LeaseView:
         self._check()

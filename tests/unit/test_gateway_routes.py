@@ -93,6 +93,7 @@ CONTRACT = {
     ("POST", "/v1/auth/personal-tokens/{personal_token_id}:revoke", "auth", "RevokePersonalToken"),
     ("GET", "/v1/audit-events", "auth", "ListAuditEvents"),
     ("GET", "/v1/agent-audit-events", "runtime", "ListAuditEvents"),
+    ("GET", "/v1/runtime-replicas", "runtime", "ListReplicas"),
 }
 # The RPCs no browser calls, which therefore have no HTTP mapping: the
 # runtime archives runs as its agents; the gateway itself refreshes, signs

@@ -5,6 +5,7 @@ agent's replica as the views give it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 
@@ -12,9 +13,11 @@ import pytest
 
 from services.common import errors
 from services.runtime.domain.commands import CreateAgent
+from services.runtime.domain.errors import NotAllowed
 from services.runtime.domain.model import AgentDraft
+from services.runtime.service_layer.access import AgentAccess
 from services.runtime.service_layer.leases import Fence, LeaseKeeper, LeaseLost, LeaseSettings
-from services.runtime.service_layer.replica_status import ReplicaMonitor, ReplicaStatus
+from services.runtime.service_layer.replica_status import ReplicaMonitor, ReplicaStatus, ReplicaViews
 from services.runtime.service_layer.replicas import Inbox, Message, ReplicaLink, ReplicaRunners
 from tests.identities import caller_of
 from tests.unit.lease_fakes import Clock, InMemoryLeases
@@ -175,3 +178,41 @@ async def test_among_replicas_an_agent_is_named_with_its_shards_owner() -> None:
     assert runners.replica_of(ada) == "r2"
     owners[im.workspace] = None  # its shard is moving
     assert runners.replica_of(ada) == ""
+
+
+async def test_every_replica_lists_the_others_as_they_reported_with_their_renewals() -> None:
+    im = FakeIM()
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    app = fake_runtime(im=im)
+    assert app.supervisor is not None
+    mine = keeper_of(store, clock)
+    monitor = ReplicaMonitor(mine, app.supervisor, QuietLink(), app.store)
+    mine.report = lambda: monitor.status().as_json()
+    access = AgentAccess(store=app.store, runners=app.runners)
+    views = ReplicaViews(access=access, supervisor=app.supervisor, keeper=mine, monitor=monitor)
+    owner = caller_of(im.human("alice").id, im.workspace, roles=("owner",))
+    # Another replica reported with its renewal (a newer one, saying more than this one knows).
+    other = ReplicaStatus("r0", 3, 5, 2, True, True, 7, 0, 3, 0, 0, 1)
+    report = json.loads(other.as_json()) | {"gpu_count": 4}
+    await store.renew("r0", "10.0.0.9:50052", 10, json.dumps(report))
+    await mine.round()
+
+    listed = await views.list(owner)
+    assert [(r.status.replica, r.answering, r.address) for r in listed] == [
+        ("r0", False, "10.0.0.9:50052"),
+        ("r1", True, ""),
+    ]
+    assert listed[0].status == other
+    assert listed[1].status == monitor.status()
+    assert all(r.reported_at is not None and r.started_at is not None for r in listed)
+
+    # A report cut short, or of an older replica, reads as zeros; the row still counts.
+    await store.renew("r0", "", 10, '{"shards": 2, "agents"')
+    (first, _) = await views.list(owner)
+    assert (first.status.replica, first.status.shards, first.status.leases_proven) == ("r0", 0, False)
+
+    member = caller_of(im.human("bob").id, im.workspace, roles=("member",))
+    with pytest.raises(NotAllowed, match="owners and admins"):
+        await views.list(member)

@@ -17,7 +17,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from services.runtime.adapters.tables import replicas, shard_leases
-from services.runtime.service_layer.leases import Fence, LeaseLost, LeaseStore, LeaseView
+from services.runtime.service_layer.leases import Fence, LeaseLost, LeaseStore, LeaseView, ReplicaReport
 
 if TYPE_CHECKING:  # the store's module fences its own writes with `check_fence`
     from services.runtime.adapters.sql import Database
@@ -56,13 +56,16 @@ class SqlLeases(LeaseStore):
                     .on_conflict_do_nothing(index_elements=["shard"])
                 )
 
-    async def renew(self, replica: str, address: str, ttl_seconds: float) -> dict[int, int]:
+    async def renew(self, replica: str, address: str, ttl_seconds: float, report: str = "") -> dict[int, int]:
         now = self._now()
         ttl = sa.literal(ttl_seconds, sa.Float)
         insert: Any = sqlite.insert if self._dialect == "sqlite" else postgresql.insert
-        beat = insert(replicas).values(id=replica, address=address, started_at=now, expires_at=now + ttl)
+        beat = insert(replicas).values(
+            id=replica, address=address, started_at=now, expires_at=now + ttl, reported_at=now, report=report
+        )
         beat = beat.on_conflict_do_update(
-            index_elements=["id"], set_={"address": address, "expires_at": now + ttl}
+            index_elements=["id"],
+            set_={"address": address, "expires_at": now + ttl, "reported_at": now, "report": report},
         )
         extend = (
             sa.update(shard_leases)
@@ -95,6 +98,21 @@ class SqlLeases(LeaseStore):
                     owners={row.shard: row.owner for row in owned},
                     now=at,
                 )
+
+        return await self._database.retry_read(read)
+
+    async def live_replicas(self) -> list[ReplicaReport]:
+        now = self._now()
+
+        async def read() -> list[ReplicaReport]:
+            async with self._database.transaction(write=False) as conn:
+                rows = await conn.execute(
+                    sa.select(replicas).where(replicas.c.expires_at > now).order_by(replicas.c.id)
+                )
+                return [
+                    ReplicaReport(row.id, row.address, row.started_at, row.reported_at, row.report)
+                    for row in rows
+                ]
 
         return await self._database.retry_read(read)
 

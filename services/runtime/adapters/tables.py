@@ -246,4 +246,7 @@ replicas = sa.Table(
     sa.Column("address", sa.Text, nullable=False, server_default=""),
     sa.Column("started_at", sa.Float, nullable=False),
     sa.Column("expires_at", sa.Float, nullable=False),
+    # Its last report of itself (JSON of `ReplicaStatus`), written with each renewal.
+    sa.Column("reported_at", sa.Float, nullable=False, server_default="0"),
+    sa.Column("report", sa.Text, nullable=False, server_default=""),
 )

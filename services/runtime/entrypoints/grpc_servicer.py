@@ -28,6 +28,7 @@ from services.runtime.entrypoints.task_rpcs import TaskRpcs
 from services.runtime.service_layer.agent_views import AgentViews
 from services.runtime.service_layer.history_views import HistoryViews
 from services.runtime.service_layer.messagebus import MessageBus
+from services.runtime.service_layer.replica_status import ReplicaViews
 from services.runtime.service_layer.tasks import TaskViews
 from services.runtime.service_layer.watches import AgentWatches
 
@@ -60,8 +61,10 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
         history: HistoryViews,
         tasks: TaskViews,
         bus: MessageBus,
+        replicas: ReplicaViews,
     ) -> None:
         self._agents = agents
+        self._replicas = replicas
         self._watches = watches
         self._bus = bus
         self._history = history
@@ -90,6 +93,12 @@ class RuntimeServicer(HistoryRpcs, TaskRpcs, runtime_pb2_grpc.RuntimeServiceServ
     async def ListTools(self, request: pb.ListToolsRequest, context: Context) -> pb.ListToolsResponse:
         specs = await self._agents.list_tools(await self._caller(context))
         return pb.ListToolsResponse(tools=[pb.Tool(name=t.name, description=t.description) for t in specs])
+
+    async def ListReplicas(
+        self, request: pb.ListReplicasRequest, context: Context
+    ) -> pb.ListReplicasResponse:
+        listed = await self._replicas.list(await self._caller(context))
+        return pb.ListReplicasResponse(replicas=[mappers.replica(r) for r in listed])
 
     async def ListAgents(self, request: pb.ListAgentsRequest, context: Context) -> pb.ListAgentsResponse:
         agents, token = await self._agents.list_agents(

@@ -33,6 +33,7 @@ from services.runtime.domain.model import (
     TaskChanged,
     TaskStatus,
 )
+from services.runtime.service_layer.replica_status import ListedReplica
 
 AGENT_STATES = {
     AgentState.IDLE: pb.AGENT_STATE_IDLE,
@@ -282,4 +283,29 @@ def task(t: Task, *, position: int = 0) -> pb.Task:
     ):
         if value is not None:
             field.CopyFrom(timestamp(value))
+    return out
+
+
+def replica(r: ListedReplica) -> pb.RuntimeReplica:
+    status = r.status
+    out = pb.RuntimeReplica(
+        id=status.replica,
+        address=r.address,
+        shards=status.shards,
+        agents=status.agents,
+        runs_in_flight=status.runs_in_flight,
+        leases_proven=status.leases_proven,
+        link_degraded=status.link_degraded,
+        renewals=status.renewals,
+        renewal_failures=status.renewal_failures,
+        shards_taken=status.shards_taken,
+        shards_released=status.shards_released,
+        shards_lost=status.shards_lost,
+        refused_fenced_writes=status.refused_fenced_writes,
+        answering=r.answering,
+    )
+    if r.started_at is not None:
+        out.start_time.CopyFrom(timestamp(r.started_at))
+    if r.reported_at is not None:
+        out.report_time.CopyFrom(timestamp(r.reported_at))
     return out

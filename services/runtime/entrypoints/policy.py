@@ -47,5 +47,6 @@ RUNTIME_POLICY = Policy.of_service(
         "GetQueueStats": reads(HUMAN),
         "ListTools": reads(HUMAN),
         "ListAuditEvents": reads(HUMAN),
+        "ListReplicas": reads(HUMAN),
     },
 )

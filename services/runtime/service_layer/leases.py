@@ -59,6 +59,18 @@ class LeaseView:
     now: float
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """A live replica as its row says: its times by the database's clock
+    (seconds since the epoch) and its last report (JSON, or empty)."""
+
+    replica: str
+    address: str
+    started_at: float
+    reported_at: float
+    report: str
+
+
 class LeaseStore(abc.ABC):
     """The lease table (one per database), with the database's clock."""
 
@@ -67,9 +79,14 @@ class LeaseStore(abc.ABC):
         """Creates the rows of shards 0 .. shard_count - 1 if missing."""
 
     @abc.abstractmethod
-    async def renew(self, replica: str, address: str, ttl_seconds: float) -> dict[int, int]:
-        """Marks `replica` live and extends every lease it holds, in one
-        statement; returns the shards it holds with their epochs."""
+    async def renew(self, replica: str, address: str, ttl_seconds: float, report: str = "") -> dict[int, int]:
+        """Marks `replica` live (with its `report` of itself) and extends
+        every lease it holds, in one statement; returns the shards it holds
+        with their epochs."""
+
+    @abc.abstractmethod
+    async def live_replicas(self) -> list[ReplicaReport]:
+        """Every live replica with what it last reported, by id."""
 
     @abc.abstractmethod
     async def view(self) -> LeaseView: ...
@@ -157,6 +174,8 @@ class LeaseKeeper(Fences):
     lost: ShardsChanged
     monotonic: Callable[[], float] = time.monotonic
     counters: LeaseCounters = field(default_factory=LeaseCounters)
+    # What the replica reports of itself with each renewal (see `ReplicaReport`).
+    report: Callable[[], str] = lambda: ""
     _held: dict[int, int] = field(default_factory=dict)
     # Every shard's owner as the last round saw them.
     _owners: dict[int, str] = field(default_factory=dict)
@@ -225,7 +244,9 @@ class LeaseKeeper(Fences):
         settings = self.settings
         started = self.monotonic()
         try:
-            renewed = await self.store.renew(settings.replica, settings.address, settings.ttl_seconds)
+            renewed = await self.store.renew(
+                settings.replica, settings.address, settings.ttl_seconds, self.report()
+            )
         except errors.Unavailable:
             self.counters.renewal_failures += 1
             raise

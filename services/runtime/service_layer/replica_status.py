@@ -14,9 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
+from services.common.identity import Caller
+from services.runtime.domain.errors import NotAllowed
+from services.runtime.service_layer.access import AgentAccess
 from services.runtime.service_layer.leases import LeaseKeeper
 from services.runtime.service_layer.replicas import ReplicaLink
 from services.runtime.service_layer.store import AgentStore
@@ -48,6 +55,25 @@ class ReplicaStatus:
     shards_lost: int
     # Writes of this replica's runners refused as their lease was gone (none stored).
     refused_fenced_writes: int
+
+    def as_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, replica: str, text: str) -> ReplicaStatus:
+        """A replica's report as stored; what it does not say (an older
+        replica, or none yet) is zero."""
+        try:
+            fields = json.loads(text) if text else {}
+        except ValueError:
+            fields = {}
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {name: 0 for name in known}
+        values |= {"leases_proven": False, "link_degraded": False}
+        if isinstance(fields, dict):
+            values |= {name: value for name, value in fields.items() if name in known}
+        values["replica"] = replica
+        return cls(**values)
 
     def summary(self) -> str:
         """The status as one log line."""
@@ -118,3 +144,57 @@ class ReplicaMonitor:
             # A timer, not a wait for work: the line is due whether or not anything changed.
             await asyncio.sleep(self._log_seconds)
             logger.info("%s", self.status().summary())
+
+
+@dataclass(frozen=True, slots=True)
+class ListedReplica:
+    status: ReplicaStatus
+    address: str
+    started_at: datetime | None
+    reported_at: datetime | None
+    answering: bool
+
+
+class ReplicaViews:
+    """ListReplicas: every live replica as it last reported itself (from the
+    database, so any replica answers), this one as it is now."""
+
+    def __init__(
+        self,
+        *,
+        access: AgentAccess,
+        supervisor: Supervisor | None,
+        keeper: LeaseKeeper | None,
+        monitor: ReplicaMonitor | None,
+    ) -> None:
+        self._access = access
+        self._supervisor = supervisor
+        self._keeper = keeper
+        self._monitor = monitor
+
+    async def list(self, principal: Caller | None) -> list[ListedReplica]:
+        viewer = self._access.viewer(principal)
+        if not viewer.privileged:
+            raise NotAllowed("only the workspace's owners and admins see the runtime's replicas")
+        if self._keeper is None or self._monitor is None:
+            return [self._alone()]
+        me = self._keeper.settings.replica
+        listed = []
+        for row in await self._keeper.store.live_replicas():
+            answering = row.replica == me
+            status = self._monitor.status() if answering else ReplicaStatus.from_json(row.replica, row.report)
+            listed.append(
+                ListedReplica(status, row.address, _time(row.started_at), _time(row.reported_at), answering)
+            )
+        return listed
+
+    def _alone(self) -> ListedReplica:
+        supervisor = self._supervisor
+        agents = supervisor.agent_count if supervisor is not None else 0
+        runs = supervisor.runs_in_flight if supervisor is not None else 0
+        status = ReplicaStatus("", 0, agents, runs, False, False, 0, 0, 0, 0, 0, 0)
+        return ListedReplica(status, "", None, None, answering=True)
+
+
+def _time(seconds: float) -> datetime | None:
+    return datetime.fromtimestamp(seconds, UTC) if seconds > 0 else None

@@ -2783,6 +2783,129 @@ class GetQueueStatsResponse(_message.Message):
 Global___GetQueueStatsResponse: _TypeAlias = GetQueueStatsResponse  # noqa: Y015
 
 @_typing.final
+class ListReplicasRequest(_message.Message):
+    """Request for ListReplicas."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicasRequest: _TypeAlias = ListReplicasRequest  # noqa: Y015
+
+@_typing.final
+class ListReplicasResponse(_message.Message):
+    """Response for ListReplicas."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___RuntimeReplica]:
+        """Every live replica, by id. One runtime alone is one replica with no id
+        and no leases (it runs every agent).
+        """
+
+    def __init__(
+        self,
+        *,
+        replicas: _abc.Iterable[Global___RuntimeReplica] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicasResponse: _TypeAlias = ListReplicasResponse  # noqa: Y015
+
+@_typing.final
+class RuntimeReplica(_message.Message):
+    """One runtime replica: what it runs and how its leases fare, counted since it started."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    REPORT_TIME_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    AGENTS_FIELD_NUMBER: _builtins.int
+    RUNS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    LEASES_PROVEN_FIELD_NUMBER: _builtins.int
+    LINK_DEGRADED_FIELD_NUMBER: _builtins.int
+    RENEWALS_FIELD_NUMBER: _builtins.int
+    RENEWAL_FAILURES_FIELD_NUMBER: _builtins.int
+    SHARDS_TAKEN_FIELD_NUMBER: _builtins.int
+    SHARDS_RELEASED_FIELD_NUMBER: _builtins.int
+    SHARDS_LOST_FIELD_NUMBER: _builtins.int
+    REFUSED_FENCED_WRITES_FIELD_NUMBER: _builtins.int
+    ANSWERING_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Its RUNTIME_REPLICA_ID."""
+    address: _builtins.str
+    """Its RUNTIME_ADVERTISED_ADDRESS, if set."""
+    shards: _builtins.int
+    """Shards it holds, agents it runs, and how many of them are in a run."""
+    agents: _builtins.int
+    runs_in_flight: _builtins.int
+    leases_proven: _builtins.bool
+    """Whether its last renewal proves its leases, and whether messages from
+    the other replicas may be lost now (its Redis link is down).
+    """
+    link_degraded: _builtins.bool
+    renewals: _builtins.int
+    """Lease renewals, and those that failed."""
+    renewal_failures: _builtins.int
+    shards_taken: _builtins.int
+    """Shards taken, given up, and lost (expired or unprovable)."""
+    shards_released: _builtins.int
+    shards_lost: _builtins.int
+    refused_fenced_writes: _builtins.int
+    """Writes of its runners refused because their lease was gone (never stored)."""
+    answering: _builtins.bool
+    """Whether this is the replica that answered."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp:
+        """When it started, and when it last reported (its last lease renewal)."""
+
+    @_builtins.property
+    def report_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        report_time: _timestamp_pb2.Timestamp | None = ...,
+        shards: _builtins.int = ...,
+        agents: _builtins.int = ...,
+        runs_in_flight: _builtins.int = ...,
+        leases_proven: _builtins.bool = ...,
+        link_degraded: _builtins.bool = ...,
+        renewals: _builtins.int = ...,
+        renewal_failures: _builtins.int = ...,
+        shards_taken: _builtins.int = ...,
+        shards_released: _builtins.int = ...,
+        shards_lost: _builtins.int = ...,
+        refused_fenced_writes: _builtins.int = ...,
+        answering: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["report_time", b"report_time", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "agents", b"agents", "answering", b"answering", "id", b"id", "leases_proven", b"leases_proven", "link_degraded", b"link_degraded", "refused_fenced_writes", b"refused_fenced_writes", "renewal_failures", b"renewal_failures", "renewals", b"renewals", "report_time", b"report_time", "runs_in_flight", b"runs_in_flight", "shards", b"shards", "shards_lost", b"shards_lost", "shards_released", b"shards_released", "shards_taken", b"shards_taken", "start_time", b"start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RuntimeReplica: _TypeAlias = RuntimeReplica  # noqa: Y015
+
+@_typing.final
 class ListToolsRequest(_message.Message):
     """Request for ListTools."""
 

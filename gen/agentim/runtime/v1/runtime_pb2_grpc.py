@@ -198,6 +198,11 @@ class RuntimeServiceStub:
                 request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsRequest.SerializeToString,
                 response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsResponse.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/agentim.runtime.v1.RuntimeService/ListReplicas',
+                request_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -460,6 +465,15 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """Lists the runtime's live replicas and what each runs, as each last
+        reported it (with its lease renewal); any replica answers. For the
+        workspace's owners and admins (the people who run the deployment).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -622,6 +636,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.ListAuditEvents,
                     request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsRequest.FromString,
                     response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListReplicasRequest.FromString,
+                    response_serializer=agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1492,6 +1511,33 @@ class RuntimeService:
             '/agentim.runtime.v1.RuntimeService/ListAuditEvents',
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsRequest.SerializeToString,
             agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListAuditEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentim.runtime.v1.RuntimeService/ListReplicas',
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListReplicasRequest.SerializeToString,
+            agentim_dot_runtime_dot_v1_dot_runtime__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -144,6 +144,11 @@ class RuntimeServiceStub:
     updated, deleted and controlled, their steps, checkpoints, sessions and
     tasks changed), newest first. Only the workspace's owner and admins may.
     """
+    ListReplicas: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.ListReplicasRequest, _runtime_pb2.ListReplicasResponse]
+    """Lists the runtime's live replicas and what each runs, as each last
+    reported it (with its lease renewal); any replica answers. For the
+    workspace's owners and admins (the people who run the deployment).
+    """
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -260,6 +265,11 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     """Lists the workspace's audit log as the runtime keeps it (agents created,
     updated, deleted and controlled, their steps, checkpoints, sessions and
     tasks changed), newest first. Only the workspace's owner and admins may.
+    """
+    ListReplicas: _aio.UnaryUnaryMultiCallable[_runtime_pb2.ListReplicasRequest, _runtime_pb2.ListReplicasResponse]  # type: ignore[assignment]
+    """Lists the runtime's live replicas and what each runs, as each last
+    reported it (with its lease renewal); any replica answers. For the
+    workspace's owners and admins (the people who run the deployment).
     """
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -566,6 +576,17 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         """Lists the workspace's audit log as the runtime keeps it (agents created,
         updated, deleted and controlled, their steps, checkpoints, sessions and
         tasks changed), newest first. Only the workspace's owner and admins may.
+        """
+
+    @_abc_1.abstractmethod
+    def ListReplicas(
+        self,
+        request: _runtime_pb2.ListReplicasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.ListReplicasResponse, _abc.Awaitable[_runtime_pb2.ListReplicasResponse]]:
+        """Lists the runtime's live replicas and what each runs, as each last
+        reported it (with its lease renewal); any replica answers. For the
+        workspace's owners and admins (the people who run the deployment).
         """
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
