@@ -231,6 +231,30 @@ async def test_what_a_stale_owner_sends_after_its_successor_is_dropped() -> None
     assert watching.hub.stale_dropped == 1
 
 
+async def test_a_frozen_owner_stopping_its_runner_late_does_not_abort_its_successors_step() -> None:
+    relays = LoopbackRelays()
+    old, new, watching = replica(relays, "old"), replica(relays, "new"), replica(relays, "w")
+    ada = an_agent()
+    shard = shard_of(ada.workspace_id, SHARDS)
+    new.runs[ada.id] = ada
+    new.epochs[shard] = 5
+    watcher, _ = watching.hub.watch([ada.id])
+    run = uuid.uuid4()
+    async with watching.hub.following([ada.workspace_id]):
+        new.hub.publish(Emitted(ada.id, NOW, StepStarted(run, 3, Role.ASSISTANT)), from_runner=True)
+        # `old` wakes from SIGSTOP: its runner (no longer among its runners,
+        # its lease unprovable) says the step it had in flight aborted.
+        old.hub.publish(
+            Emitted(ada.id, NOW, StepAborted(run, 3, "stopped")),
+            workspace_id=ada.workspace_id,
+            from_runner=True,
+        )
+        new.hub.publish(Emitted(ada.id, NOW, StepDelta(3, ContentDelta("fresh"))), from_runner=True)
+        got = await heard(watcher.events(), 2)
+    assert [type(e.event) for e in got] == [StepStarted, StepDelta]
+    assert old.hub.unrelayed == 1
+
+
 async def test_a_runner_that_cannot_prove_its_lease_relays_nothing_and_a_call_elsewhere_always_does() -> None:
     relays = LoopbackRelays()
     a, b = replica(relays, "a"), replica(relays, "b")

@@ -165,11 +165,14 @@ class AgentHub:
         self._max_backlog = max_backlog
         self._closed = False
 
-    def publish(self, emitted: Emitted, *, workspace_id: uuid.UUID | None = None) -> None:
+    def publish(
+        self, emitted: Emitted, *, workspace_id: uuid.UUID | None = None, from_runner: bool = False
+    ) -> None:
         """Tells the watchers of an event of this process. `workspace_id` is
-        the agent's, for the replicas that may watch it elsewhere (see
-        `relay.RelayedHub`); where it is not given and the agent's runner is
-        not here, the event stays in this process."""
+        the agent's, for the replicas that may watch it elsewhere, and
+        `from_runner` says its runner sent it (see `relay.RelayedHub`);
+        where the workspace is not given and the agent's runner is not here,
+        the event stays in this process."""
         self._fan_out(emitted)
 
     @contextlib.asynccontextmanager

@@ -111,16 +111,20 @@ class RelayedHub(AgentHub):
         self.unrelayed = 0
         relay.serve(self._delivered)
 
-    def publish(self, emitted: Emitted, *, workspace_id: uuid.UUID | None = None) -> None:
+    def publish(
+        self, emitted: Emitted, *, workspace_id: uuid.UUID | None = None, from_runner: bool = False
+    ) -> None:
         self._fan_out(emitted)
         agent = self._live(emitted.agent_id)
-        workspace = agent.workspace_id if agent is not None else workspace_id
+        workspace = workspace_id or (agent.workspace_id if agent is not None else None)
         if workspace is None:
             self.unrelayed += 1
             return
         shard = shard_of(workspace, self._shard_count)
         epoch = 0
-        if agent is not None:
+        # A runner's event (also one said as it stops, its shard gone) is
+        # only as good as the lease it runs under.
+        if from_runner or agent is not None:
             fence = self._fence(shard)
             if fence is None:
                 # A runner of a shard this replica cannot prove it holds: its

@@ -237,7 +237,9 @@ class RunnerCore:
 
     def _emit(self, event: AgentEvent) -> None:
         self._env.hub.publish(
-            Emitted(self.agent.id, self._env.clock(), event), workspace_id=self.agent.workspace_id
+            Emitted(self.agent.id, self._env.clock(), event),
+            workspace_id=self.agent.workspace_id,
+            from_runner=True,
         )
 
     def _count_tokens(self, usage: Usage) -> None:
