@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
 
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
-from tests.conftest import RunningIM, World, make_world
+from tests.conftest import RunningIM, World
 from tests.faults.llm import DecidingLLM, instruction
-from tests.integration.replicas import SHARDS, TAG, WAIT, Replicas
+from tests.integration.replicas import WAIT, Replicas
 from tests.integration.test_runtime_grpc import RunningRuntime, direct_chat
-from tests.integration.test_runtime_replicas import elsewhere, hosts, split, until
+from tests.integration.test_runtime_replicas import agent_on_the_first, elsewhere, hosts, split, until
 
 
 class Watch:
@@ -113,18 +112,7 @@ async def test_a_watch_across_a_handoff_shows_every_step_once_and_the_cut_step_a
     await llm.start()
     try:
         model = {"OPENAI_BASE_URL": llm.url, "OPENAI_MODEL": "fake", "SHUTDOWN_GRACE_SECONDS": "0"}
-        first = await replicas("r1", **model)
-        second = await replicas("r2", **model)
-        both = [first, second]
-        await until(
-            lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both)
-        )
-        assert first.app.leases is not None
-        world = await make_world(im.stub, people=2)
-        while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != f"r1-{TAG}":
-            world = await make_world(im.stub, people=2)
-        agent = (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0))).agent
-        await until(lambda: hosts(both, agent) == ["r1"])
+        (first, second), world, agent = await agent_on_the_first(im, replicas, **model)
         async with watching(second, world, agent) as watch:
             await asyncio.sleep(0.3)
             await ask(im, world, agent, instruction("tok", world.members[1].display_name))

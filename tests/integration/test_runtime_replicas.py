@@ -125,6 +125,24 @@ async def split(
     return both, worlds, agents
 
 
+async def agent_on_the_first(
+    im: RunningIM, replicas: Replicas, **options: str
+) -> tuple[tuple[RunningRuntime, RunningRuntime], World, rpb.Agent]:
+    """Two replicas, each with half the shards, and an agent (of two people's
+    workspace) that the first runs."""
+    first = await replicas("r1", **options)
+    second = await replicas("r2", **options)
+    both = [first, second]
+    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    assert first.app.leases is not None
+    world = await make_world(im.stub, people=2)
+    while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != f"r1-{TAG}":
+        world = await make_world(im.stub, people=2)
+    agent = (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0))).agent
+    await until(lambda: hosts(both, agent) == ["r1"])
+    return (first, second), world, agent
+
+
 def elsewhere(replicas: list[RunningRuntime], agent: rpb.Agent) -> RunningRuntime:
     """A replica that does not run the agent."""
     (other,) = [r for r in replicas if r.app.runner(uuid.UUID(agent.id)) is None]
@@ -190,17 +208,7 @@ async def test_a_replica_stopping_lets_the_run_in_flight_end_before_it_hands_ove
     await llm.start()
     try:
         model = {"OPENAI_BASE_URL": llm.url, "OPENAI_MODEL": "fake", "SHUTDOWN_GRACE_SECONDS": "10"}
-        first = await replicas("r1", **model)
-        second = await replicas("r2", **model)
-        both = [first, second]
-        await until(
-            lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both)
-        )
-        assert first.app.leases is not None
-        world = await make_world(im.stub, people=2)
-        while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != f"r1-{TAG}":
-            world = await make_world(im.stub, people=2)
-        agent = (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0))).agent
+        (first, second), world, agent = await agent_on_the_first(im, replicas, **model)
         chat = await direct_chat(im, world, agent.member_id)
         bea = world.members[1]
         request = im_pb2.SendMessageRequest(group_id=chat.id, content=instruction("tok", bea.display_name))
