@@ -243,13 +243,15 @@ async def ask(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, desks
         number += 1
         token = f"k{number}"
         content = instruction(token, desk.bea.display_name)
-        desk.tokens.append(token)
         if rng.random() < 0.5:
             request = im_pb2.SendMessageRequest(group_id=desk.chat.id, content=content)
             await im.stub.SendMessage(request, metadata=desk.world.md(0))
         else:
             task = rpb.SubmitTaskRequest(agent_id=desk.agent.id, input=content, request_id=token)
             await call(runtime.SubmitTask, task, desk.world.md(0))
+        # Owed once acknowledged: `asking` cancels this loop, maybe mid-call
+        # (a slow call on a loaded machine), and a message never sent is owed nothing.
+        desk.tokens.append(token)
 
 
 @dataclass
