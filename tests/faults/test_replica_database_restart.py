@@ -4,11 +4,12 @@ Three runtime replicas share a PostgreSQL cluster of the test's own (the
 machine's server is shared and never restarted); the IM stays on the test's
 database. While people ask the agents to send tokens to Bea (as in
 `test_replica_kill`), the cluster is stopped at once, as a crash would stop
-it (every connection cut mid-statement, crash recovery at the start), and
-started again. The replicas must ride it out: no process exits, every shard
-is leased again by a replica (a shard that changed hands, or was taken
-anew, with a higher epoch), every token reaches Bea exactly once, no task
-or run is left RUNNING and no agent is in ERROR.
+it (every connection cut mid-statement, crash recovery at the start), in
+turn started again at once and kept down longer than the leases live. The
+replicas must ride it out: no process exits, every shard is leased again by
+a replica (a shard that changed hands, or was taken anew, with a higher
+epoch), every token reaches Bea exactly once, no task or run is left
+RUNNING and no agent is in ERROR.
 """
 
 from __future__ import annotations
