@@ -4,13 +4,13 @@ the services started here have none."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
-from tests.conftest import RunningIM
-from tests.faults.harness import UNLIMITED
+from tests.conftest import RunningIM, unavailable
+from tests.faults.harness import UNLIMITED, PostgresProcess, PostgresUnavailable
 from tests.faults.llm import DecidingLLM
 
 
@@ -36,3 +36,15 @@ async def llm() -> AsyncIterator[DecidingLLM]:
     await server.start()
     yield server
     await server.stop()
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PostgresProcess]:
+    """A PostgreSQL cluster of this test's own, to restart (the machine's
+    server, shared with others, is never touched)."""
+    with PostgresProcess() as server:
+        try:
+            server.start()
+        except PostgresUnavailable as error:
+            unavailable(str(error))
+        yield server

@@ -13,7 +13,9 @@ more often: `scaled(n, long=m)` is how a case says how many.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import pwd
 import re
 import selectors
 import shutil
@@ -21,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -250,3 +253,142 @@ class RedisProcess:
 
     def __exit__(self, *_: object) -> None:
         self.kill()
+
+
+class PostgresUnavailable(Exception):
+    """No PostgreSQL server binaries here, or no user they may run as."""
+
+
+@dataclass
+class PostgresProcess:
+    """A private PostgreSQL cluster (initdb in a temporary directory) on a
+    free loopback port, to restart without touching the machine's own server.
+
+    initdb and postgres refuse to run as root: as root, they run as the
+    `postgres` user, in a directory that user owns. The cluster trades
+    durability on power loss for speed (`fsync=off`), never on a crash of the
+    server: every commit is written before it returns, so an `immediate`
+    stop loses no committed transaction.
+    """
+
+    port: int = field(default_factory=free_port)
+    directory: Path | None = None
+    _as_user: list[str] = field(default_factory=list)
+    _bin: Path = Path()
+    _options: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    @property
+    def log_path(self) -> Path:
+        assert self.directory is not None
+        return self.directory / "server.log"
+
+    def start(self) -> PostgresProcess:
+        """Creates the cluster and starts it.
+
+        Raises:
+            PostgresUnavailable: no initdb here, or no user to run it as.
+        """
+        self._bin = _postgres_binaries()
+        owner = None
+        if os.geteuid() == 0:
+            try:
+                owner = pwd.getpwnam("postgres")
+            except KeyError:
+                raise PostgresUnavailable("running as root and there is no postgres user") from None
+            self._as_user = ["runuser", "-u", "postgres", "--"]
+        self.directory = Path(tempfile.mkdtemp(prefix="agentim-pg-"))
+        if owner is not None:
+            os.chown(self.directory, owner.pw_uid, owner.pw_gid)
+        self._run("initdb", "-D", str(self._data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync")
+        self._options = " ".join(
+            [
+                f"-p {self.port}",
+                "-c listen_addresses=127.0.0.1",
+                f"-c unix_socket_directories={self.directory}",
+                "-c fsync=off",
+                "-c full_page_writes=off",
+                "-c max_connections=200",
+                "-c shared_buffers=32MB",
+            ]
+        )
+        self._ctl("start", "-o", self._options)
+        return self
+
+    def restart(self, *, down_for: float = 0.0) -> None:
+        """Stops the server at once (`immediate`: as a crash would, its
+        clients cut mid-statement), keeps it down `down_for` seconds, starts
+        it again, and waits until it accepts connections (after its crash recovery)."""
+        if down_for <= 0:
+            self._ctl("restart", "-m", "immediate")
+            return
+        self._ctl("stop", "-m", "immediate")
+        time.sleep(down_for)
+        self._ctl("start", "-o", self._options)
+
+    def stop(self) -> None:
+        """Stops the cluster (at once) and removes its directory; safe to call again."""
+        if self.directory is None:
+            return
+        pid_file = self._data / "postmaster.pid"
+        if pid_file.exists():
+            try:
+                self._ctl("stop", "-m", "immediate")
+            except (AssertionError, subprocess.TimeoutExpired):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+
+    @property
+    def _data(self) -> Path:
+        assert self.directory is not None
+        return self.directory / "data"
+
+    def _ctl(self, action: str, *arguments: str) -> None:
+        # The server's output goes to its log: were it left on pg_ctl's
+        # stdout, the server would hold that pipe open after pg_ctl exits.
+        self._run("pg_ctl", action, "-D", str(self._data), "-l", str(self.log_path), "-w", *arguments)
+
+    def log(self) -> str:
+        if self.directory is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def _run(self, program: str, *arguments: str, timeout: float = 120.0) -> None:
+        with tempfile.TemporaryFile() as output:
+            result = subprocess.run(
+                [*self._as_user, str(self._bin / program), *arguments],
+                cwd=self.directory,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+                check=False,
+            )
+            output.seek(0)
+            said = output.read().decode(errors="replace")
+        if result.returncode != 0:
+            raise AssertionError(
+                f"{program} {arguments[0]} exited {result.returncode}:\n{said}\n{self.log()}"
+            )
+
+    def __enter__(self) -> PostgresProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+def _postgres_binaries() -> Path:
+    """The directory of initdb, pg_ctl and postgres: on the PATH, or Debian's newest."""
+    found = shutil.which("initdb")
+    if found is not None:
+        return Path(found).parent
+    debian = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
+    if debian:
+        return Path(debian[-1]).parent
+    raise PostgresUnavailable("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")

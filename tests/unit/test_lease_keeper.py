@@ -127,6 +127,30 @@ async def test_a_shard_taken_away_is_stopped_at_the_next_renewal() -> None:
     assert a.keeper.counters.lost == 1
 
 
+async def test_shards_whose_runners_could_not_start_are_started_at_the_next_round() -> None:
+    """The database goes away between a take and the start of the shards'
+    runners (which read the shards' agents): the shards are still this
+    replica's in the database, and their runners start once it is back."""
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    a = Replica("a", store, clock)
+    starting = a.gained
+
+    async def database_gone(shards: frozenset[int]) -> None:
+        raise errors.Unavailable("the database is down")
+
+    a.keeper.gained = database_gone
+    with pytest.raises(errors.Unavailable):
+        await a.keeper.round()
+    assert a.running == set()
+    a.keeper.gained = starting
+    await a.keeper.round()
+    assert a.running == set(range(SHARDS)) == set(a.keeper.held)
+    fence = a.keeper.fence(3)
+    assert fence is not None and fence.epoch == store.rows[3].epoch
+
+
 async def test_closing_releases_every_shard_at_once() -> None:
     clock = Clock()
     store = InMemoryLeases(clock)

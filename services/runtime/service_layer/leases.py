@@ -257,8 +257,7 @@ class LeaseKeeper(Fences):
         # whose answer was lost): ours, at the epoch the database has.
         adopted = {shard: epoch for shard, epoch in renewed.items() if shard not in self._held}
         if adopted:
-            self._held.update(adopted)
-            await self.gained(frozenset(adopted))
+            await self._gain(adopted)
 
         view = await self.store.view()
         self._owners = dict(view.owners)
@@ -273,11 +272,23 @@ class LeaseKeeper(Fences):
                 self._owners.pop(shard, None)
         if moves.take:
             taken = await self.store.take(settings.replica, moves.take, settings.ttl_seconds)
-            self._held.update(taken)
             self._owners.update(dict.fromkeys(taken, settings.replica))
             self.counters.taken += len(taken)
             if taken:
-                await self.gained(frozenset(taken))
+                await self._gain(taken)
+
+    async def _gain(self, shards: Mapping[int, int]) -> None:
+        self._held.update(shards)
+        try:
+            await self.gained(frozenset(shards))
+        except BaseException:
+            # Their runners did not all start (the database went away while
+            # they read their agents, or the round ran out of time). Forgotten
+            # here, the shards are adopted again at the next renewal, which
+            # finds them still ours in the database, and their start is retried.
+            for shard in shards:
+                self._held.pop(shard, None)
+            raise
 
     async def _keep(self) -> None:
         settings = self.settings
@@ -290,7 +301,8 @@ class LeaseKeeper(Fences):
                 # A renewal that cannot finish while the proof lasts is no renewal.
                 await asyncio.wait_for(self.round(), max(left, 0.001) if self._held else None)
             except (errors.Unavailable, TimeoutError) as error:
-                logger.warning("lease renewal failed: %s", error)
+                # A timeout says nothing of itself.
+                logger.warning("lease renewal failed: %s", error or "no answer while the leases were proven")
             if self._held and not self.proven():
                 logger.warning(
                     "leases of %d shards can no longer be proven; their agents stop", len(self._held)
