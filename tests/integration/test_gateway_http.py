@@ -633,7 +633,7 @@ async def test_the_openapi_document_lists_every_route(stack: Stack) -> None:
         ("GET", "/v1/auth/oidc/start"),
         ("GET", "/v1/auth/oidc/callback"),
     }
-    assert operations == routes | own and len(routes) == 69
+    assert operations == routes | own and len(routes) == 70
 
 
 async def test_a_taken_port_is_refused(stack: Stack) -> None:
