@@ -578,7 +578,13 @@ def _lease_keeper(
         if (runs := supervisor()) is not None:
             await runs.shards_lost(shards)
 
-    return LeaseKeeper(store=SqlLeases(database), settings=settings.leases, gained=gained, lost=lost)
+    def busy(shard: int) -> bool:
+        runs = supervisor()
+        return runs is not None and runs.busy(shard)
+
+    return LeaseKeeper(
+        store=SqlLeases(database), settings=settings.leases, gained=gained, lost=lost, busy=busy
+    )
 
 
 def _message_bus(

@@ -167,3 +167,27 @@ async def test_closing_releases_every_shard_at_once() -> None:
 def test_renewal_must_come_well_within_the_ttl() -> None:
     with pytest.raises(ValueError, match="renew"):
         LeaseSettings(replica="a", ttl_seconds=10, renew_seconds=9, margin_seconds=2)
+
+
+async def test_a_shard_that_must_move_while_its_agents_work_waits_for_them_a_few_rounds_at_most() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    first = Replica("a", store, clock)
+    await first.keeper.round()
+    assert len(first.running) == SHARDS
+    working = {3, 17}
+    first.keeper.busy = working.__contains__
+    second = Replica("b", store, clock)
+    await rounds([first, second], clock, count=2)
+    # The idle shards the newcomer should have moved at once; the busy ones stayed.
+    assert sorted(len(r.running) for r in (first, second)) == [14, 18]
+    assert working <= first.running
+    working.discard(3)  # its run ended
+    await rounds([first, second], clock, count=2)
+    assert 3 in second.running and 17 in first.running
+    # Still busy after `defer_rounds` rounds: moved all the same (its run is cut).
+    await rounds([first, second], clock, count=first.keeper.defer_rounds)
+    assert 17 in second.running
+    assert sorted(len(r.running) for r in (first, second)) == [16, 16]
+    assert_one_owner_each([first, second])

@@ -176,6 +176,11 @@ class LeaseKeeper(Fences):
     counters: LeaseCounters = field(default_factory=LeaseCounters)
     # What the replica reports of itself with each renewal (see `ReplicaReport`).
     report: Callable[[], str] = lambda: ""
+    # Whether a shard's agents are in a run: a shard that should move while
+    # busy is given up once idle, or after `defer_rounds` rounds all the same.
+    busy: Callable[[int], bool] = lambda _: False
+    defer_rounds: int = 5
+    _deferred: dict[int, int] = field(default_factory=dict)
     _held: dict[int, int] = field(default_factory=dict)
     # Every shard's owner as the last round saw them.
     _owners: dict[int, str] = field(default_factory=dict)
@@ -263,12 +268,13 @@ class LeaseKeeper(Fences):
         self._owners = dict(view.owners)
         target = target_owners(settings.shard_count, view.replicas, view.owners, load_cap=settings.load_cap)
         moves = moves_for(settings.replica, target, view.owners, max_moves=settings.max_moves)
-        if moves.release:
+        release = self._idle_first(moves.release)
+        if release:
             # Runners stop before the lease goes, so the next owner never overlaps them.
-            await self._lose(set(moves.release), given_up=True)
-            await self.store.release(settings.replica, moves.release)
-            self.counters.released += len(moves.release)
-            for shard in moves.release:
+            await self._lose(set(release), given_up=True)
+            await self.store.release(settings.replica, release)
+            self.counters.released += len(release)
+            for shard in release:
                 self._owners.pop(shard, None)
         if moves.take:
             taken = await self.store.take(settings.replica, moves.take, settings.ttl_seconds)
@@ -276,6 +282,21 @@ class LeaseKeeper(Fences):
             self.counters.taken += len(taken)
             if taken:
                 await self._gain(taken)
+
+    def _idle_first(self, wanted: Collection[int]) -> list[int]:
+        """Of the shards to give up, those whose runs would not be cut: a busy
+        one waits for its runs to end, `defer_rounds` rounds at most."""
+        wanted = set(wanted)
+        self._deferred = {shard: n for shard, n in self._deferred.items() if shard in wanted}
+        release = []
+        for shard in sorted(wanted):
+            waited = self._deferred.get(shard, 0)
+            if waited < self.defer_rounds and self.busy(shard):
+                self._deferred[shard] = waited + 1
+            else:
+                self._deferred.pop(shard, None)
+                release.append(shard)
+        return release
 
     async def _gain(self, shards: Mapping[int, int]) -> None:
         self._held.update(shards)

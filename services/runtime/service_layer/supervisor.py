@@ -169,6 +169,16 @@ class Supervisor(Runners):
         if leaving:
             logger.info("shards lost: %d, with %d agents", len(shards), len(leaving))
 
+    def busy(self, shard: int) -> bool:
+        """Whether an agent of `shard` is at work here (a run, or reading what came)."""
+        sharding = self._sharding
+        if sharding is None:
+            return False
+        return any(
+            not r.idle.is_set() and sharding.shard(r.agent.workspace_id) == shard
+            for r in self._runners.values()
+        )
+
     @property
     def agent_count(self) -> int:
         """How many agents run here."""
