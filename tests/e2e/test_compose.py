@@ -426,3 +426,22 @@ def test_healthcheck_exits_1_when_the_database_is_down(tmp_path: Path) -> None:
 )
 def test_healthcheck_exits_2_on_bad_arguments(args: list[str]) -> None:
     assert _healthcheck(*args).returncode == 2
+
+
+def test_compose_postgres_has_room_for_every_replicas_pool_at_its_peak(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """Each process keeps up to its pool open and as many more at a peak; with
+    three runtime replicas (`--scale runtime=3`) PostgreSQL still accepts them all."""
+    services = _services(compose)
+    command = services["postgres"].get("command", [])
+    limits = [part.split("=", 1)[1] for part in command if str(part).startswith("max_connections=")]
+    max_connections = int(limits[0]) if limits else 100  # PostgreSQL's default
+    loaded = _load_settings(compose, tmp_path)
+    peak = {
+        "im": 2 * loaded["im"].db_pool_size * services["im"]["deploy"]["replicas"],
+        "runtime": 2 * loaded["runtime"].db_pool_size * 3,
+        "memory": 2 * 16,
+    }
+    # Migrations, health probes and an operator's psql.
+    assert sum(peak.values()) + 10 <= max_connections, f"{peak} against max_connections={max_connections}"
