@@ -21,7 +21,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -97,9 +97,17 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    im: RunningIM, database_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path, **settings: str
+    im: RunningIM,
+    database_url: str,
+    redis_url: str,
+    llm: DecidingLLM,
+    tmp_path: Path,
+    *,
+    only: Mapping[int, Mapping[str, str]] | None = None,
+    **settings: str,
 ) -> AsyncIterator[Cluster]:
-    """Three replicas on the test's database, six agents each in a workspace of its own."""
+    """Three replicas on the test's database, six agents each in a workspace
+    of its own; `only` adds settings of one replica (by index) to `settings`."""
     if database_url.startswith("sqlite"):
         pytest.skip("replicas share a PostgreSQL database")
     tag = uuid.uuid4().hex[:6]
@@ -124,7 +132,9 @@ async def cluster(
     migrate("services.runtime", env)
     processes = [
         ServiceProcess(
-            "services.runtime", {**env, "RUNTIME_REPLICA_ID": f"r{i}-{tag}"}, tmp_path / f"r{i}.log"
+            "services.runtime",
+            {**env, **(only or {}).get(i, {}), "RUNTIME_REPLICA_ID": f"r{i}-{tag}"},
+            tmp_path / f"r{i}.log",
         )
         for i in range(REPLICAS)
     ]
