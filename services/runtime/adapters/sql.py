@@ -424,6 +424,16 @@ class SqlAgentStore(AgentStore):
             query = query.where(runs.c.id < before)
         return [_run(r) for r in await self._rows(query)]
 
+    async def running_run(self, agent_id: uuid.UUID) -> Run | None:
+        query = (
+            runs.select()
+            .where(runs.c.agent_id == agent_id, runs.c.status == RunStatus.RUNNING.value)
+            .order_by(runs.c.id.desc())
+            .limit(1)
+        )
+        found = await self._rows(query)
+        return _run(found[0]) if found else None
+
     # Steps
 
     async def append_step(self, step: Step, *, fence: Fence | None = None) -> None:
