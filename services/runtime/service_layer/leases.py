@@ -280,7 +280,7 @@ class LeaseKeeper(Fences):
         if not answered:
             renewal.cancel()
             logger.warning("lease renewal failed: no answer while the leases could be proven")
-        elif isinstance(renewal.exception(), errors.Unavailable):
+        elif isinstance(renewal.exception(), (errors.Unavailable, TimeoutError)):
             logger.warning("lease renewal failed: %s", renewal.exception())
         else:
             renewal.result()  # anything else is a bug: let it out
