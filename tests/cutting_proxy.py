@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from urllib.parse import urlsplit
+
+from sqlalchemy.engine import make_url
 
 
 class CuttingProxy:
@@ -109,3 +112,17 @@ class CuttingProxy:
             writer.close()
         if self._server is not None:
             await self._server.wait_closed()
+
+
+def target_of(url: str) -> str:
+    """The host:port a PostgreSQL or Redis URL points at."""
+    parts = urlsplit(url.replace("+asyncpg", ""))
+    return f"{parts.hostname}:{parts.port or (6379 if url.startswith('redis') else 5432)}"
+
+
+def through(url: str, proxy: CuttingProxy) -> str:
+    """`url` (PostgreSQL or Redis) with its host and port replaced by the proxy's."""
+    host, _, port = proxy.address.rpartition(":")
+    if url.startswith("redis"):
+        return urlsplit(url)._replace(netloc=f"{host}:{port}").geturl()
+    return make_url(url).set(host=host, port=int(port)).render_as_string(hide_password=False)

@@ -16,14 +16,12 @@ import math
 import time
 from datetime import datetime
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
-from sqlalchemy.engine import make_url
 
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from tests.conftest import RunningIM
-from tests.cutting_proxy import CuttingProxy
+from tests.cutting_proxy import CuttingProxy, target_of, through
 from tests.faults.harness import ServiceProcess, scaled
 from tests.faults.llm import DecidingLLM
 from tests.faults.test_replica_kill import (
@@ -39,21 +37,6 @@ from tests.faults.test_replica_kill import (
     settled,
     summary,
 )
-
-
-def through(url: str, proxy: CuttingProxy) -> str:
-    """`url` with its host and port replaced by the proxy's."""
-    host, _, port = proxy.address.rpartition(":")
-    if url.startswith("redis"):
-        parts = urlsplit(url)
-        return parts._replace(netloc=f"{host}:{port}").geturl()
-    return make_url(url).set(host=host, port=int(port)).render_as_string(hide_password=False)
-
-
-def target_of(url: str) -> str:
-    parts = urlsplit(url.replace("+asyncpg", ""))
-    return f"{parts.hostname}:{parts.port or (6379 if url.startswith('redis') else 5432)}"
-
 
 _RUNNERS_ENDED = "shards lost:"  # logged once the runners of the shards have ended
 
