@@ -27,10 +27,12 @@ $(NODE_STAMP): package.json package-lock.json
 	touch $@
 
 # Debian's docker-compose validates docker-compose.yml offline (no Docker
-# engine runs here), and Debian's chromium runs the browser test (npm's
+# engine runs here), Debian's chromium runs the browser test (npm's
 # playwright-core drives it; `npx playwright install` cannot download
-# browsers here). Each is installed only when missing, so a second run costs
-# nothing; without root their tests skip (and fail in CI).
+# browsers here), and Debian's libfaketime skews the clocks of runtime
+# replicas in the clock-skew fault case. Each is installed only when
+# missing, so a second run costs nothing; without root their tests skip
+# (and fail in CI).
 system-deps:
 	@if command -v docker-compose >/dev/null 2>&1; then \
 		:; \
@@ -51,6 +53,16 @@ system-deps:
 	else \
 		echo "notice: /usr/bin/chromium is missing and this is not root;" \
 			"run 'sudo apt-get install -y chromium', or the browser test will skip"; \
+	fi
+	@if ls /usr/lib/*/faketime/libfaketime.so.1 >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ]; then \
+		echo "installing Debian's libfaketime"; \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libfaketime; \
+	else \
+		echo "notice: libfaketime is missing and this is not root;" \
+			"run 'sudo apt-get install -y libfaketime', or the clock-skew fault case will skip"; \
 	fi
 
 install: $(STAMP) $(NODE_STAMP) system-deps

@@ -23,7 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -132,6 +132,7 @@ class SqlDatabase:
         pool_size: connections kept open (PostgreSQL).
         application_name: how the connections present themselves to
             PostgreSQL (`pg_stat_activity`); by default `agentim-<schema>`.
+        server_settings: more settings of its sessions (PostgreSQL).
         busy_timeout_seconds: how long SQLite waits for another process's
             write lock before a call fails (UNAVAILABLE, "database is locked").
     """
@@ -144,6 +145,7 @@ class SqlDatabase:
         write_option: str,
         pool_size: int = 16,
         application_name: str | None = None,
+        server_settings: Mapping[str, str] | None = None,
         busy_timeout_seconds: float = 10.0,
     ) -> None:
         self.url = async_url(url)
@@ -169,7 +171,10 @@ class SqlDatabase:
                 pool_pre_ping=False,
                 connect_args={
                     "timeout": _CONNECT_TIMEOUT_S,
-                    "server_settings": {"application_name": application_name or f"agentim-{schema}"},
+                    "server_settings": {
+                        "application_name": application_name or f"agentim-{schema}",
+                        **(server_settings or {}),
+                    },
                 },
             )
         self.engine: AsyncEngine = create_async_engine(self.url, **options)

@@ -22,7 +22,7 @@ import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -112,9 +112,12 @@ async def cluster(
     redis_url: str,
     llm: DecidingLLM,
     tmp_path: Path,
+    *,
+    only: Mapping[int, Mapping[str, str]] | None = None,
     **settings: str,
 ) -> AsyncIterator[Cluster]:
-    """Three replicas on the test's database, six agents each in a workspace of its own.
+    """Three replicas on the test's database, six agents each in a workspace
+    of its own; `only` adds settings of one replica (by index) to `settings`.
 
     Given two IM replicas (`ims`), r0 and the client talk to the first and
     the other runtime replicas to the second, as a deployment spreads them."""
@@ -147,7 +150,7 @@ async def cluster(
     processes = [
         ServiceProcess(
             "services.runtime",
-            {**env, **_im_of(i, second_im), "RUNTIME_REPLICA_ID": f"r{i}-{tag}"},
+            {**env, **_im_of(i, second_im), **(only or {}).get(i, {}), "RUNTIME_REPLICA_ID": f"r{i}-{tag}"},
             tmp_path / f"r{i}.log",
         )
         for i in range(REPLICAS)

@@ -344,6 +344,17 @@ async def test_list_runs_newest_first_before_a_cursor(store: SqlAgentStore) -> N
     assert await store.list_runs(uuid.uuid4(), before=None, limit=2) == []
 
 
+async def test_the_running_run_is_found_by_its_status_not_as_the_newest(store: SqlAgentStore) -> None:
+    agent = make_agent()
+    earlier, later = sorted(uuid7() for _ in range(2))
+    # The later id: a run begun and ended by a replica whose clock runs ahead.
+    await store.add_run(make_run(agent, id=later, status=RunStatus.COMPLETED, ended_at=now()))
+    assert await store.running_run(agent.id) is None
+    await store.add_run(make_run(agent, id=earlier))
+    found = await store.running_run(agent.id)
+    assert found is not None and found.id == earlier
+
+
 # Steps
 
 

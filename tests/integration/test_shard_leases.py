@@ -4,6 +4,7 @@ the database's clock, epochs that fence stale writes, one-statement renewal."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -11,11 +12,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from services.common.outages import DependencyUnavailable
 from services.runtime.adapters.journal import Journal, Write, open_journal
 from services.runtime.adapters.leases import SqlLeases, check_fence
-from services.runtime.adapters.sql import Database, SqlAgentStore
+from services.runtime.adapters.sql import IDLE_IN_TRANSACTION_MS, Database, SqlAgentStore
 from services.runtime.domain.model import AgentState, Run, RunStatus
 from services.runtime.service_layer.leases import Fence, LeaseLost
+from tests.cutting_proxy import CuttingProxy, target_of, through
 from tests.integration.test_runtime_store import make_agent, make_run, make_step, now
 
 SHARDS = 64
@@ -135,6 +138,40 @@ async def test_a_take_waits_for_a_fenced_write_in_flight(database: Database, lea
     with pytest.raises(LeaseLost):
         async with database.transaction() as conn:
             await check_fence(conn, fence)
+
+
+async def test_a_writer_cut_off_mid_transaction_holds_up_a_take_only_briefly(
+    database: Database, leases: SqlLeases, own_runtime_url: str
+) -> None:
+    """A replica cut off from the database in the middle of a fenced write
+    (its lease row locked FOR SHARE, the rest of its transaction never
+    arriving) holds up the next owner's take only until the server ends the
+    silent session (`idle_in_transaction_session_timeout`), not for as long
+    as TCP would keep the connection (hours)."""
+    if database.is_sqlite:
+        pytest.skip("no network between SQLite and its writer")
+    await leases.take("a", [9], 0.2)
+    await wait_until_expired(leases, 9)
+    with CuttingProxy(target_of(own_runtime_url)) as proxy:
+        cut_off = Database(through(own_runtime_url, proxy))
+        try:
+            with pytest.raises(DependencyUnavailable):
+                async with cut_off.transaction() as conn:
+                    await check_fence(conn, Fence(9, 1, "a"))
+                    proxy.cut()
+                    started = time.monotonic()
+                    try:
+                        # Far longer than the session's timeout; a take that
+                        # waited for the heal would fail here.
+                        async with asyncio.timeout(IDLE_IN_TRANSACTION_MS / 1000 * 4):
+                            taken = await leases.take("b", [9], 30)
+                        waited = time.monotonic() - started
+                    finally:
+                        proxy.heal()
+        finally:
+            await cut_off.aclose()
+    assert taken == {9: 2}
+    assert waited >= IDLE_IN_TRANSACTION_MS / 1000 * 0.5, "the take waited for the fenced write at first"
 
 
 async def wait_for_lock_wait(database: Database) -> None:

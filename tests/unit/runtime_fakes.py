@@ -764,6 +764,10 @@ class InMemoryAgentStore(AgentStore):
         )
         return found[:limit]
 
+    async def running_run(self, agent_id: uuid.UUID) -> Run | None:
+        running = [r for r in self.runs.values() if r.agent_id == agent_id and r.status is RunStatus.RUNNING]
+        return max(running, key=lambda r: r.id, default=None)
+
     async def append_step(self, step: Step, *, fence: Fence | None = None) -> None:
         self._database("append_step")
         self._fenced(fence)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from services.common import errors
@@ -191,3 +193,53 @@ async def test_a_shard_that_must_move_while_its_agents_work_waits_for_them_a_few
     assert 17 in second.running
     assert sorted(len(r.running) for r in (first, second)) == [16, 16]
     assert_one_owner_each([first, second])
+
+
+class SilentLeases(InMemoryLeases):
+    """Renewals that hear nothing once `silent`, as through a network
+    partition; one cancelled gives up only at `let_go`, as a driver closing
+    its connection gracefully does (SQLAlchemy's asyncpg adapter waits 2 s)."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self.silent = False
+        self.let_go = asyncio.Event()
+
+    async def renew(self, replica: str, address: str, ttl_seconds: float, report: str = "") -> dict[int, int]:
+        if self.silent:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                await asyncio.shield(self.let_go.wait())
+                raise
+        return await super().renew(replica, address, ttl_seconds, report)
+
+
+async def test_a_renewal_that_hears_nothing_does_not_keep_the_runners_past_the_proof() -> None:
+    store = SilentLeases(Clock())
+    lost = asyncio.Event()
+
+    async def gained(_: frozenset[int]) -> None:
+        pass
+
+    async def stopped(_: frozenset[int]) -> None:
+        lost.set()
+
+    keeper = LeaseKeeper(
+        store=store,
+        # Real time, a short proof (ttl - margin: 0.3 s).
+        settings=LeaseSettings(
+            replica="a", shard_count=4, ttl_seconds=0.5, renew_seconds=0.05, margin_seconds=0.2
+        ),
+        gained=gained,
+        lost=stopped,
+    )
+    await keeper.start()
+    assert keeper.held
+    store.silent = True
+    # The runners stop as the proof ends, not when the silent renewal gives up.
+    await asyncio.wait_for(lost.wait(), 10)
+    assert keeper.held == {} and not store.let_go.is_set()
+    store.let_go.set()
+    store.silent = False
+    await keeper.aclose()

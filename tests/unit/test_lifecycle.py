@@ -294,7 +294,11 @@ async def test_a_control_of_an_agent_deleted_on_the_way_is_not_found() -> None:
         assert str(ada.id) in refused.value.message
 
 
-async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() -> None:
+# A completed run with a later id than the one stopped in: begun by a replica
+# whose clock runs ahead (run ids are UUIDv7, the time of the process that
+# makes them), before a replica whose clock runs behind began the other.
+@pytest.mark.parametrize("completed_ahead", [False, True])
+async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step(completed_ahead: bool) -> None:
     executed: list[str] = []
 
     async def probe(context: ToolContext, arguments: dict[str, Any]) -> str:
@@ -315,6 +319,9 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         del steps[3:]
         (run,) = h.store.runs.values()
         h.store.runs[run.id] = replace(run, status=RunStatus.RUNNING, ended_at=None)
+        if completed_ahead:
+            ahead = uuid.UUID(int=run.id.int + (60_000 << 80))  # its time 60 s later
+            h.store.runs[ahead] = replace(run, id=ahead, status=RunStatus.COMPLETED)
         h.store.agents[ada.id] = replace(h.store.agents[ada.id], state=AgentState.RUNNING)
         executed.clear()
         await h.crash()
@@ -322,7 +329,7 @@ async def test_after_a_restart_mid_run_the_agent_goes_on_from_its_last_step() ->
         await h.restart(tools=[Tool(ToolSpec("probe", "a probe", {"type": "object"}), probe)])
         await h.settle(ada)
         assert executed == ["missing"], "the call whose result was recorded does not run again"
-        (run,) = h.store.runs.values()
+        run = h.store.runs[run.id]
         assert run.status is RunStatus.COMPLETED, "the run the runtime stopped in goes on"
         assert [m.content for m in h.im.in_group(chat.id)][-1] == "recovered"
         assert h.store.agents[ada.id].state is AgentState.IDLE

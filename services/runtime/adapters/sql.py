@@ -69,6 +69,9 @@ from services.runtime.service_layer.store import AgentStore, TaskInFlight
 _WRITE = "runtime_write"
 
 
+IDLE_IN_TRANSACTION_MS = 5_000
+
+
 class Database(SqlDatabase):
     """The runtime's engine (schema `runtime`)."""
 
@@ -78,6 +81,12 @@ class Database(SqlDatabase):
             schema=SCHEMA,
             write_option=_WRITE,
             pool_size=pool_size,
+            # A transaction whose client went silent (cut off by a partition,
+            # frozen) would keep its locks until TCP gives up, hours later:
+            # among them the FOR SHARE locks of fenced writes on lease rows,
+            # which the next owner's take must wait for. Every transaction
+            # here is a few statements sent back to back.
+            server_settings={"idle_in_transaction_session_timeout": str(IDLE_IN_TRANSACTION_MS)},
             busy_timeout_seconds=busy_timeout_seconds,
         )
 
@@ -423,6 +432,16 @@ class SqlAgentStore(AgentStore):
         if before is not None:
             query = query.where(runs.c.id < before)
         return [_run(r) for r in await self._rows(query)]
+
+    async def running_run(self, agent_id: uuid.UUID) -> Run | None:
+        query = (
+            runs.select()
+            .where(runs.c.agent_id == agent_id, runs.c.status == RunStatus.RUNNING.value)
+            .order_by(runs.c.id.desc())
+            .limit(1)
+        )
+        found = await self._rows(query)
+        return _run(found[0]) if found else None
 
     # Steps
 

@@ -317,18 +317,38 @@ class LeaseKeeper(Fences):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), settings.renew_seconds)
             self._wake.clear()
-            left = self._proven_until - self.monotonic()
+            renewal = asyncio.ensure_future(self.round())
             try:
-                # A renewal that cannot finish while the proof lasts is no renewal.
-                await asyncio.wait_for(self.round(), max(left, 0.001) if self._held else None)
-            except (errors.Unavailable, TimeoutError) as error:
-                # A timeout says nothing of itself.
-                logger.warning("lease renewal failed: %s", error or "no answer while the leases were proven")
-            if self._held and not self.proven():
-                logger.warning(
-                    "leases of %d shards can no longer be proven; their agents stop", len(self._held)
-                )
-                await self._lose(set(self._held))
+                await self._await_renewal(renewal)
+            except asyncio.CancelledError:
+                renewal.cancel()
+                await asyncio.wait({renewal})
+                raise
+
+    async def _await_renewal(self, renewal: asyncio.Future[None]) -> None:
+        left = self._proven_until - self.monotonic()
+        # A renewal that cannot finish while the proof lasts is no renewal.
+        await asyncio.wait({renewal}, timeout=max(left, 0.001) if self._held else None)
+        answered = renewal.done()
+        if not answered:
+            renewal.cancel()
+            logger.warning("lease renewal failed: no answer while the leases could be proven")
+        elif isinstance(renewal.exception(), (errors.Unavailable, TimeoutError)):
+            logger.warning("lease renewal failed: %s", renewal.exception())
+        else:
+            renewal.result()  # anything else is a bug: let it out
+        if self._held and not self.proven():
+            logger.warning("leases of %d shards can no longer be proven; their agents stop", len(self._held))
+            await self._lose(set(self._held))
+        if not answered:
+            # Only now, once the runners are stopped: a statement cancelled on
+            # a connection that hears nothing (a network partition) takes
+            # seconds to give up, as the driver first tries to close the
+            # connection gracefully (SQLAlchemy's asyncpg adapter waits up to
+            # 2 s), while the lease runs out in the database.
+            await asyncio.wait({renewal})
+            if not renewal.cancelled() and (error := renewal.exception()) is not None:
+                logger.warning("the abandoned lease renewal ended with %r", error)
 
     async def _lose(self, shards: set[int], *, given_up: bool = False) -> None:
         shards &= set(self._held)

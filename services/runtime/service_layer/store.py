@@ -120,6 +120,14 @@ class AgentStore(abc.ABC):
     async def list_runs(self, agent_id: uuid.UUID, *, before: uuid.UUID | None, limit: int) -> list[Run]:
         """An agent's runs, newest first, older than a run id."""
 
+    @abc.abstractmethod
+    async def running_run(self, agent_id: uuid.UUID) -> Run | None:
+        """The agent's run stored as RUNNING (one a runtime stopped in), if any.
+
+        Found by its status, not as the newest: run ids carry the clock of the
+        replica that began the run, and replicas' clocks may disagree.
+        """
+
     # Steps
 
     @abc.abstractmethod

@@ -152,18 +152,24 @@ class Supervisor(Runners):
         for runner in leaving:
             del self._runners[runner.agent.id]
             self._by_member.pop(runner.agent.member_id, None)
+        # The runners stop first and all at once: a task cancelled in a
+        # database call can take seconds to end (its connection closed
+        # gracefully, or not heard from at all across a partition), and the
+        # lease may already be another replica's.
+        stopping = [asyncio.ensure_future(runner.stop()) for runner in leaving]
         workspaces = {r.agent.workspace_id for r in leaving}
+        savers = [saver for w in workspaces if (saver := self._savers.pop(w, None)) is not None]
+        for saver in savers:
+            saver.cancel()
         for workspace_id in workspaces:
             self._restart_watch(workspace_id)
-            saver = self._savers.pop(workspace_id, None)
-            if saver is not None:
-                saver.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await saver
             # The next owner starts from the cursor it finds saved.
             self._cursors.pop(workspace_id, None)
             self._sequences.pop(workspace_id, None)
-        await asyncio.gather(*[runner.stop() for runner in leaving])
+        await asyncio.gather(*stopping)
+        for saver in savers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await saver
         if self._env.tasks is not None:
             self._env.tasks.let_go([r.agent.id for r in leaving])
         if leaving:

@@ -310,9 +310,9 @@ class AgentRunner(OneRun):
         assert self._steps is not None
         tasks = self._env.tasks
         found = await tasks.running_task(self.agent.id) if tasks is not None else None
-        stale = await self._env.store.list_runs(self.agent.id, before=None, limit=1)
-        if stale and stale[0].status is RunStatus.RUNNING:
-            await self._go_on_after_restart(stale[0], found.task if found is not None else None)
+        stale = await self._env.store.running_run(self.agent.id)
+        if stale is not None:
+            await self._go_on_after_restart(stale, found.task if found is not None else None)
             return
         task: Task | None = None
         if found is not None and tasks is not None:
