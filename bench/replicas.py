@@ -6,7 +6,8 @@ Replicas are started as the replica fault tests start them
 from the working tree, one shared PostgreSQL database and Redis), with the
 benchmark backend's environment (`bench.harness.Backend.runtime_env`): they
 can be killed with SIGKILL, stopped with SIGTERM and started again on the
-same address. `LeaseTable` reads `runtime.shard_leases` and the database's
+same address. `desks` makes agents to ask, each in a workspace of its own,
+and `submit`/`until_task` give them tasks. `LeaseTable` reads `runtime.shard_leases` and the database's
 statistics; `RoundCost` runs a replica's renewal and lease read as its
 keeper does, in transactions that roll back, counting their statements.
 """
@@ -20,6 +21,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
-from bench.calls import CALL_TIMEOUT_S
+from bench.calls import CALL_TIMEOUT_S, CREATE_CONCURRENCY, bounded, create_agent, new_workspace
 from bench.harness import Backend, BenchError, Clients
 from services.runtime.adapters.leases import SqlLeases
 from services.runtime.adapters.sql import Database
@@ -44,6 +46,10 @@ LEASE_TTL_S = 10.0
 LEASE_RENEW_S = 2.0
 LEASE_MARGIN_S = 2.0
 SETTLE_TIMEOUT_S = 120.0
+# PostgreSQL here allows 100 connections for every session on the machine:
+# each replica and the IM keep at most twice this many (pool and overflow).
+DB_POOL_SIZE = "6"
+TASK_LIMIT_S = 60.0
 
 
 @dataclass
@@ -84,6 +90,7 @@ class ReplicaSet:
             RUNTIME_LEASE_TTL_SECONDS=str(LEASE_TTL_S),
             RUNTIME_LEASE_RENEW_SECONDS=str(LEASE_RENEW_S),
             RUNTIME_LEASE_MARGIN_SECONDS=str(LEASE_MARGIN_S),
+            RUNTIME_DB_POOL_SIZE=DB_POOL_SIZE,
             **self.settings,
         )
 
@@ -168,6 +175,58 @@ async def owner(replica: Replica, person: str, agent_id: str) -> str:
     """The replica that runs the agent, as `replica` last saw the leases."""
     got = await call(replica.stub.GetAgent, rpb.GetAgentRequest(agent_id=agent_id), as_member(person))
     return str(got.agent.replica)
+
+
+# --- agents and their tasks ------------------------------------------------------------------
+
+
+@dataclass
+class Desk:
+    """An agent and the person of its workspace, who asks it."""
+
+    person: str
+    agent: str
+    shard: int
+
+
+async def desks(replicas: ReplicaSet, count: int, prefix: str) -> list[Desk]:
+    """`count` agents, each in a workspace of its own (so their shards spread)."""
+    clients = replicas.clients(replicas.replicas[0])
+
+    async def one(index: int) -> Desk:
+        person = await new_workspace(clients, f"{prefix}-{index}")
+        agent = await create_agent(clients, person, f"agent-{index}")
+        return Desk(person, agent.id, shard_of(uuid.UUID(agent.workspace_id), SHARDS))
+
+    made, errors = await bounded([partial(one, i) for i in range(count)], CREATE_CONCURRENCY)
+    if errors:
+        raise BenchError(f"creating the agents failed: {dict(errors)}")
+    return made
+
+
+async def submit(via: Replica, desk: Desk, name: str) -> str:
+    got = await call(
+        via.stub.SubmitTask,
+        rpb.SubmitTaskRequest(agent_id=desk.agent, input=f"{name}: say ok", request_id=name),
+        as_member(desk.person),
+    )
+    return str(got.task.id)
+
+
+async def until_task(via: Replica, desk: Desk, task_id: str, *, done: bool) -> rpb.Task:
+    """The task once it has started (or, with `done`, ended), read through `via`."""
+    async with asyncio.timeout(TASK_LIMIT_S):
+        while True:
+            got = await call(via.stub.GetTask, rpb.GetTaskRequest(task_id=task_id), as_member(desk.person))
+            task: rpb.Task = got.task
+            if task.HasField("end_time" if done else "start_time"):
+                return task
+            await asyncio.sleep(0.01)
+
+
+def started_at(task: rpb.Task) -> float:
+    """The task's stored start, in seconds since the epoch."""
+    return task.start_time.ToMicroseconds() / 1e6
 
 
 # --- the lease table and the database's counters ---------------------------------------------

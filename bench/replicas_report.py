@@ -52,7 +52,9 @@ def _preamble(recorded: Recorded) -> list[str]:
         f"replica fault tests start them (`tests/faults/harness.py`'s `ServiceProcess`), on the same "
         f"database and Redis, with the default leases: {SHARDS:,} shards, a time to live of "
         f"{LEASE_TTL_S:g} s, renewed every {LEASE_RENEW_S:g} s, trusted until {LEASE_MARGIN_S:g} s before "
-        "the end. Agents use the offline model.",
+        "the end. Agents use the offline model. PostgreSQL here allows 100 connections for every "
+        "session on the machine, so each replica and the IM keep at most 12 (`RUNTIME_DB_POOL_SIZE` and "
+        "`IM_DB_POOL_SIZE` 6, plus as many overflow) instead of 32.",
         "",
     ]
 
@@ -331,5 +333,9 @@ def render(result: Result, options: Options, recorded: Recorded) -> str:
     lines += _resident(result)
     lines += _chatter(result, options)
     lines += _targets(result)
+    if result.failed:
+        lines += ["### Parts that did not finish", ""]
+        lines += [f"- {part}: {error}" for part, error in result.failed.items()]
+        lines.append("")
     lines += problems_section(result.problems.items())
     return "\n".join(lines).rstrip() + "\n"
