@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import time
 import uuid
 from collections import Counter
@@ -49,6 +50,8 @@ SETTLE_TIMEOUT_S = 120.0
 # PostgreSQL here allows 100 connections for every session on the machine:
 # each replica and the IM keep at most twice this many (pool and overflow).
 DB_POOL_SIZE = "6"
+# How long a replica with thousands of agents may take to exit after SIGTERM before it is killed.
+STOP_LIMIT_S = 120.0
 TASK_LIMIT_S = 60.0
 
 
@@ -112,8 +115,14 @@ class ReplicaSet:
     async def kill(self, replica: Replica) -> None:
         await asyncio.to_thread(replica.process.kill)
 
-    async def terminate(self, replica: Replica) -> int:
-        return await asyncio.to_thread(replica.process.terminate)
+    async def terminate(self, replica: Replica, *, limit_s: float = 30.0) -> int | None:
+        """SIGTERM, then waits up to `limit_s` for the exit; the exit code, or
+        None if it had to be killed then."""
+        try:
+            return await asyncio.to_thread(replica.process.terminate, timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            await self.kill(replica)
+            return None
 
     def clients(self, replica: Replica) -> Clients:
         return Clients(self.backend.im_stub, replica.stub)

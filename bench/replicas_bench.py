@@ -64,6 +64,7 @@ from bench.harness import (
 from bench.replicas import (
     DB_POOL_SIZE,
     LEASE_RENEW_S,
+    STOP_LIMIT_S,
     TASK_LIMIT_S,
     Desk,
     LeaseTable,
@@ -77,7 +78,7 @@ from bench.replicas import (
     submit,
     until_task,
 )
-from bench.report import add_doc_option, run_and_record
+from bench.report import Recorded, add_doc_option, run_and_record
 from bench.runtime_bench import ChatterSample, chatter_run
 
 # The 10,000 agents of `leases` stay in the database: it comes last.
@@ -103,7 +104,7 @@ class Handoff:
     taken_s: list[float]
     owned_s: list[float]
     started_s: list[float]
-    exit_code: int | None = None
+    exit_code: int | None = None  # after SIGTERM; None after SIGKILL, or killed after SIGTERM
 
 
 async def handoff(
@@ -113,7 +114,7 @@ async def handoff(
     survivor = replicas.replicas[(index + 1) % len(replicas.replicas)]
     ran = [d for d in all_desks if await owner(survivor, d.person, d.agent) == victim.id]
     signalled_wall, signalled = time.time(), time.monotonic()
-    exiting: asyncio.Task[int] | None = None
+    exiting: asyncio.Task[int | None] | None = None
     if kind == "kill":
         await replicas.kill(victim)
     else:
@@ -238,6 +239,7 @@ class Resident:
     listening_s: float = float("nan")
     held_s: float = float("nan")
     quiet_s: float = float("nan")
+    killed: int = 0  # replicas that had not exited STOP_LIMIT_S after SIGTERM
 
 
 async def idle(replicas: ReplicaSet, table: LeaseTable, url: str, agents: int, seconds: float) -> Idle:
@@ -315,8 +317,11 @@ async def leases_part(backend: Backend, logs: Path, options: Options, result: Re
         resident.idle.append(await idle(replicas, table, backend.runtime_url, total, options.idle_seconds))
         print(f"[leases] {total} agents idle: {resident.idle[-1].cpu_ms} ms CPU", flush=True)
         started = time.perf_counter()
-        await asyncio.gather(*(replicas.terminate(r) for r in replicas.replicas))
+        codes = await asyncio.gather(
+            *(replicas.terminate(r, limit_s=STOP_LIMIT_S) for r in replicas.replicas)
+        )
         resident.stopped_s = time.perf_counter() - started
+        resident.killed = codes.count(None)
         since, since_perf = time.monotonic(), time.perf_counter()
         await asyncio.gather(*(replicas.start(r) for r in replicas.replicas))
         resident.listening_s = time.monotonic() - since
@@ -418,10 +423,15 @@ async def run(options: Options) -> tuple[Result, str]:
                         await chatter_part(backend, logs, options, result, im.pid)
                     else:
                         await parts[part](backend, logs, options, result)
-                except BenchError as error:
+                except (BenchError, TimeoutError) as error:
                     # The parts measured so far are still worth a report.
                     result.failed[part] = str(error)
                     print(f"[{part}] failed: {error}", flush=True)
+                # What is measured so far, in case a later part takes the run down.
+                print(
+                    replicas_report.render(result, options, Recorded("(so far)", (version, ""), 0.0)),
+                    flush=True,
+                )
             result.problems["IM service"] = im.problems()
         workdir.keep = options.keep_logs or bool(result.failed) or any(result.problems.values())
     return result, f"{version} (the working tree's services)"

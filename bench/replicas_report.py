@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from bench.replicas import LEASE_MARGIN_S, LEASE_RENEW_S, LEASE_TTL_S, SHARDS
+from bench.replicas import LEASE_MARGIN_S, LEASE_RENEW_S, LEASE_TTL_S, SHARDS, STOP_LIMIT_S
 from bench.report import Recorded, fixed, grouped, percent, problems_section, status, table_head
 from bench.stats import median, median_of, percentile
 
 if TYPE_CHECKING:
     from bench.replicas_bench import Handoff, Idle, Options, Result
+
 
 SECTION = "## Runtime replicas (issue 13)"
 TARGET_CROSS_WAKE_P50_MS = 10.0
@@ -217,7 +218,9 @@ def _resident(result: Result) -> list[str]:
         *table_head(f"{resident.idle[-1].agents:,} agents", "Value"),
         f"| CreateAgent x {resident.created:,} more (32 at a time, over the three replicas) "
         f"| {resident.created_s:.1f} s ({rate:,.0f}/s) |",
-        f"| then SIGTERM to the three at once, until all exited | {resident.stopped_s:.1f} s |",
+        f"| then SIGTERM to the three at once, until all exited | {resident.stopped_s:.1f} s"
+        + (f" ({resident.killed} killed after {STOP_LIMIT_S:.0f} s)" if resident.killed else "")
+        + " |",
         f"| started again, at once: until the last `listening` line | {resident.listening_s:.1f} s |",
         f"| until every one of the {SHARDS:,} shards is held (lease table) | **{resident.held_s:.1f} s** |",
         f"| until the three replicas are idle (every runner started) | {resident.quiet_s:.1f} s |",
