@@ -269,9 +269,11 @@ class LeaseTable:
         )
         return {int(r["shard"]): str(r["owner"]) for r in rows}
 
-    async def settled(self, replicas: Collection[str], *, steady_reads: int = 3) -> float:
+    async def settled(self, replicas: Collection[str]) -> float:
         """Seconds until every shard is held by one of `replicas`, each of them
-        holds some, and nothing has moved for `steady_reads` reads 0.5 s apart."""
+        holds some, and nothing has moved for two renewal intervals and a half
+        (each replica moves shards once per interval, each at its own moment)."""
+        steady_reads = int(2.5 * LEASE_RENEW_S / 0.5)
         started = time.monotonic()
         last: dict[int, str] = {}
         steady = 0

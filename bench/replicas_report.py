@@ -77,7 +77,8 @@ def _failover(handoffs: Sequence[Handoff]) -> list[str]:
         "when "
         "the other replica's `GetAgent` names a new owner (as it last saw the leases, so up to one renewal "
         "late), *answering* when the agent's task started on the new owner (its stored start time), and "
-        "*both* the later of the two, per agent. The victim is started again and the shards settle "
+        "*both* the later of *owned* and *answering*, per agent. The victim is started again and the "
+        "shards settle "
         "before the next fault (during this part a replica gives back up to 1,024 shards per round "
         "instead of 64, so settling takes one round; taking expired or released shards is never "
         "bounded).",
