@@ -435,11 +435,21 @@ class ChatterSample:
 
 
 async def chatter_run(
-    clients: Clients, pids: Mapping[str, int], *, pairs: int, seconds: float, run: int
+    clients: Clients, pids: Mapping[str, int], *, pairs: int, seconds: float, run: int, workspaces: int = 1
 ) -> ChatterSample:
-    person = await new_workspace(clients, f"bench-chatter-{pairs}-{run}")
+    """Pairs of agents answering each other, the pairs spread over
+    `workspaces` workspaces (among runtime replicas, a workspace's agents run
+    on the replica that holds its shard: one workspace keeps them all on one)."""
+    persons = [
+        await new_workspace(clients, f"bench-chatter-{pairs}-{run}" + (f"-{w}" if workspaces > 1 else ""))
+        for w in range(workspaces)
+    ]
     created, errors = await bounded(
-        [partial(create_agent, clients, person, n) for i in range(pairs) for n in (f"a{i}", f"b{i}")],
+        [
+            partial(create_agent, clients, persons[i % workspaces], n)
+            for i in range(pairs)
+            for n in (f"a{i}", f"b{i}")
+        ],
         CREATE_CONCURRENCY,
     )
     by_name = {a.name: a for a in created}
@@ -452,18 +462,22 @@ async def chatter_run(
     groups = [
         g for g in await asyncio.gather(*(direct_chat(clients, a.member_id, b.member_id) for a, b in couples))
     ]
-    workspace = (
-        await clients.im.GetMember(
-            im_pb2.GetMemberRequest(member_id=person), metadata=as_member(person), timeout=CALL_TIMEOUT_S
+    watches = []
+    for person in persons:
+        workspace = (
+            await clients.im.GetMember(
+                im_pb2.GetMemberRequest(member_id=person), metadata=as_member(person), timeout=CALL_TIMEOUT_S
+            )
+        ).member.workspace_id
+        watches.append(
+            clients.im.WatchEvents(
+                im_pb2.WatchEventsRequest(workspace_id=workspace), metadata=as_service("runtime")
+            )
         )
-    ).member.workspace_id
-    watch = clients.im.WatchEvents(
-        im_pb2.WatchEventsRequest(workspace_id=workspace), metadata=as_service("runtime")
-    )
     last_in_group: dict[str, int] = {}
     hops: list[tuple[int, float]] = []  # (received ns, ms since the previous message of its group)
 
-    async def count() -> None:
+    async def count(watch: Any) -> None:
         async for response in watch:
             if response.WhichOneof("event") != "message_created":
                 continue
@@ -474,9 +488,10 @@ async def chatter_run(
             if previous is not None:
                 hops.append((now, ms(now - previous)))
 
-    counter = asyncio.create_task(count())
+    counters = [asyncio.create_task(count(w)) for w in watches]
     try:
-        await asyncio.wait_for(watch.initial_metadata(), CALL_TIMEOUT_S)
+        for watch in watches:
+            await asyncio.wait_for(watch.initial_metadata(), CALL_TIMEOUT_S)
         # Let the runtime's own IM watch take in the new agents before the first message.
         await asyncio.sleep(0.5)
         # Agents answer an agent's answer only when it names them (issue 10):
@@ -502,12 +517,14 @@ async def chatter_run(
         meter.stop()
         end = time.monotonic_ns()
     finally:
-        counter.cancel()
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-            await counter
+        for counter, watch in zip(counters, watches, strict=True):
+            counter.cancel()
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await counter
     in_window = [gap for at, gap in hops if begin <= at < end]
-    await delete_agents(clients, person, created)
+    for index, person in enumerate(persons):
+        await delete_agents(clients, person, [a for a in created if int(a.name[1:]) % workspaces == index])
     return ChatterSample(
         pairs=len(couples),
         hops=len(in_window),
