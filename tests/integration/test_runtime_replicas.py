@@ -7,14 +7,18 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 import grpc
 import pytest
+from uuid_utils.compat import uuid7
 
 from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from services.runtime import bootstrap
+from services.runtime.adapters.sql import Database, SqlAgentStore
 from services.runtime.config import Settings
+from services.runtime.domain.model import Task, TaskStatus
 from tests.auth_support import service_environment
 from tests.conftest import RunningIM, World, make_world
 from tests.faults.harness import RedisProcess
@@ -248,3 +252,40 @@ async def test_a_runtime_without_redis_refuses_to_start_beside_replicas(
             await lone.start()
     finally:
         await lone.stop()
+
+
+async def test_a_task_queued_while_its_shard_had_no_owner_runs_once_the_next_owner_takes_it(
+    im: RunningIM, replicas: Replicas, own_runtime_url: str
+) -> None:
+    # Reconciling far later than the test waits: only taking the shard may start the task.
+    slow_reconcile = {"RUNTIME_RECONCILE_SECONDS": "120"}
+    first = await replicas("r1", **slow_reconcile)
+    world = await make_world(im.stub, people=1)
+    agent = (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=world.md(0))).agent
+    # A chat answered: the workspace's IM cursor is saved, so the next owner
+    # starts the idle agent waiting for the IM's replay, not looking around.
+    await ask_and_count(im, [world], [agent], "hello")
+    await asyncio.sleep(1.5)
+    await first.app.stop()
+    # Queued straight into the database while no replica runs the agent, with
+    # nobody told (the word went to an owner that was leaving, or nowhere).
+    database = Database(own_runtime_url)
+    try:
+        store = SqlAgentStore(database)
+        stored = await store.get_agent(uuid.UUID(agent.id))
+        assert stored is not None
+        task = Task(
+            id=uuid7(),
+            agent_id=stored.id,
+            session_id=stored.session_id,
+            input="say hello",
+            status=TaskStatus.QUEUED,
+            created_at=datetime.now(UTC),
+            request_id="while-moving",
+        )
+        await store.add_task(task)
+    finally:
+        await database.aclose()
+    second = await replicas("r2", **slow_reconcile)
+    done = await task_done(second, world, str(task.id))
+    assert done.result

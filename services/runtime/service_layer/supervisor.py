@@ -141,6 +141,10 @@ class Supervisor(Runners):
         # The cursors as the last owner saved them: its watches' replay starts there.
         self._cursors.update(await self._env.store.watch_cursors())
         self._start_all(mine)
+        # A task queued while the shard moved (its word went to the last
+        # owner, or nowhere) is taken now, not at the next reconcile.
+        for agent_id in await self._env.store.agents_with_waiting_tasks() & set(ids):
+            self.look_again(agent_id)
         logger.info("shards gained: %d, with %d agents", len(shards), len(mine))
 
     async def shards_lost(self, shards: frozenset[int]) -> None:
