@@ -18,6 +18,7 @@ from services.runtime.bootstrap import RuntimeApp
 from services.runtime.domain.commands import CreateAgent, UpdateAgent, WakeAgent
 from services.runtime.domain.errors import (
     ContextTooLong,
+    IMError,
     IMUnavailable,
     InvalidAgentRequest,
     LLMRejected,
@@ -1083,3 +1084,20 @@ async def test_a_wake_takes_the_message_from_its_event_without_asking_the_im(h: 
         await h.settle(ada)
     assert len([m for m in h.im.in_group(chat.id) if m.sender_id == ada.member_id]) == 5
     assert not h.im.unread_reads, "one push per wake: no GetAllUnread"
+
+
+async def test_an_answer_the_im_had_under_its_key_already_counts_as_sent(h: Harness) -> None:
+    # Another replica sent this step's answer before a handoff, knowing the
+    # chat a little differently: the IM refuses the key for other content.
+    reused = IMError("request_id 'answer/...' was already used for a different message")
+    reused.relayed_status = "ALREADY_EXISTS"
+    h.im.send_failures.append(reused)
+    ada = await h.agent()
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    h.im.post(h.human, chat.id, "hi ada")
+    await asyncio.sleep(0)
+    await h.settle(ada)
+    (run,) = h.store.runs.values()
+    assert run.status is RunStatus.COMPLETED, run.error
+    assert [m.content for m in h.im.in_group(chat.id)] == ["hi ada"], "not sent a second time"
+    assert h.app.runners.live(ada.id) is not None and h.store.agents[ada.id].state is AgentState.IDLE

@@ -417,14 +417,27 @@ class OneRun(Inbox, Context):
             return
         names = await self._names(group_id) if "@" in content else {}
         for index, part in enumerate(split_reply(content, self._env.settings.max_reply_bytes)):
-            await self._env.im.send_message(
-                self.agent.member_id,
-                group_id,
-                part,
-                mentions=mentioned(part, names, author=self.agent.member_id) if "@" in part else (),
-                metadata=answer_metadata(said.run_id, to_an_answer=self._to_an_answer),
-                request_id=answer_request_id(said.id, index),
-            )
+            try:
+                await self._env.im.send_message(
+                    self.agent.member_id,
+                    group_id,
+                    part,
+                    mentions=mentioned(part, names, author=self.agent.member_id) if "@" in part else (),
+                    metadata=answer_metadata(said.run_id, to_an_answer=self._to_an_answer),
+                    request_id=answer_request_id(said.id, index),
+                )
+            except IMError as refused:
+                if refused.relayed_status != "ALREADY_EXISTS":
+                    raise
+                # Sent before under this step's key, by a runner (maybe another
+                # replica's, before a handoff) that knew the chat a little
+                # differently (mentions, metadata): it went out once, and stays so.
+                logger.info(
+                    "agent %s: part %d of step %d's answer was sent before",
+                    self.agent.id,
+                    index,
+                    said.sequence,
+                )
 
     async def _names(self, group_id: uuid.UUID) -> dict[uuid.UUID, str]:
         """The display names of the chat's members, to find whom an answer @names."""
