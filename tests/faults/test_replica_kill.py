@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import random
 import time
 import uuid
@@ -35,7 +36,7 @@ from agentim.im.v1 import im_pb2
 from agentim.runtime.v1 import runtime_pb2 as rpb
 from agentim.runtime.v1 import runtime_pb2_grpc
 from tests.conftest import RunningIM, World, make_world
-from tests.faults.harness import RedisProcess, ServiceProcess, clean_environment, migrate, scaled
+from tests.faults.harness import LONG, RedisProcess, ServiceProcess, clean_environment, migrate, scaled
 from tests.faults.llm import DecidingLLM, instruction
 from tests.faults.test_im_kill import FAST_RECONNECT, RETRYABLE
 from tests.identities import as_member, learning_channel
@@ -156,8 +157,9 @@ async def cluster(
         for i in range(REPLICAS)
     ]
     try:
+        # Started side by side, in threads: the test's IMs keep serving meanwhile.
+        await asyncio.gather(*(asyncio.to_thread(process.start) for process in processes))
         for process in processes:
-            process.start()
             process.pin_address("RUNTIME_GRPC_ADDRESS")
         # The client talks to r0, never faulted: most calls cross to the owner.
         channel = learning_channel(processes[0].address, options=FAST_RECONNECT)
@@ -235,7 +237,7 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
     ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
     im = ims[0]
-    kills = scaled(4, long=20)
+    kills = scaled(3, long=20)
     async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path) as replicas:
         rng = random.Random(uuid.uuid4().int)
         async with asking(im, replicas):
@@ -244,7 +246,7 @@ async def test_killing_replicas_mid_run_loses_and_repeats_nothing(
                 victim = rng.choice(replicas.processes[1:])
                 victim.kill()
                 await asyncio.sleep(rng.uniform(0.0, 0.5))
-                victim.start()
+                await asyncio.to_thread(victim.start)
         counters, settled_in = await settled(im, replicas)
     said = summary("replica kill", f"{kills} kills of {REPLICAS} replicas", counters, settled_in)
     print(said)
@@ -387,6 +389,13 @@ _STOPPED_BY_PROOF = "stops here: shard"  # a runner's write refused before it le
 _PROOF_GONE = "can no longer be proven"  # the woken keeper stopping its runners
 
 
+# In `make test` the clock-skew case (`test_replica_clock.py`) freezes replicas
+# past their leases the same way, with their clocks 30 s apart, and asserts the
+# same; this unskewed form runs in `make faults`, and where libfaketime is missing.
+_SKEWED_FREEZE_RUNS = not LONG and bool(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+
+
+@pytest.mark.skipif(_SKEWED_FREEZE_RUNS, reason="make test freezes replicas in the clock-skew case (9)")
 @pytest.mark.timeout(scaled(150, long=400))
 async def test_a_replica_frozen_past_its_lease_is_refused_and_stops(
     ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, tmp_path: Path
@@ -571,7 +580,7 @@ async def test_a_rolling_restart_fails_no_call_and_hands_over_without_waiting_fo
                             await asyncio.sleep(0.05)
                     if ran:
                         handoffs.append(time.monotonic() - stopped_at)
-                    victim.start()
+                    await asyncio.to_thread(victim.start)
         counters, settled_in = await settled(im, replicas)
         for channel in channels:
             await channel.close()

@@ -142,7 +142,7 @@ async def test_watches_and_controls_through_a_non_owner_across_handoffs_miss_and
     ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, llm: DecidingLLM, tmp_path: Path
 ) -> None:
     im = ims[0]
-    faults = scaled(4, long=16)
+    faults = scaled(3, long=16)
     async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path) as replicas:
         runtime = replicas.runtime
         # The last agent is only paused and resumed; the others work.
@@ -165,7 +165,7 @@ async def test_watches_and_controls_through_a_non_owner_across_handoffs_miss_and
                     signals["SIGKILL"] += 1
                     victim.kill()
                     await asyncio.sleep(rng.uniform(0.0, 0.5))
-                victim.start()
+                await asyncio.to_thread(victim.start)
         counters, settled_in = await settled(im, replicas)
         stored = {w.desk.agent.id: await stored_steps(runtime, w.desk) for w in watches}
         # The last steps' events reach the watches a moment after they are stored.
