@@ -157,9 +157,9 @@ async def cluster(
         for i in range(REPLICAS)
     ]
     try:
-        # Started side by side, in threads: the test's IMs keep serving meanwhile.
-        await asyncio.gather(*(asyncio.to_thread(process.start) for process in processes))
         for process in processes:
+            # In a thread: the test's IMs keep serving meanwhile.
+            await asyncio.to_thread(process.start)
             process.pin_address("RUNTIME_GRPC_ADDRESS")
         # The client talks to r0, never faulted: most calls cross to the owner.
         channel = learning_channel(processes[0].address, options=FAST_RECONNECT)
@@ -437,20 +437,29 @@ async def freeze_mid_run(replicas: Cluster) -> tuple[ServiceProcess, float]:
     """Asks an agent that r1 or r2 runs, freezes that replica once the agent
     is RUNNING, thaws it after its leases have expired; returns it and when it was thawed."""
     ids = {p.env["RUNTIME_REPLICA_ID"]: p for p in replicas.processes[1:]}
-    async with asyncio.timeout(30):
-        while True:
-            for desk in replicas.desks:
-                got = await call(
-                    replicas.runtime.GetAgent, rpb.GetAgentRequest(agent_id=desk.agent.id), desk.world.md(0)
-                )
-                agent = got.agent  # type: ignore[attr-defined]
-                if agent.replica in ids and agent.state == rpb.AGENT_STATE_RUNNING:
-                    victim = ids[agent.replica]
-                    victim.freeze()
-                    await asyncio.sleep(TTL_SECONDS + 2)
-                    victim.thaw()
-                    return victim, time.time()
-            await asyncio.sleep(0.05)
+    seen: Counter[tuple[str, str]] = Counter()
+    try:
+        async with asyncio.timeout(30):
+            while True:
+                for desk in replicas.desks:
+                    got = await call(
+                        replicas.runtime.GetAgent,
+                        rpb.GetAgentRequest(agent_id=desk.agent.id),
+                        desk.world.md(0),
+                    )
+                    agent = got.agent  # type: ignore[attr-defined]
+                    seen[(agent.replica or "(moving)", rpb.AgentState.Name(agent.state))] += 1
+                    if agent.replica in ids and agent.state == rpb.AGENT_STATE_RUNNING:
+                        victim = ids[agent.replica]
+                        victim.freeze()
+                        await asyncio.sleep(TTL_SECONDS + 2)
+                        victim.thaw()
+                        return victim, time.time()
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(
+            f"no agent of r1 or r2 was RUNNING within 30 s; (owner, state) seen: {dict(seen)}"
+        ) from None
 
 
 async def noticed(victim: ServiceProcess, thawed_at: float) -> float:
