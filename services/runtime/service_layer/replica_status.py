@@ -67,8 +67,8 @@ class ReplicaStatus:
             fields = json.loads(text) if text else {}
         except ValueError:
             fields = {}
-        known = {f.name: f.type for f in dataclasses.fields(cls)}
-        values: dict[str, Any] = {name: 0 for name in known}
+        known = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = dict.fromkeys(known, 0)
         values |= {"leases_proven": False, "link_degraded": False}
         if isinstance(fields, dict):
             values |= {name: value for name, value in fields.items() if name in known}
