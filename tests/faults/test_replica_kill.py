@@ -620,7 +620,7 @@ async def test_a_fourth_replica_takes_a_quarter_of_the_shards_and_nothing_else_m
     most loaded replica holds at most 1.25 times the average, and nothing is
     lost or doubled."""
     im = ims[0]
-    async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path) as replicas:
+    async with cluster(ims, own_runtime_url, redis_url, llm, tmp_path, LOG_LEVEL="INFO") as replicas:
         async with asking(im, replicas):
             before = await settled_owners(own_runtime_url, 3)
             replicas.add()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from services.common import errors
 from services.common.identity import Caller
 from services.runtime.bootstrap import RuntimeApp
 from services.runtime.domain.commands import CreateAgent, UpdateAgent, WakeAgent
@@ -922,6 +923,41 @@ async def test_a_restart_resumes_the_im_watch_and_wakes_only_the_agents_it_conce
     assert len(h.im.in_group(chat.id)) == 4
     # The replay brought the message to ada: nobody asked the IM for unread messages.
     assert not h.im.unread_reads
+
+
+async def test_a_message_left_for_a_retry_is_not_skipped_by_the_saved_cursor(h: Harness) -> None:
+    """A runner that meets the database away waits before it tries again,
+    idle meanwhile: the cursor saved then must not pass the message it still
+    owes an answer, or the next start (a restart, another replica taking the
+    shard) replays from after it and nobody ever answers it."""
+    ada = await h.agent("ada")
+    chat = h.im.group("", h.human, ada.member_id, direct=True)
+    await h.settle(ada)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert h.store.cursors, "the watch's start was saved"
+    await h.crash()
+    await h.restart()  # ada waits for the replay: she reads her marks with the first message
+    real = h.store.read_marks
+    tried = asyncio.Event()
+
+    async def away(agent_id: uuid.UUID) -> dict[uuid.UUID, uuid.UUID]:
+        tried.set()
+        raise errors.Unavailable("the database is restarting")
+
+    h.store.read_marks = away  # type: ignore[method-assign]
+    h.im.post(h.human, chat.id, "are you there?")
+    await asyncio.wait_for(tried.wait(), WAIT)
+    await h.settle(ada)
+    for _ in range(20):
+        await asyncio.sleep(0)
+    await h.crash()  # before the runner's retry
+    h.store.read_marks = real  # type: ignore[method-assign]
+    await h.restart()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    await h.settle(ada)
+    assert [m.content for m in h.im.in_group(chat.id)][-1] == "Hello Alice!"
 
 
 async def test_agents_that_were_busy_look_at_once_after_a_restart(h: Harness) -> None:

@@ -388,9 +388,17 @@ class Supervisor(Runners):
             if r.agent.workspace_id == workspace_id and not r.idle.is_set()
         ]:
             await asyncio.gather(*busy)
-        # No await since the check: every event routed so far has been dealt with.
+        # No await since the check: every event routed so far has been dealt
+        # with, unless an idle agent still owes input (it met the database or
+        # the IM away and waits to try again). Its next start would look for
+        # unread messages only if it were not idle, so the cursor stays: the
+        # next event saves it again.
         cursor = self._cursors.get(workspace_id)
-        if cursor is None:
+        if cursor is None or any(
+            r.owes_input and r.agent.state is AgentState.IDLE
+            for r in self._runners.values()
+            if r.agent.workspace_id == workspace_id
+        ):
             return
         try:
             fence = self._env.fences.fence_for(workspace_id)

@@ -35,6 +35,12 @@ class Inbox(RunnerCore):
             self._inbox[message.id] = message
         self.wake()
 
+    @property
+    def owes_input(self) -> bool:
+        """Whether messages wait to be read in (or the IM to be asked for
+        them): after a failure, a runner idles until its retry with them."""
+        return bool(self._inbox) or self._catch_up
+
     def catch_up(self) -> None:
         """Makes the runner ask the IM for its unread messages: the events
         may not have brought them all (at the start, after a gap)."""
