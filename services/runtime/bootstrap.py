@@ -85,6 +85,9 @@ SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_na
 # (Redis) loses no messages.
 LEASES_HEALTH_NAME = f"{SERVICE_NAME}/leases"
 REPLICAS_HEALTH_NAME = f"{SERVICE_NAME}/replicas"
+# The lease keeper's own pool (as many again at a peak): a round is a few
+# statements, one after another.
+LEASE_CONNECTIONS = 1
 # The calls each member may make only so often (see services.common.ratelimit).
 RATE_LIMITED = {
     f"/{SERVICE_NAME}/{m}": "create"
@@ -328,7 +331,7 @@ def build(
     read_positions = _read_positions(settings, im, cleanups)
     factory = AgentFactory(store=store, im=im, tools=tools, clock=clock)
     # Among several replicas, this one runs the agents of the shards it holds.
-    leases = _lease_keeper(settings, database, lambda: supervisor)
+    leases = _lease_keeper(settings, database, lambda: supervisor, cleanups)
     hub, relay = _hub(settings, leases, lambda: supervisor, cleanups)
     queue = StoredTaskQueue(
         store=store,
@@ -563,12 +566,23 @@ def _hub(
 
 
 def _lease_keeper(
-    settings: Settings, database: Database | None, supervisor: Callable[[], Supervisor | None]
+    settings: Settings,
+    database: Database | None,
+    supervisor: Callable[[], Supervisor | None],
+    cleanups: list[Callable[[], Awaitable[None]]],
 ) -> LeaseKeeper | None:
     """The keeper of this replica's shard leases, which starts and stops the
-    `supervisor`'s runners as shards come and go; None for a lone runtime."""
+    `supervisor`'s runners as shards come and go; None for a lone runtime.
+
+    Its statements have connections of their own: a renewal queued behind
+    thousands of runners for the shared pool would come too late, and every
+    runner would stop for it."""
     if settings.leases is None or database is None:
         return None
+    own = Database(
+        settings.database_url, pool_size=LEASE_CONNECTIONS, application_name="agentim-runtime-leases"
+    )
+    cleanups.append(own.aclose)  # after the keeper has released its leases
 
     async def gained(shards: frozenset[int]) -> None:
         if (runs := supervisor()) is not None:
@@ -582,9 +596,7 @@ def _lease_keeper(
         runs = supervisor()
         return runs is not None and runs.busy(shard)
 
-    return LeaseKeeper(
-        store=SqlLeases(database), settings=settings.leases, gained=gained, lost=lost, busy=busy
-    )
+    return LeaseKeeper(store=SqlLeases(own), settings=settings.leases, gained=gained, lost=lost, busy=busy)
 
 
 def _message_bus(

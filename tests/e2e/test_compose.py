@@ -26,6 +26,7 @@ import yaml
 from services.common.settings import ConfigError
 from services.common.tls import make_dev_certs
 from services.im.adapters.service_credentials import ensure_embedded_credentials
+from services.runtime.bootstrap import LEASE_CONNECTIONS
 
 from . import ROOT, IMProcess, im_environment, in_ci, migrate_im, python_module, running_im
 
@@ -440,7 +441,7 @@ def test_compose_postgres_has_room_for_every_replicas_pool_at_its_peak(
     loaded = _load_settings(compose, tmp_path)
     peak = {
         "im": 2 * loaded["im"].db_pool_size * services["im"]["deploy"]["replicas"],
-        "runtime": 2 * loaded["runtime"].db_pool_size * 3,
+        "runtime": 2 * (loaded["runtime"].db_pool_size + LEASE_CONNECTIONS) * 3,
         "memory": 2 * 16,
     }
     # Migrations, health probes and an operator's psql.

@@ -86,3 +86,21 @@ async def test_runs_left_running_by_agents_that_are_not_are_ended(store: SqlAgen
     assert (ended.status, ended.error) == (RunStatus.INTERRUPTED, "stopped") and ended.ended_at is not None
     (kept,) = await store.list_runs(busy.id, before=None, limit=1)
     assert kept.status is RunStatus.RUNNING, "a RUNNING agent's run is its runner's to go on with"
+
+
+async def test_ending_stale_runs_of_some_agents_leaves_the_others(store: SqlAgentStore) -> None:
+    """A replica that gains shards ends the stale runs of their agents only
+    (of thousands of them at once: more ids than one statement takes)."""
+    mine, others = make_agent(), make_agent()
+    stale = {}
+    for agent in (mine, others):
+        await store.add_agent(agent)
+        stale[agent.id] = make_run(agent)
+        await store.begin_run(stale[agent.id], dataclasses.replace(agent, state=AgentState.RUNNING), [])
+        await store.save_progress(dataclasses.replace(agent, state=AgentState.IDLE))
+    ids = [mine.id] + [uuid7() for _ in range(2500)]
+    assert await store.end_stale_runs(error="stopped", at=now(), agent_ids=ids) == 1
+    (ended,) = await store.list_runs(mine.id, before=None, limit=1)
+    assert ended.status is RunStatus.INTERRUPTED
+    (kept,) = await store.list_runs(others.id, before=None, limit=1)
+    assert kept.status is RunStatus.RUNNING, "another replica's agent"

@@ -212,6 +212,22 @@ async def test_all_agents_lists_every_live_agent(store: SqlAgentStore) -> None:
     assert ids == sorted(ids)
 
 
+async def test_agent_places_and_get_agents_skip_deleted_agents(store: SqlAgentStore) -> None:
+    agents = [make_agent() for _ in range(5)]
+    for agent in agents:
+        await store.add_agent(agent)
+    await store.delete_agent(agents[1].id)
+    places = await store.agent_places()
+    assert {a.id: a.workspace_id for a in agents if a.id != agents[1].id}.items() <= places.items()
+    assert agents[1].id not in places
+    # More ids than one statement takes (unknown ones among them).
+    found = await store.get_agents([a.id for a in agents] + [uuid.uuid4() for _ in range(2500)])
+    assert sorted(found, key=lambda a: a.id) == sorted(
+        [a for a in agents if a.id != agents[1].id], key=lambda a: a.id
+    )
+    assert await store.get_agents([]) == []
+
+
 async def test_create_requests_are_recorded_once(store: SqlAgentStore) -> None:
     scope = uuid.uuid4()
     first = make_agent()

@@ -431,6 +431,12 @@ class InMemoryAgentStore(AgentStore):
     async def all_agents(self) -> list[Agent]:
         return [a for a in self.agents.values() if a.id not in self.deleted]
 
+    async def agent_places(self) -> dict[uuid.UUID, uuid.UUID]:
+        return {a.id: a.workspace_id for a in await self.all_agents()}
+
+    async def get_agents(self, agent_ids: Collection[uuid.UUID]) -> list[Agent]:
+        return [a for i in agent_ids if (a := await self.get_agent(i)) is not None]
+
     async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
         self._audited(audit)
         self.agents[agent.id] = agent

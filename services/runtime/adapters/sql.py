@@ -75,12 +75,20 @@ IDLE_IN_TRANSACTION_MS = 5_000
 class Database(SqlDatabase):
     """The runtime's engine (schema `runtime`)."""
 
-    def __init__(self, url: str, *, pool_size: int = 16, busy_timeout_seconds: float = 10.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        pool_size: int = 16,
+        busy_timeout_seconds: float = 10.0,
+        application_name: str | None = None,
+    ) -> None:
         super().__init__(
             url,
             schema=SCHEMA,
             write_option=_WRITE,
             pool_size=pool_size,
+            application_name=application_name,
             # A transaction whose client went silent (cut off by a partition,
             # frozen) would keep its locks until TCP gives up, hours later:
             # among them the FOR SHARE locks of fenced writes on lease rows,
@@ -289,6 +297,8 @@ def _step(row: sa.Row[Any]) -> Step:
 
 
 _live = sa.not_(agents.c.deleted)
+# Ids bound per IN (...) list: far below what either database takes in one statement.
+_IDS_PER_QUERY = 1000
 
 
 class SqlAgentStore(AgentStore):
@@ -386,6 +396,19 @@ class SqlAgentStore(AgentStore):
 
     async def all_agents(self) -> list[Agent]:
         return [_agent(r) for r in await self._rows(agents.select().where(_live).order_by(agents.c.id))]
+
+    async def agent_places(self) -> dict[uuid.UUID, uuid.UUID]:
+        rows = await self._rows(sa.select(agents.c.id, agents.c.workspace_id).where(_live))
+        return {row.id: row.workspace_id for row in rows}
+
+    async def get_agents(self, agent_ids: Collection[uuid.UUID]) -> list[Agent]:
+        wanted, found = sorted(agent_ids), []
+        for start in range(0, len(wanted), _IDS_PER_QUERY):
+            chunk = wanted[start : start + _IDS_PER_QUERY]
+            found += [
+                _agent(r) for r in await self._rows(agents.select().where(agents.c.id.in_(chunk), _live))
+            ]
+        return found
 
     async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
         await self._write(_update_agent(agent), audit=audit)
@@ -809,15 +832,25 @@ class SqlAgentStore(AgentStore):
         self, *, error: str, at: datetime, agent_ids: Collection[uuid.UUID] | None = None
     ) -> int:
         idle = sa.select(agents.c.id).where(agents.c.state != AgentState.RUNNING.value)
-        if agent_ids is not None:
-            idle = idle.where(agents.c.id.in_(list(agent_ids)))
+        wanted = sorted(agent_ids) if agent_ids is not None else None
+        chunks = (
+            [idle]
+            if wanted is None
+            else [
+                idle.where(agents.c.id.in_(wanted[start : start + _IDS_PER_QUERY]))
+                for start in range(0, len(wanted), _IDS_PER_QUERY)
+            ]
+        )
+        ended = 0
         async with self._db.transaction() as conn:
-            ended = await conn.execute(
-                runs.update()
-                .where(runs.c.status == RunStatus.RUNNING.value, runs.c.agent_id.in_(idle))
-                .values(status=RunStatus.INTERRUPTED.value, error=error, ended_at=at)
-            )
-            return int(ended.rowcount)
+            for chunk in chunks:
+                result = await conn.execute(
+                    runs.update()
+                    .where(runs.c.status == RunStatus.RUNNING.value, runs.c.agent_id.in_(chunk))
+                    .values(status=RunStatus.INTERRUPTED.value, error=error, ended_at=at)
+                )
+                ended += int(result.rowcount)
+        return ended
 
     async def queue_stats(self, agent_id: uuid.UUID) -> tuple[int, int, float]:
         if self._db.is_sqlite:

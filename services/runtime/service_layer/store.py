@@ -68,6 +68,15 @@ class AgentStore(abc.ABC):
         """Every agent that was not deleted (to start their runners)."""
 
     @abc.abstractmethod
+    async def agent_places(self) -> dict[uuid.UUID, uuid.UUID]:
+        """Every agent that was not deleted, by id, with its workspace: what
+        a replica needs to tell which agents it runs, without reading them."""
+
+    @abc.abstractmethod
+    async def get_agents(self, agent_ids: Collection[uuid.UUID]) -> list[Agent]:
+        """Those of the agents that exist and were not deleted."""
+
+    @abc.abstractmethod
     async def update_agent(self, agent: Agent, *, audit: AuditRecord | None = None) -> None:
         """Replaces the stored agent's settings, state, error and token count."""
 

@@ -131,19 +131,21 @@ class Supervisor(Runners):
         """
         sharding = self._sharding
         assert sharding is not None
-        mine = [a for a in await self._env.store.all_agents() if sharding.shard(a.workspace_id) in shards]
+        store = self._env.store
+        places = await store.agent_places()
+        mine = await store.get_agents([a for a, w in places.items() if sharding.shard(w) in shards])
         if not mine:
             return
         ids = [a.id for a in mine]
-        await self._env.store.end_stale_runs(error=STOPPED_DURING_RUN, at=self._env.clock(), agent_ids=ids)
+        await store.end_stale_runs(error=STOPPED_DURING_RUN, at=self._env.clock(), agent_ids=ids)
         if self._env.tasks is not None:
             self._env.tasks.adopt(ids)
         # The cursors as the last owner saved them: its watches' replay starts there.
-        self._cursors.update(await self._env.store.watch_cursors())
+        self._cursors.update(await store.watch_cursors())
         self._start_all(mine)
         # A task queued while the shard moved (its word went to the last
         # owner, or nowhere) is taken now, not at the next reconcile.
-        for agent_id in await self._env.store.agents_with_waiting_tasks() & set(ids):
+        for agent_id in await store.agents_with_waiting_tasks() & set(ids):
             self.look_again(agent_id)
         logger.info("shards gained: %d, with %d agents", len(shards), len(mine))
 
@@ -264,11 +266,16 @@ class Supervisor(Runners):
         sharding = self._sharding
         if sharding is None:
             return
-        agents = [a for a in await self._env.store.all_agents() if sharding.runs_here(a.workspace_id)]
-        present = {a.id for a in agents}
+        # Ids and workspaces only: at every interval, reading whole agents
+        # (thousands of them, idle) would cost a replica more than the rest.
+        store = self._env.store
+        present = {
+            a for a, workspace in (await store.agent_places()).items() if sharding.runs_here(workspace)
+        }
         for agent_id in [a for a in self._runners if a not in present]:
             await self.stop_agent(agent_id)  # deleted meanwhile
-        self._start_all(agents)
+        created = await store.get_agents([a for a in present if a not in self._runners])
+        self._start_all(a for a in created if sharding.runs_here(a.workspace_id))
         for agent_id in await self._env.store.agents_with_waiting_tasks():
             if agent_id in self._runners:
                 self.look_again(agent_id)
