@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RunningIM, unavailable
-from tests.faults.harness import LONG, ROOT, ServiceProcess, scaled
+from tests.faults.harness import ROOT, ServiceProcess, scaled
 from tests.faults.llm import DecidingLLM
 from tests.faults.test_replica_cut import logged_at
 from tests.faults.test_replica_kill import (
@@ -74,12 +74,6 @@ def clock_offset(settings: dict[str, str]) -> float:
     return float(shown) - (before + time.time()) / 2
 
 
-# Open: in one CI run this case waited 30 s for an agent of r1 or r2 to be
-# RUNNING and found none (r1 and r2 logged nothing). It runs in `make faults`
-# until that is understood; `make test` freezes unskewed replicas (case 2).
-@pytest.mark.skipif(
-    not LONG, reason="runs in `make faults`: an open flake, no agent of r1/r2 seen running (issue 13)"
-)
 @pytest.mark.timeout(scaled(150, long=400))
 async def test_replicas_whose_clocks_disagree_keep_one_owner_per_agent(
     ims: tuple[RunningIM, RunningIM], own_runtime_url: str, redis_url: str, tmp_path: Path

@@ -364,6 +364,35 @@ async def test_steps_lost_between_replicas_come_from_the_store_in_order(h: Harne
     assert isinstance(got[3].event, StepStarted) and got[3].event.sequence == 4
 
 
+async def test_a_completion_lost_before_the_next_steps_start_comes_from_the_store(h: Harness) -> None:
+    """The old owner stored step 2 and died before its completion left; the
+    next owner's start of step 3 shows the watch what it missed."""
+    ada = await h.agent()
+    await h.store.append_step(a_step(ada, 1))
+    stream = await watching(h, ada)
+    run = uuid.uuid4()
+    got = await take(stream, 1)  # step 1, replayed
+    said(h, ada, StepStarted(run, 2, Role.ASSISTANT))
+    got += await take(stream, 1)
+    await h.store.append_step(a_step(ada, 2))
+    said(h, ada, StepStarted(run, 3, Role.ASSISTANT))
+    await h.store.append_step(a_step(ada, 3))
+    said(h, ada, StepCompleted(a_step(ada, 3)))
+    got += await take(stream, 3)
+    await stream.aclose()
+    shown = [
+        (type(e).__name__, e.step.sequence if isinstance(e, StepCompleted) else e.sequence)  # type: ignore[attr-defined]
+        for e in (emitted.event for emitted in got)
+    ]
+    assert shown == [
+        ("StepCompleted", 1),
+        ("StepStarted", 2),
+        ("StepCompleted", 2),  # whole from the store, not said aborted: it was not
+        ("StepStarted", 3),
+        ("StepCompleted", 3),
+    ]
+
+
 async def test_deltas_of_a_step_whose_start_this_watch_never_saw_wait_for_its_completion(h: Harness) -> None:
     ada = await h.agent()
     stream = await watching(h, ada)

@@ -166,16 +166,21 @@ class _Feed:
                 return
 
     async def missed_before(self, emitted: Emitted) -> AsyncGenerator[Emitted, None]:
-        """The stored steps a live completed step shows this watch missed."""
+        """The stored steps a live step shows this watch missed: those before
+        a completed step, or before one that starts (a step starts once the
+        one before it is stored)."""
         event = emitted.event
         known = self._known
-        if (
-            known is not None
-            and isinstance(event, StepCompleted)
-            and event.step.session_id == self._session_id
-            and event.step.sequence > known + 1
-        ):
-            async for missed in self.stored_after(event.step.sequence):
+        if known is None:
+            return
+        if isinstance(event, StepCompleted) and event.step.session_id == self._session_id:
+            sequence = event.step.sequence
+        elif isinstance(event, StepStarted):
+            sequence = event.sequence
+        else:
+            return
+        if sequence > known + 1:
+            async for missed in self.stored_after(sequence):
                 yield missed
 
     def live(self, emitted: Emitted) -> list[Emitted]:
@@ -198,9 +203,10 @@ class _Feed:
             self.whole = sequence
             self._streaming = None
         elif isinstance(event, StepStarted):
-            sequence = event.sequence
-            if sequence <= self.whole:
+            if event.sequence <= self.whole:
                 return []
+            # What is known is stored: the steps before this one, not this one.
+            sequence = event.sequence - 1
             cut, self._streaming = self._streaming, event
             if cut is not None:
                 aborted = StepAborted(cut.run_id, cut.sequence, _NEVER_COMPLETED)
