@@ -364,6 +364,14 @@ async def test_steps_lost_between_replicas_come_from_the_store_in_order(h: Harne
     assert isinstance(got[3].event, StepStarted) and got[3].event.sequence == 4
 
 
+def numbered(event: AgentEvent) -> tuple[str, int]:
+    """A step's event by its kind and the step's sequence."""
+    if isinstance(event, StepCompleted):
+        return type(event).__name__, event.step.sequence
+    assert isinstance(event, StepStarted | StepAborted | StepDelta)
+    return type(event).__name__, event.sequence
+
+
 async def test_a_completion_lost_before_the_next_steps_start_comes_from_the_store(h: Harness) -> None:
     """The old owner stored step 2 and died before its completion left; the
     next owner's start of step 3 shows the watch what it missed."""
@@ -380,11 +388,7 @@ async def test_a_completion_lost_before_the_next_steps_start_comes_from_the_stor
     said(h, ada, StepCompleted(a_step(ada, 3)))
     got += await take(stream, 3)
     await stream.aclose()
-    shown = [
-        (type(e).__name__, e.step.sequence if isinstance(e, StepCompleted) else e.sequence)  # type: ignore[attr-defined]
-        for e in (emitted.event for emitted in got)
-    ]
-    assert shown == [
+    assert [numbered(e.event) for e in got] == [
         ("StepCompleted", 1),
         ("StepStarted", 2),
         ("StepCompleted", 2),  # whole from the store, not said aborted: it was not
