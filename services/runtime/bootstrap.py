@@ -502,7 +502,9 @@ def _runners(
         replica=leases.settings.replica,
         store=store,
         reconcile_seconds=leases.settings.reconcile_seconds,
+        leases_changed=leases.nudge,
     )
+    leases.announce = runners.announce_leases
 
     async def close_link() -> None:
         await runners.aclose()

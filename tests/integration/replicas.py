@@ -33,7 +33,6 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
 
     async def start(name: str, *, redis: str = redis_url, **settings: str) -> RunningRuntime:
         environ = {
-            **settings,
             "RUNTIME_DATABASE_URL": own_runtime_url,
             "REDIS_URL": redis,
             "RUNTIME_RECONCILE_SECONDS": "0.5",
@@ -49,6 +48,7 @@ async def replicas(im: RunningIM, own_runtime_url: str, redis_url: str) -> Async
             "RUNTIME_LEASE_TTL_SECONDS": "10",
             "RUNTIME_LEASE_RENEW_SECONDS": "0.2",
             "RUNTIME_LEASE_MARGIN_SECONDS": "2",
+            **settings,  # a test's own settings over the defaults above
             **service_environment(),
         }
         app = bootstrap.build(Settings.from_env(environ))

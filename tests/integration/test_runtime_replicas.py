@@ -103,6 +103,26 @@ async def test_a_replica_that_stops_hands_its_agents_over_at_once(im: RunningIM,
     await ask_and_count(im, worlds, agents, "still there?")
 
 
+async def test_released_shards_are_taken_at_once_not_at_the_next_renewal(
+    im: RunningIM, replicas: Replicas
+) -> None:
+    """The leaving replica tells the others, who take its shards in a round
+    of their own rather than at their next renewal, here far later than the
+    test waits."""
+    slow = {"RUNTIME_LEASE_TTL_SECONDS": "120", "RUNTIME_LEASE_RENEW_SECONDS": "60"}
+    first = await replicas("r1", **slow)
+    second = await replicas("r2", **slow)
+    both = [first, second]
+    # The newcomer said so: the first gave it its share at once.
+    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    keeper = second.app.leases
+    assert keeper is not None
+    renewals = keeper.counters.renewals
+    await first.app.stop()
+    await until(lambda: len(keeper.held) == SHARDS)
+    assert keeper.counters.renewals <= renewals + 2, "taken in a round or two of its own"
+
+
 async def split(
     im: RunningIM, replicas: Replicas, count: int, **options: str
 ) -> tuple[list[RunningRuntime], list[World], list[rpb.Agent]]:

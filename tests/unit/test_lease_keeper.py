@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 
 import pytest
 
@@ -243,3 +244,31 @@ async def test_a_renewal_that_hears_nothing_does_not_keep_the_runners_past_the_p
     store.let_go.set()
     store.silent = False
     await keeper.aclose()
+
+
+async def test_releases_and_arrivals_are_announced_to_the_other_replicas() -> None:
+    """So that they take released shards, or give a newcomer its share, now
+    rather than at their next renewal."""
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    a, b = Replica("a", store, clock), Replica("b", store, clock)
+    told: list[tuple[str, list[str]]] = []
+    for replica in (a, b):
+
+        async def announce(others: Collection[str], name: str = replica.keeper.settings.replica) -> None:
+            told.append((name, sorted(others)))
+
+        replica.keeper.announce = announce
+    await a.keeper.round()
+    assert told == [], "alone, there is nobody to tell"
+    await b.keeper.round()
+    assert told == [("b", ["a"])], "a newcomer says so"
+    told.clear()
+    await a.keeper.round()  # gives b its share
+    assert told == [("a", ["b"])]
+    told.clear()
+    await rounds([a, b], clock)
+    assert told == [], "nothing moves once settled"
+    await a.keeper.aclose()
+    assert told == [("a", ["b"])]

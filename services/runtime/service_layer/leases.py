@@ -128,6 +128,10 @@ class Unfenced(Fences):
 ShardsChanged = Callable[[frozenset[int]], Awaitable[None]]
 
 
+async def _nobody_to_tell(replicas: Collection[str]) -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseSettings:
     replica: str
@@ -180,6 +184,11 @@ class LeaseKeeper(Fences):
     # busy is given up once idle, or after `defer_rounds` rounds all the same.
     busy: Callable[[int], bool] = lambda _: False
     defer_rounds: int = 5
+    # Tells the other live replicas that the table changed in a way they act
+    # on (shards released, a replica joined), so that they run a round now
+    # (`nudge`) instead of at their next renewal.
+    announce: Callable[[Collection[str]], Awaitable[None]] = _nobody_to_tell
+    _replicas: tuple[str, ...] = ()
     _deferred: dict[int, int] = field(default_factory=dict)
     _held: dict[int, int] = field(default_factory=dict)
     # Every shard's owner as the last round saw them.
@@ -239,6 +248,7 @@ class LeaseKeeper(Fences):
         await self._lose(set(self._held), given_up=True)
         with contextlib.suppress(errors.Unavailable):
             await self.store.leave(self.settings.replica)
+            await self._announce()
 
     def nudge(self) -> None:
         """Runs the next round now (a replica joined or left)."""
@@ -266,6 +276,8 @@ class LeaseKeeper(Fences):
 
         view = await self.store.view()
         self._owners = dict(view.owners)
+        joined = not self._replicas
+        self._replicas = view.replicas
         target = target_owners(settings.shard_count, view.replicas, view.owners, load_cap=settings.load_cap)
         moves = moves_for(settings.replica, target, view.owners, max_moves=settings.max_moves)
         release = self._idle_first(moves.release)
@@ -276,12 +288,23 @@ class LeaseKeeper(Fences):
             self.counters.released += len(release)
             for shard in release:
                 self._owners.pop(shard, None)
+        if release or joined:
+            await self._announce()
         if moves.take:
             taken = await self.store.take(settings.replica, moves.take, settings.ttl_seconds)
             self._owners.update(dict.fromkeys(taken, settings.replica))
             self.counters.taken += len(taken)
             if taken:
                 await self._gain(taken)
+
+    async def _announce(self) -> None:
+        others = [r for r in self._replicas if r != self.settings.replica]
+        if others:
+            try:
+                await self.announce(others)
+            except Exception as error:
+                # Only a shortcut: they see the change at their next round anyway.
+                logger.info("telling the other replicas of a lease change failed: %s", error)
 
     def _idle_first(self, wanted: Collection[int]) -> list[int]:
         """Of the shards to give up, those whose runs would not be cut: a busy

@@ -19,7 +19,7 @@ import abc
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from services.common import errors
@@ -101,6 +101,8 @@ class ReplicaRunners(Runners):
         ask_timeout_seconds: how long a forwarded control waits for the owner.
         reconcile_seconds: how often the database is read for what messages
             may have missed (`start` begins).
+        leases_changed: called when another replica says the shard leases
+            changed (`announce_leases`): its keeper runs a round now.
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class ReplicaRunners(Runners):
         store: AgentStore,
         ask_timeout_seconds: float = 10.0,
         reconcile_seconds: float = 5.0,
+        leases_changed: Callable[[], None] = lambda: None,
     ) -> None:
         self._local = local
+        self._leases_changed = leases_changed
         self._link = link
         self._owner_of = owner_of
         self._replica = replica
@@ -279,7 +283,14 @@ class ReplicaRunners(Runners):
 
     # -- serving the other replicas -------------------------------------------------------
 
+    async def announce_leases(self, replicas: Collection[str]) -> None:
+        """Tells `replicas` that shards were released or a replica joined."""
+        await asyncio.gather(*[self._link.tell(replica, {"op": "leases"}) for replica in replicas])
+
     async def _serve(self, message: Message) -> Message | None:
+        if message.get("op") == "leases":
+            self._leases_changed()
+            return None
         op, agent_id = message.get("op"), uuid.UUID(str(message.get("agent")))
         if op in ("start", "update"):
             agent = await self._store.get_agent(agent_id)
