@@ -41,6 +41,14 @@ class Replica:
         self.running -= shards
 
 
+async def joined(*replicas: Replica) -> None:
+    """Each replica's first round: it renews and says it is there, and takes
+    nothing yet (the others may not have renewed theirs)."""
+    for replica in replicas:
+        await replica.keeper.round()
+        assert replica.running == set()
+
+
 async def rounds(replicas: list[Replica], clock: Clock, count: int = 4) -> None:
     for _ in range(count):
         for replica in replicas:
@@ -76,7 +84,9 @@ async def test_a_new_replica_gets_its_share_a_bounded_number_per_round() -> None
     store = InMemoryLeases(clock)
     await store.prepare(SHARDS)
     replicas = [Replica(name, store, clock, max_moves=2) for name in "abc"]
-    # The first to start takes every free shard at once, then gives the others theirs, 2 a round.
+    # The first to start takes every free shard at once (at its second
+    # round, the others not started yet), then gives the others theirs, 2 a round.
+    await joined(replicas[0])
     await replicas[0].keeper.round()
     assert len(replicas[0].running) == SHARDS
     await rounds(replicas, clock, count=12)
@@ -120,6 +130,7 @@ async def test_a_shard_taken_away_is_stopped_at_the_next_renewal() -> None:
     store = InMemoryLeases(clock)
     await store.prepare(SHARDS)
     a = Replica("a", store, clock)
+    await joined(a)
     await a.keeper.round()
     assert a.running == set(range(SHARDS))
     # Someone else takes shard 3 (its lease looked expired to the database).
@@ -138,6 +149,7 @@ async def test_shards_whose_runners_could_not_start_are_started_at_the_next_roun
     store = InMemoryLeases(clock)
     await store.prepare(SHARDS)
     a = Replica("a", store, clock)
+    await joined(a)
     starting = a.gained
 
     async def database_gone(shards: frozenset[int]) -> None:
@@ -177,11 +189,13 @@ async def test_a_shard_that_must_move_while_its_agents_work_waits_for_them_a_few
     store = InMemoryLeases(clock)
     await store.prepare(SHARDS)
     first = Replica("a", store, clock)
+    await joined(first)
     await first.keeper.round()
     assert len(first.running) == SHARDS
     working = {3, 17}
     first.keeper.busy = working.__contains__
     second = Replica("b", store, clock)
+    await joined(second)
     await rounds([first, second], clock, count=2)
     # The idle shards the newcomer should have moved at once; the busy ones stayed.
     assert sorted(len(r.running) for r in (first, second)) == [14, 18]
@@ -236,6 +250,7 @@ async def test_a_renewal_that_hears_nothing_does_not_keep_the_runners_past_the_p
         lost=stopped,
     )
     await keeper.start()
+    await keeper.round()  # the start's round only joined
     assert keeper.held
     store.silent = True
     # The runners stop as the proof ends, not when the silent renewal gives up.
@@ -260,9 +275,10 @@ async def test_releases_and_arrivals_are_announced_to_the_other_replicas() -> No
             told.append((name, sorted(others)))
 
         replica.keeper.announce = announce
+    await joined(a)
     await a.keeper.round()
     assert told == [], "alone, there is nobody to tell"
-    await b.keeper.round()
+    await joined(b)
     assert told == [("b", ["a"])], "a newcomer says so"
     told.clear()
     await a.keeper.round()  # gives b its share
@@ -272,3 +288,27 @@ async def test_releases_and_arrivals_are_announced_to_the_other_replicas() -> No
     assert told == [], "nothing moves once settled"
     await a.keeper.aclose()
     assert told == [("a", ["b"])]
+
+
+async def test_after_an_outage_past_the_leases_each_replica_gets_its_own_shards_back() -> None:
+    """Renewals failed longer than leases live (the database was away): the
+    first replica back does not take the shards that only look free, which
+    it would hand back as the others return; each renews its own, at the
+    same epochs, and nothing changes hands."""
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    replicas = [Replica(name, store, clock) for name in "abc"]
+    await joined(*replicas)
+    await rounds(replicas, clock)
+    before = {name: set(r.running) for name, r in zip("abc", replicas, strict=True)}
+    epochs = {shard: row.epoch for shard, row in store.rows.items()}
+    store.down = True
+    for replica in replicas:
+        with pytest.raises(errors.Unavailable):
+            await replica.keeper.round()
+    clock.now += 30  # every lease and every heartbeat expired
+    store.down = False
+    await rounds(replicas, clock)
+    assert {name: r.running for name, r in zip("abc", replicas, strict=True)} == before
+    assert {shard: row.epoch for shard, row in store.rows.items()} == epochs

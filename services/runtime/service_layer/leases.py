@@ -189,6 +189,8 @@ class LeaseKeeper(Fences):
     # (`nudge`) instead of at their next renewal.
     announce: Callable[[Collection[str]], Awaitable[None]] = _nobody_to_tell
     _replicas: tuple[str, ...] = ()
+    # When the last renewal that reached the database began (monotonic).
+    _renewed_at: float | None = None
     _deferred: dict[int, int] = field(default_factory=dict)
     _held: dict[int, int] = field(default_factory=dict)
     # Every shard's owner as the last round saw them.
@@ -267,6 +269,13 @@ class LeaseKeeper(Fences):
             raise
         self.counters.renewals += 1
         self._proven_until = started + settings.ttl_seconds - settings.margin_seconds
+        last, self._renewed_at = self._renewed_at, started
+        # Just started, or back after its leases ran out (the database or
+        # this process was away): the other replicas may not have renewed
+        # theirs yet either, and shards that only look free would be taken
+        # now and handed back at their next round, starting and stopping
+        # their agents for nothing.
+        returning = last is None or started - last > settings.ttl_seconds
         await self._lose({shard for shard, epoch in self._held.items() if renewed.get(shard) != epoch})
         # Shards the database says are ours that we did not know of (a take
         # whose answer was lost): ours, at the epoch the database has.
@@ -276,8 +285,11 @@ class LeaseKeeper(Fences):
 
         view = await self.store.view()
         self._owners = dict(view.owners)
-        joined = not self._replicas
         self._replicas = view.replicas
+        if returning:
+            # Moves from the next round on; meanwhile the others hear of it.
+            await self._announce()
+            return
         target = target_owners(settings.shard_count, view.replicas, view.owners, load_cap=settings.load_cap)
         moves = moves_for(settings.replica, target, view.owners, max_moves=settings.max_moves)
         release = self._idle_first(moves.release)
@@ -288,7 +300,7 @@ class LeaseKeeper(Fences):
             self.counters.released += len(release)
             for shard in release:
                 self._owners.pop(shard, None)
-        if release or joined:
+        if release:
             await self._announce()
         if moves.take:
             taken = await self.store.take(settings.replica, moves.take, settings.ttl_seconds)
