@@ -44,6 +44,13 @@ async def until(condition: Callable[[], bool]) -> None:
             await asyncio.sleep(0.05)
 
 
+async def halves(replicas: list[RunningRuntime]) -> None:
+    """Waits until each of two replicas holds half the shards."""
+    await until(
+        lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in replicas)
+    )
+
+
 async def ask_and_count(im: RunningIM, worlds: list[World], agents: list[rpb.Agent], text: str) -> None:
     """Asks every agent in its direct chat; each answers exactly once."""
     chats = [
@@ -83,7 +90,7 @@ async def test_two_replicas_split_the_agents_and_each_agent_runs_once(
     # The first gives the second its share (half the shards) on its next rounds.
     # (Which agents move depends on where their random workspaces hash, so the
     # check is that each runs where its shard is held, not how many moved.)
-    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    await halves(both)
     await until(lambda: all(len(hosts(both, a)) == 1 for a in agents))
     keepers = [r.app.leases for r in both]
     assert all(k is not None for k in keepers)
@@ -114,7 +121,7 @@ async def test_released_shards_are_taken_at_once_not_at_the_next_renewal(
     second = await replicas("r2", **slow)
     both = [first, second]
     # The newcomer said so: the first gave it its share at once.
-    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    await halves(both)
     keeper = second.app.leases
     assert keeper is not None
     renewals = keeper.counters.renewals
@@ -130,7 +137,7 @@ async def split(
     first = await replicas("r1", **options)
     second = await replicas("r2", **options)
     both = [first, second]
-    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    await halves(both)
     keeper = first.app.leases
     assert keeper is not None
     wanted = {f"r1-{TAG}": count // 2, f"r2-{TAG}": count - count // 2}
@@ -157,7 +164,7 @@ async def agent_on_the_first(
     first = await replicas("r1", **options)
     second = await replicas("r2", **options)
     both = [first, second]
-    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    await halves(both)
     assert first.app.leases is not None
     world = await make_world(im.stub, people=2)
     while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != f"r1-{TAG}":

@@ -261,9 +261,9 @@ async def test_a_renewal_that_hears_nothing_does_not_keep_the_runners_past_the_p
     await keeper.aclose()
 
 
-async def test_releases_and_arrivals_are_announced_to_the_other_replicas() -> None:
-    """So that they take released shards, or give a newcomer its share, now
-    rather than at their next renewal."""
+async def test_arrivals_releases_and_takes_are_announced_to_the_other_replicas() -> None:
+    """So that they give a newcomer its share, take released shards and
+    learn new owners now rather than at their next renewal."""
     clock = Clock()
     store = InMemoryLeases(clock)
     await store.prepare(SHARDS)
@@ -283,6 +283,9 @@ async def test_releases_and_arrivals_are_announced_to_the_other_replicas() -> No
     told.clear()
     await a.keeper.round()  # gives b its share
     assert told == [("a", ["b"])]
+    told.clear()
+    await b.keeper.round()  # takes it
+    assert told == [("b", ["a"])]
     told.clear()
     await rounds([a, b], clock)
     assert told == [], "nothing moves once settled"

@@ -307,6 +307,10 @@ class LeaseKeeper(Fences):
             self._owners.update(dict.fromkeys(taken, settings.replica))
             self.counters.taken += len(taken)
             if taken:
+                # The others learn the new owner now (their calls and wakes for
+                # these agents come here at once) and take what is left free
+                # for them, rather than at their next renewal.
+                await self._announce()
                 await self._gain(taken)
 
     async def _announce(self) -> None:
