@@ -505,6 +505,7 @@ def _runners(
         leases_changed=leases.nudge,
     )
     leases.announce = runners.announce_leases
+    leases.owners_changed = runners.owners_changed
 
     async def close_link() -> None:
         await runners.aclose()

@@ -315,3 +315,21 @@ async def test_after_an_outage_past_the_leases_each_replica_gets_its_own_shards_
     await rounds(replicas, clock)
     assert {name: r.running for name, r in zip("abc", replicas, strict=True)} == before
     assert {shard: row.epoch for shard, row in store.rows.items()} == epochs
+
+
+async def test_a_round_that_finds_other_owners_says_so() -> None:
+    clock = Clock()
+    store = InMemoryLeases(clock)
+    await store.prepare(SHARDS)
+    a, b = Replica("a", store, clock), Replica("b", store, clock)
+    changes: list[int] = []
+    a.keeper.owners_changed = lambda: changes.append(len(a.keeper.held))
+    await joined(a, b)
+    await rounds([a, b], clock)
+    assert changes, "a took shards, then gave b its share"
+    changes.clear()
+    await rounds([a, b], clock)
+    assert changes == [], "settled: nothing changed"
+    await b.keeper.aclose()
+    await a.keeper.round()
+    assert changes == [SHARDS], "b's shards are a's now"

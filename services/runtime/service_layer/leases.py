@@ -188,6 +188,8 @@ class LeaseKeeper(Fences):
     # on (shards released, a replica joined), so that they run a round now
     # (`nudge`) instead of at their next renewal.
     announce: Callable[[Collection[str]], Awaitable[None]] = _nobody_to_tell
+    # Called after a round in which the owners this replica knows changed.
+    owners_changed: Callable[[], None] = lambda: None
     _replicas: tuple[str, ...] = ()
     # When the last renewal that reached the database began (monotonic).
     _renewed_at: float | None = None
@@ -258,6 +260,14 @@ class LeaseKeeper(Fences):
 
     async def round(self) -> None:
         """One renewal, then at most `max_moves` takes and releases."""
+        before = dict(self._owners)
+        try:
+            await self._round()
+        finally:
+            if self._owners != before:
+                self.owners_changed()
+
+    async def _round(self) -> None:
         settings = self.settings
         started = self.monotonic()
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
@@ -36,6 +37,10 @@ logger = logging.getLogger(__name__)
 # its new owner (waits of 50 ms doubling to 2 s: about half a minute, longer
 # than a lease lives).
 _OWNERLESS_TRIES = 20
+# How long a message told to an owner is kept to be told again to the next
+# owner, should the shard move meanwhile (the last one may have given the
+# agent away as the message came, and dropped it).
+_RETELL_SECONDS = 10.0
 
 Message = Mapping[str, Any]
 # Serves a message sent to this replica; returns the answer of an `ask`.
@@ -116,9 +121,14 @@ class ReplicaRunners(Runners):
         ask_timeout_seconds: float = 10.0,
         reconcile_seconds: float = 5.0,
         leases_changed: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._local = local
         self._leases_changed = leases_changed
+        self._clock = clock
+        # Per agent, the last message told to another replica: the message,
+        # the agent's workspace (if known), when, and to whom.
+        self._told: dict[uuid.UUID, tuple[Message, uuid.UUID | None, float, str]] = {}
         self._link = link
         self._owner_of = owner_of
         self._replica = replica
@@ -245,6 +255,8 @@ class ReplicaRunners(Runners):
                     await self._serve(message)
                     return
                 if owner is not None:
+                    known = workspace if workspace is not None else self._workspaces.get(agent_id)
+                    self._told[agent_id] = (message, known, self._clock(), owner)
                     await self._link.tell(owner, message)
                     return
                 await asyncio.sleep(wait)
@@ -252,6 +264,21 @@ class ReplicaRunners(Runners):
             logger.warning("no replica took agent %s's shard: %s not sent", agent_id, message.get("op"))
 
         self._spawn(tell())
+
+    def owners_changed(self) -> None:
+        """The shards' owners as this replica sees them changed: what was
+        told lately to an owner that no longer runs the agent is told again
+        to the one that does (a wake told to a replica that was handing the
+        shard over is dropped there)."""
+        now = self._clock()
+        for agent_id, (message, workspace, at, told) in list(self._told.items()):
+            if now - at > _RETELL_SECONDS:
+                del self._told[agent_id]
+                continue
+            owner = self._owner_of(workspace) if workspace is not None else None
+            if owner is not None and owner != told:
+                del self._told[agent_id]
+                self._tell_owner(agent_id, message, workspace)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         async def run() -> None:
