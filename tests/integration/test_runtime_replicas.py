@@ -79,6 +79,8 @@ async def test_two_replicas_split_the_agents_and_each_agent_runs_once(
     im: RunningIM, replicas: Replicas
 ) -> None:
     first = await replicas("r1")
+    # Shards from its second lease round (the first only says it is there).
+    await until(lambda: first.app.leases is not None and len(first.app.leases.held) == SHARDS)
     worlds = [await make_world(im.stub, people=1) for _ in range(8)]
     agents = [
         (await first.stub.CreateAgent(rpb.CreateAgentRequest(name="ada"), metadata=w.md(0))).agent
