@@ -44,11 +44,11 @@ async def until(condition: Callable[[], bool]) -> None:
             await asyncio.sleep(0.05)
 
 
-async def halves(replicas: list[RunningRuntime]) -> None:
-    """Waits until each of two replicas holds half the shards."""
-    await until(
-        lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in replicas)
-    )
+async def pair(replicas: Replicas, **options: str) -> list[RunningRuntime]:
+    """Two replicas, r1 and r2, once each holds half the shards."""
+    both = [await replicas("r1", **options), await replicas("r2", **options)]
+    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
+    return both
 
 
 async def ask_and_count(im: RunningIM, worlds: list[World], agents: list[rpb.Agent], text: str) -> None:
@@ -92,7 +92,7 @@ async def test_two_replicas_split_the_agents_and_each_agent_runs_once(
     # The first gives the second its share (half the shards) on its next rounds.
     # (Which agents move depends on where their random workspaces hash, so the
     # check is that each runs where its shard is held, not how many moved.)
-    await halves(both)
+    await until(lambda: all(r.app.leases is not None and len(r.app.leases.held) == SHARDS // 2 for r in both))
     await until(lambda: all(len(hosts(both, a)) == 1 for a in agents))
     keepers = [r.app.leases for r in both]
     assert all(k is not None for k in keepers)
@@ -118,12 +118,8 @@ async def test_released_shards_are_taken_at_once_not_at_the_next_renewal(
     """The leaving replica tells the others, who take its shards in a round
     of their own rather than at their next renewal, here far later than the
     test waits."""
-    slow = {"RUNTIME_LEASE_TTL_SECONDS": "120", "RUNTIME_LEASE_RENEW_SECONDS": "60"}
-    first = await replicas("r1", **slow)
-    second = await replicas("r2", **slow)
-    both = [first, second]
     # The newcomer said so: the first gave it its share at once.
-    await halves(both)
+    first, second = await pair(replicas, RUNTIME_LEASE_TTL_SECONDS="120", RUNTIME_LEASE_RENEW_SECONDS="60")
     keeper = second.app.leases
     assert keeper is not None
     renewals = keeper.counters.renewals
@@ -136,10 +132,7 @@ async def split(
     im: RunningIM, replicas: Replicas, count: int, **options: str
 ) -> tuple[list[RunningRuntime], list[World], list[rpb.Agent]]:
     """Two replicas with `count` agents (one per workspace), half in the shards of each."""
-    first = await replicas("r1", **options)
-    second = await replicas("r2", **options)
-    both = [first, second]
-    await halves(both)
+    first, _ = both = await pair(replicas, **options)
     keeper = first.app.leases
     assert keeper is not None
     wanted = {f"r1-{TAG}": count // 2, f"r2-{TAG}": count - count // 2}
@@ -163,10 +156,7 @@ async def agent_on_the_first(
 ) -> tuple[tuple[RunningRuntime, RunningRuntime], World, rpb.Agent]:
     """Two replicas, each with half the shards, and an agent (of two people's
     workspace) that the first runs."""
-    first = await replicas("r1", **options)
-    second = await replicas("r2", **options)
-    both = [first, second]
-    await halves(both)
+    first, second = both = await pair(replicas, **options)
     assert first.app.leases is not None
     world = await make_world(im.stub, people=2)
     while first.app.leases.owner_of(uuid.UUID(world.workspace.id)) != f"r1-{TAG}":
