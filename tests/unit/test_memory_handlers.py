@@ -119,6 +119,27 @@ async def test_only_the_agent_itself_archives_its_runs() -> None:
         await world.memory.archive_run(Caller(str(uuid.uuid4())), run)
 
 
+async def test_a_services_own_token_archives_searches_and_expands_nothing_but_is_no_bad_credential() -> None:
+    # It acts for no member: refused as not allowed (not as unauthenticated,
+    # which would send its holder to get another token that fares no better).
+    world = World()
+    run = world.run().user("the launch moves")
+    await world.archive(run)
+    service = Caller(None, is_service=True)
+    scope = AgentScopeRequest(world.agent, ())
+    with pytest.raises(NotAllowed):
+        await world.memory.archive_run(service, run_in(world.run().user("x").build()))
+    with pytest.raises(NotAllowed):
+        await world.memory.retrieve(
+            service, scope, query="launch", limit=0, filters=Filters(), prefer_recent=False
+        )
+    with pytest.raises(NotAllowed):
+        await world.memory.expand(service, scope, ref=f"{run.run_id}/1/0", before=0, after=0)
+    # Forgetting and counting are its to do, as an administrator's calls.
+    assert (await world.memory.stats(service, agent_id=world.agent, workspace_id="")).segment_count == 1
+    assert await world.memory.forget(service, ForgetTarget(run_id=run.run_id)) == 1
+
+
 async def test_a_reader_other_than_the_agent_joins_the_audience() -> None:
     world = World()
     alice, bob = world.directory.add(world.workspace), world.directory.add(world.workspace)

@@ -146,6 +146,10 @@ class Memory:
     # -- who asks -----------------------------------------------------------
 
     async def _member(self, caller: Caller) -> MemberInfo:
+        if caller.member_id is None and caller.is_service:
+            # Its token is genuine (UNAUTHENTICATED would say it is not): it
+            # acts for no member, and these calls need one.
+            raise NotAllowed("a service's own token acts for no member: call with the member's token")
         if caller.member_id is None:
             raise Unauthenticated("this call needs the acting member: authorization: Bearer <access token>")
         found = await self._directory.member(caller.member_id)
