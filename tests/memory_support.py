@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
@@ -89,13 +89,21 @@ class FixedDictionary(Dictionary):
 class FakeDirectory(MemberDirectory):
     members: dict[str, MemberInfo] = field(default_factory=dict)
 
-    def add(self, workspace_id: str, *, is_agent: bool = False) -> str:
-        """A new member of the workspace, whose access tokens tests may then sign."""
+    def add(self, workspace_id: str, *, is_agent: bool = False, owner_id: str = "") -> str:
+        """A new member of the workspace (an agent, with its owner), whose tokens tests may sign."""
         member_id = str(uuid.uuid4())
-        self.members[member_id] = MemberInfo(member_id, workspace_id, is_agent)
+        self.members[member_id] = MemberInfo(member_id, workspace_id, is_agent, owner_id)
         kind = PrincipalKind.AGENT if is_agent else PrincipalKind.HUMAN
         remember(member_id, Identity(uuid.UUID(workspace_id), kind))
         return member_id
+
+    def owner_of(self, agent_member_id: str, *, owner: str = "") -> str:
+        """The agent's owner (who may forget its memory): `owner`, or a new
+        person of its workspace."""
+        agent = self.members[agent_member_id]
+        owner = owner or self.add(agent.workspace_id)
+        self.members[agent_member_id] = replace(agent, owner_id=owner)
+        return owner
 
     async def member(self, member_id: str) -> MemberInfo | None:
         return self.members.get(member_id)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +76,6 @@ RESOURCE: dict[str, dict[str, grpc.StatusCode]] = {
     # Counts, like the agent's card, are every member's to see.
     "GetMemoryStats": OTHER_WORKSPACE,
 }
-# Outcomes of the code that contradict the rules, kept failing on purpose.
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("Forget", "outsider"): (
-        "the memory service lets any member of the workspace forget any agent's memory "
-        "(it knows no agent's owner and reads no role): only the agent's owner and the "
-        "workspace's admins and owner may change an agent's work"
-    ),
-}
 
 
 @dataclass
@@ -131,6 +123,9 @@ async def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
             "outsider": person(memory, workspace, "member"),
             "stranger": person(memory, other_workspace, "owner"),
         }
+        # "member" owns the agent (the IM's directory says so).
+        agent_info = memory.directory.members[agent_member]
+        memory.directory.members[agent_member] = replace(agent_info, owner_id=people["member"])
         metadata: dict[str, Metadata] = {name: as_member(id_) for name, id_ in people.items()}
         metadata |= {
             "reader": as_member(people["owner"], read_only=True),
@@ -211,9 +206,7 @@ REQUESTS: dict[str, Callable[[Matrix], Any]] = {
 def _cases() -> Iterator[Any]:
     for method in REQUESTS:
         for caller in CALLERS:
-            bug = KNOWN_BUGS.get((method, caller))
-            marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
-            yield pytest.param(method, caller, id=f"{method}-{caller}", marks=marks)
+            yield pytest.param(method, caller, id=f"{method}-{caller}")
 
 
 def test_every_rpc_of_the_memory_service_has_a_request_and_a_resource_rule_here() -> None:
@@ -248,12 +241,6 @@ async def test_every_caller_gets_what_the_rules_say(matrix: Matrix, method: str,
 # -- what the status alone does not show ------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Retrieve in an agent's scope gives any member of a group the agent talked in its reasoning "
-    "and tool calls there: the memory service knows no agent's owner; the rules keep an agent's work "
-    "(steps, memory) to its owner and the workspace's admins and owner",
-)
 async def test_another_member_finds_only_what_the_agent_said_in_a_shared_group(matrix: Matrix) -> None:
     # "Others see only what it says in the groups they share with it": its
     # thinking and tool calls are its work, its owner's and the admins' to read.
@@ -277,11 +264,6 @@ async def test_another_member_finds_only_what_the_agent_said_in_a_shared_group(m
     assert await found("outsider") == {pb.SEGMENT_TYPE_RESPONSE}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Forget(workspace_id) by any member of the workspace deletes the memory of every agent of it: "
-    "only the workspace's admins and owner control every agent",
-)
 async def test_a_member_who_owns_no_agent_forgets_no_whole_workspace(matrix: Matrix) -> None:
     # A workspace of its own: the matrix's memory stays whole whatever happens here.
     memory = matrix.memory

@@ -154,8 +154,8 @@ async def test_expand_returns_the_neighbours_and_the_run(memory: RunningMemory) 
 @pytest.mark.parametrize("memory_url", WITH_PGVECTOR, indirect=True)
 async def test_forget_removes_segments_from_every_index(memory: RunningMemory) -> None:
     workspace, agent, agent_member = memory.new_workspace()
-    # Forgetting is a person's (or the runtime's) to do, not the agent's.
-    person = memory.directory.add(workspace)
+    # Forgetting is its owner's (or an admin's, or the runtime's) to do.
+    person = memory.directory.owner_of(agent_member)
     keep = RunBuilder(workspace, agent, agent_member)
     keep.user("the staging password rotates monthly")
     drop = RunBuilder(workspace, agent, agent_member)

@@ -159,13 +159,17 @@ async def populate(memory: RunningMemory, world: World, rng: random.Random, *, r
 def new_world(memory: RunningMemory) -> World:
     workspace, agent, agent_member = memory.new_workspace()
     stranger_workspace = str(uuid.uuid4())
+    other_member = memory.directory.add(workspace, is_agent=True)
+    # Alice owns both agents: what they keep is hers to forget.
+    alice = memory.directory.owner_of(agent_member)
+    memory.directory.owner_of(other_member, owner=alice)
     return World(
         workspace=workspace,
         agent=agent,
         agent_member=agent_member,
         other_agent=str(uuid.uuid4()),
-        other_member=memory.directory.add(workspace, is_agent=True),
-        alice=memory.directory.add(workspace),
+        other_member=other_member,
+        alice=alice,
         bob=memory.directory.add(workspace),
         stranger_workspace=stranger_workspace,
     )

@@ -143,7 +143,7 @@ async def test_a_replica_sees_writes_made_through_another(memory_url: str) -> No
         loads = second.app.store.vectors.loads
         assert await search(second, "citrus") == ["orange juice in the fridge"]
         assert second.app.store.vectors.loads == loads, "an unchanged scope is not loaded again"
-        person = directory.add(workspace)
+        person = directory.owner_of(agent_member)
         await first.stub.Forget(pb.ForgetRequest(run_id=one.run_id), metadata=as_member(person))
         assert await search(second, "citrus") == []
     finally:
@@ -186,7 +186,7 @@ async def test_a_scope_matrix_takes_new_rows_in_without_reloading_and_reloads_af
         embedder.synonyms["fruit"] = "kiwi"
         assert (await search("fruit"))[0] == "a kiwi in the bowl"  # found by meaning: its vector is in
         assert (vectors.loads, vectors.appends) == (loads, appends + 1)
-        person = directory.add(workspace)
+        person = directory.owner_of(agent_member)
         await replica.stub.Forget(pb.ForgetRequest(run_id=added), metadata=as_member(person))
         assert "a kiwi in the bowl" not in await search("fruit")
         assert vectors.loads == loads + 1  # a deletion reloads
@@ -233,7 +233,7 @@ async def test_forget_before_a_time_keeps_the_newer_part_of_a_session(memory: Ru
     await memory.stub.ArchiveRun(pb.ArchiveRunRequest(run=run.build()), metadata=as_member(agent_member))
     before = pb.ForgetRequest(session_id=run.session_id)
     before.before.FromDatetime(START + timedelta(hours=1))
-    forgotten = await memory.stub.Forget(before, metadata=as_member(memory.directory.add(workspace)))
+    forgotten = await memory.stub.Forget(before, metadata=as_member(memory.directory.owner_of(agent_member)))
     assert forgotten.deleted_segments == 1
     expanded = await memory.stub.Expand(
         pb.ExpandRequest(agent=pb.AgentScope(agent_id=agent), ref=f"{run.run_id}/2/0"),
@@ -547,7 +547,7 @@ async def test_a_large_scope_is_searched_through_its_approximate_index_once_buil
         assert (await search("fruit"))[0] == "a kiwi in the bowl"
         # A deletion reloads the matrix: exact search until the index is built again.
         await replica.stub.Forget(
-            pb.ForgetRequest(run_id=added), metadata=as_member(directory.add(workspace))
+            pb.ForgetRequest(run_id=added), metadata=as_member(directory.owner_of(member))
         )
         searches = vectors.approximate_searches
         assert "a kiwi in the bowl" not in await search("fruit")

@@ -192,6 +192,16 @@ class InMemoryStore(MemoryStore):
             or (target.agent_id and info.agent_id == target.agent_id)
         }
 
+    async def target_agents(self, target: ForgetTarget) -> set[str]:
+        return {
+            info.agent_id
+            for info, _ in self.runs.values()
+            if (target.run_id and info.run_id == target.run_id)
+            or (target.session_id and info.session_id == target.session_id)
+            or (target.agent_id and info.agent_id == target.agent_id)
+            or (target.workspace_id and info.workspace_id == target.workspace_id)
+        }
+
     async def stats(self, *, agent_id: str = "", workspace_id: str = "") -> MemoryStats:
         rows = [
             r.segment

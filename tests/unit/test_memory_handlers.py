@@ -289,6 +289,67 @@ async def test_forget_and_stats_stay_within_the_callers_workspace() -> None:
     )
 
 
+async def test_an_agents_work_is_its_owners_and_the_admins_to_read_and_forget() -> None:
+    """Others see what was said in the chats they share with the agent, and
+    forget nothing of it; the owner and the workspace's admins see its
+    reasoning and tool calls and forget what it keeps."""
+    world = World()
+    owner = world.directory.owner_of(world.agent_member)
+    colleague = world.directory.add(world.workspace)
+    everyone = [owner, colleague]
+    run = world.run().user("what is the plan?", group="team", members=everyone)
+    run.assistant(
+        "the plan is friday",
+        group="team",
+        members=everyone,
+        reasoning="the plan needs a quiet friday",
+        tool_calls=[("lookup", '{"q": "plan"}')],
+    )
+    await world.archive(run)
+    people = {
+        "owner": Caller(owner),
+        "admin": Caller(colleague, roles=("admin",)),
+        "colleague": Caller(colleague, roles=("member",)),
+    }
+    work = frozenset({SegmentType.RESPONSE, SegmentType.REASONING, SegmentType.TOOL_CALL})
+
+    async def kinds(caller: Caller, scope: AgentScopeRequest | WorkspaceScopeRequest) -> set[SegmentType]:
+        found = await world.memory.retrieve(
+            caller, scope, query="plan", limit=20, filters=Filters(types=work), prefer_recent=False
+        )
+        return {r.segment.type for r in found.results}
+
+    agent_scope = AgentScopeRequest(world.agent, ())
+    assert await kinds(people["owner"], agent_scope) == work
+    assert await kinds(people["admin"], agent_scope) == work
+    assert await kinds(people["colleague"], agent_scope) == {SegmentType.RESPONSE}
+    assert await kinds(people["colleague"], WorkspaceScopeRequest("")) == {SegmentType.RESPONSE}
+    assert await kinds(people["admin"], WorkspaceScopeRequest("")) == work
+    reasoning = next(
+        r.segment
+        for r in (
+            await world.memory.retrieve(
+                people["owner"], agent_scope, query="quiet", limit=5, filters=Filters(), prefer_recent=False
+            )
+        ).results
+        if r.segment.type is SegmentType.REASONING
+    )
+    ref = f"{reasoning.run_id}/{reasoning.step_sequence}/{reasoning.segment_index}"
+    with pytest.raises(NotFound):
+        await world.memory.expand(people["colleague"], agent_scope, ref=ref, before=0, after=0)
+    assert (
+        await world.memory.expand(people["owner"], agent_scope, ref=ref, before=0, after=0)
+    ).focus == reasoning
+
+    with pytest.raises(NotAllowed):
+        await world.memory.forget(people["colleague"], ForgetTarget(run_id=run.run_id))
+    with pytest.raises(NotAllowed):
+        await world.memory.forget(Caller(owner), ForgetTarget(workspace_id=world.workspace))
+    assert await world.memory.forget(people["owner"], ForgetTarget(run_id=run.run_id)) > 0
+    await world.archive(world.run().user("again", group="team", members=everyone))
+    assert await world.memory.forget(people["admin"], ForgetTarget(workspace_id=world.workspace)) > 0
+
+
 class RecordingEmbedder(FakeEmbedder):
     def __init__(self) -> None:
         super().__init__()

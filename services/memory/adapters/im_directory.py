@@ -99,6 +99,7 @@ class GrpcMemberDirectory(MemberDirectory):
             member_id=response.member.id,
             workspace_id=response.member.workspace_id,
             is_agent=response.member.kind == im_pb2.MEMBER_KIND_AGENT,
+            owner_id=response.member.owner_id,
         )
         self._cache[member_id] = (now, found)
         self._cache.move_to_end(member_id)

@@ -739,6 +739,17 @@ class SqlMemoryStore(MemoryStore):
         rows = await self._read(sa.select(runs.c.workspace_id).where(*where).distinct())
         return {row.workspace_id for row in rows}
 
+    async def target_agents(self, target: ForgetTarget) -> set[str]:
+        where = [
+            runs.c[name] == getattr(target, name)
+            for name in ("run_id", "session_id", "agent_id", "workspace_id")
+            if getattr(target, name)
+        ]
+        if not where:
+            return set()
+        rows = await self._read(sa.select(runs.c.agent_id).where(*where).distinct())
+        return {row.agent_id for row in rows}
+
     async def stats(self, *, agent_id: str = "", workspace_id: str = "") -> MemoryStats:
         run_where = runs.c.agent_id == agent_id if agent_id else runs.c.workspace_id == workspace_id
         segment_where = (

@@ -29,7 +29,9 @@ class MemoryServicer(memory_pb2_grpc.MemoryServiceServicer):
         if verified is None:
             return Caller(member_id=None)
         member = str(verified.member_id) if verified.member_id is not None else None
-        return Caller(member_id=member, is_service=verified.is_service)
+        # Reading through an agent's eyes lends the reader none of its roles.
+        roles = tuple(verified.claims.roles) if verified.view_as is None else ()
+        return Caller(member_id=member, is_service=verified.is_service, roles=roles)
 
     async def ArchiveRun(self, request: pb.ArchiveRunRequest, context: Context) -> pb.ArchiveRunResponse:
         caller = self._caller(context)

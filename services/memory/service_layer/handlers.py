@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from services.memory.domain import hybrid
@@ -26,6 +26,7 @@ from services.memory.domain.model import (
     RankedSegment,
     Ref,
     RunInfo,
+    SegmentType,
     StoredSegment,
 )
 from services.memory.domain.ranking import FusionSettings, Hit
@@ -44,6 +45,12 @@ from services.memory.service_layer.ports import (
 
 logger = logging.getLogger(__name__)
 
+# What a person who neither owns an agent nor administers the workspace
+# finds of its memory: what was said in the chats, not its reasoning or
+# tool calls (its work, as its steps are).
+SAID = frozenset({SegmentType.USER_MESSAGE, SegmentType.RESPONSE})
+_ADMINISTERS = frozenset({"owner", "admin"})
+
 
 @dataclass(frozen=True, slots=True)
 class Caller:
@@ -52,6 +59,12 @@ class Caller:
 
     member_id: str | None
     is_service: bool = False
+    # The member's workspace roles, as its token says (owner, admin, member).
+    roles: tuple[str, ...] = ()
+
+    @property
+    def administers(self) -> bool:
+        return bool(_ADMINISTERS & set(self.roles))
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +170,22 @@ class Memory:
             raise Unauthenticated(f"member {caller.member_id} is not known to the IM")
         return found
 
-    async def _scope(self, caller: Caller, request: ScopeRequest | None) -> Scope | None:
-        """The scope to read, or None when it holds nothing (an agent with no memory yet)."""
+    async def _works_for(self, caller: Caller, member: MemberInfo, agent_id: str) -> bool:
+        """Whether `member` may read and change the agent's work: it is the
+        agent, its owner, or an admin or owner of the workspace."""
+        if caller.administers:
+            return True
+        identity = await self._store.agent_identity(agent_id)
+        if identity is None or identity.agent_member_id == member.member_id:
+            return True  # nothing stored yet, or the agent itself
+        agent = await self._directory.member(identity.agent_member_id)
+        return agent is not None and bool(agent.owner_id) and agent.owner_id == member.member_id
+
+    async def _scope(
+        self, caller: Caller, request: ScopeRequest | None
+    ) -> tuple[Scope | None, frozenset[SegmentType]]:
+        """The scope to read (None when it holds nothing: an agent with no
+        memory yet), and the kinds of segment the caller may see in it (empty: all)."""
         member = await self._member(caller)
         if request is None:
             raise InvalidRequest("scope is required: agent or workspace")
@@ -166,7 +193,10 @@ class Memory:
             workspace = request.workspace_id or member.workspace_id
             if workspace != member.workspace_id:
                 raise NotAllowed("a workspace can be searched only by its own members")
-            return Scope(workspace_id=workspace, audience=frozenset({member.member_id}))
+            # A person searching the workspace finds what was said in the
+            # chats they are in; an agent's work is read in its own scope.
+            sees: frozenset[SegmentType] = frozenset() if caller.administers else SAID
+            return Scope(workspace_id=workspace, audience=frozenset({member.member_id})), sees
         if not request.agent_id:
             raise InvalidRequest("agent.agent_id is required")
         if len(request.audience) > self.limits.max_audience:
@@ -177,16 +207,17 @@ class Memory:
             raise InvalidRequest("agent.audience_member_ids: every id must be 1 to 128 characters")
         identity = await self._store.agent_identity(request.agent_id)
         if identity is None:
-            return None
+            return None, frozenset()
         if identity.workspace_id != member.workspace_id:
             raise NotAllowed(f"agent {request.agent_id} is not in your workspace")
         audience = set(request.audience)
         if member.member_id != identity.agent_member_id:
             # Whoever reads an agent's memory other than the agent sees the results.
             audience.add(member.member_id)
-        return Scope(
+        scope = Scope(
             workspace_id=identity.workspace_id, audience=frozenset(audience), agent_id=request.agent_id
         )
+        return scope, frozenset() if await self._works_for(caller, member, request.agent_id) else SAID
 
     # -- use cases ----------------------------------------------------------
 
@@ -227,8 +258,10 @@ class Memory:
             raise InvalidRequest(f"limit must be between 0 and {self.limits.max_limit}, got {limit}")
         limit = limit or self.limits.default_limit
         _check_filters(filters)
-        scope = await self._scope(caller, request)
-        if scope is None:
+        scope, sees = await self._scope(caller, request)
+        if sees:
+            filters = replace(filters, types=filters.types & sees if filters.types else sees)
+        if scope is None or (not filters.types and sees):
             return Retrieved([], 0)
         terms = list(dict.fromkeys(lexical_terms(query)))[: self.limits.max_query_terms]
         lexicon = self._dictionary.lexicon() if self._dictionary is not None else None
@@ -291,16 +324,19 @@ class Memory:
         anchor = Ref.parse(ref)
         before = self._context(before, "before")
         after = self._context(after, "after")
-        scope = await self._scope(caller, request)
+        scope, sees = await self._scope(caller, request)
         # Invisible and missing look alike: existence is not for the caller to learn.
         focus = await self._store.visible_segment(scope, anchor) if scope is not None else None
         if (
             scope is None
             or focus is None
             or (scope.agent_id is not None and focus.agent_id != scope.agent_id)
+            or (sees and focus.type not in sees)
         ):
             raise NotFound(f"no segment {anchor} in this memory")
         earlier, later = await self._store.neighbours(scope, focus, before=before, after=after)
+        if sees:
+            earlier, later = [s for s in earlier if s.type in sees], [s for s in later if s.type in sees]
         run = await self._store.run_info(focus.run_id)
         if run is None:
             raise NotFound(f"no segment {anchor} in this memory")
@@ -326,6 +362,14 @@ class Memory:
             raise NotAllowed("what you forget must be in your own workspace")
         if not workspaces:
             return 0
+        # Forgetting changes an agent's work: its owner's and the admins' to do.
+        if target.workspace_id and not caller.administers:
+            raise NotAllowed("only the workspace's admins and owner forget the whole workspace's memory")
+        for agent_id in sorted(await self._store.target_agents(target)):
+            if not await self._works_for(caller, member, agent_id):
+                raise NotAllowed(
+                    f"agent {agent_id}'s memory is forgotten by its owner or the workspace's admins"
+                )
         return await self._store.forget(target)
 
     async def stats(self, caller: Caller, *, agent_id: str, workspace_id: str) -> MemoryStats:

@@ -46,6 +46,8 @@ class MemberInfo:
     member_id: str
     workspace_id: str
     is_agent: bool
+    # An agent's owner (the person who made it); empty for a person.
+    owner_id: str = ""
 
 
 class MemberDirectory(abc.ABC):
@@ -163,6 +165,10 @@ class MemoryStore(abc.ABC):
     @abc.abstractmethod
     async def target_workspaces(self, target: ForgetTarget) -> set[str]:
         """The workspaces the target's runs belong to (empty if none is stored)."""
+
+    @abc.abstractmethod
+    async def target_agents(self, target: ForgetTarget) -> set[str]:
+        """The agents whose stored runs the target names (a workspace's: all of them)."""
 
     @abc.abstractmethod
     async def stats(self, *, agent_id: str = "", workspace_id: str = "") -> MemoryStats: ...
