@@ -273,9 +273,13 @@ async def test_a_runtime_without_redis_refuses_to_start_beside_replicas(
         await lone.stop()
 
 
-async def test_a_task_queued_while_its_shard_had_no_owner_runs_once_the_next_owner_takes_it(
-    im: RunningIM, replicas: Replicas, own_runtime_url: str
+@pytest.mark.parametrize("left", ["queued", "running without its run"])
+async def test_a_task_left_while_its_shard_had_no_owner_runs_once_the_next_owner_takes_it(
+    im: RunningIM, replicas: Replicas, own_runtime_url: str, left: str
 ) -> None:
+    """Queued with nobody told, or marked RUNNING by an owner killed before
+    it stored the run (the agent idle, the task orphaned): the next owner
+    runs it when it takes the shard, not at a reconcile."""
     # Reconciling far later than the test waits: only taking the shard may start the task.
     slow_reconcile = {"RUNTIME_RECONCILE_SECONDS": "120"}
     first = await replicas("r1", **slow_reconcile)
@@ -298,9 +302,10 @@ async def test_a_task_queued_while_its_shard_had_no_owner_runs_once_the_next_own
             agent_id=stored.id,
             session_id=stored.session_id,
             input="say hello",
-            status=TaskStatus.QUEUED,
+            status=TaskStatus.QUEUED if left == "queued" else TaskStatus.RUNNING,
             created_at=datetime.now(UTC),
             request_id="while-moving",
+            run_id=None if left == "queued" else uuid7(),
         )
         await store.add_task(task)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import typing
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import UTC, datetime
@@ -28,6 +29,7 @@ from services.runtime.domain.model import (
     Emitted,
     MainSessionChanged,
     Origin,
+    OwnerChanged,
     Run,
     RunEnded,
     RunStarted,
@@ -113,7 +115,9 @@ def every_kind_of_event(agent: Agent) -> list[Emitted]:
             Session(uuid.uuid4(), agent.id, NOW, forked_from=uuid.uuid4(), forked_at_sequence=3)
         ),
         StepsRewritten(agent.session_id, 2),
+        OwnerChanged("r2"),
     ]
+    assert {type(e) for e in events} == set(typing.get_args(AgentEvent)), "one of each kind"
     return [Emitted(agent.id, NOW, event) for event in events]
 
 
@@ -394,6 +398,28 @@ async def test_a_completion_lost_before_the_next_steps_start_comes_from_the_stor
         ("StepCompleted", 2),  # whole from the store, not said aborted: it was not
         ("StepStarted", 3),
         ("StepCompleted", 3),
+    ]
+
+
+async def test_a_step_whose_announcement_died_with_its_owner_comes_when_the_next_owner_takes_over(
+    h: Harness,
+) -> None:
+    """The last owner stored the run's last step and died before announcing
+    it; nothing else happens to the agent. The next owner's word that it
+    took the agent brings the step from the store (and is not shown)."""
+    ada = await h.agent()
+    await h.store.append_step(a_step(ada, 1))
+    stream = await watching(h, ada)
+    got = await take(stream, 1)  # step 1, replayed
+    await h.store.append_step(a_step(ada, 2))
+    said(h, ada, OwnerChanged("r2"))
+    said(h, ada, StateChanged(AgentState.IDLE))
+    got += await take(stream, 2)
+    await stream.aclose()
+    assert [numbered(e.event) if not isinstance(e.event, StateChanged) else "state" for e in got] == [
+        ("StepCompleted", 1),
+        ("StepCompleted", 2),
+        "state",
     ]
 
 

@@ -323,6 +323,16 @@ class StepsRewritten:
     after_sequence: int
 
 
+@dataclass(frozen=True, slots=True)
+class OwnerChanged:
+    """Another replica runs the agent from now on (it took the agent's
+    shard). Not shown to clients: it tells a watch to read the stored steps
+    again, since the last owner may have died between storing a step and
+    announcing it, with nothing announced after it."""
+
+    replica: str = ""
+
+
 AgentEvent = (
     RunStarted
     | RunEnded
@@ -334,6 +344,7 @@ AgentEvent = (
     | TaskChanged
     | MainSessionChanged
     | StepsRewritten
+    | OwnerChanged
 )
 
 

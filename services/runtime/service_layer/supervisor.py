@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from services.runtime.domain.errors import AgentGone
 from services.runtime.domain.lifecycle import Control, check_control
-from services.runtime.domain.model import Agent, AgentState
+from services.runtime.domain.model import Agent, AgentState, Emitted, OwnerChanged
 from services.runtime.domain.shards import shard_of
 from services.runtime.service_layer.im_port import IMEvent
 from services.runtime.service_layer.runner import STOPPED_DURING_RUN, AgentRunner, RunnerEnv
@@ -140,9 +140,23 @@ class Supervisor(Runners):
         await store.end_stale_runs(error=STOPPED_DURING_RUN, at=self._env.clock(), agent_ids=ids)
         if self._env.tasks is not None:
             self._env.tasks.adopt(ids)
+            # A task the last owner marked RUNNING before it died with the
+            # run unstored has an idle agent that nothing wakes: settled now
+            # (put back in the queue), it is taken below with the waiting ones.
+            workspaces = {a.id: a.workspace_id for a in mine}
+            for agent_id in {f.task.agent_id for f in await store.running_tasks()} & workspaces.keys():
+                fence = self._env.fences.fence_for(workspaces[agent_id])
+                await self._env.tasks.settle_orphans(agent_id, fence=fence)
         # The cursors as the last owner saved them: its watches' replay starts there.
         self._cursors.update(await store.watch_cursors())
         self._start_all(mine)
+        # Watches elsewhere read the stored steps again: the last owner may
+        # have stored steps it never announced.
+        now = self._env.clock()
+        for agent in mine:
+            self._env.hub.publish(
+                Emitted(agent.id, now, OwnerChanged()), workspace_id=agent.workspace_id, from_runner=True
+            )
         # A task queued while the shard moved (its word went to the last
         # owner, or nowhere) is taken now, not at the next reconcile.
         for agent_id in await store.agents_with_waiting_tasks() & set(ids):

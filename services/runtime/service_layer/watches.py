@@ -13,6 +13,7 @@ from services.runtime.domain.model import (
     Agent,
     Emitted,
     MainSessionChanged,
+    OwnerChanged,
     RunEnded,
     StateChanged,
     StepAborted,
@@ -105,6 +106,8 @@ class AgentWatches:
         try:
             async with self._hub.following(workspaces):
                 async for emitted in events:
+                    if isinstance(emitted.event, OwnerChanged):
+                        continue  # for watches of one agent's steps
                     agent = self._runners.live(emitted.agent_id)
                     if agent is None:
                         if emitted.agent_id not in elsewhere:
@@ -170,6 +173,11 @@ class _Feed:
         a completed step, or before one that starts (a step starts once the
         one before it is stored)."""
         event = emitted.event
+        if isinstance(event, OwnerChanged):
+            # Anything stored that this watch has not shown, up to now.
+            async for missed in self.stored_after():
+                yield missed
+            return
         known = self._known
         if known is None:
             return
@@ -187,6 +195,8 @@ class _Feed:
         """What to send of a live event: nothing, it, or an abort and it."""
         event = emitted.event
         sequence: int | None = None
+        if isinstance(event, OwnerChanged):
+            return []  # for the watch itself (see `missed_before`)
         if isinstance(event, StepsRewritten):
             # Retried or restored: the steps to come are numbered from there.
             self.whole = min(self.whole, event.after_sequence)
