@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import base64
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import grpc
+
 from agentim.im.v1 import auth_pb2, auth_pb2_grpc, im_pb2
-from services.common.identity import bearer_metadata
+from services.common.authn import Policy
+from services.common.identity import Caller, bearer_metadata
 from services.common.tokens import AccessClaims, KeyRing, PrincipalKind, sign
 from tests.auth_support import auth_dir, service_secret
 from tests.conftest import RunningIM
@@ -169,3 +173,28 @@ def foreign_token(claims: AccessClaims, directory: Path) -> str:
     """Well-formed and valid, but signed by a key the IM never published."""
     KeyRing.generate(directory)
     return sign(claims, KeyRing.load(directory))
+
+
+# The access matrices' callers whose credential is no good.
+BAD_CREDENTIALS = ("no token", "expired", "tampered")
+
+
+def expected_status(
+    policy: Policy,
+    method: str,
+    caller: str,
+    callers: Mapping[str, Caller],
+    resource: Mapping[str, grpc.StatusCode],
+) -> grpc.StatusCode:
+    """What `caller` should get from the RPC `method` (a full path): the
+    policy's rule first, then the handlers' resource rule (`resource`, by
+    caller; OK where it names none)."""
+    rule = policy.rule_for(method)
+    assert rule is not None, f"no rule for {method}"
+    if rule.public:
+        return grpc.StatusCode.OK
+    if caller in BAD_CREDENTIALS:
+        return grpc.StatusCode.UNAUTHENTICATED
+    if rule.refusal(callers[caller]) is not None:
+        return grpc.StatusCode.PERMISSION_DENIED
+    return resource.get(caller, grpc.StatusCode.OK)

@@ -34,11 +34,13 @@ from services.im.adapters.sql import Database
 from services.im.entrypoints.policy import AUTH_SERVICE, IM_POLICY, IM_SERVICE
 from tests.auth_support import auth_dir, service_secret
 from tests.authn_support import (
+    BAD_CREDENTIALS,
     PASSWORD,
     Cast,
     Metadata,
     auth_stub,
     claims_of,
+    expected_status,
     expired_token,
     make_cast,
     tampered_token,
@@ -54,7 +56,6 @@ FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 PEOPLE = ("owner", "admin", "member", "outsider", "stranger")
 CALLERS = (*PEOPLE, "agent", "runtime", "memory", "no token", "expired", "tampered")
-BAD_CREDENTIALS = ("no token", "expired", "tampered")
 
 # What the handlers decide once the rule let a caller through (OK unless named).
 # The group and message are the cast's (owner, admin, member, agent in it);
@@ -133,15 +134,7 @@ async def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def expected(service: str, method: str, caller: str, m: Matrix) -> grpc.StatusCode:
-    rule = IM_POLICY.rule_for(f"/{service}/{method}")
-    assert rule is not None, f"no rule for {method}"
-    if rule.public:
-        return OK
-    if caller in BAD_CREDENTIALS:
-        return UNAUTHENTICATED
-    if rule.refusal(m.callers[caller]) is not None:
-        return DENIED
-    return RESOURCE.get(method, {}).get(caller, OK)
+    return expected_status(IM_POLICY, f"/{service}/{method}", caller, m.callers, RESOURCE.get(method, {}))
 
 
 # -- one valid request per RPC: (stub method name, request), built fresh per call ---------

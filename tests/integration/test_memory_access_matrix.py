@@ -39,7 +39,7 @@ from services.common.identity import Caller, bearer_metadata
 from services.common.tokens import KeyRing, PrincipalKind, Verifier, keyring_source
 from services.memory.entrypoints.policy import MEMORY_POLICY, MEMORY_SERVICE
 from tests.auth_support import auth_dir
-from tests.authn_support import Metadata, expired_token, tampered_token
+from tests.authn_support import BAD_CREDENTIALS, Metadata, expected_status, expired_token, tampered_token
 from tests.identities import Identity, as_member, as_service, member_token, remember
 from tests.integration.memory_harness import RunningMemory, migrated_url, start_memory, stop_memory
 from tests.memory_support import RunBuilder
@@ -62,7 +62,6 @@ CALLERS = (
     "expired",
     "tampered",
 )
-BAD_CREDENTIALS = ("no token", "expired", "tampered")
 
 OTHER_WORKSPACE = {"stranger": DENIED}
 # A service's own token acts for no member: it has no audience to search for.
@@ -156,15 +155,7 @@ async def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def expected(method: str, caller: str, m: Matrix) -> grpc.StatusCode:
-    rule = MEMORY_POLICY.rule_for(f"/{MEMORY_SERVICE}/{method}")
-    assert rule is not None, f"no rule for {method}"
-    if rule.public:
-        return OK
-    if caller in BAD_CREDENTIALS:
-        return UNAUTHENTICATED
-    if rule.refusal(m.callers[caller]) is not None:
-        return DENIED
-    return RESOURCE[method].get(caller, OK)
+    return expected_status(MEMORY_POLICY, f"/{MEMORY_SERVICE}/{method}", caller, m.callers, RESOURCE[method])
 
 
 # -- one valid request per RPC, built fresh per call -----------------------------------

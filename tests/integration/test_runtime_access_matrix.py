@@ -40,9 +40,11 @@ from services.im.adapters.sql import Database
 from services.runtime.entrypoints.policy import RUNTIME_POLICY, RUNTIME_SERVICE
 from tests.auth_support import auth_dir
 from tests.authn_support import (
+    BAD_CREDENTIALS,
     Cast,
     Metadata,
     claims_of,
+    expected_status,
     expired_token,
     make_cast,
     read_only,
@@ -60,7 +62,6 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 PEOPLE = ("owner", "admin", "member", "outsider", "stranger")
 # "reader": the workspace owner's read-only personal access token (reads only).
 CALLERS = (*PEOPLE, "reader", "agent", "runtime", "memory", "no token", "expired", "tampered")
-BAD_CREDENTIALS = ("no token", "expired", "tampered")
 # Long enough for a handler's answer on a busy machine, short enough for a
 # stream that never answers to fail the test quickly.
 WAIT = 10.0
@@ -256,15 +257,9 @@ async def matrix(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def expected(method: str, caller: str, m: Matrix) -> grpc.StatusCode:
-    rule = RUNTIME_POLICY.rule_for(f"/{RUNTIME_SERVICE}/{method}")
-    assert rule is not None, f"no rule for {method}"
-    if rule.public:
-        return OK
-    if caller in BAD_CREDENTIALS:
-        return UNAUTHENTICATED
-    if rule.refusal(m.callers[caller]) is not None:
-        return DENIED
-    return RESOURCE[method].get(caller, OK)
+    return expected_status(
+        RUNTIME_POLICY, f"/{RUNTIME_SERVICE}/{method}", caller, m.callers, RESOURCE[method]
+    )
 
 
 # -- one valid request per RPC, built fresh per call -----------------------------------
