@@ -343,17 +343,7 @@ async def count(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, des
         counters.delivered += sum(1 for t in desk.tokens if ledger[t])
         counters.lost += [t for t in desk.tokens if not ledger[t] and t not in never_asked]
         counters.duplicated += [c for c, n in ledger.items() if n > 1]
-        steps: list[rpb.Step] = []
-        while True:
-            after = steps[-1].sequence if steps else 0
-            listed = await call(
-                runtime.ListSteps,
-                rpb.ListStepsRequest(agent_id=agent.id, page_size=500, after_sequence=after),
-                md,
-            )
-            steps += listed.steps  # type: ignore[attr-defined]
-            if len(listed.steps) < 500:  # type: ignore[attr-defined]
-                break
+        steps = await all_steps(runtime, desk)
         calls = Counter(c.id for s in steps for c in s.tool_calls)
         results = Counter(s.tool_call_id for s in steps if s.role == rpb.STEP_ROLE_TOOL)
         counters.unpaired += sum((calls - results).values()) + sum((results - calls).values())
@@ -375,6 +365,22 @@ async def count(runtime: runtime_pb2_grpc.RuntimeServiceStub, im: RunningIM, des
         runs = await call(runtime.ListRuns, rpb.ListRunsRequest(agent_id=agent.id, page_size=500), md)
         counters.runs_running += sum(r.status == rpb.RUN_STATUS_RUNNING for r in runs.runs)  # type: ignore[attr-defined]
     return counters
+
+
+async def all_steps(runtime: runtime_pb2_grpc.RuntimeServiceStub, desk: Desk) -> list[rpb.Step]:
+    """Every stored step of the desk's agent, page after page (the server
+    caps a page, at 200 today, below what the call asks for)."""
+    steps: list[rpb.Step] = []
+    while True:
+        after = steps[-1].sequence if steps else 0
+        listed = await call(
+            runtime.ListSteps,
+            rpb.ListStepsRequest(agent_id=desk.agent.id, page_size=500, after_sequence=after),
+            desk.world.md(0),
+        )
+        if not listed.steps:  # type: ignore[attr-defined]
+            return steps
+        steps += listed.steps  # type: ignore[attr-defined]
 
 
 async def never_asked_of(

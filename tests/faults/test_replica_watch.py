@@ -32,6 +32,7 @@ from tests.faults.llm import DecidingLLM
 from tests.faults.test_im_kill import RETRYABLE
 from tests.faults.test_replica_kill import (
     Desk,
+    all_steps,
     asking,
     assert_nothing_lost_or_doubled,
     call,
@@ -123,18 +124,7 @@ class Controlled:
 
 
 async def stored_steps(runtime: runtime_pb2_grpc.RuntimeServiceStub, desk: Desk) -> list[int]:
-    sequences: list[int] = []
-    while True:
-        listed = await call(
-            runtime.ListSteps,
-            rpb.ListStepsRequest(
-                agent_id=desk.agent.id, page_size=500, after_sequence=sequences[-1] if sequences else 0
-            ),
-            desk.world.md(0),
-        )
-        sequences += [s.sequence for s in listed.steps]  # type: ignore[attr-defined]
-        if len(listed.steps) < 500:  # type: ignore[attr-defined]
-            return sequences
+    return [step.sequence for step in await all_steps(runtime, desk)]
 
 
 @pytest.mark.timeout(scaled(150, long=400))
@@ -169,9 +159,24 @@ async def test_watches_and_controls_through_a_non_owner_across_handoffs_miss_and
         counters, settled_in = await settled(im, replicas)
         stored = {w.desk.agent.id: await stored_steps(runtime, w.desk) for w in watches}
         # The last steps' events reach the watches a moment after they are stored.
-        async with asyncio.timeout(10):
-            while any(w.completed[-1:] != stored[w.desk.agent.id][-1:] for w in watches):  # noqa: ASYNC110
-                await asyncio.sleep(0.1)
+        try:
+            async with asyncio.timeout(10):
+                while any(w.completed[-1:] != stored[w.desk.agent.id][-1:] for w in watches):  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            behind = {
+                w.desk.agent.id: (
+                    w.completed[-3:],
+                    stored[w.desk.agent.id][-3:],
+                    await stored_steps(runtime, w.desk),
+                )
+                for w in watches
+                if w.completed[-1:] != stored[w.desk.agent.id][-1:]
+            }
+            raise AssertionError(
+                "watches behind the store 10 s after settling (agent: last shown, last stored then,"
+                f" stored now): { {a: (c, s, n[-3:]) for a, (c, s, n) in behind.items()} }"
+            ) from None
         for task in background:
             task.cancel()
         outcome = await asyncio.gather(*background, return_exceptions=True)
