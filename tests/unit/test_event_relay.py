@@ -115,7 +115,7 @@ def every_kind_of_event(agent: Agent) -> list[Emitted]:
             Session(uuid.uuid4(), agent.id, NOW, forked_from=uuid.uuid4(), forked_at_sequence=3)
         ),
         StepsRewritten(agent.session_id, 2),
-        OwnerChanged("r2"),
+        OwnerChanged(),
     ]
     assert {type(e) for e in events} == set(typing.get_args(AgentEvent)), "one of each kind"
     return [Emitted(agent.id, NOW, event) for event in events]
@@ -412,7 +412,7 @@ async def test_a_step_whose_announcement_died_with_its_owner_comes_when_the_next
     stream = await watching(h, ada)
     got = await take(stream, 1)  # step 1, replayed
     await h.store.append_step(a_step(ada, 2))
-    said(h, ada, OwnerChanged("r2"))
+    said(h, ada, OwnerChanged())
     said(h, ada, StateChanged(AgentState.IDLE))
     got += await take(stream, 2)
     await stream.aclose()

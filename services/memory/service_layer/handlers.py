@@ -179,7 +179,7 @@ class Memory:
         if identity is None or identity.agent_member_id == member.member_id:
             return True  # nothing stored yet, or the agent itself
         agent = await self._directory.member(identity.agent_member_id)
-        return agent is not None and bool(agent.owner_id) and agent.owner_id == member.member_id
+        return agent is not None and agent.owner_id == member.member_id
 
     async def _scope(
         self, caller: Caller, request: ScopeRequest | None

@@ -301,6 +301,12 @@ _live = sa.not_(agents.c.deleted)
 _IDS_PER_QUERY = 1000
 
 
+def _in_chunks(ids: Collection[uuid.UUID]) -> list[list[uuid.UUID]]:
+    """The ids, in order, cut into lists of at most `_IDS_PER_QUERY`."""
+    wanted = sorted(ids)
+    return [wanted[start : start + _IDS_PER_QUERY] for start in range(0, len(wanted), _IDS_PER_QUERY)]
+
+
 class SqlAgentStore(AgentStore):
     """`AgentStore` on SQLite or PostgreSQL.
 
@@ -402,9 +408,8 @@ class SqlAgentStore(AgentStore):
         return {row.id: row.workspace_id for row in rows}
 
     async def get_agents(self, agent_ids: Collection[uuid.UUID]) -> list[Agent]:
-        wanted, found = sorted(agent_ids), []
-        for start in range(0, len(wanted), _IDS_PER_QUERY):
-            chunk = wanted[start : start + _IDS_PER_QUERY]
+        found: list[Agent] = []
+        for chunk in _in_chunks(agent_ids):
             found += [
                 _agent(r) for r in await self._rows(agents.select().where(agents.c.id.in_(chunk), _live))
             ]
@@ -832,14 +837,8 @@ class SqlAgentStore(AgentStore):
         self, *, error: str, at: datetime, agent_ids: Collection[uuid.UUID] | None = None
     ) -> int:
         idle = sa.select(agents.c.id).where(agents.c.state != AgentState.RUNNING.value)
-        wanted = sorted(agent_ids) if agent_ids is not None else None
         chunks = (
-            [idle]
-            if wanted is None
-            else [
-                idle.where(agents.c.id.in_(wanted[start : start + _IDS_PER_QUERY]))
-                for start in range(0, len(wanted), _IDS_PER_QUERY)
-            ]
+            [idle] if agent_ids is None else [idle.where(agents.c.id.in_(c)) for c in _in_chunks(agent_ids)]
         )
         ended = 0
         async with self._db.transaction() as conn:

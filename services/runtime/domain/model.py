@@ -330,8 +330,6 @@ class OwnerChanged:
     again, since the last owner may have died between storing a step and
     announcing it, with nothing announced after it."""
 
-    replica: str = ""
-
 
 AgentEvent = (
     RunStarted

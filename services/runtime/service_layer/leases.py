@@ -185,8 +185,8 @@ class LeaseKeeper(Fences):
     busy: Callable[[int], bool] = lambda _: False
     defer_rounds: int = 5
     # Tells the other live replicas that the table changed in a way they act
-    # on (shards released, a replica joined), so that they run a round now
-    # (`nudge`) instead of at their next renewal.
+    # on (shards released or taken, a replica joined or back), so that they
+    # run a round now (`nudge`) instead of at their next renewal.
     announce: Callable[[Collection[str]], Awaitable[None]] = _nobody_to_tell
     # Called after a round in which the owners this replica knows changed.
     owners_changed: Callable[[], None] = lambda: None

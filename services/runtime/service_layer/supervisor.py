@@ -290,7 +290,7 @@ class Supervisor(Runners):
             await self.stop_agent(agent_id)  # deleted meanwhile
         created = await store.get_agents([a for a in present if a not in self._runners])
         self._start_all(a for a in created if sharding.runs_here(a.workspace_id))
-        for agent_id in await self._env.store.agents_with_waiting_tasks():
+        for agent_id in await store.agents_with_waiting_tasks():
             if agent_id in self._runners:
                 self.look_again(agent_id)
 
