@@ -337,9 +337,13 @@ async def _set_main_session(m: Matrix) -> Any:
         rpb.ForkFromStepRequest(agent_id=agent.id, sequence=1), metadata=m.cast.member.md
     )
 
-    # The fork goes on from the note: it runs, and may change sessions only when done.
+    # The fork goes on from the note: it runs, and may change sessions only
+    # when done. (Idle alone is not done: on a busy machine the agent is idle
+    # for a moment after the fork, before its run begins.)
     async def settled() -> bool:
-        return await state_of(m, agent) in (rpb.AGENT_STATE_IDLE, rpb.AGENT_STATE_PAUSED)
+        runs = await m.stub.ListRuns(rpb.ListRunsRequest(agent_id=agent.id), metadata=m.cast.member.md)
+        ended = bool(runs.runs) and all(r.status != rpb.RUN_STATUS_RUNNING for r in runs.runs)
+        return ended and await state_of(m, agent) in (rpb.AGENT_STATE_IDLE, rpb.AGENT_STATE_PAUSED)
 
     await until(settled)
     return rpb.SetMainSessionRequest(agent_id=agent.id, session_id=first)
