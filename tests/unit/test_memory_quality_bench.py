@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from bench.memory_quality_bench import Bm25, Searcher, evaluate, report
+from bench.memory_quality_bench import Bm25, Searcher, collapsed, evaluate, report
 from bench.memory_quality_set import QualitySet, Query, Run, Segment
 
 T0 = datetime(2026, 3, 2, tzinfo=UTC)
@@ -27,7 +27,9 @@ def test_bm25_prefers_the_rarer_term_and_the_shorter_text() -> None:
 
 
 def test_recall_at_5_and_mrr_follow_where_the_relevant_segment_ranks() -> None:
-    segments = [segment(str(i), f"filler text number {i}", 2 + i) for i in range(8)]
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    # Fillers that differ by more than a number: near-duplicates would count once.
+    segments = [segment(str(i), f"filler text {word}", 2 + i) for i, word in enumerate(words)]
     segments[6] = segment("6", "the billing service moved to Frankfurt", 8)
     data = QualitySet(
         runs=[Run(id="r", time=T0, group="g", segments=segments)],
@@ -46,3 +48,23 @@ def test_recall_at_5_and_mrr_follow_where_the_relevant_segment_ranks() -> None:
     assert results["vector"]["all"][0] == 0.5
     text = report(data, results)
     assert "| en | 1 | 1.00 |" in text and "NOT met" in text
+
+
+def test_near_duplicates_count_as_one_result_as_retrieve_returns_them() -> None:
+    texts = [
+        "Merged the docs fix for ledger.",
+        "merged the docs fix for LEDGER.",
+        "the fact",
+        "Merged  the docs fix for ledger.",
+    ]
+    assert collapsed([0, 1, 3, 2], texts.__getitem__) == [[0, 1, 3], [2]]
+    # Three statements of one chatter line ahead of the fact push it down one place, not three.
+    segments = [segment(str(i), text, 2 + i) for i, text in enumerate([*texts, "filler", "more filler"])]
+    data = QualitySet(
+        runs=[Run(id="r", time=T0, group="g", segments=segments)],
+        queries=[Query(id="q", text="the fact?", slice="en", relevant=frozenset({"2"}))],
+    )
+    passages = np.eye(6, 8, dtype=np.float32)
+    query = (4 * passages[0] + 3.9 * passages[1] + 3.8 * passages[3] + 3.7 * passages[2]).astype(np.float32)
+    results = evaluate(data, Searcher(data, passages, query[None, :]))
+    assert results["vector"]["en"] == (1.0, 0.5)

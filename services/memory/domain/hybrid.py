@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.memory.domain.answer_type import asks_when, prefer_times
 from services.memory.domain.lexicon import Concept
 from services.memory.domain.ranking import (
     FusionSettings,
@@ -110,6 +111,8 @@ def rank(
     bridges = bridge_terms(terms, held, weights)
     if bridges:
         fused = hold_bridges(fused, bridges, held, weights, bridge_weight=fusion.bridge_weight)
+    if asks_when(terms):
+        fused = prefer_times(fused, held, untimed_weight=fusion.untimed_weight)
     if prefer_recent:
         signatures = {key: query_signature(held[key], terms, concepts) for key in keys}
         fused = supersede(

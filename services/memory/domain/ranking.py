@@ -63,6 +63,11 @@ class FusionSettings:
     # it (0.6 to 0.8 gave the same results on all three quality sets; 0.5
     # lost one query of seed 13's latest slice).
     bridge_weight: float = 0.6
+    # How much of its score a candidate that names no time loses when the
+    # question asks when (see `domain.answer_type`; 0.5 to 0.7 gave the
+    # same results on six quality sets, 0.4 lost a query of one, 0.3 most
+    # of what it gains).
+    untimed_weight: float = 0.5
 
 
 def fuse(
