@@ -9,7 +9,8 @@ search missed (the fact among 270 segments that name the same service,
 beyond lexical search's first 50) is still credited for the terms it holds.
 Last, a candidate that holds none of the query's bridges (names and
 identifiers that candidates in the other language hold too) keeps only part
-of its score (`ranking.bridge_terms`).
+of its score (`ranking.bridge_terms`), and so does, for a question that
+asks when, a candidate that names no time (`domain.answer_type`).
 The memory service ranks this way, and so does the quality benchmark.
 """
 
