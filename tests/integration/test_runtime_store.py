@@ -754,6 +754,59 @@ def make_task(agent_id: uuid.UUID, **fields: Any) -> Task:
     return Task(**values)
 
 
+async def test_the_reconciles_look_for_waiting_and_running_tasks_by_index_not_through_every_task(
+    runtime_url: str,
+) -> None:
+    """Every replica looks for waiting and running tasks across all agents at
+    each reconcile; finished tasks pile up for good, so those statements must
+    be able to use the partial indexes of the few waiting and running ones,
+    also in a prepared statement's generic plan (which knows no parameter)."""
+    database = Database(runtime_url)
+    store = SqlAgentStore(database)
+    try:
+        agent_id = uuid7()
+        for status in (TaskStatus.SUCCEEDED, TaskStatus.DEAD, TaskStatus.CANCELLED, TaskStatus.QUEUED):
+            await store.add_task(make_task(agent_id, status=status))
+        statements: list[tuple[str, Any]] = []
+
+        def record(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+            statements.append((statement, parameters))
+
+        sa.event.listen(database.engine.sync_engine, "before_cursor_execute", record)
+        try:
+            assert agent_id in await store.agents_with_waiting_tasks()
+            waiting = statements[-1]
+            await store.running_tasks()
+            running = statements[-1]
+        finally:
+            sa.event.remove(database.engine.sync_engine, "before_cursor_execute", record)
+        assert "ix_tasks_waiting" in await _plan(database, *waiting)
+        assert "ix_tasks_running" in await _plan(database, *running)
+    finally:
+        await store.aclose()
+
+
+async def _plan(database: Database, statement: str, parameters: Any) -> str:
+    """The plan of a statement as the store sent it: on PostgreSQL generic
+    (as a prepared statement's plan turns after five runs) and with scans of
+    whole tables priced out, so that an index that can serve it shows."""
+    async with database.engine.connect() as conn:
+        if database.is_sqlite:
+            rows = await conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)
+            return "\n".join(str(row[-1]) for row in rows)
+        await conn.exec_driver_sql("SET plan_cache_mode = force_generic_plan")
+        await conn.exec_driver_sql("SET enable_seqscan = off")
+        # EXPLAIN of the statement itself would plan it for these values.
+        name = f"reconcile_{uuid.uuid4().hex}"
+        await conn.exec_driver_sql(f"PREPARE {name} AS {statement}")
+        values = ", ".join("'" + str(value).replace("'", "''") + "'" for value in parameters)
+        explain = f"EXPLAIN EXECUTE {name}({values})" if values else f"EXPLAIN EXECUTE {name}"
+        plan = "\n".join(str(row[0]) for row in await conn.exec_driver_sql(explain))
+        await conn.exec_driver_sql(f"DEALLOCATE {name}")
+        await conn.rollback()
+        return plan
+
+
 async def test_a_task_round_trips_every_field_and_its_progress_is_replaced(store: SqlAgentStore) -> None:
     agent_id = uuid7()
     task = make_task(agent_id, input="write the report ✍", priority=-3, request_id="r-1")

@@ -740,7 +740,7 @@ class SqlAgentStore(AgentStore):
         return min(heads, key=_queue_order, default=None)
 
     async def agents_with_waiting_tasks(self) -> set[uuid.UUID]:
-        query = sa.select(tasks.c.agent_id).where(tasks.c.status.in_(_WAITING)).distinct()
+        query = sa.select(tasks.c.agent_id).where(_waiting).distinct()
         return {row.agent_id for row in await self._rows(query)}
 
     async def waiting_tasks(self, agent_id: uuid.UUID) -> list[Task]:
@@ -806,8 +806,7 @@ class SqlAgentStore(AgentStore):
         query = (
             sa.select(tasks, agents.c.state.label("agent_state"), *[c.label(f"r_{c.name}") for c in run.c])
             .select_from(tasks.outerjoin(run, run.c.id == tasks.c.run_id).outerjoin(agents, live))
-            .where(tasks.c.status == TaskStatus.RUNNING.value)
-            .order_by(tasks.c.id)
+            .where(_running)
         )
         if agent_id is not None:
             query = query.where(tasks.c.agent_id == agent_id)
@@ -818,7 +817,9 @@ class SqlAgentStore(AgentStore):
                 stored = _run(SimpleNamespace(**{c.name: getattr(row, f"r_{c.name}") for c in run.c}))
             state = AgentState(row.agent_state) if row.agent_state is not None else None
             found.append(TaskInFlight(_task(row), stored, state))
-        return found
+        # Sorted here: ORDER BY id would have SQLite walk every task in id
+        # order rather than read the few running ones and sort them.
+        return sorted(found, key=lambda flight: flight.task.id)
 
     async def unarchived_runs(self, *, limit: int) -> list[Run]:
         ended = runs.c.ended_at.is_not(None)
@@ -1009,6 +1010,11 @@ _WAITING = [TaskStatus.QUEUED.value, TaskStatus.FAILED.value]
 # partial index uq_tasks_agent_request only when it sees the literal (a bound
 # "" works for a prepared statement's first five runs, until its plan turns generic).
 _has_request = sa.text("request_id != ''")
+# The same for the partial indexes ix_tasks_waiting and ix_tasks_running, which
+# the reconciles' looks across all agents need (SQLite, too, matches a partial
+# index only to the literal).
+_waiting = tasks.c.status.in_([sa.literal_column(f"'{status}'") for status in _WAITING])
+_running = tasks.c.status == sa.literal_column(f"'{TaskStatus.RUNNING.value}'")
 
 
 def _retry_due(now: datetime) -> sa.ColumnElement[bool]:

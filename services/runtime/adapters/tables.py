@@ -212,6 +212,17 @@ tasks = sa.Table(
         sqlite_where=sa.text("status = 'running'"),
         postgresql_where=sa.text("status = 'running'"),
     ),
+    # The agents with tasks waiting (every replica's reconcile looks for them
+    # across all agents): the few waiting rows, not every task ever finished.
+    # With the status, the index covers the look (else SQLite prefers to scan
+    # all of ix_tasks_queue, which does).
+    sa.Index(
+        "ix_tasks_waiting",
+        "agent_id",
+        "status",
+        sqlite_where=sa.text("status IN ('queued', 'failed')"),
+        postgresql_where=sa.text("status IN ('queued', 'failed')"),
+    ),
     sa.Index(
         "uq_tasks_agent_request",
         "agent_id",
