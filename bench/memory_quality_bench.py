@@ -166,11 +166,11 @@ def collapsed(ranking: Sequence[int], texts: Callable[[int], str]) -> list[list[
     groups: dict[str, list[int]] = {}
     results: list[list[int]] = []
     for key in ranking:
-        group = groups.get(dedup_key(texts(key)))
-        if group is None:
-            group = groups[dedup_key(texts(key))] = []
-            results.append(group)
-        group.append(key)
+        same = dedup_key(texts(key))
+        if same not in groups:
+            groups[same] = []
+            results.append(groups[same])
+        groups[same].append(key)
     return results
 
 
