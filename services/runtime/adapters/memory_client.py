@@ -120,8 +120,9 @@ class GrpcMemory(MemoryPort):
         tls: ClientTls | None = None,
     ) -> None:
         self._address = address
-        # Every call is made as an agent: with its AGENT token, else the
-        # runtime's SERVICE token.
+        # Every call is made as an agent, with its AGENT token (the memory
+        # refuses the runtime's own token on every call it makes); the
+        # service token only tells "no credential yet" from "not our agent".
         self._credentials = credentials
         self._agent_tokens = agent_tokens
         self._channel = open_channel(
@@ -134,11 +135,14 @@ class GrpcMemory(MemoryPort):
 
     async def _metadata(self, as_member: uuid.UUID) -> tuple[tuple[str, str], ...]:
         try:
-            token = await self._agent_tokens.get(as_member) or await self._credentials.get()
+            token = await self._agent_tokens.get(as_member)
+            credential = token is not None or await self._credentials.get() is not None
         except (TokenRefused, errors.Unavailable) as failed:
             raise MemoryUnavailable(f"no service token for the memory at {self._address}: {failed}") from None
-        if token is None:
+        if not credential:
             raise MemoryUnavailable(f"the runtime has no credential for the memory at {self._address} yet")
+        if token is None:
+            raise MemoryRefused(f"the IM issues no agent token for member {as_member}")
         return bearer_metadata(token)
 
     async def _call(self, rpc: Callable[..., Any], request: Any, as_member: uuid.UUID) -> Any:
