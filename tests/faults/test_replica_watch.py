@@ -168,14 +168,17 @@ async def test_watches_and_controls_through_a_non_owner_across_handoffs_miss_and
                 w.desk.agent.id: (
                     w.completed[-3:],
                     stored[w.desk.agent.id][-3:],
-                    await stored_steps(runtime, w.desk),
+                    (await stored_steps(runtime, w.desk))[-3:],
+                    w.resumed,
+                    # A watch that stopped following: how.
+                    repr(task.exception()) if task.done() else "following",
                 )
-                for w in watches
+                for w, task in zip(watches, background, strict=False)
                 if w.completed[-1:] != stored[w.desk.agent.id][-1:]
             }
             raise AssertionError(
                 "watches behind the store 10 s after settling (agent: last shown, last stored then,"
-                f" stored now): { {a: (c, s, n[-3:]) for a, (c, s, n) in behind.items()} }"
+                f" stored now, watches resumed, the watch): {behind}"
             ) from None
         for task in background:
             task.cancel()
