@@ -29,6 +29,14 @@ def fail_fast_client(url: str) -> redis.Redis:
     )
 
 
+def channels_of_database(client: redis.Redis, prefix: str) -> str:
+    """`prefix` named with the client's database number. Pub/sub channels
+    belong to the whole server, whatever database a client selected: two
+    deployments on one server (databases 1 and 2) would otherwise hear each
+    other's messages."""
+    return f"{prefix}db{client.connection_pool.connection_kwargs.get('db', 0)}:"
+
+
 class RedisSignal(Signal):
     """Publishes signals on Redis and listens for every replica's.
 

@@ -7,6 +7,13 @@ to the shards this replica's watchers follow (and to a channel of its own,
 so that the connection stays subscribed when they follow nothing). Pub/sub
 keeps nothing: what is sent while Redis is away is dropped, and watchers
 read the steps they missed from the store.
+
+Pub/sub channels belong to the whole Redis server, whatever database a
+client selected: the channels are named with the URL's database number, so
+that runtimes of two deployments on one server (databases 1 and 2) never
+hear each other's events. (They did: a replica that heard another
+deployment's newer lease epoch for a shard dropped its own deployment's
+events of that shard as stale, and its watchers saw nothing more.)
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 
 import redis.asyncio as redis
 
-from services.common.redis_signals import fail_fast_client
+from services.common.redis_signals import channels_of_database, fail_fast_client
 from services.runtime.adapters import event_codec
 from services.runtime.service_layer.relay import Deliver, EventRelay, Relayed
 
@@ -47,8 +54,8 @@ class RedisEventRelay(EventRelay):
     ) -> None:
         self._client = fail_fast_client(url)
         self._replica = replica
-        self._prefix = channel_prefix
-        self._own = f"{channel_prefix}replica:{replica}"
+        self._prefix = channels_of_database(self._client, channel_prefix)
+        self._own = f"{self._prefix}replica:{replica}"
         self._deliver: Deliver = lambda _: None
         self._queue: deque[Relayed] = deque()
         self._max_queued = max_queued

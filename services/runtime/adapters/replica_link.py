@@ -23,7 +23,7 @@ from typing import Any
 import redis.asyncio as redis
 
 from services.common import errors
-from services.common.redis_signals import fail_fast_client
+from services.common.redis_signals import channels_of_database, fail_fast_client
 from services.runtime.service_layer.replicas import Inbox, Message, ReplicaLink
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class RedisReplicaLink(ReplicaLink):
 
     Args:
         url: Redis URL.
-        replica: this replica's id (its channel is `channel_prefix` + id).
+        replica: this replica's id (its channel is `channel_prefix`, the database's number and the id).
         reconcile_seconds: how often `missed` is called while the link is down.
         reconnect_max_seconds: the longest wait between reconnection tries.
     """
@@ -52,7 +52,8 @@ class RedisReplicaLink(ReplicaLink):
     ) -> None:
         self._client = fail_fast_client(url)
         self._replica = replica
-        self._prefix = channel_prefix
+        # Replicas of two deployments on one Redis server may share ids (runtime-0).
+        self._prefix = channels_of_database(self._client, channel_prefix)
         self._reconcile = reconcile_seconds
         self._reconnect_max = reconnect_max_seconds
         self._inbox: Inbox | None = None
