@@ -11,29 +11,12 @@ import pytest
 from services.common.service_auth import AgentTokens, Issued, ServiceToken, TokenRefused
 from services.runtime.adapters.memory_client import GrpcMemory
 from services.runtime.domain.errors import MemoryRefused, MemoryUnavailable
-from services.runtime.domain.llm import ModelSettings
-from services.runtime.domain.model import Agent
 from services.runtime.service_layer.memory_port import RecallQuery
+from tests.unit.test_event_relay import an_agent
 
 NOW = datetime(2026, 11, 29, tzinfo=UTC)
 # Nothing listens there: a call that went out would come back UNAVAILABLE.
 NOWHERE = "127.0.0.1:1"
-
-
-def an_agent() -> Agent:
-    return Agent(
-        id=uuid.uuid4(),
-        workspace_id=uuid.uuid4(),
-        member_id=uuid.uuid4(),
-        name="ada",
-        role="",
-        system_prompt="",
-        model=ModelSettings(model="m"),
-        tools=(),
-        parent_id=None,
-        created_at=NOW,
-        updated_at=NOW,
-    )
 
 
 async def _service_token(service: str, secret: str) -> Issued:
