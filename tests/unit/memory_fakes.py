@@ -181,26 +181,24 @@ class InMemoryStore(MemoryStore):
             del self.rows[key]
         return len(gone)
 
+    def _targeted(self, target: ForgetTarget) -> list[RunInfo]:
+        """The runs stored that `target` names, by any of its ids."""
+        return [
+            info
+            for info, _ in self.runs.values()
+            if any(
+                getattr(target, name) and getattr(info, name) == getattr(target, name)
+                for name in ("run_id", "session_id", "agent_id", "workspace_id")
+            )
+        ]
+
     async def target_workspaces(self, target: ForgetTarget) -> set[str]:
         if target.workspace_id:
             return {target.workspace_id}
-        return {
-            info.workspace_id
-            for info, _ in self.runs.values()
-            if (target.run_id and info.run_id == target.run_id)
-            or (target.session_id and info.session_id == target.session_id)
-            or (target.agent_id and info.agent_id == target.agent_id)
-        }
+        return {info.workspace_id for info in self._targeted(target)}
 
     async def target_agents(self, target: ForgetTarget) -> set[str]:
-        return {
-            info.agent_id
-            for info, _ in self.runs.values()
-            if (target.run_id and info.run_id == target.run_id)
-            or (target.session_id and info.session_id == target.session_id)
-            or (target.agent_id and info.agent_id == target.agent_id)
-            or (target.workspace_id and info.workspace_id == target.workspace_id)
-        }
+        return {info.agent_id for info in self._targeted(target)}
 
     async def stats(self, *, agent_id: str = "", workspace_id: str = "") -> MemoryStats:
         rows = [
